@@ -1,0 +1,97 @@
+/*
+ * beluga_native.h - the internal interface of Beluga's C core.
+ *
+ * A bl_mem is one attachment ("host view") of a shared mapping.  Every access
+ * to shared memory goes through its bl_memops table, which is chosen once, when
+ * the attachment is made: the native table issues real instructions, the model
+ * table runs the same requests through a simulated non-coherent cache
+ * (model.c).  Protocol code (publish / read_validated, the scatter-gather
+ * executor, the RPC polling loop) only ever calls through the table, so it is
+ * the same code in both modes.
+ */
+#ifndef BELUGA_NATIVE_H
+#define BELUGA_NATIVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define BL_LINE 64u
+
+typedef struct bl_mem bl_mem;
+typedef struct bl_model bl_model;
+
+/* The coherence operations; offsets are relative to the mapping's base. */
+typedef struct bl_memops {
+    const char *name;
+    void (*load)(bl_mem *m, size_t off, void *dst, size_t n);
+    void (*store)(bl_mem *m, size_t off, const void *src, size_t n);
+    void (*nt_store)(bl_mem *m, size_t off, const void *src, size_t n);
+    void (*flush)(bl_mem *m, size_t off, size_t n);      /* write back and drop */
+    void (*writeback)(bl_mem *m, size_t off, size_t n);  /* write back, keep */
+    void (*invalidate)(bl_mem *m, size_t off, size_t n); /* drop before a read */
+    void (*sfence)(bl_mem *m);
+    void (*mfence)(bl_mem *m);
+} bl_memops;
+
+struct bl_mem {
+    uint8_t *base;
+    size_t size;
+    const bl_memops *ops;
+    bl_model *model; /* NULL in native mode */
+};
+
+/* memops.c: instruction selection and the native table. */
+void bl_cpu_init(void);
+const bl_memops *bl_native_ops(void);
+uint32_t bl_crc32c(uint32_t crc, const void *buf, size_t n);
+void bl_nt_copy(void *dst, const void *src, size_t n);
+void bl_flush_lines(const void *addr, size_t n);
+const char *bl_selected(const char *what);
+int bl_cpu_has(const char *feature);
+
+/* model.c: the simulated non-coherent cache. */
+bl_model *bl_model_new(uint32_t cache_lines, double evict_rate, uint64_t seed);
+void bl_model_free(bl_model *model);
+const bl_memops *bl_model_ops(void);
+void bl_model_discard(bl_model *model);
+void bl_model_stats(bl_model *model, uint64_t out[5]);
+
+/* block.c: the block header and the publish / read_validated protocol. */
+#define BL_HDR_MAGIC 0x484b4c42u /* "BLKH" */
+enum { BL_FREE = 0, BL_WRITING = 1, BL_PUBLISHED = 2 };
+enum {
+    BL_MISS_MAGIC = -1,
+    BL_MISS_STATE = -2,
+    BL_MISS_KEY = -3,
+    BL_MISS_VERSION = -4,
+    BL_MISS_LENGTH = -5,
+    BL_MISS_CHECKSUM = -6,
+    BL_MISS_CHANGED = -7,
+    BL_TOO_SMALL = -8,
+};
+
+typedef struct bl_header {
+    uint32_t magic;
+    uint16_t state;
+    uint16_t key_len;
+    uint64_t version;
+    uint8_t digest[16];
+    uint64_t length;
+    uint32_t payload_crc;
+    uint32_t writer;
+    uint64_t stamp;
+    uint32_t reserved;
+    uint32_t header_crc;
+} bl_header;
+
+_Static_assert(sizeof(bl_header) == BL_LINE, "a block header is one cache line");
+
+void bl_header_seal(bl_header *h);
+int bl_header_check(const bl_header *h);
+void bl_publish(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *proto,
+                const void *data, size_t n);
+int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
+                          const uint8_t digest[16], uint64_t version, size_t block_cap,
+                          void *out, size_t cap, bl_header *seen);
+
+#endif

@@ -1,0 +1,674 @@
+/*
+ * module.c - the Python face of the C core: the Memory type and helpers.
+ *
+ * A Memory wraps one writable buffer (an mmap of the pool) and the memops
+ * table picked for it at construction: "native" or "model".  Every offset
+ * and length is checked against the mapping before anything is touched, so
+ * misuse from Python raises (the error class is registered by the Python
+ * package) instead of crashing.  Long copies run with the GIL released; a
+ * busy counter keeps release() from unmapping under them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdatomic.h>
+
+#include "beluga_native.h"
+
+static PyObject *coherence_error; /* beluga.errors.CoherenceError once registered */
+#define NOGIL_BYTES (256u * 1024u)
+
+typedef struct {
+    PyObject_HEAD
+    bl_mem mem;
+    Py_buffer view;
+    int has_view;
+    atomic_int busy;
+} MemoryObject;
+
+/* Raise the registered coherence error (ValueError before registration). */
+static PyObject *fail(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    if (msg) {
+        PyErr_SetObject(coherence_error ? coherence_error : PyExc_ValueError, msg);
+        Py_DECREF(msg);
+    }
+    return NULL;
+}
+
+/* Check that the Memory is still attached. */
+static int attached(MemoryObject *self)
+{
+    if (self->has_view)
+        return 1;
+    fail("this Memory was released; attach the pool again");
+    return 0;
+}
+
+/* Check that [off, off + n) lies inside the mapping. */
+static int in_range(MemoryObject *self, unsigned long long off, unsigned long long n)
+{
+    if (!attached(self))
+        return 0;
+    if (off > self->mem.size || n > self->mem.size - off) {
+        fail("range [%llu, +%llu) is outside the %zu-byte mapping", off, n, self->mem.size);
+        return 0;
+    }
+    return 1;
+}
+
+/* Memory(buffer, mode="native", *, cache_lines=4096, evict_rate=0.0, seed=0) */
+static int Memory_init(MemoryObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"buffer", "mode", "cache_lines", "evict_rate", "seed", NULL};
+    PyObject *buffer;
+    const char *mode = "native";
+    unsigned int cache_lines = 4096;
+    double evict_rate = 0.0;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|s$IdK", kwlist, &buffer, &mode, &cache_lines,
+                                     &evict_rate, &seed))
+        return -1;
+    if (self->has_view) {
+        fail("Memory is already initialised");
+        return -1;
+    }
+    int model = strcmp(mode, "model") == 0;
+    if (!model && strcmp(mode, "native") != 0) {
+        PyErr_Format(PyExc_ValueError, "mode must be 'native' or 'model', not '%s'", mode);
+        return -1;
+    }
+    if (model && (cache_lines < 1 || !(evict_rate >= 0.0 && evict_rate <= 1.0))) {
+        PyErr_SetString(PyExc_ValueError, "model needs cache_lines >= 1 and 0 <= evict_rate <= 1");
+        return -1;
+    }
+    if (PyObject_GetBuffer(buffer, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    self->has_view = 1;
+    self->mem.base = self->view.buf;
+    self->mem.size = (size_t)self->view.len;
+    self->mem.ops = model ? bl_model_ops() : bl_native_ops();
+    if (model) {
+        self->mem.model = bl_model_new(cache_lines, evict_rate, seed);
+        if (!self->mem.model) {
+            PyBuffer_Release(&self->view);
+            self->has_view = 0;
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Detach: free the model cache (its unflushed lines are lost) and the view. */
+static PyObject *Memory_release(MemoryObject *self, PyObject *unused)
+{
+    if (atomic_load(&self->busy))
+        return fail("cannot release a Memory while another thread is copying through it");
+    if (self->has_view) {
+        bl_model_free(self->mem.model);
+        self->mem.model = NULL;
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Dealloc: release, then free. */
+static void Memory_dealloc(MemoryObject *self)
+{
+    if (self->has_view) {
+        bl_model_free(self->mem.model);
+        PyBuffer_Release(&self->view);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* load(off, n) -> bytes */
+static PyObject *Memory_load(MemoryObject *self, PyObject *args)
+{
+    unsigned long long off, n;
+    if (!PyArg_ParseTuple(args, "KK", &off, &n) || !in_range(self, off, n))
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+    if (out)
+        self->mem.ops->load(&self->mem, off, PyBytes_AS_STRING(out), n);
+    return out;
+}
+
+/* Run a copy between the mapping and a caller buffer, without the GIL when long. */
+static void copy_io(MemoryObject *self, int write, int nt, size_t off, void *buf, size_t n)
+{
+    bl_mem *m = &self->mem;
+    int nogil = n >= NOGIL_BYTES;
+    PyThreadState *ts = NULL;
+    atomic_fetch_add(&self->busy, 1);
+    if (nogil)
+        ts = PyEval_SaveThread();
+    if (!write)
+        m->ops->load(m, off, buf, n);
+    else if (nt)
+        m->ops->nt_store(m, off, buf, n);
+    else
+        m->ops->store(m, off, buf, n);
+    if (nogil)
+        PyEval_RestoreThread(ts);
+    atomic_fetch_sub(&self->busy, 1);
+}
+
+/* load_into(off, buffer): fill a writable buffer from the mapping. */
+static PyObject *Memory_load_into(MemoryObject *self, PyObject *args)
+{
+    unsigned long long off;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "Kw*", &off, &b))
+        return NULL;
+    if (in_range(self, off, (unsigned long long)b.len))
+        copy_io(self, 0, 0, off, b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Shared body of store() and nt_store(). */
+static PyObject *store_common(MemoryObject *self, PyObject *args, int nt)
+{
+    unsigned long long off;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "Ky*", &off, &b))
+        return NULL;
+    if (in_range(self, off, (unsigned long long)b.len))
+        copy_io(self, 1, nt, off, b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* store(off, data): plain stores (they stay in this host's cache). */
+static PyObject *Memory_store(MemoryObject *self, PyObject *args) { return store_common(self, args, 0); }
+
+/* nt_store(off, data): non-temporal stores (they go to memory). */
+static PyObject *Memory_nt_store(MemoryObject *self, PyObject *args)
+{
+    return store_common(self, args, 1);
+}
+
+/* Shared body of flush(), writeback() and invalidate(). */
+static PyObject *range_op(MemoryObject *self, PyObject *args,
+                          void (*op)(bl_mem *, size_t, size_t))
+{
+    unsigned long long off, n;
+    if (!PyArg_ParseTuple(args, "KK", &off, &n) || !in_range(self, off, n))
+        return NULL;
+    op(&self->mem, off, n);
+    Py_RETURN_NONE;
+}
+
+/* flush(off, n): write back and drop the lines. */
+static PyObject *Memory_flush(MemoryObject *self, PyObject *args)
+{
+    return range_op(self, args, self->mem.ops ? self->mem.ops->flush : NULL);
+}
+
+/* writeback(off, n): write back, keep the lines. */
+static PyObject *Memory_writeback(MemoryObject *self, PyObject *args)
+{
+    return range_op(self, args, self->mem.ops ? self->mem.ops->writeback : NULL);
+}
+
+/* invalidate(off, n): drop the lines before reading what another host wrote. */
+static PyObject *Memory_invalidate(MemoryObject *self, PyObject *args)
+{
+    return range_op(self, args, self->mem.ops ? self->mem.ops->invalidate : NULL);
+}
+
+/* sfence(): order earlier stores before later ones. */
+static PyObject *Memory_sfence(MemoryObject *self, PyObject *unused)
+{
+    if (!attached(self))
+        return NULL;
+    self->mem.ops->sfence(&self->mem);
+    Py_RETURN_NONE;
+}
+
+/* mfence(): order everything, loads included. */
+static PyObject *Memory_mfence(MemoryObject *self, PyObject *unused)
+{
+    if (!attached(self))
+        return NULL;
+    self->mem.ops->mfence(&self->mem);
+    Py_RETURN_NONE;
+}
+
+/* Check an 8-byte aligned word offset. */
+static int word_ok(MemoryObject *self, unsigned long long off)
+{
+    if (!in_range(self, off, 8))
+        return 0;
+    if (off % 8) {
+        fail("word offset %llu is not 8-byte aligned", off);
+        return 0;
+    }
+    return 1;
+}
+
+/* load_u64(off) -> int */
+static PyObject *Memory_load_u64(MemoryObject *self, PyObject *args)
+{
+    unsigned long long off;
+    uint64_t v;
+    if (!PyArg_ParseTuple(args, "K", &off) || !word_ok(self, off))
+        return NULL;
+    self->mem.ops->load(&self->mem, off, &v, 8);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+/* store_u64(off, value) */
+static PyObject *Memory_store_u64(MemoryObject *self, PyObject *args)
+{
+    unsigned long long off, v;
+    if (!PyArg_ParseTuple(args, "KK", &off, &v) || !word_ok(self, off))
+        return NULL;
+    uint64_t w = v;
+    self->mem.ops->store(&self->mem, off, &w, 8);
+    Py_RETURN_NONE;
+}
+
+/* Check a block's header and payload placement. */
+static int block_ok(MemoryObject *self, unsigned long long hdr_off, unsigned long long payload_off,
+                    Py_buffer *digest)
+{
+    if (digest->len != 16) {
+        fail("a block key digest is 16 bytes, got %zd", digest->len);
+        return 0;
+    }
+    if (hdr_off % BL_LINE) {
+        fail("header offset %llu is not on a %u-byte line", hdr_off, BL_LINE);
+        return 0;
+    }
+    return in_range(self, hdr_off, BL_LINE) && in_range(self, payload_off, 0);
+}
+
+/* publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0) */
+static PyObject *Memory_publish(MemoryObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"hdr_off", "payload_off", "digest", "version", "data",
+                             "key_len", "writer", "stamp", NULL};
+    unsigned long long hdr_off, payload_off, version, stamp = 0;
+    unsigned int key_len = 0, writer = 0;
+    Py_buffer digest, data;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*Ky*|IIK", kwlist, &hdr_off, &payload_off,
+                                     &digest, &version, &data, &key_len, &writer, &stamp))
+        return NULL;
+    if (block_ok(self, hdr_off, payload_off, &digest) &&
+        in_range(self, payload_off, (unsigned long long)data.len)) {
+        if (hdr_off < payload_off + (size_t)data.len && payload_off < hdr_off + BL_LINE) {
+            fail("header [%llu, +64) overlaps the payload", hdr_off);
+        } else if (version == 0) {
+            fail("version 0 is reserved for 'any version'; versions start at 1");
+        } else if (key_len > 0xffff) {
+            fail("key_len %u does not fit the header", key_len);
+        } else {
+            bl_header h = {0};
+            memcpy(h.digest, digest.buf, 16);
+            h.version = version;
+            h.key_len = (uint16_t)key_len;
+            h.writer = writer;
+            h.stamp = stamp;
+            atomic_fetch_add(&self->busy, 1);
+            int nogil = (size_t)data.len >= NOGIL_BYTES;
+            PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+            bl_publish(&self->mem, hdr_off, payload_off, &h, data.buf, (size_t)data.len);
+            if (nogil)
+                PyEval_RestoreThread(ts);
+            atomic_fetch_sub(&self->busy, 1);
+        }
+    }
+    PyBuffer_Release(&digest);
+    PyBuffer_Release(&data);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* read_validated(hdr_off, payload_off, block_cap, digest, version, out) -> int */
+static PyObject *Memory_read_validated(MemoryObject *self, PyObject *args)
+{
+    unsigned long long hdr_off, payload_off, block_cap, version;
+    Py_buffer digest, out;
+    int64_t r = 0;
+    if (!PyArg_ParseTuple(args, "KKKy*Kw*", &hdr_off, &payload_off, &block_cap, &digest, &version,
+                          &out))
+        return NULL;
+    if (block_ok(self, hdr_off, payload_off, &digest)) {
+        bl_header seen;
+        atomic_fetch_add(&self->busy, 1);
+        int nogil = (size_t)out.len >= NOGIL_BYTES;
+        PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+        r = bl_read_validated(&self->mem, hdr_off, payload_off, digest.buf, version, block_cap,
+                              out.buf, (size_t)out.len, &seen);
+        if (nogil)
+            PyEval_RestoreThread(ts);
+        atomic_fetch_sub(&self->busy, 1);
+        if (r == BL_TOO_SMALL)
+            fail("the buffer holds %zd bytes but the value is %llu bytes; pass a buffer of at "
+                 "least that size",
+                 out.len, (unsigned long long)seen.length);
+    }
+    PyBuffer_Release(&digest);
+    PyBuffer_Release(&out);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLongLong(r);
+}
+
+/* An scatter-gather table: rows of (buffer index, buffer offset, pool offset, length). */
+typedef struct {
+    Py_buffer table;
+    Py_buffer *bufs;
+    Py_ssize_t nbufs, nrows;
+    const uint64_t *rows;
+    uint64_t total;
+} sg_job;
+
+/* Release whatever an sg_job holds. */
+static void sg_release(sg_job *job)
+{
+    for (Py_ssize_t i = 0; i < job->nbufs; i++)
+        if (job->bufs[i].obj)
+            PyBuffer_Release(&job->bufs[i]);
+    PyMem_Free(job->bufs);
+    if (job->table.obj)
+        PyBuffer_Release(&job->table);
+}
+
+/* Acquire the buffers and check every row before any byte moves. */
+static int sg_prepare(MemoryObject *self, PyObject *bufs, PyObject *table, int writable,
+                      sg_job *job)
+{
+    memset(job, 0, sizeof(*job));
+    if (!attached(self))
+        return -1;
+    if (PyObject_GetBuffer(table, &job->table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (job->table.itemsize != 8 || job->table.len % 32) {
+        fail("the scatter-gather table must be uint64 rows of 4 "
+             "(buffer index, buffer offset, pool offset, length)");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(bufs, "buffers must be a sequence of buffer objects");
+    if (!seq)
+        return -1;
+    job->nbufs = PySequence_Fast_GET_SIZE(seq);
+    job->bufs = PyMem_Calloc(job->nbufs ? (size_t)job->nbufs : 1, sizeof(Py_buffer));
+    if (!job->bufs) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    for (Py_ssize_t i = 0; i < job->nbufs; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &job->bufs[i], flags) < 0) {
+            job->bufs[i].obj = NULL;
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    job->rows = job->table.buf;
+    job->nrows = job->table.len / 32;
+    for (Py_ssize_t r = 0; r < job->nrows; r++) {
+        const uint64_t *row = job->rows + 4 * r;
+        if (row[0] >= (uint64_t)job->nbufs) {
+            fail("row %zd names buffer %llu but only %zd were given", r,
+                 (unsigned long long)row[0], job->nbufs);
+            return -1;
+        }
+        uint64_t blen = (uint64_t)job->bufs[row[0]].len;
+        if (row[1] > blen || row[3] > blen - row[1]) {
+            fail("row %zd: [%llu, +%llu) is outside buffer %llu (%llu bytes)", r,
+                 (unsigned long long)row[1], (unsigned long long)row[3],
+                 (unsigned long long)row[0], (unsigned long long)blen);
+            return -1;
+        }
+        if (row[2] > self->mem.size || row[3] > self->mem.size - row[2]) {
+            fail("row %zd: pool range [%llu, +%llu) is outside the %zu-byte mapping", r,
+                 (unsigned long long)row[2], (unsigned long long)row[3], self->mem.size);
+            return -1;
+        }
+        job->total += row[3];
+    }
+    return 0;
+}
+
+/* Execute a validated job: gather-write (non-temporal) or scatter-read (invalidating). */
+static void sg_run(bl_mem *m, sg_job *job, int write)
+{
+    const uint64_t *row = job->rows;
+    if (write) {
+        for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
+            m->ops->nt_store(m, row[2], (uint8_t *)job->bufs[row[0]].buf + row[1], row[3]);
+        m->ops->sfence(m);
+        return;
+    }
+    for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
+        m->ops->invalidate(m, row[2], row[3]);
+    m->ops->mfence(m);
+    row = job->rows;
+    for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
+        m->ops->load(m, row[2], (uint8_t *)job->bufs[row[0]].buf + row[1], row[3]);
+}
+
+/* Shared body of gather_write() and scatter_read(). */
+static PyObject *sg_common(MemoryObject *self, PyObject *args, int write)
+{
+    PyObject *bufs, *table;
+    sg_job job;
+    if (!PyArg_ParseTuple(args, "OO", &bufs, &table))
+        return NULL;
+    if (sg_prepare(self, bufs, table, !write, &job) == 0) {
+        atomic_fetch_add(&self->busy, 1);
+        int nogil = job.total >= NOGIL_BYTES || job.nrows >= 256;
+        PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+        sg_run(&self->mem, &job, write);
+        if (nogil)
+            PyEval_RestoreThread(ts);
+        atomic_fetch_sub(&self->busy, 1);
+    }
+    sg_release(&job);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromUnsignedLongLong(job.total);
+}
+
+/* gather_write(buffers, table) -> bytes moved: pieces of local buffers into the pool. */
+static PyObject *Memory_gather_write(MemoryObject *self, PyObject *args)
+{
+    return sg_common(self, args, 1);
+}
+
+/* scatter_read(buffers, table) -> bytes moved: pool ranges into pieces of local buffers. */
+static PyObject *Memory_scatter_read(MemoryObject *self, PyObject *args)
+{
+    return sg_common(self, args, 0);
+}
+
+/* discard(): model mode only: forget unflushed lines, as a crashed host does. */
+static PyObject *Memory_discard(MemoryObject *self, PyObject *unused)
+{
+    if (!attached(self))
+        return NULL;
+    if (self->mem.model)
+        bl_model_discard(self->mem.model);
+    Py_RETURN_NONE;
+}
+
+/* model_stats() -> dict, or None in native mode. */
+static PyObject *Memory_model_stats(MemoryObject *self, PyObject *unused)
+{
+    if (!attached(self))
+        return NULL;
+    if (!self->mem.model)
+        Py_RETURN_NONE;
+    uint64_t s[5];
+    bl_model_stats(self->mem.model, s);
+    return Py_BuildValue("{sKsKsKsKsK}", "hits", s[0], "misses", s[1], "writebacks", s[2],
+                         "evictions", s[3], "discarded", s[4]);
+}
+
+static PyObject *Memory_get_mode(MemoryObject *self, void *c)
+{
+    return PyUnicode_FromString(self->mem.ops ? self->mem.ops->name : "unattached");
+}
+
+static PyObject *Memory_get_size(MemoryObject *self, void *c)
+{
+    return PyLong_FromSize_t(self->has_view ? self->mem.size : 0);
+}
+
+static PyObject *Memory_get_released(MemoryObject *self, void *c)
+{
+    return PyBool_FromLong(!self->has_view);
+}
+
+static PyMethodDef Memory_methods[] = {
+    {"load", (PyCFunction)Memory_load, METH_VARARGS, "load(off, n) -> bytes"},
+    {"load_into", (PyCFunction)Memory_load_into, METH_VARARGS, "load_into(off, buffer)"},
+    {"store", (PyCFunction)Memory_store, METH_VARARGS, "store(off, data): plain stores"},
+    {"nt_store", (PyCFunction)Memory_nt_store, METH_VARARGS, "nt_store(off, data)"},
+    {"flush", (PyCFunction)Memory_flush, METH_VARARGS, "flush(off, n): write back and drop"},
+    {"writeback", (PyCFunction)Memory_writeback, METH_VARARGS, "writeback(off, n): keep lines"},
+    {"invalidate", (PyCFunction)Memory_invalidate, METH_VARARGS, "invalidate(off, n)"},
+    {"sfence", (PyCFunction)Memory_sfence, METH_NOARGS, "store fence"},
+    {"mfence", (PyCFunction)Memory_mfence, METH_NOARGS, "full fence"},
+    {"load_u64", (PyCFunction)Memory_load_u64, METH_VARARGS, "load_u64(off) -> int"},
+    {"store_u64", (PyCFunction)Memory_store_u64, METH_VARARGS, "store_u64(off, value)"},
+    {"publish", (PyCFunction)(void (*)(void))Memory_publish, METH_VARARGS | METH_KEYWORDS,
+     "publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0)"},
+    {"read_validated", (PyCFunction)Memory_read_validated, METH_VARARGS,
+     "read_validated(hdr_off, payload_off, block_cap, digest, version, out) -> int"},
+    {"gather_write", (PyCFunction)Memory_gather_write, METH_VARARGS,
+     "gather_write(buffers, table) -> bytes moved"},
+    {"scatter_read", (PyCFunction)Memory_scatter_read, METH_VARARGS,
+     "scatter_read(buffers, table) -> bytes moved"},
+    {"discard", (PyCFunction)Memory_discard, METH_NOARGS, "model: drop unflushed lines"},
+    {"model_stats", (PyCFunction)Memory_model_stats, METH_NOARGS, "model cache counters"},
+    {"release", (PyCFunction)Memory_release, METH_NOARGS, "detach from the buffer"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Memory_getset[] = {
+    {"mode", (getter)Memory_get_mode, NULL, "native or model", NULL},
+    {"size", (getter)Memory_get_size, NULL, "bytes mapped", NULL},
+    {"released", (getter)Memory_get_released, NULL, "True after release()", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject MemoryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "beluga._native._core.Memory",
+    .tp_basicsize = sizeof(MemoryObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One host's coherent-or-not view of a shared mapping.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Memory_init,
+    .tp_dealloc = (destructor)Memory_dealloc,
+    .tp_methods = Memory_methods,
+    .tp_getset = Memory_getset,
+};
+
+/* crc32c(data, crc=0) -> int: CRC32C, chainable like zlib.crc32. */
+static PyObject *mod_crc32c(PyObject *mod, PyObject *args)
+{
+    Py_buffer b;
+    unsigned int crc = 0;
+    if (!PyArg_ParseTuple(args, "y*|I", &b, &crc))
+        return NULL;
+    uint32_t r = ~bl_crc32c(~crc, b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(r);
+}
+
+/* parse_header(line) -> tuple of fields, or None when not a valid header. */
+static PyObject *mod_parse_header(PyObject *mod, PyObject *args)
+{
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b))
+        return NULL;
+    if (b.len != BL_LINE) {
+        PyBuffer_Release(&b);
+        return fail("a block header is %u bytes, got %zd", BL_LINE, b.len);
+    }
+    bl_header h;
+    memcpy(&h, b.buf, sizeof(h));
+    PyBuffer_Release(&b);
+    if (!bl_header_check(&h))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(HKy#KIHIK)", h.state, (unsigned long long)h.version, h.digest,
+                         (Py_ssize_t)16, (unsigned long long)h.length, h.payload_crc, h.key_len,
+                         h.writer, (unsigned long long)h.stamp);
+}
+
+/* selected() -> dict: the instruction chosen for each operation. */
+static PyObject *mod_selected(PyObject *mod, PyObject *unused)
+{
+    return Py_BuildValue("{ssssssss}", "flush", bl_selected("flush"), "writeback",
+                         bl_selected("writeback"), "nt", bl_selected("nt"), "crc",
+                         bl_selected("crc"));
+}
+
+/* cpu_features() -> dict of the CPUID bits the core looks at. */
+static PyObject *mod_cpu_features(PyObject *mod, PyObject *unused)
+{
+    return Py_BuildValue("{sOsOsOsO}", "sse4.2", bl_cpu_has("sse4.2") ? Py_True : Py_False,
+                         "avx512f", bl_cpu_has("avx512f") ? Py_True : Py_False, "clflushopt",
+                         bl_cpu_has("clflushopt") ? Py_True : Py_False, "clwb",
+                         bl_cpu_has("clwb") ? Py_True : Py_False);
+}
+
+/* _register_error(cls): the class raised for misuse (beluga.errors.CoherenceError). */
+static PyObject *mod_register_error(PyObject *mod, PyObject *cls)
+{
+    Py_XINCREF(cls);
+    Py_XSETREF(coherence_error, cls);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"crc32c", mod_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int"},
+    {"parse_header", mod_parse_header, METH_VARARGS, "parse_header(line) -> tuple | None"},
+    {"selected", mod_selected, METH_NOARGS, "instructions in use"},
+    {"cpu_features", mod_cpu_features, METH_NOARGS, "CPUID features"},
+    {"_register_error", mod_register_error, METH_O, "set the misuse error class"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_core",
+    .m_doc = "Beluga's C core.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__core(void)
+{
+    bl_cpu_init();
+    if (PyType_Ready(&MemoryType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&core_module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&MemoryType);
+    if (PyModule_AddObject(m, "Memory", (PyObject *)&MemoryType) < 0 ||
+        PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
+        PyModule_AddIntConstant(m, "HEADER_MAGIC", BL_HDR_MAGIC) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
