@@ -1,0 +1,169 @@
+"""The coherence layer: the only way protocol code reaches shared memory.
+
+A :class:`Memory` is one host's view of a shared mapping.  Its mode is chosen
+once, when it is attached, and never tested again on a hot path:
+
+``native``
+    real instructions (CLFLUSHOPT/CLFLUSH, CLWB, non-temporal stores,
+    SFENCE/MFENCE), picked once per process from CPUID.
+``model``
+    a seeded, deterministic, simulated non-coherent cache per attachment in
+    front of the real mapping: stores stay private until flushed, written
+    non-temporally or evicted at random; loads see stale lines until
+    invalidated; lines are written back whole.  Protocol code runs unchanged.
+
+The chicken bit ``BELUGA_COHERENCE=native|model`` forces the mode for every
+attach that does not name one; ``BELUGA_MODEL_SEED``, ``BELUGA_MODEL_LINES``
+and ``BELUGA_MODEL_EVICT`` tune the model.
+
+Memory methods (all offsets are bytes from the start of the mapping; misuse
+raises :class:`~beluga.errors.CoherenceError`):
+
+- ``load(off, n)``, ``load_into(off, buf)``, ``load_u64(off)``: plain loads
+- ``store(off, data)``, ``store_u64(off, v)``: plain stores (stay in cache)
+- ``nt_store(off, data)``: non-temporal stores (go to memory)
+- ``flush(off, n)``, ``writeback(off, n)``, ``invalidate(off, n)``
+- ``sfence()``, ``mfence()``
+- ``publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0)``
+- ``read_validated(hdr_off, payload_off, block_cap, digest, version, out)`` →
+  payload length, or a negative :class:`Miss` code
+- ``gather_write(buffers, table)`` / ``scatter_read(buffers, table)``: one call
+  for a whole scatter-gather list of ``(buffer index, buffer offset, pool
+  offset, length)`` uint64 rows, checked before any byte moves
+- ``discard()``, ``model_stats()``, ``release()``
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+from dataclasses import dataclass
+
+from beluga._native import _core
+
+Memory = _core.Memory
+LINE = _core.LINE
+crc32c = _core.crc32c
+MODES = ("native", "model")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Parameters of the simulated non-coherent cache."""
+
+    cache_lines: int = 4096
+    evict_rate: float = 0.002
+    seed: int = 0
+
+    @classmethod
+    def from_env(cls, seed: int | None = None) -> ModelConfig:
+        """Defaults overridden by BELUGA_MODEL_* variables (and an explicit seed)."""
+        env = os.environ
+        return cls(
+            cache_lines=int(env.get("BELUGA_MODEL_LINES", cls.cache_lines)),
+            evict_rate=float(env.get("BELUGA_MODEL_EVICT", cls.evict_rate)),
+            seed=seed if seed is not None else int(env.get("BELUGA_MODEL_SEED", cls.seed)),
+        )
+
+
+def resolve_mode(mode: str | None) -> str:
+    """The mode to use: the argument, else BELUGA_COHERENCE, else native."""
+    chosen = mode or os.environ.get("BELUGA_COHERENCE") or "native"
+    if chosen not in MODES:
+        raise ValueError(
+            f"coherence mode must be one of {MODES}, not {chosen!r} "
+            "(check the mode argument or BELUGA_COHERENCE)"
+        )
+    return chosen
+
+
+def attach(buffer: object, mode: str | None = None, model: ModelConfig | None = None) -> Memory:
+    """A new host view of ``buffer`` in the given (or environment's) mode."""
+    chosen = resolve_mode(mode)
+    if chosen == "native":
+        return Memory(buffer, "native")
+    cfg = model or ModelConfig.from_env()
+    return Memory(
+        buffer, "model", cache_lines=cfg.cache_lines, evict_rate=cfg.evict_rate, seed=cfg.seed
+    )
+
+
+def read_line(mem: Memory, off: int) -> bytes:
+    """Load one line that another host writes: invalidate, fence, load."""
+    mem.invalidate(off, LINE)
+    mem.mfence()
+    return mem.load(off, LINE)
+
+
+def write_line(mem: Memory, off: int, data: bytes) -> None:
+    """Make one whole line this host owns visible to every host."""
+    if len(data) != LINE or off % LINE:
+        raise ValueError(f"write_line takes one aligned {LINE}-byte line")
+    mem.nt_store(off, data)
+    mem.sfence()
+
+
+def digest(key: bytes) -> bytes:
+    """The 16-byte identity of a key as stored in block headers."""
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+class BlockState(enum.IntEnum):
+    FREE = 0
+    WRITING = 1
+    PUBLISHED = 2
+
+
+class Miss(enum.IntEnum):
+    """Why read_validated returned no data.  Every one of these is a cache miss."""
+
+    MAGIC = -1  # not a header, or its own checksum fails
+    STATE = -2  # not published (free, or being written)
+    KEY = -3  # another key lives there now
+    VERSION = -4  # the block was republished
+    LENGTH = -5  # the header claims an impossible length
+    CHECKSUM = -6  # payload does not match its checksum (torn or overwritten)
+    CHANGED = -7  # the header changed while the payload was copied
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    state: BlockState
+    version: int
+    digest: bytes
+    length: int
+    payload_crc: int
+    key_len: int
+    writer: int
+    stamp: int
+
+
+def parse_header(line: bytes) -> BlockHeader | None:
+    """Decode a block header line; None when it is not a valid header."""
+    fields = _core.parse_header(line)
+    if fields is None:
+        return None
+    state, *rest = fields
+    try:
+        return BlockHeader(BlockState(state), *rest)
+    except ValueError:
+        return None
+
+
+__all__ = [
+    "LINE",
+    "MODES",
+    "BlockHeader",
+    "BlockState",
+    "Memory",
+    "Miss",
+    "ModelConfig",
+    "attach",
+    "crc32c",
+    "digest",
+    "parse_header",
+    "read_line",
+    "resolve_mode",
+    "write_line",
+]

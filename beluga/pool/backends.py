@@ -1,0 +1,255 @@
+"""Pool backends: the only code that knows where the shared memory comes from.
+
+A backend maps memory and nothing else: it never decides coherence and never
+parses a protocol structure.  Each is named by a *spec* string, so a pool
+handle pickles by name and another process re-attaches instead of copying::
+
+    shm:/dev/shm/beluga            a file mapped MAP_SHARED (default; CI)
+    numa:1:/dev/shm/beluga-n1      such a file with its pages bound to NUMA node 1
+    dax:/dev/dax0.0                a device-DAX character device (QEMU CXL, a real switch)
+    dax:/dev/dax0.0@4194304        ... using the device from a data offset on
+    interleave:2097152:dax:/dev/dax0.0,dax:/dev/dax1.0
+                                   several devices, striped every 2 MiB
+
+A bare path is shorthand for ``shm:PATH``.  ``Mapping`` is what a backend
+returns: a writable buffer, its size, and ``close()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from beluga.errors import BackendUnavailableError, PoolError
+
+MiB = 1 << 20
+HUGE_ALIGN = 2 * MiB
+POOL_FILE_MODE = 0o660  # shared with the group, never world-writable
+
+
+@dataclass
+class Mapping:
+    """A writable shared buffer and how to let it go.
+
+    ``buffer`` supports the buffer protocol (an ``mmap`` or a memoryview over
+    stitched mappings).  ``fd`` is a descriptor for advisory locking, or -1.
+    """
+
+    buffer: Any
+    size: int
+    fd: int = -1
+    _closers: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Unmap and close; safe to call twice."""
+        closers, self._closers = self._closers, []
+        for close in reversed(closers):
+            close()
+        self.buffer = None
+        self.fd = -1
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold an exclusive advisory lock on the backing object, where it has one.
+
+        This only serialises processes of one kernel (CI, one host); across
+        hosts the claim protocol of the host table stands on its own.
+        """
+        if self.fd < 0:
+            yield
+            return
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+class Backend(abc.ABC):
+    """Where a pool's memory lives.  Subclasses only map memory."""
+
+    scheme: ClassVar[str]
+    #: True when ``create`` makes the memory (a file); False when it exists (a device).
+    creates_storage: ClassVar[bool] = True
+
+    @classmethod
+    def from_spec(cls, rest: str) -> Backend:
+        """Build from the part of a spec after ``scheme:``."""
+        return cls(rest)  # type: ignore[call-arg]
+
+    @property
+    @abc.abstractmethod
+    def spec(self) -> str:
+        """The spec string that names this backend (round-trips through parse_spec)."""
+
+    @abc.abstractmethod
+    def exists(self) -> bool:
+        """Whether the backing memory is there to open."""
+
+    @abc.abstractmethod
+    def create(self, size: int) -> Mapping:
+        """Make (or claim) ``size`` bytes and map them; the caller formats them."""
+
+    @abc.abstractmethod
+    def open(self) -> Mapping:
+        """Map existing memory."""
+
+    @abc.abstractmethod
+    def unlink(self) -> None:
+        """Remove the backing memory where that means anything; safe to repeat."""
+
+    def commit(self) -> None:  # noqa: B027 - most backends have nothing to publish
+        """Make a freshly formatted pool visible (a rename for files; nothing for devices)."""
+
+    def abort(self) -> None:  # noqa: B027 - most backends have nothing to undo
+        """Undo a ``create`` that failed before ``commit``."""
+
+    def info(self) -> dict[str, Any]:
+        """A few facts about the backing memory, for ``beluga pool info``."""
+        return {"backend": self.scheme, "spec": self.spec}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+
+def _map_fd(fd: int, size: int, offset: int = 0) -> mmap.mmap:
+    """MAP_SHARED read-write mapping of an open descriptor."""
+    return mmap.mmap(
+        fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
+    )
+
+
+def _mapping_of(fd: int, size: int, offset: int = 0) -> Mapping:
+    """Map fd and wrap it so that close() unmaps and closes, in that order."""
+    try:
+        mm = _map_fd(fd, size, offset)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Mapping(buffer=mm, size=size, fd=fd, _closers=[lambda: os.close(fd), mm.close])
+
+
+class ShmBackend(Backend):
+    """A regular file mapped MAP_SHARED; each attaching process is one emulated host."""
+
+    scheme = "shm"
+
+    def __init__(self, path: str) -> None:
+        if not path:
+            raise ValueError("the shm backend needs a path, e.g. shm:/dev/shm/beluga")
+        self.path = os.path.abspath(path)
+
+    @property
+    def spec(self) -> str:
+        return f"shm:{self.path}"
+
+    def exists(self) -> bool:
+        return os.path.exists(self.path)
+
+    def create(self, size: int) -> Mapping:
+        """Create the file at a temporary name; ``Pool.create`` renames it in when formatted."""
+        tmp = self.staging_path()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, POOL_FILE_MODE)
+        except PermissionError as e:
+            raise BackendUnavailableError(
+                f"cannot create {tmp}: permission denied; choose a path you can write "
+                "(e.g. shm:/dev/shm/NAME) or run as a user with access"
+            ) from e
+        try:
+            os.fchmod(fd, POOL_FILE_MODE)  # the umask must not widen or narrow it
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(tmp)
+            if e.errno in (errno.ENOSPC, errno.EFBIG):
+                raise BackendUnavailableError(
+                    f"no room for a {size}-byte pool at {self.path}: {e.strerror}; "
+                    "pick a smaller --size or free space"
+                ) from e
+            raise
+        return _mapping_of(fd, size)
+
+    def staging_path(self) -> str:
+        """Where ``create`` builds the file before it is published by rename."""
+        return f"{self.path}.creating"
+
+    def commit(self) -> None:
+        """Atomically move the formatted file into place (replacing any old pool)."""
+        os.replace(self.staging_path(), self.path)
+
+    def abort(self) -> None:
+        """Remove a half-created file."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.staging_path())
+
+    def open(self) -> Mapping:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError as e:
+            raise PoolError(
+                f"no pool at {self.path}; create one with 'beluga pool create --path {self.path}'"
+            ) from e
+        except PermissionError as e:
+            raise BackendUnavailableError(
+                f"cannot open {self.path}: permission denied; the pool file is mode "
+                f"{POOL_FILE_MODE:o}, so run as its owner or a member of its group"
+            ) from e
+        size = os.fstat(fd).st_size
+        if size == 0:
+            os.close(fd)
+            raise PoolError(f"{self.path} is empty, not a Beluga pool; destroy it and create again")
+        return _mapping_of(fd, size)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.abort()
+
+    def info(self) -> dict[str, Any]:
+        out = super().info()
+        out["path"] = self.path
+        return out
+
+
+_BACKENDS: dict[str, type[Backend]] = {"shm": ShmBackend}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Class decorator: make a backend reachable by its spec scheme."""
+    if cls.scheme in _BACKENDS and _BACKENDS[cls.scheme] is not cls:
+        raise ValueError(f"backend scheme {cls.scheme!r} is already registered")
+    _BACKENDS[cls.scheme] = cls
+    return cls
+
+
+def parse_spec(spec: str | Backend) -> Backend:
+    """Turn a spec string (see the module docstring) into a backend."""
+    if isinstance(spec, Backend):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(
+            f"a pool spec is a non-empty string like 'shm:/dev/shm/beluga', not {spec!r}"
+        )
+    scheme, sep, rest = spec.partition(":")
+    if not sep or scheme.startswith("/") or scheme.startswith("."):
+        return ShmBackend(spec)
+    if scheme not in _BACKENDS:
+        # importing the module of every built-in backend registers it
+        from beluga.pool import dax, interleave, numa  # noqa: F401
+
+    cls = _BACKENDS.get(scheme)
+    if cls is None:
+        raise ValueError(
+            f"unknown pool backend {scheme!r} in {spec!r}; known: {', '.join(sorted(_BACKENDS))}"
+        )
+    return cls.from_spec(rest)

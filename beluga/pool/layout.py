@@ -1,0 +1,271 @@
+"""The self-describing pool: superblock and region table.
+
+Offset 0 holds the superblock; every region starts on a 2 MiB boundary (a
+device-DAX mapping is 2 MiB aligned, and so are our offsets on a tmpfs file)::
+
+    [0, 2 MiB)        superblock (first 4 KiB), rest reserved
+    host table        one 64-byte line per host, written only by that host
+    RPC area          one ring per client host (layout owned by beluga.rpc)
+    data area         block header table (one line per block), then payloads
+
+The superblock is written once, by the creator, and sealed with a CRC32C.
+Attaching checks magic, layout version, checksum, sizes and the region table,
+and refuses a mismatch with an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from beluga.coherence import LINE, crc32c
+from beluga.errors import LayoutVersionError, PoolError
+
+MAGIC = b"BELUGA\x00P"
+LAYOUT_VERSION = 1
+REGION_ALIGN = 2 << 20
+SUPERBLOCK_BYTES = 4096
+LABEL_BYTES = 64
+
+_FORMAT = struct.Struct("<8sIIQ16sIIQIIQQQQQQQQQQ64s")
+_CRC = struct.Struct("<I")
+assert _FORMAT.size + _CRC.size <= SUPERBLOCK_BYTES
+
+
+def align_up(value: int, align: int = REGION_ALIGN) -> int:
+    return (value + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class Region:
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a pool is made of; chosen at create time, fixed afterwards."""
+
+    max_hosts: int = 32
+    rpc_bytes_per_host: int = 1 << 20
+    block_size: int = 64 << 10
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_hosts <= 4096:
+            raise ValueError(f"max_hosts must be in 1..4096, not {self.max_hosts}")
+        if self.rpc_bytes_per_host < 4096 or self.rpc_bytes_per_host % 4096:
+            raise ValueError(
+                "rpc_bytes_per_host must be a positive multiple of 4096, "
+                f"not {self.rpc_bytes_per_host}"
+            )
+        if self.block_size < 4096 or self.block_size % 4096:
+            raise ValueError(
+                f"block_size must be a positive multiple of 4096, not {self.block_size}"
+            )
+
+
+@dataclass(frozen=True)
+class Superblock:
+    pool_size: int
+    uuid: bytes
+    created_ns: int
+    max_hosts: int
+    hosts: Region
+    rpc: Region
+    headers: Region  # block header table (data area, part 1)
+    payloads: Region  # block payloads (data area, part 2)
+    block_size: int
+    nblocks: int
+    label: str = ""
+    layout_version: int = LAYOUT_VERSION
+    line_size: int = LINE
+    flags: int = 0
+
+    @property
+    def rpc_bytes_per_host(self) -> int:
+        return self.rpc.length // self.max_hosts
+
+    def block_header_offset(self, block: int) -> int:
+        return self.headers.offset + block * LINE
+
+    def block_payload_offset(self, block: int) -> int:
+        return self.payloads.offset + block * self.block_size
+
+    def describe(self) -> dict[str, object]:
+        d = asdict(self)
+        d["uuid"] = str(uuid.UUID(bytes=self.uuid))
+        return d
+
+    def pack(self) -> bytes:
+        label = self.label.encode()
+        if len(label) > LABEL_BYTES:
+            raise ValueError(f"a pool label is at most {LABEL_BYTES} bytes of UTF-8")
+        body = _FORMAT.pack(
+            MAGIC,
+            self.layout_version,
+            SUPERBLOCK_BYTES,
+            self.pool_size,
+            self.uuid,
+            self.line_size,
+            REGION_ALIGN,
+            self.created_ns,
+            self.max_hosts,
+            self.flags,
+            self.hosts.offset,
+            self.hosts.length,
+            self.rpc.offset,
+            self.rpc.length,
+            self.headers.offset,
+            self.headers.length,
+            self.payloads.offset,
+            self.payloads.length,
+            self.block_size,
+            self.nblocks,
+            label,
+        )
+        return body + _CRC.pack(crc32c(body))
+
+
+def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
+    """Lay out a pool of ``pool_size`` bytes, or say why it cannot hold one block."""
+    if pool_size <= 0 or pool_size % REGION_ALIGN:
+        raise ValueError(
+            f"pool size must be a positive multiple of 2 MiB ({REGION_ALIGN}), not {pool_size}"
+        )
+    hosts = Region(REGION_ALIGN, align_up(geometry.max_hosts * LINE))
+    rpc = Region(hosts.end, align_up(geometry.max_hosts * geometry.rpc_bytes_per_host))
+    data_off = rpc.end
+    room = pool_size - data_off
+    nblocks = max(0, (room - REGION_ALIGN) // (geometry.block_size + LINE))
+    while nblocks and align_up(nblocks * LINE) + nblocks * geometry.block_size > room:
+        nblocks -= 1
+    if nblocks < 1:
+        need = data_off + REGION_ALIGN + align_up(geometry.block_size)
+        raise ValueError(
+            f"a {pool_size}-byte pool cannot hold one {geometry.block_size}-byte block after "
+            f"{data_off} bytes of superblock, host table and RPC area; use at least "
+            f"{align_up(need)} bytes, or fewer --max-hosts"
+        )
+    headers = Region(data_off, align_up(nblocks * LINE))
+    payloads = Region(headers.end, nblocks * geometry.block_size)
+    return Superblock(
+        pool_size=pool_size,
+        uuid=uuid.uuid4().bytes,
+        created_ns=time.time_ns(),
+        max_hosts=geometry.max_hosts,
+        hosts=hosts,
+        rpc=rpc,
+        headers=headers,
+        payloads=payloads,
+        block_size=geometry.block_size,
+        nblocks=nblocks,
+        label=label,
+    )
+
+
+def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
+    """Decode and check a superblock read from a mapping of ``mapped_size`` bytes."""
+    if len(raw) < _FORMAT.size + _CRC.size:
+        raise PoolError(f"{where} is too small to hold a Beluga superblock")
+    body = raw[: _FORMAT.size]
+    fields = _FORMAT.unpack(body)
+    magic, version = fields[0], fields[1]
+    if magic != MAGIC:
+        raise PoolError(
+            f"{where} is not a Beluga pool (no superblock magic); create one with "
+            "'beluga pool create', or --force to overwrite whatever is there"
+        )
+    if version > LAYOUT_VERSION:
+        raise LayoutVersionError(
+            f"{where} was made with layout version {version}, newer than this Beluga's "
+            f"{LAYOUT_VERSION}; upgrade Beluga on this host"
+        )
+    if version < LAYOUT_VERSION:
+        raise LayoutVersionError(
+            f"{where} uses old layout version {version}; this Beluga reads version "
+            f"{LAYOUT_VERSION}: recreate the pool with 'beluga pool create --force'"
+        )
+    (stored,) = _CRC.unpack(raw[_FORMAT.size : _FORMAT.size + _CRC.size])
+    if stored != crc32c(body):
+        raise PoolError(
+            f"{where} has a corrupted superblock (checksum mismatch); the pool cannot be "
+            "trusted: destroy it and create it again"
+        )
+    (
+        _,
+        _,
+        sb_bytes,
+        pool_size,
+        uid,
+        line,
+        align,
+        created,
+        max_hosts,
+        flags,
+        h_off,
+        h_len,
+        r_off,
+        r_len,
+        hd_off,
+        hd_len,
+        p_off,
+        p_len,
+        block_size,
+        nblocks,
+        label,
+    ) = fields
+    problems = []
+    if sb_bytes != SUPERBLOCK_BYTES or align != REGION_ALIGN:
+        problems.append(f"superblock size {sb_bytes} / alignment {align} not understood")
+    if line != LINE:
+        problems.append(f"line size {line} differs from this host's {LINE}")
+    if pool_size > mapped_size:
+        problems.append(
+            f"it claims {pool_size} bytes but only {mapped_size} are mapped (truncated?)"
+        )
+    regions = [
+        Region(h_off, h_len),
+        Region(r_off, r_len),
+        Region(hd_off, hd_len),
+        Region(p_off, p_len),
+    ]
+    prev_end = REGION_ALIGN
+    for r in regions:
+        if r.offset % REGION_ALIGN or r.offset < prev_end or r.end > pool_size:
+            problems.append(f"region [{r.offset}, {r.end}) is misplaced")
+        prev_end = max(prev_end, r.end)
+    if max_hosts < 1 or h_len < max_hosts * LINE or r_len % max(max_hosts, 1):
+        problems.append(f"host table does not fit {max_hosts} hosts")
+    if block_size < 4096 or nblocks < 1 or hd_len < nblocks * LINE or p_len != nblocks * block_size:
+        problems.append("data area does not match its block count")
+    if problems:
+        raise PoolError(
+            f"{where} has an inconsistent superblock: {'; '.join(problems)}; "
+            "destroy it and create it again"
+        )
+    try:
+        text = label.rstrip(b"\0").decode()
+    except UnicodeDecodeError as e:
+        raise PoolError(f"{where} has an undecodable label; recreate the pool") from e
+    return Superblock(
+        pool_size=pool_size,
+        uuid=uid,
+        created_ns=created,
+        max_hosts=max_hosts,
+        hosts=regions[0],
+        rpc=regions[1],
+        headers=regions[2],
+        payloads=regions[3],
+        block_size=block_size,
+        nblocks=nblocks,
+        label=text,
+        layout_version=version,
+        line_size=line,
+        flags=flags,
+    )
