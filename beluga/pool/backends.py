@@ -21,6 +21,7 @@ import abc
 import contextlib
 import errno
 import fcntl
+import importlib
 import mmap
 import os
 from collections.abc import Iterator
@@ -160,9 +161,9 @@ class ShmBackend(Backend):
             os.unlink(tmp)
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, POOL_FILE_MODE)
-        except PermissionError as e:
+        except OSError as e:
             raise BackendUnavailableError(
-                f"cannot create {tmp}: permission denied; choose a path you can write "
+                f"cannot create {tmp}: {e.strerror}; choose a path you can write "
                 "(e.g. shm:/dev/shm/NAME) or run as a user with access"
             ) from e
         try:
@@ -222,6 +223,9 @@ class ShmBackend(Backend):
 
 
 _BACKENDS: dict[str, type[Backend]] = {"shm": ShmBackend}
+#: built-in backends imported on first use ("module:Class"), so that a plain
+#: shm user never loads libnuma or ctypes mapping code
+_LAZY: dict[str, str] = {}
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
@@ -230,6 +234,13 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
         raise ValueError(f"backend scheme {cls.scheme!r} is already registered")
     _BACKENDS[cls.scheme] = cls
     return cls
+
+
+def _backend_class(scheme: str) -> type[Backend] | None:
+    if scheme not in _BACKENDS and scheme in _LAZY:
+        module, _, name = _LAZY[scheme].partition(":")
+        _BACKENDS[scheme] = getattr(importlib.import_module(module), name)
+    return _BACKENDS.get(scheme)
 
 
 def parse_spec(spec: str | Backend) -> Backend:
@@ -243,13 +254,8 @@ def parse_spec(spec: str | Backend) -> Backend:
     scheme, sep, rest = spec.partition(":")
     if not sep or scheme.startswith("/") or scheme.startswith("."):
         return ShmBackend(spec)
-    if scheme not in _BACKENDS:
-        # importing the module of every built-in backend registers it
-        from beluga.pool import dax, interleave, numa  # noqa: F401
-
-    cls = _BACKENDS.get(scheme)
+    cls = _backend_class(scheme)
     if cls is None:
-        raise ValueError(
-            f"unknown pool backend {scheme!r} in {spec!r}; known: {', '.join(sorted(_BACKENDS))}"
-        )
+        known = ", ".join(sorted({*_BACKENDS, *_LAZY}))
+        raise ValueError(f"unknown pool backend {scheme!r} in {spec!r}; known: {known}")
     return cls.from_spec(rest)

@@ -31,7 +31,8 @@ LABEL_BYTES = 64
 
 _FORMAT = struct.Struct("<8sIIQ16sIIQIIQQQQQQQQQQ64s")
 _CRC = struct.Struct("<I")
-assert _FORMAT.size + _CRC.size <= SUPERBLOCK_BYTES
+_CRC_AT = SUPERBLOCK_BYTES - _CRC.size  # the checksum covers the whole 4 KiB before it
+assert _FORMAT.size <= _CRC_AT
 
 
 def align_up(value: int, align: int = REGION_ALIGN) -> int:
@@ -129,7 +130,8 @@ class Superblock:
             self.nblocks,
             label,
         )
-        return body + _CRC.pack(crc32c(body))
+        sealed = body.ljust(_CRC_AT, b"\0")
+        return sealed + _CRC.pack(crc32c(sealed))
 
 
 def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
@@ -171,10 +173,9 @@ def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
 
 def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
     """Decode and check a superblock read from a mapping of ``mapped_size`` bytes."""
-    if len(raw) < _FORMAT.size + _CRC.size:
+    if len(raw) < SUPERBLOCK_BYTES:
         raise PoolError(f"{where} is too small to hold a Beluga superblock")
-    body = raw[: _FORMAT.size]
-    fields = _FORMAT.unpack(body)
+    fields = _FORMAT.unpack_from(raw)
     magic, version = fields[0], fields[1]
     if magic != MAGIC:
         raise PoolError(
@@ -191,8 +192,8 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
             f"{where} uses old layout version {version}; this Beluga reads version "
             f"{LAYOUT_VERSION}: recreate the pool with 'beluga pool create --force'"
         )
-    (stored,) = _CRC.unpack(raw[_FORMAT.size : _FORMAT.size + _CRC.size])
-    if stored != crc32c(body):
+    (stored,) = _CRC.unpack_from(raw, _CRC_AT)
+    if stored != crc32c(raw[:_CRC_AT]):
         raise PoolError(
             f"{where} has a corrupted superblock (checksum mismatch); the pool cannot be "
             "trusted: destroy it and create it again"

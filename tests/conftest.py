@@ -1,0 +1,53 @@
+"""Shared fixtures: small pools under unique /dev/shm names, and leak checks."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from beluga.pool import Geometry, Pool
+
+SHM = "/dev/shm"
+PREFIX = "beluga-test-"
+SMALL = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=64 << 10)
+
+
+def _leftovers() -> set[str]:
+    return {n for n in os.listdir(SHM) if n.startswith(PREFIX)}
+
+
+@pytest.fixture
+def shm_path() -> Iterator[str]:
+    """A unique /dev/shm path that is removed (with any staging file) afterwards."""
+    path = os.path.join(SHM, f"{PREFIX}{uuid.uuid4().hex[:12]}")
+    yield path
+    for p in (path, path + ".creating"):
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+@pytest.fixture
+def pool(shm_path: str) -> Iterator[Pool]:
+    """A fresh 32 MiB shm pool attached in native mode."""
+    p = Pool.create(shm_path, 32 << 20, geometry=SMALL)
+    yield p
+    p.close()
+    Pool.destroy(shm_path)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Every test leaves no child processes and no test files in /dev/shm."""
+    before = _leftovers()
+    yield
+    children = [
+        c
+        for c in psutil.Process().children(recursive=True)
+        if c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert not children, f"test left processes behind: {children}"
+    assert _leftovers() <= before, f"test left files in /dev/shm: {_leftovers() - before}"

@@ -1,0 +1,131 @@
+"""The C core seen from Python: CRC32C, instruction choice, bounds checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from beluga._native import _core
+from beluga.coherence import Memory, crc32c
+from beluga.errors import CoherenceError
+
+
+def crc32c_reference(data: bytes, crc: int = 0) -> int:
+    """Bitwise CRC32C, the definition itself."""
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crc32c_check_value() -> None:
+    assert crc32c(b"123456789") == 0xE3069283
+    assert crc32c(b"") == 0
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 383, 384, 385, 3071, 3072, 3073, 9216, 16384, 20011])
+def test_crc32c_every_path_matches_reference(n: int) -> None:
+    data = os.urandom(n)
+    assert crc32c(data) == crc32c_reference(data)
+
+
+@given(st.binary(max_size=5000), st.integers(0, 5000))
+def test_crc32c_chains_like_zlib(data: bytes, cut: int) -> None:
+    cut = min(cut, len(data))
+    assert crc32c(data[cut:], crc32c(data[:cut])) == crc32c(data)
+
+
+@pytest.mark.parametrize(
+    ("env", "key", "want"),
+    [
+        ({"BELUGA_CRC": "sw"}, "crc", "sw"),
+        ({"BELUGA_FLUSH": "clflush"}, "flush", "clflush"),
+        ({"BELUGA_NT": "store-flush"}, "nt", "store-flush"),
+    ],
+)
+def test_chicken_bits_force_a_choice(env: dict[str, str], key: str, want: str) -> None:
+    code = (
+        "from beluga._native import _core; from beluga.coherence import crc32c;"
+        "import mmap; m = _core.Memory(bytearray(8192)); d = bytes(range(256)) * 20;"
+        "m.nt_store(3, d); m.sfence(); assert m.load(3, len(d)) == d;"
+        "assert crc32c(b'123456789') == 0xE3069283;"
+        f"print(_core.selected()[{key!r}])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == want
+
+
+def test_selected_names_real_features() -> None:
+    sel, feats = _core.selected(), _core.cpu_features()
+    if sel["flush"] == "clflushopt":
+        assert feats["clflushopt"]
+    if sel["nt"] == "avx512":
+        assert feats["avx512f"]
+    assert sel["crc"] in ("hw", "sw")
+
+
+@pytest.mark.parametrize("mode", ["native", "model"])
+def test_out_of_range_access_raises_instead_of_crashing(mode: str) -> None:
+    mem = Memory(bytearray(4096), mode)
+    for call in (
+        lambda: mem.load(4090, 7),
+        lambda: mem.store(4095, b"xy"),
+        lambda: mem.nt_store(2**63, b"x"),
+        lambda: mem.flush(0, 4097),
+        lambda: mem.invalidate(2**64 - 1, 2),
+        lambda: mem.load_u64(4),
+        lambda: mem.publish(64, 4096, bytes(16), 1, b"x"),
+        lambda: mem.publish(0, 128, bytes(16), 0, b"x"),
+        lambda: mem.publish(0, 32, bytes(16), 1, b"x"),
+        lambda: mem.read_validated(3, 64, 100, bytes(16), 0, bytearray(8)),
+        lambda: mem.publish(0, 64, bytes(15), 1, b"x"),
+    ):
+        with pytest.raises(CoherenceError):
+            call()
+    mem.release()
+    with pytest.raises(CoherenceError, match="released"):
+        mem.load(0, 1)
+    mem.release()  # twice is fine
+
+
+def test_bad_mode_and_readonly_buffer_are_refused() -> None:
+    with pytest.raises(ValueError, match="native"):
+        Memory(bytearray(64), "bogus")
+    with pytest.raises(BufferError):
+        Memory(b"read-only bytes")
+
+
+def test_scatter_gather_table_is_checked_before_any_byte_moves() -> None:
+    import numpy as np
+
+    pool = bytearray(8192)
+    mem = Memory(pool)
+    local = bytearray(b"a" * 100)
+    good = np.array([[0, 0, 0, 50]], dtype=np.uint64)
+    bad = np.array([[0, 0, 100, 50], [0, 60, 200, 50]], dtype=np.uint64)  # row 1 overruns
+    with pytest.raises(CoherenceError, match="row 1"):
+        mem.gather_write([local], bad)
+    assert pool[100:150] == bytes(50)  # row 0 was not executed either
+    with pytest.raises(CoherenceError, match="names buffer 3"):
+        mem.gather_write([local], np.array([[3, 0, 0, 1]], dtype=np.uint64))
+    with pytest.raises(CoherenceError, match="outside the 8192-byte"):
+        mem.scatter_read([local], np.array([[0, 0, 8190, 10]], dtype=np.uint64))
+    with pytest.raises(CoherenceError, match="rows of 4"):
+        mem.gather_write([local], np.zeros(3, dtype=np.uint64))
+    assert mem.gather_write([local], good) == 50
+    assert pool[:50] == b"a" * 50
+    mem.release()

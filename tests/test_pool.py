@@ -1,0 +1,203 @@
+"""Pool create / attach / destroy and the superblock that describes it."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import stat
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from beluga.coherence import crc32c
+from beluga.errors import BackendUnavailableError, LayoutVersionError, PoolError
+from beluga.pool import Geometry, Pool, parse_spec
+from beluga.pool.layout import LAYOUT_VERSION, MAGIC, SUPERBLOCK_BYTES, plan, unpack
+
+from .conftest import SMALL
+
+SIZE = 32 << 20
+
+
+def test_create_attach_round_trip(shm_path: str) -> None:
+    with Pool.create(shm_path, SIZE, geometry=SMALL, label="qwen2-tiny") as p:
+        sb = p.superblock
+        assert sb.pool_size == SIZE and sb.label == "qwen2-tiny" and sb.max_hosts == 4
+        regions = [sb.hosts, sb.rpc, sb.headers, sb.payloads]
+        assert all(r.offset % (2 << 20) == 0 for r in regions)
+        assert all(a.end <= b.offset for a, b in itertools.pairwise(regions))
+        assert sb.payloads.end <= SIZE and sb.nblocks * SMALL.block_size == sb.payloads.length
+    with Pool.attach(shm_path, coherence="model") as q:
+        assert q.superblock == sb and q.memory.mode == "model"
+    Pool.destroy(shm_path)
+    assert not os.path.exists(shm_path)
+    Pool.destroy(shm_path)  # twice is fine
+
+
+def test_pool_file_is_not_world_writable(pool: Pool) -> None:
+    mode = stat.S_IMODE(os.stat(pool.backend.path).st_mode)
+    assert not mode & stat.S_IWOTH and mode & stat.S_IRUSR
+
+
+def test_existing_pool_needs_force(pool: Pool, shm_path: str) -> None:
+    with pytest.raises(PoolError, match="--force"):
+        Pool.create(shm_path, SIZE, geometry=SMALL)
+    old_uuid = pool.superblock.uuid
+    with Pool.create(shm_path, SIZE, geometry=SMALL, force=True) as fresh:
+        assert fresh.superblock.uuid != old_uuid
+
+
+def test_a_failed_create_leaves_nothing_behind(
+    shm_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from beluga.pool import layout
+
+    def broken_pack(self: layout.Superblock) -> bytes:
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(layout.Superblock, "pack", broken_pack)
+    with pytest.raises(RuntimeError):
+        Pool.create(shm_path, SIZE, geometry=SMALL)
+    assert not os.path.exists(shm_path) and not os.path.exists(shm_path + ".creating")
+
+
+@pytest.mark.parametrize("size", [0, 3 << 20, (2 << 20) * 3 + 1])
+def test_bad_sizes_are_refused(shm_path: str, size: int) -> None:
+    with pytest.raises(ValueError):
+        Pool.create(shm_path, size, geometry=SMALL)
+    assert not os.path.exists(shm_path)
+
+
+def test_too_small_for_one_block_says_how_big(shm_path: str) -> None:
+    with pytest.raises(ValueError, match="use at least"):
+        Pool.create(shm_path, 8 << 20, geometry=Geometry(max_hosts=4, block_size=8 << 20))
+
+
+def test_missing_pool_and_missing_permission(shm_path: str) -> None:
+    with pytest.raises(PoolError, match="beluga pool create"):
+        Pool.attach(shm_path)
+    with pytest.raises(BackendUnavailableError, match="choose a path you can write"):
+        Pool.create("/proc/beluga-cannot-be-here", SIZE, geometry=SMALL)
+
+
+def test_no_permission_to_open(pool: Pool, shm_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def denied(*args: object, **kw: object) -> int:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "open", denied)  # root bypasses file modes, so simulate a user
+    with pytest.raises(BackendUnavailableError, match="owner or a member of its group"):
+        Pool.attach(shm_path)
+
+
+def corrupt(path: str, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_foreign_file_is_refused(shm_path: str) -> None:
+    with open(shm_path, "wb") as f:
+        f.write(os.urandom(4 << 20))
+    with pytest.raises(PoolError, match="not a Beluga pool"):
+        Pool.attach(shm_path)
+    with pytest.raises(PoolError, match="--force"):
+        Pool.create(shm_path, SIZE, geometry=SMALL)
+
+
+def test_corrupted_superblock_is_refused(pool: Pool, shm_path: str) -> None:
+    corrupt(shm_path, 40, b"\xff")
+    with pytest.raises(PoolError, match="corrupted superblock"):
+        Pool.attach(shm_path)
+
+
+def reseal(raw: bytearray) -> None:
+    """Recompute a superblock's checksum in place."""
+    struct.pack_into("<I", raw, SUPERBLOCK_BYTES - 4, crc32c(bytes(raw[: SUPERBLOCK_BYTES - 4])))
+
+
+def reseal_file(path: str, mutate_offset: int, fmt: str, value: int) -> None:
+    """Change one field and fix the checksum, as a newer or broken writer would."""
+    with open(path, "r+b") as f:
+        raw = bytearray(f.read(SUPERBLOCK_BYTES))
+        struct.pack_into(fmt, raw, mutate_offset, value)
+        reseal(raw)
+        f.seek(0)
+        f.write(raw)
+
+
+def test_newer_layout_version_is_refused(pool: Pool, shm_path: str) -> None:
+    reseal_file(shm_path, 8, "<I", LAYOUT_VERSION + 1)
+    with pytest.raises(LayoutVersionError, match="upgrade Beluga"):
+        Pool.attach(shm_path)
+
+
+def test_truncated_pool_is_refused(pool: Pool, shm_path: str) -> None:
+    os.truncate(shm_path, 16 << 20)
+    with pytest.raises(PoolError, match="truncated"):
+        Pool.attach(shm_path)
+
+
+def test_failed_attach_leaks_no_descriptors(shm_path: str) -> None:
+    with open(shm_path, "wb") as f:
+        f.write(bytes(4 << 20))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(PoolError):
+            Pool.attach(shm_path)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_handle_pickles_by_name(pool: Pool) -> None:
+    clone = pickle.loads(pickle.dumps(pool))
+    try:
+        assert clone.superblock == pool.superblock and clone.spec == pool.spec
+    finally:
+        clone.close()
+
+
+def test_spec_parsing() -> None:
+    assert parse_spec("/dev/shm/x").spec == "shm:/dev/shm/x"
+    assert parse_spec("shm:/dev/shm/x").spec == "shm:/dev/shm/x"
+    with pytest.raises(ValueError, match="unknown pool backend"):
+        parse_spec("rdma:host:1234")
+    with pytest.raises(ValueError):
+        parse_spec("")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(min_size=360, max_size=360),
+        st.binary(min_size=352, max_size=352).map(lambda b: MAGIC + b),
+    )
+)
+def test_superblock_parser_rejects_random_bytes(raw: bytes) -> None:
+    with pytest.raises(PoolError):
+        unpack(raw.ljust(SUPERBLOCK_BYTES, b"\0"), 1 << 30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, SUPERBLOCK_BYTES - 1), st.integers(1, 255))
+def test_superblock_parser_rejects_any_flipped_byte(pos: int, flip: int) -> None:
+    raw = bytearray(plan(64 << 20, SMALL).pack())
+    raw[pos] ^= flip
+    with pytest.raises(PoolError):
+        unpack(bytes(raw), 64 << 20)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(list(range(24, 200, 8))), st.integers(0, 2**40))
+def test_resealed_nonsense_regions_are_refused(field_offset: int, value: int) -> None:
+    """Even with a valid checksum, an impossible region table is refused."""
+    raw = bytearray(plan(64 << 20, SMALL).pack())
+    struct.pack_into("<Q", raw, field_offset, value)
+    reseal(raw)
+    try:
+        parsed = unpack(bytes(raw), 64 << 20)
+    except PoolError:
+        return
+    for r in (parsed.hosts, parsed.rpc, parsed.headers, parsed.payloads):
+        assert r.end <= parsed.pool_size <= 64 << 20
