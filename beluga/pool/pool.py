@@ -178,7 +178,7 @@ class Pool:
             **self.backend.info(),
             **self.superblock.describe(),
             "coherence": self.memory.mode,
-            "hosts": hosts,
+            "members": hosts,
         }
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``beluga bench``: each returns named figures and a table."""

@@ -1,0 +1,60 @@
+"""``beluga bench memops`` (and, as they land, rpc, store, e2e)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+
+from beluga.bench import memops
+from beluga.bench.stats import format_table, machine, parse_size, write_json
+from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
+from beluga.pool import Geometry, Pool
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure Beluga (tables, or --json figures)")
+    cmds = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    m = cmds.add_parser("memops", help="coherence recipes by size, beside plain memcpy")
+    add_pool_args(m)
+    add_json_arg(m)
+    m.add_argument(
+        "--sizes",
+        default="64,256,1K,4K,16K,64K,256K,1M,4M",
+        help="comma-separated sizes (default 64 B .. 4 MiB)",
+    )
+    m.add_argument("--methods", default=",".join(memops.METHODS))
+    m.add_argument(
+        "--budget",
+        type=parse_size,
+        default=parse_size("256M"),
+        help="bytes to move per size and method (sets the repetitions)",
+    )
+    m.set_defaults(handler=run_memops)
+
+
+def scratch_pool(args: argparse.Namespace, size: int) -> tuple[Pool, bool]:
+    """The pool named on the command line, or a private scratch pool (removed after)."""
+    if args.pool or args.backend or os.environ.get("BELUGA_POOL"):
+        return Pool.attach(pool_spec(args), coherence="native"), False
+    path = f"/dev/shm/beluga-bench-{uuid.uuid4().hex[:8]}"
+    return Pool.create(path, size, geometry=Geometry(max_hosts=4), coherence="native"), True
+
+
+def run_memops(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    pool, scratch = scratch_pool(args, max(64 << 20, 2 * max(sizes) + (32 << 20)))
+    try:
+        result = memops.run(pool, sizes, args.methods.split(","), args.budget)
+    finally:
+        pool.close()
+        if scratch:
+            Pool.destroy(pool.spec)
+    doc = {"benchmark": "memops", "machine": machine(), **result}
+    if args.json:
+        text = write_json(doc, args.json)
+        if args.json == "-":
+            print(text)
+            return 0
+    print(format_table(result["rows"], memops.COLUMNS))
+    return 0

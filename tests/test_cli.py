@@ -1,0 +1,64 @@
+"""The beluga command: success paths print, failures exit non-zero with a message."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from beluga.cli import main
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "beluga", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_pool_create_info_destroy(shm_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "create", "--path", shm_path, "--backend", "shm", "--size", "32M",
+                 "--max-hosts", "4", "--label", "ci"]) == 0
+    assert "created shm:" in capsys.readouterr().out
+    assert main(["pool", "info", "--pool", shm_path, "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["label"] == "ci" and facts["pool_size"] == 32 << 20
+    assert main(["pool", "info", "--pool", shm_path]) == 0
+    assert "max_hosts" in capsys.readouterr().out
+    assert main(["pool", "destroy", "--pool", shm_path]) == 0
+    assert not os.path.exists(shm_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["pool", "info", "--pool", "/dev/shm/beluga-test-missing"], "beluga pool create"),
+        (["pool", "create", "--pool", "/dev/shm/beluga-test-x", "--size", "3M"], "multiple of 2 MiB"),
+        (["pool", "create", "--pool", "rdma:x", "--size", "32M"], "unknown pool backend"),
+        (["pool", "create", "--backend", "numa", "--size", "32M"], "--node"),
+        (["bench", "memops", "--sizes", "12Q"], "not a size"),
+    ],
+)
+def test_errors_exit_nonzero_with_a_message(args: list[str], message: str) -> None:
+    out = run(*args)
+    assert out.returncode != 0
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_existing_pool_needs_force(shm_path: str) -> None:
+    assert run("pool", "create", "--pool", shm_path, "--size", "32M", "--max-hosts", "4"
+               ).returncode == 0
+    again = run("pool", "create", "--pool", shm_path, "--size", "32M", "--max-hosts", "4")
+    assert again.returncode == 1 and "--force" in again.stderr
+    assert run("pool", "destroy", "--pool", shm_path).returncode == 0
+
+
+def test_bench_memops_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "memops", "--sizes", "64,16K", "--budget", "1M", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    figures = doc["figures"]
+    for method in ("memcpy", "nt_store", "publish", "read_validated"):
+        assert figures[f"memops.{method}.16KiB.p50_us"] > 0
+        assert figures[f"memops.{method}.16KiB.p99_us"] >= figures[f"memops.{method}.16KiB.p50_us"]
+    assert doc["machine"]["selected"]["crc"] in ("hw", "sw")
