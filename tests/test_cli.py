@@ -13,13 +13,31 @@ from beluga.cli import main
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "beluga", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "beluga", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_pool_create_info_destroy(shm_path: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["pool", "create", "--path", shm_path, "--backend", "shm", "--size", "32M",
-                 "--max-hosts", "4", "--label", "ci"]) == 0
+    assert (
+        main(
+            [
+                "pool",
+                "create",
+                "--path",
+                shm_path,
+                "--backend",
+                "shm",
+                "--size",
+                "32M",
+                "--max-hosts",
+                "4",
+                "--label",
+                "ci",
+            ]
+        )
+        == 0
+    )
     assert "created shm:" in capsys.readouterr().out
     assert main(["pool", "info", "--pool", shm_path, "--json"]) == 0
     facts = json.loads(capsys.readouterr().out)
@@ -34,7 +52,7 @@ def test_pool_create_info_destroy(shm_path: str, capsys: pytest.CaptureFixture[s
     ("args", "message"),
     [
         (["pool", "info", "--pool", "/dev/shm/beluga-test-missing"], "beluga pool create"),
-        (["pool", "create", "--pool", "/dev/shm/beluga-test-x", "--size", "3M"], "multiple of 2 MiB"),
+        (["pool", "create", "--pool", "/dev/shm/beluga-test-x", "--size", "3M"], "2 MiB"),
         (["pool", "create", "--pool", "rdma:x", "--size", "32M"], "unknown pool backend"),
         (["pool", "create", "--backend", "numa", "--size", "32M"], "--node"),
         (["bench", "memops", "--sizes", "12Q"], "not a size"),
@@ -47,8 +65,10 @@ def test_errors_exit_nonzero_with_a_message(args: list[str], message: str) -> No
 
 
 def test_existing_pool_needs_force(shm_path: str) -> None:
-    assert run("pool", "create", "--pool", shm_path, "--size", "32M", "--max-hosts", "4"
-               ).returncode == 0
+    assert (
+        run("pool", "create", "--pool", shm_path, "--size", "32M", "--max-hosts", "4").returncode
+        == 0
+    )
     again = run("pool", "create", "--pool", shm_path, "--size", "32M", "--max-hosts", "4")
     assert again.returncode == 1 and "--force" in again.stderr
     assert run("pool", "destroy", "--pool", shm_path).returncode == 0

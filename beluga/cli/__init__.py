@@ -40,4 +40,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("beluga: interrupted", file=sys.stderr)
         return 130
-
