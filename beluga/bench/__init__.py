@@ -1,0 +1,1 @@
+"""Benchmarks of Beluga's store, and the baselines they run side by side with it."""
