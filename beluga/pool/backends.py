@@ -245,7 +245,11 @@ class ShmBackend(Backend):
 _BACKENDS: dict[str, type[Backend]] = {"shm": ShmBackend}
 #: built-in backends imported on first use ("module:Class"), so that a plain
 #: shm user never loads libnuma or ctypes mapping code
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "numa": "beluga.pool.numa:NumaBackend",
+    "dax": "beluga.pool.dax:DaxBackend",
+    "interleave": "beluga.pool.interleave:InterleaveBackend",
+}
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
