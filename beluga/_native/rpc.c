@@ -129,14 +129,6 @@ static void emit(bl_mem *m, const rpc_line *lines, const size_t *offs, size_t n,
     m->ops->sfence(m);
 }
 
-/* Load a line that another host writes. */
-static void fetch_line(bl_mem *m, size_t off, rpc_line *ln)
-{
-    m->ops->invalidate(m, off, BL_LINE);
-    m->ops->mfence(m);
-    m->ops->load(m, off, ln, BL_LINE);
-}
-
 /* Load a message's payload into a new bytes object; NULL with no error set if corrupt. */
 static PyObject *payload_of(bl_mem *m, const rpc_line *ln, size_t buf_off)
 {
@@ -272,11 +264,23 @@ done:
     return result;
 }
 
-/* Poll the response of one sequence number once: 1 ready, 0 not yet. */
-static int response_ready(ClientObject *self, uint32_t s, rpc_line *ln)
+/* Whether a loaded response line answers request s. */
+static int answers(const ClientObject *self, const rpc_line *ln, uint32_t s)
 {
-    fetch_line(&self->mem->mem, resp_line(&self->g, (s - 1) % self->g.depth), ln);
     return ln->seq == s && ln->gen == self->gen && ln->crc == line_crc(ln);
+}
+
+/* Load the response lines of requests s.. s+n-1 after one invalidate pass and one fence. */
+static void fetch_responses(ClientObject *self, uint32_t s, uint32_t n, rpc_line *out)
+{
+    bl_mem *m = &self->mem->mem;
+    uint32_t first = (s - 1) % self->g.depth, run = self->g.depth - first < n ? self->g.depth - first : n;
+    m->ops->invalidate(m, resp_line(&self->g, first), (size_t)run * BL_LINE);
+    if (n > run)
+        m->ops->invalidate(m, resp_line(&self->g, 0), (size_t)(n - run) * BL_LINE);
+    m->ops->mfence(m);
+    for (uint32_t i = 0; i < n; i++)
+        m->ops->load(m, resp_line(&self->g, (first + i) % self->g.depth), &out[i], BL_LINE);
 }
 
 /* complete(n, timeout_s) -> [(status, payload), ...] for up to n oldest requests. */
@@ -294,12 +298,15 @@ static PyObject *Client_complete(ClientObject *self, PyObject *args)
     if (!out)
         return NULL;
     uint64_t deadline = now_ns() + (uint64_t)(timeout > 0 ? timeout * 1e9 : 0);
-    rpc_line ln;
+    rpc_line lines[SCAN_WINDOW];
     int spins = 0;
     PyThreadState *ts = NULL;
     while (PyList_GET_SIZE(out) < (Py_ssize_t)want) {
-        uint32_t s = self->done_seq;
-        int ready = response_ready(self, s, &ln);
+        uint32_t left = want - (uint32_t)PyList_GET_SIZE(out);
+        uint32_t n = left < SCAN_WINDOW ? left : SCAN_WINDOW, ready = 0;
+        fetch_responses(self, self->done_seq, n, lines);
+        while (ready < n && answers(self, &lines[ready], self->done_seq + ready))
+            ready++;
         if (!ready) {
             if (++spins == SPIN_WITH_GIL)
                 ts = PyEval_SaveThread();
@@ -313,25 +320,82 @@ static PyObject *Client_complete(ClientObject *self, PyObject *args)
             ts = NULL;
         }
         spins = 0;
-        PyObject *payload = payload_of(&self->mem->mem, &ln, resp_buf(&self->g, (s - 1) % self->g.depth));
-        if (!payload && PyErr_Occurred()) {
-            Py_DECREF(out);
-            return NULL;
+        for (uint32_t i = 0; i < ready; i++, self->done_seq++) {
+            rpc_line *ln = &lines[i];
+            PyObject *payload =
+                payload_of(&self->mem->mem, ln, resp_buf(&self->g, (self->done_seq - 1) % self->g.depth));
+            if (!payload && PyErr_Occurred()) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyObject *item = payload ? Py_BuildValue("(IN)", (unsigned)ln->code, payload)
+                                     : Py_BuildValue("(Iy)", (unsigned)ST_CORRUPT, "response payload corrupt");
+            if (!item || PyList_Append(out, item) < 0) {
+                Py_XDECREF(item);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(item);
         }
-        unsigned int status = payload ? ln.code : ST_CORRUPT;
-        PyObject *item = payload ? Py_BuildValue("(IN)", status, payload)
-                                 : Py_BuildValue("(Iy)", status, "response payload corrupt");
-        if (!item || PyList_Append(out, item) < 0) {
-            Py_XDECREF(item);
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_DECREF(item);
-        self->done_seq++;
     }
     if (ts)
         PyEval_RestoreThread(ts);
     return out;
+}
+
+/* pump(op, payload, depth, duration_s) -> requests completed: keep depth in flight, in C. */
+static PyObject *Client_pump(ClientObject *self, PyObject *args)
+{
+    unsigned int op, depth;
+    Py_buffer p;
+    double duration;
+    if (!PyArg_ParseTuple(args, "Iy*Id", &op, &p, &depth, &duration))
+        return NULL;
+    if (!client_ok(self) || op > 0xffff || p.len > BL_RPC_INLINE || !depth ||
+        depth > self->g.depth || self->next_seq != self->done_seq) {
+        if (!PyErr_Occurred())
+            bl_fail(PyExc_ValueError, "pump needs an idle ring, an inline payload (<= %u bytes) "
+                    "and 1 <= depth <= %u", BL_RPC_INLINE, self->g.depth);
+        PyBuffer_Release(&p);
+        return NULL;
+    }
+    bl_mem *m = &self->mem->mem;
+    rpc_line lines[BL_RPC_MAX_DEPTH], resp[SCAN_WINDOW];
+    size_t offs[BL_RPC_MAX_DEPTH];
+    uint64_t done = 0;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t end = now_ns() + (uint64_t)(duration * 1e9), last_progress = now_ns();
+    while (1) {
+        uint64_t t = now_ns();
+        uint32_t k = 0, room = t < end ? depth - (self->next_seq - self->done_seq) : 0;
+        for (; k < room; k++) {
+            uint32_t s = self->next_seq + k;
+            stage(m, &lines[k], 0, 0, s, self->gen, (uint16_t)op, p.buf, (size_t)p.len);
+            offs[k] = req_line(&self->g, (s - 1) % self->g.depth);
+        }
+        if (k)
+            emit(m, lines, offs, k, 0);
+        self->next_seq += k;
+        uint32_t inflight = self->next_seq - self->done_seq;
+        uint32_t n = inflight < SCAN_WINDOW ? inflight : SCAN_WINDOW, ready = 0;
+        fetch_responses(self, self->done_seq, n, resp);
+        while (ready < n && answers(self, &resp[ready], self->done_seq + ready))
+            ready++;
+        self->done_seq += ready;
+        done += ready;
+        if (ready)
+            last_progress = t;
+        else if (t - last_progress > 1000000000ull)
+            break; /* the server stopped answering: give up after a second */
+        if (t >= end && self->next_seq == self->done_seq)
+            break;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&p);
+    if (self->next_seq != self->done_seq)
+        return bl_fail(bl_rpc_error, "the server stopped answering during pump (%u in flight)",
+                       self->next_seq - self->done_seq);
+    return PyLong_FromUnsignedLongLong(done);
 }
 
 /* call(op, payload, timeout_s) -> (status, payload) or None if not answered in time. */
@@ -380,6 +444,8 @@ static PyMethodDef Client_methods[] = {
      "complete(n, timeout_s) -> [(status, payload)] (fewer on timeout)"},
     {"call", (PyCFunction)Client_call, METH_VARARGS,
      "call(op, payload, timeout_s) -> (status, payload) | None"},
+    {"pump", (PyCFunction)Client_pump, METH_VARARGS,
+     "pump(op, payload, depth, duration_s) -> completed (transport benchmark)"},
     {NULL, NULL, 0, NULL},
 };
 

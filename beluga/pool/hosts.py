@@ -148,7 +148,7 @@ class HostTable:
         with self._lock():
             for hid in candidates:
                 old = self.read(hid)
-                if old and self.is_alive(old, stale_s) and old.pid != pid:
+                if old and self.is_alive(old, stale_s):
                     if host_id is not None:
                         raise PoolError(
                             f"host id {hid} is held by live pid {old.pid}; pick another "

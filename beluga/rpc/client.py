@@ -1,0 +1,201 @@
+"""The RPC client: a ring of slots in the pool, a heartbeat, and calls with timeouts."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from beluga._native import _core
+from beluga.coherence import LINE, read_line, write_line
+from beluga.errors import RpcError
+from beluga.pool import Pool
+from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, process_start_ms
+from beluga.rpc.protocol import (
+    MAX_DEPTH,
+    Op,
+    RingControl,
+    ServerStatus,
+    Status,
+    error_for,
+    ring_offset,
+)
+
+SLICE_S = 0.05  # how often a waiting call looks at the server's health
+
+
+class RpcClient:
+    """One host's connection to the pool's server.  Use as a context manager."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        *,
+        depth: int = 32,
+        host_id: int | None = None,
+        connect_timeout: float = 10.0,
+        timeout: float = 30.0,
+        heartbeat_s: float = 1.0,
+        stale_s: float = DEFAULT_STALE_S,
+    ) -> None:
+        if not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"depth must be 1..{MAX_DEPTH}, not {depth}")
+        self.pool = pool
+        self.timeout = timeout
+        self.stale_s = stale_s
+        self._broken: str | None = None
+        sb = pool.superblock
+        self.entry = pool.claim_host(host_id)
+        self._ring_off = ring_offset(sb, self.entry.host_id)
+        try:
+            ctl = RingControl(
+                self.entry.host_id, self.entry.generation, depth, os.getpid(), 1, time.time_ns()
+            )
+            write_line(pool.memory, self._ring_off, ctl.pack())
+            self.ring = _core.RingClient(
+                pool.memory, self._ring_off, sb.rpc_bytes_per_host, depth, self.entry.generation
+            )
+            self.server = self._wait_for_server(connect_timeout)
+        except BaseException:
+            self._retire()
+            raise
+        self._stop = threading.Event()
+        self._beat = threading.Thread(
+            target=self._heartbeat, args=(heartbeat_s,), name="beluga-heartbeat", daemon=True
+        )
+        self._beat.start()
+
+    @property
+    def host_id(self) -> int:
+        return self.entry.host_id
+
+    @property
+    def max_payload(self) -> int:
+        """Largest request or response payload one call carries."""
+        return self.ring.buf_size
+
+    # -- server health -------------------------------------------------------
+
+    def _status(self) -> ServerStatus | None:
+        return ServerStatus.unpack(read_line(self.pool.memory, self._ring_off + LINE))
+
+    def _alive(self, st: ServerStatus) -> bool:
+        if st.boot_id == BOOT_ID:
+            return process_start_ms(st.pid) == st.start_ms
+        return time.time_ns() - st.heartbeat_ns < self.stale_s * 1e9
+
+    def _wait_for_server(self, timeout: float) -> ServerStatus:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self._status()
+            if st and st.epoch and st.acked_gen == self.entry.generation and self._alive(st):
+                return st
+            if time.monotonic() > deadline:
+                raise RpcError(
+                    f"no Beluga server answered on {self.pool.spec} within {timeout} s; "
+                    f"start one with 'beluga serve --pool {self.pool.spec}'"
+                )
+            time.sleep(0.001)
+
+    def _check_server(self) -> None:
+        """Raise if the server is gone; follow it transparently if it restarted."""
+        st = self._status()
+        if st is None or st.epoch == 0:
+            raise RpcError(
+                f"the Beluga server of {self.pool.spec} stopped; start it again "
+                "with 'beluga serve' and reconnect"
+            )
+        if not self._alive(st):
+            raise RpcError(
+                f"the Beluga server (pid {st.pid}) of {self.pool.spec} died; "
+                "restart it with 'beluga serve'"
+            )
+        if st.epoch != self.server.epoch and st.acked_gen == self.entry.generation:
+            self.server = st  # a new server adopted our ring and serves what is in flight
+
+    # -- calls ---------------------------------------------------------------
+
+    def _usable(self) -> None:
+        if self._broken:
+            raise RpcError(
+                f"this RPC client is unusable ({self._broken}); close it and connect again"
+            )
+
+    def _complete(self, n: int, timeout: float | None) -> list[tuple[int, bytes]]:
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        out: list[tuple[int, bytes]] = []
+        while len(out) < n:
+            out += self.ring.complete(n - len(out), SLICE_S)
+            if len(out) == n:
+                break
+            try:
+                self._check_server()
+            except RpcError as e:
+                self._broken = str(e)
+                raise
+            if time.monotonic() > deadline:
+                self._broken = f"no answer within {limit} s"
+                raise RpcError(
+                    f"the server did not answer within {limit} s; "
+                    "is it overloaded or wedged? ('beluga stats' shows its state)"
+                )
+        return out
+
+    def call(self, op: int, payload: bytes = b"", timeout: float | None = None) -> bytes:
+        """One request, one response; raises the server's error for a non-OK status."""
+        self._usable()
+        r = self.ring.call(op, payload, SLICE_S)
+        status, data = r if r is not None else self._complete(1, timeout)[0]
+        if status != Status.OK:
+            raise error_for(status, data, op)
+        return data
+
+    def call_many(
+        self, requests: Sequence[tuple[int, bytes]], timeout: float | None = None
+    ) -> list[bytes]:
+        """Pipeline many requests (up to the ring depth in flight); raises the first error."""
+        self._usable()
+        out: list[tuple[int, bytes]] = []
+        depth = self.ring.depth
+        for start in range(0, len(requests), depth):
+            chunk = requests[start : start + depth]
+            self.ring.submit_many(chunk)
+            out += self._complete(len(chunk), timeout)
+        for (op, _), (status, data) in zip(requests, out, strict=True):
+            if status != Status.OK:
+                raise error_for(status, data, op)
+        return [data for _, data in out]
+
+    def ping(self) -> int:
+        """Round trip to the server; returns its epoch."""
+        return int.from_bytes(self.call(Op.PING), "little")
+
+    # -- life cycle ----------------------------------------------------------
+
+    def _heartbeat(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self.entry = self.pool.hosts.heartbeat(self.entry)
+            except BaseException:  # the pool went away under us: stop beating
+                return
+
+    def _retire(self) -> None:
+        if not self.pool.memory.released:
+            write_line(self.pool.memory, self._ring_off, bytes(LINE))
+            self.pool.hosts.release(self.entry)
+
+    def close(self) -> None:
+        """Leave: stop the heartbeat, retire the ring, give the host id back."""
+        if getattr(self, "_stop", None) is None or self._stop.is_set():
+            return
+        self._stop.set()
+        self._beat.join(5)
+        self._retire()
+
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

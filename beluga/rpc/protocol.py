@@ -1,0 +1,194 @@
+"""The RPC's shared-memory formats: ring geometry, control lines, messages, statuses.
+
+Per client host h, a ring lives at ``rpc.offset + h * rpc_bytes_per_host``
+(the C core, ``beluga/_native/rpc.c``, documents the slot layout).  Its first
+two lines are parsed here:
+
+- line 0, ring control, written only by the client: who, which generation of
+  the host id (from the host table), how many slots;
+- line 1, server status, written only by the server: its epoch (new at every
+  start), the ring generation it has acknowledged, its pid and heartbeat.
+
+Requests are at-least-once across a server restart: a request in flight when
+the server died is served by the next server.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from beluga._native import _core
+from beluga.coherence import LINE, crc32c
+from beluga.errors import BelugaError, CapacityError, RpcError
+from beluga.pool.layout import Superblock
+
+RING_MAGIC = 0x474E4952  # "RING"
+SERVER_MAGIC = 0x52565253  # "SRVR"
+INLINE = _core.RPC_INLINE
+MAX_DEPTH = _core.RPC_MAX_DEPTH
+
+_RING = struct.Struct("<IIIIIIQ")
+_SERVER = struct.Struct("<IIIIIQ8sQ")
+_MESSAGE = struct.Struct(f"<IHHII{INLINE}sI")  # the C rpc_line minus its own crc
+_CRC = struct.Struct("<I")
+
+
+class Op(enum.IntEnum):
+    """Operations every server understands; services add theirs from 16 on."""
+
+    PING = 0
+    ECHO = 1
+
+
+FIRST_SERVICE_OP = 16
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    UNKNOWN_OP = 1
+    BAD_REQUEST = 2  # the handler refused the arguments (ValueError, BelugaError)
+    CAPACITY = 3  # the handler raised CapacityError
+    FAILED = 4  # the handler raised anything else
+    BAD_LENGTH = _core.ST_BAD_LENGTH  # transport: impossible length for the ring
+    CORRUPT = _core.ST_CORRUPT  # transport: torn or garbage line / payload
+
+
+def ring_offset(sb: Superblock, host_id: int) -> int:
+    return sb.rpc.offset + host_id * sb.rpc_bytes_per_host
+
+
+def buf_size(sb: Superblock, depth: int) -> int:
+    """Largest payload one slot carries for a ring of ``depth`` slots."""
+    return _core.rpc_buf_size(sb.rpc_bytes_per_host, depth)
+
+
+def _seal(body: bytes) -> bytes:
+    padded = body.ljust(LINE - _CRC.size, b"\0")
+    return padded + _CRC.pack(crc32c(padded))
+
+
+def _unseal(line: bytes) -> bytes | None:
+    body = line[: LINE - _CRC.size]
+    return body if _CRC.unpack_from(line, LINE - _CRC.size)[0] == crc32c(body) else None
+
+
+@dataclass(frozen=True)
+class RingControl:
+    host_id: int
+    gen: int
+    depth: int
+    pid: int
+    first_seq: int
+    created_ns: int
+
+    def pack(self) -> bytes:
+        return _seal(
+            _RING.pack(
+                RING_MAGIC,
+                self.host_id,
+                self.gen,
+                self.depth,
+                self.pid,
+                self.first_seq,
+                self.created_ns,
+            )
+        )
+
+    @classmethod
+    def unpack(cls, line: bytes) -> RingControl | None:
+        body = _unseal(line)
+        if body is None:
+            return None
+        magic, host, gen, depth, pid, first, created = _RING.unpack_from(body)
+        if magic != RING_MAGIC or not 1 <= depth <= MAX_DEPTH:
+            return None
+        return cls(host, gen, depth, pid, first, created)
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    epoch: int  # 0: no server (stopped cleanly)
+    acked_gen: int
+    host_id: int
+    pid: int
+    start_ms: int
+    boot_id: bytes
+    heartbeat_ns: int
+
+    def pack(self) -> bytes:
+        return _seal(
+            _SERVER.pack(
+                SERVER_MAGIC,
+                self.epoch,
+                self.acked_gen,
+                self.host_id,
+                self.pid,
+                self.start_ms,
+                self.boot_id,
+                self.heartbeat_ns,
+            )
+        )
+
+    @classmethod
+    def unpack(cls, line: bytes) -> ServerStatus | None:
+        body = _unseal(line)
+        if body is None:
+            return None
+        magic, *fields = _SERVER.unpack_from(body)
+        return cls(*fields) if magic == SERVER_MAGIC else None
+
+
+@dataclass(frozen=True)
+class Message:
+    """One request or response line, as the C core writes it."""
+
+    seq: int
+    code: int
+    flags: int
+    length: int
+    gen: int
+    inline: bytes
+    payload_crc: int
+
+    def pack(self) -> bytes:
+        body = _MESSAGE.pack(
+            self.seq, self.code, self.flags, self.length, self.gen, self.inline, self.payload_crc
+        )
+        return body + _CRC.pack(crc32c(body))
+
+    @classmethod
+    def unpack(cls, line: bytes) -> Message | None:
+        body = _unseal(line)
+        return None if body is None else cls(*_MESSAGE.unpack(body))
+
+
+def request_line(depth: int, slot: int) -> int:
+    """Offset of a slot's request line inside its ring."""
+    return 2 * LINE + slot * LINE
+
+
+def response_line(depth: int, slot: int) -> int:
+    """Offset of a slot's response line inside its ring."""
+    return 2 * LINE + (depth + slot) * LINE
+
+
+_ERRORS: dict[int, type[BelugaError]] = {Status.CAPACITY: CapacityError}
+
+
+def error_for(status: int, payload: bytes, op: int) -> BelugaError:
+    """The exception a client raises for a non-OK status."""
+    text = payload.decode(errors="replace")
+    try:
+        name = Status(status).name.lower()
+    except ValueError:
+        name = f"status {status}"
+    cls = _ERRORS.get(status, RpcError)
+    if status == Status.BAD_REQUEST:
+        return RemoteValueError(f"server refused op {op}: {text}")
+    return cls(f"op {op} failed on the server ({name}): {text}")
+
+
+class RemoteValueError(RpcError, ValueError):
+    """The server refused a request's arguments."""

@@ -1,0 +1,285 @@
+"""The RPC server: one thread polls every client's ring and answers in batches.
+
+Handlers are batch-first: ``handler(requests) -> results``, one result per
+request, each ``bytes`` (OK) or an exception (an error status whose message
+the client raises).  :func:`per_request` adapts a one-at-a-time function.
+
+The server's life cycle, in shared memory:
+
+- it claims a host id like any host, and writes a fresh random *epoch*;
+- every ``refresh_s`` it reads each ring's control line and the host table:
+  a ring whose client is alive (pid + start time, or heartbeat) and whose
+  generation matches the host table is served; a dead client's ring is
+  dropped and ``on_client_gone(host_id)`` runs, so upper layers reclaim what
+  that client held;
+- it writes each ring's status line (epoch, acknowledged generation,
+  heartbeat); a clean stop writes epoch 0 so that clients fail fast.
+
+A restarted server recovers each ring's position from the lines themselves:
+a request with no matching response is still pending and is served again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from beluga._native import _core
+from beluga.coherence import LINE, read_line, write_line
+from beluga.errors import BelugaError, CapacityError, RpcError
+from beluga.pool import Pool
+from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, process_start_ms
+from beluga.rpc.protocol import (
+    Message,
+    Op,
+    RingControl,
+    ServerStatus,
+    Status,
+    buf_size,
+    request_line,
+    response_line,
+    ring_offset,
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    host_id: int
+    op: int
+    payload: bytes
+
+
+Result = bytes | BaseException
+Batch = list[tuple[int, int, int, bytes]]  # (ring, seq, op or status, payload)
+BatchHandler = Callable[[list[Request]], list[Result]]
+
+
+def per_request(fn: Callable[[Request], bytes]) -> BatchHandler:
+    """Adapt a handler of one request into a batch handler (errors stay per request)."""
+
+    def batch(requests: list[Request]) -> list[Result]:
+        out: list[Result] = []
+        for r in requests:
+            try:
+                out.append(fn(r))
+            except Exception as e:  # each request gets its own error status
+                out.append(e)
+        return out
+
+    return batch
+
+
+def _status_of(result: BaseException) -> int:
+    if isinstance(result, CapacityError):
+        return Status.CAPACITY
+    if isinstance(result, ValueError | BelugaError):
+        return Status.BAD_REQUEST
+    return Status.FAILED
+
+
+class RpcServer:
+    """Serve every ring of a pool.  ``serve_forever`` until ``stop``; or ``start_thread``."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        handlers: Mapping[int, BatchHandler] | None = None,
+        *,
+        host_id: int | None = None,
+        max_batch: int = 256,
+        refresh_s: float = 0.1,
+        idle_after_s: float = 0.5,
+        stale_s: float = DEFAULT_STALE_S,
+        on_client_gone: Callable[[int], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.sb = pool.superblock
+        self.mem = pool.memory
+        self.handlers: dict[int, BatchHandler] = {
+            Op.PING: per_request(lambda r: self.epoch.to_bytes(4, "little")),
+            Op.ECHO: per_request(lambda r: r.payload),
+            **(handlers or {}),
+        }
+        self.max_batch = max_batch
+        self.refresh_s = refresh_s
+        self.idle_after_s = idle_after_s
+        self.stale_s = stale_s
+        self.on_client_gone = on_client_gone
+        self.epoch = int.from_bytes(os.urandom(4), "little") or 1
+        self.entry = pool.claim_host(host_id)
+        self.start_ms = process_start_ms(os.getpid()) or 0
+        self.active: dict[int, RingControl] = {}
+        self.rings = _core.RingServer(
+            self.mem, self.sb.rpc.offset, self.sb.rpc_bytes_per_host, self.sb.max_hosts
+        )
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.refresh()
+
+    # -- rings ---------------------------------------------------------------
+
+    def _write_status(self, host_id: int, epoch: int, acked_gen: int) -> None:
+        status = ServerStatus(
+            epoch,
+            acked_gen,
+            self.entry.host_id,
+            os.getpid(),
+            self.start_ms,
+            BOOT_ID,
+            time.time_ns(),
+        )
+        write_line(self.mem, ring_offset(self.sb, host_id) + LINE, status.pack())
+
+    def _recover_head(self, host_id: int, ctl: RingControl) -> int:
+        """Next sequence number to serve: the oldest request without a response."""
+        base = ring_offset(self.sb, host_id)
+        pending, newest = [], 0
+        for slot in range(ctl.depth):
+            req = Message.unpack(read_line(self.mem, base + request_line(ctl.depth, slot)))
+            if req is None or req.gen != ctl.gen or req.seq == 0:
+                continue
+            newest = max(newest, req.seq)
+            resp = Message.unpack(read_line(self.mem, base + response_line(ctl.depth, slot)))
+            if resp is None or resp.gen != ctl.gen or resp.seq != req.seq:
+                pending.append(req.seq)
+        return min(pending) if pending else (newest + 1 if newest else ctl.first_seq)
+
+    def refresh(self) -> None:
+        """Adopt new clients, drop dead ones, and heartbeat every ring's status line."""
+        hosts = self.pool.hosts
+        for h in range(self.sb.max_hosts):
+            if h == self.entry.host_id:
+                continue
+            ctl = RingControl.unpack(read_line(self.mem, ring_offset(self.sb, h)))
+            holder = hosts.read(h) if ctl else None
+            live = (
+                ctl is not None
+                and holder is not None
+                and holder.generation == ctl.gen
+                and ctl.host_id == h
+                and hosts.is_alive(holder, self.stale_s)
+            )
+            current = self.active.get(h)
+            if live and current != ctl:
+                assert ctl is not None
+                self.rings.set_ring(h, ctl.gen, ctl.depth, self._recover_head(h, ctl))
+                self.active[h] = ctl
+            elif not live and current is not None:
+                self.rings.clear_ring(h)
+                del self.active[h]
+                if self.on_client_gone:
+                    self.on_client_gone(h)
+            self._write_status(h, self.epoch, ctl.gen if live and ctl else 0)
+        self.entry = hosts.heartbeat(self.entry)
+
+    # -- serving -------------------------------------------------------------
+
+    def dispatch(
+        self, batch: list[tuple[int, int, int, bytes]]
+    ) -> list[tuple[int, int, int, bytes]]:
+        """Run handlers over one polled batch; returns the responses to write."""
+        by_op: dict[int, list[int]] = {}
+        for i, (_, _, op, _) in enumerate(batch):
+            by_op.setdefault(op, []).append(i)
+        results: list[Result] = [b""] * len(batch)
+        for op, idx in by_op.items():
+            handler = self.handlers.get(op)
+            if handler is None:
+                for i in idx:
+                    results[i] = RpcError(
+                        f"unknown op {op}; this server knows {sorted(self.handlers)}"
+                    )
+                continue
+            reqs = [Request(batch[i][0], op, batch[i][3]) for i in idx]
+            try:
+                out = handler(reqs)
+                if len(out) != len(reqs):
+                    raise RpcError(
+                        f"handler for op {op} returned {len(out)} results for {len(reqs)} requests"
+                    )
+            except Exception as e:  # a broken handler fails its requests, not the server
+                out = [e] * len(reqs)
+            for i, r in zip(idx, out, strict=True):
+                results[i] = r
+        responses = []
+        for (ring, seq, op, _), r in zip(batch, results, strict=True):
+            if isinstance(r, BaseException):
+                status = Status.UNKNOWN_OP if op not in self.handlers else _status_of(r)
+                payload = str(r).encode()[: buf_size(self.sb, self.active[ring].depth)]
+            else:
+                status, payload = Status.OK, bytes(r)
+                limit = buf_size(self.sb, self.active[ring].depth)
+                if len(payload) > limit:
+                    status = Status.FAILED
+                    payload = (
+                        f"response of {len(payload)} bytes exceeds the ring's {limit}-byte "
+                        "slot buffer; connect with a smaller depth"
+                    ).encode()
+            responses.append((ring, seq, int(status), payload))
+        return responses
+
+    def serve_once(self, timeout: float) -> int:
+        """Poll once (up to ``timeout`` s), answer what arrived; returns how many."""
+        batch = self.rings.poll(self.max_batch, timeout)
+        if batch:
+            self.rings.respond(self.dispatch(batch))
+        return len(batch)
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop`.  Busy-polls while there is traffic, naps when idle."""
+        next_refresh = last_work = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_refresh:
+                self.refresh()
+                next_refresh = now + self.refresh_s
+            idle = now - last_work > self.idle_after_s
+            if self.serve_once(0.0 if idle else min(0.05, self.refresh_s)):
+                last_work = time.monotonic()
+            elif idle:
+                time.sleep(0.0005)
+
+    def serve_echo(self, duration_s: float) -> int:
+        """Answer every request by echoing it, entirely in C (measures the transport)."""
+        end, answered = time.monotonic() + duration_s, 0
+        while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
+            self.refresh()
+            answered += self.rings.serve_echo(min(self.refresh_s, left))
+        return answered
+
+    def start_thread(self) -> threading.Thread:
+        """Run serve_forever in a daemon thread (tests, in-process use)."""
+        if self._thread is not None:
+            raise RpcError("this server is already running")
+        self._thread = threading.Thread(target=self.serve_forever, name="beluga-rpc", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self) -> None:
+        """Make serve_forever / serve_echo return promptly (thread-safe)."""
+        self._stop.set()
+        self.rings.stop()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop, tell every client the server is gone, and give the host id back."""
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RpcError(f"server thread did not stop within {timeout} s")
+            self._thread = None
+        if self.mem.released:
+            return
+        for h in range(self.sb.max_hosts):
+            if h != self.entry.host_id:
+                self._write_status(h, 0, 0)
+        self.pool.hosts.release(self.entry)
+
+    def __enter__(self) -> RpcServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
