@@ -45,20 +45,12 @@ def coalesce(table: np.ndarray) -> np.ndarray:
         & (boff[1:] == boff[:-1] + length[:-1])
         & (poff[1:] == poff[:-1] + length[:-1])
     )
+    if not joins.any():
+        return table
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     merged = table[starts]
     merged[:, 3] = np.add.reduceat(length, starts)
     return merged
-
-
-def _table(buf: np.ndarray, boff: np.ndarray, poff: np.ndarray, length: int) -> np.ndarray:
-    """Stack flat columns into a C-contiguous uint64 table, then coalesce it."""
-    table = np.empty((buf.size, 4), dtype=np.uint64)
-    table[:, 0] = buf.ravel()
-    table[:, 1] = boff.ravel()
-    table[:, 2] = poff.ravel()
-    table[:, 3] = length
-    return coalesce(table)
 
 
 def _pool_offsets(
@@ -88,9 +80,13 @@ def _pool_offsets(
 
 def block_table(layout: KVLayout, block_ids: np.ndarray, pool_offsets: np.ndarray) -> np.ndarray:
     """The scatter-gather table that moves whole engine blocks to or from pool blocks."""
-    buf, boff, in_block = layout.block_runs(block_ids)
-    poff = pool_offsets[:, None, None, None] + in_block
-    return _table(buf, boff, poff, layout.run_bytes)
+    buffer, offset, in_block = layout.block_runs
+    table = np.empty((len(block_ids), len(buffer), 4), dtype=np.uint64)
+    table[:, :, 0] = buffer
+    table[:, :, 1] = layout.block_starts(block_ids)[:, None] + offset
+    table[:, :, 2] = pool_offsets[:, None] + in_block
+    table[:, :, 3] = layout.run_bytes
+    return coalesce(table.reshape(-1, 4))
 
 
 def gather_write(
@@ -141,13 +137,14 @@ def sparse_table(fmt: BlockFormat, pool_offsets: np.ndarray, positions: np.ndarr
     layer = np.arange(num_layers, dtype=np.int64)[:, None, None, None]
     kv = np.arange(2, dtype=np.int64)[None, :, None, None]
     head = np.arange(heads, dtype=np.int64)[None, None, :, None]
-    pos = positions[:, None, :, :]
-    block, token = np.divmod(pos, s.block_size)
-    poff = pool_offsets[block] + fmt.fragment_offsets(layer, kv, token, head)
+    block, token = np.divmod(positions[:, None], s.block_size)
     fragment = s.head_dim * s.itemsize
-    slot = ((layer * 2 + kv) * heads + head) * k + np.arange(k, dtype=np.int64)
-    buf = np.zeros(poff.shape, dtype=np.int64)
-    return _table(buf, np.broadcast_to(slot * fragment, poff.shape), poff, fragment)
+    table = np.empty((num_layers, 2, heads, k, 4), dtype=np.uint64)
+    table[..., 0] = 0
+    table[..., 1] = (np.arange(table.size // 4, dtype=np.int64) * fragment).reshape(table.shape[:4])
+    table[..., 2] = pool_offsets[block] + fmt.fragment_offsets(layer, kv, token, head)
+    table[..., 3] = fragment
+    return coalesce(table.reshape(-1, 4))
 
 
 def sparse_fetch(

@@ -27,6 +27,7 @@ Layouts (per layer; ``nb`` blocks of ``bs`` tokens, ``H`` KV heads of ``D``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -236,29 +237,30 @@ class KVLayout:
 
     @property
     def run_bytes(self) -> int:
-        """Length of each contiguous run :meth:`block_runs` describes."""
+        """Length of each contiguous run in :attr:`block_runs`."""
         return self.spec.section_bytes // self._s.pieces
 
-    def block_runs(self, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every run of the given (checked) blocks: buffer index, buffer offset, offset in block.
+    @functools.cached_property
+    def block_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs that make up any one block, in pool order.
 
-        The arrays are shaped ``[blocks, layers, 2, runs per section]`` and list the
-        runs in pool order, so consecutive runs that are adjacent on both sides
-        can be merged.
+        Three flat arrays: buffer index, byte offset from the block's start in
+        that buffer (add :meth:`block_starts`), byte offset inside the pool
+        block.  Every block has the same runs, so they are computed once.
         """
         s = self._s
-        block = block_ids[:, None, None, None]
-        layer = np.arange(self.spec.num_layers, dtype=np.int64)[None, :, None, None]
-        kv = np.arange(2, dtype=np.int64)[None, None, :, None]
-        piece = np.arange(s.pieces, dtype=np.int64)[None, None, None, :]
-        start = self._element(block, kv, 0, 0) + piece * s.piece
-        in_block = ((layer * 2 + kv) * s.pieces + piece) * self.run_bytes
-        shape = (len(block_ids), self.spec.num_layers, 2, s.pieces)
-        return (
-            np.broadcast_to(self._buffer(layer, kv), shape),
-            np.broadcast_to(start * self.spec.itemsize, shape),
-            np.broadcast_to(in_block, shape),
-        )
+        layer = np.arange(self.spec.num_layers, dtype=np.int64)[:, None, None]
+        kv = np.arange(2, dtype=np.int64)[None, :, None]
+        piece = np.arange(s.pieces, dtype=np.int64)[None, None, :]
+        shape = (self.spec.num_layers, 2, s.pieces)
+        buffer = np.broadcast_to(self._buffer(layer, kv), shape).ravel()
+        offset = np.broadcast_to((kv * s.kv + piece * s.piece) * self.spec.itemsize, shape).ravel()
+        in_block = (((layer * 2 + kv) * s.pieces + piece) * self.run_bytes).ravel()
+        return buffer, offset, in_block
+
+    def block_starts(self, block_ids: np.ndarray) -> np.ndarray:
+        """Byte offset of each (checked) block's first K element in its buffers."""
+        return self._block_element(block_ids) * self.spec.itemsize
 
     def locate(
         self, block: object, layer: object, kv: object, token: object, head: object
@@ -285,7 +287,9 @@ class KVLayout:
             if arr.size and (arr.min() < 0 or arr.max() >= limit):
                 raise ValueError(f"{name} must be in 0..{limit - 1}")
         layer, kv, token, head = (np.asarray(a, dtype=np.int64) for a in (layer, kv, token, head))
-        offset = self._element(block, kv, token, head) * s.itemsize
+        t = self._s
+        element = self._block_element(block) + kv * t.kv + token * t.token + head * t.head
+        offset = element * s.itemsize
         buffer, offset = np.broadcast_arrays(self._buffer(layer, kv), offset)
         return buffer, offset
 
@@ -293,17 +297,11 @@ class KVLayout:
         """Buffer index of a layer's K or V (one buffer per layer, or one per tensor)."""
         return layer * self._per_layer + kv * (self._per_layer - 1)
 
-    def _element(self, block: np.ndarray, kv: object, token: object, head: object) -> np.ndarray:
-        """Element offset of (block, K/V, token, head) inside its buffer."""
+    def _block_element(self, block: np.ndarray) -> np.ndarray:
+        """Element offset of a block's first K element inside its buffers."""
         s = self._s
         row, col = np.divmod(block, max(s.blocks_per_row, 1))
-        return (
-            np.asarray(kv) * s.kv
-            + row * s.row
-            + col * s.block
-            + np.asarray(token) * s.token
-            + np.asarray(head) * s.head
-        )
+        return row * s.row + col * s.block
 
 
 def _hnd_view(t: torch.Tensor) -> torch.Tensor:
