@@ -31,5 +31,9 @@ class RpcError(BelugaError):
     """An RPC failed: timeout, server gone, or a bad request."""
 
 
+class KVLayoutError(BelugaError, ValueError):
+    """Engine KV tensors, a KV layout and a pool block format do not agree."""
+
+
 class CapacityError(BelugaError):
     """The pool has no room left and nothing can be evicted."""

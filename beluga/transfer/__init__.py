@@ -1,0 +1,40 @@
+"""The KV data path: engine KV layouts, pool block format, gather/scatter, sparse fetch.
+
+- :mod:`beluga.transfer.format`: :class:`KVSpec` (a model's KV shape) and
+  :class:`BlockFormat` (the bytes of one pool block).
+- :mod:`beluga.transfer.layouts`: :class:`KVLayout`, built from an engine's
+  registered KV tensors (vLLM FlashAttention NHD/HND, vLLM CPU_ATTN, Hugging
+  Face); needs torch.
+- :mod:`beluga.transfer.datapath`: :func:`gather_write`, :func:`scatter_read`
+  and :func:`sparse_fetch`, each one C call through a coherence ``Memory``.
+"""
+
+from beluga.transfer.datapath import (
+    block_table,
+    coalesce,
+    gather_write,
+    scatter_read,
+    sparse_fetch,
+    sparse_shape,
+    sparse_table,
+)
+from beluga.transfer.format import DTYPE_SIZES, ORDERS, BlockFormat, K, KVSpec, V
+from beluga.transfer.layouts import KVLayout, host_bytes
+
+__all__ = [
+    "DTYPE_SIZES",
+    "ORDERS",
+    "BlockFormat",
+    "K",
+    "KVLayout",
+    "KVSpec",
+    "V",
+    "block_table",
+    "coalesce",
+    "gather_write",
+    "host_bytes",
+    "scatter_read",
+    "sparse_fetch",
+    "sparse_shape",
+    "sparse_table",
+]

@@ -1,0 +1,196 @@
+"""Gather-write, scatter-read and sparse fetch of KV: one C call per batch.
+
+KV moves between an engine's paged cache and pool blocks as one
+scatter-gather table of uint64 rows ``(buffer index, buffer offset, pool
+offset, length)`` run by one ``Memory.gather_write`` or
+``Memory.scatter_read`` call: the C core checks every row before a byte
+moves, then writes with non-temporal stores and one SFENCE, or invalidates
+every range, fences once and loads.  One call per batch is the point of a
+CXL pool: there is no scatter-gather list limit to batch around and no
+per-piece call to pay for, so a 16-token block of a 28-layer model is 56
+pieces in one call, not 56 calls.
+
+The table is built with numpy index arithmetic over whole arrays (no Python
+loop per piece), and runs that are adjacent on both sides are merged.
+
+Pool offsets are the payload offsets of pool blocks in the mapping, one per
+engine block, as the store's allocator hands them out: line-aligned, each
+``block_bytes`` long.  Everything (block ids, offsets, sizes, overlaps) is
+checked before the C call, so bad input raises and nothing is written.
+
+``gather_write`` makes the payload reach memory but publishes nothing: the
+caller seals each block with its header afterwards, and readers trust a block
+only through that header (see beluga.coherence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from beluga.coherence import LINE, Memory
+from beluga.errors import KVLayoutError
+from beluga.transfer.format import BlockFormat
+from beluga.transfer.layouts import KVLayout
+
+
+def coalesce(table: np.ndarray) -> np.ndarray:
+    """Merge consecutive rows that continue each other in the buffer and in the pool."""
+    if len(table) < 2:
+        return table
+    buf, boff, poff, length = table.T
+    joins = (
+        (buf[1:] == buf[:-1])
+        & (boff[1:] == boff[:-1] + length[:-1])
+        & (poff[1:] == poff[:-1] + length[:-1])
+    )
+    if not joins.any():
+        return table
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = table[starts]
+    merged[:, 3] = np.add.reduceat(length, starts)
+    return merged
+
+
+def _pool_offsets(
+    pool_offsets: object, count: int, fmt: BlockFormat, pool_bytes: int, block_bytes: int
+) -> np.ndarray:
+    """Pool payload offsets as int64, refused unless each can hold one block of ``fmt``."""
+    if block_bytes < fmt.nbytes:
+        raise KVLayoutError(
+            f"a pool block of {block_bytes} bytes cannot hold one {fmt.order} block of "
+            f"{fmt.spec} ({fmt.nbytes} bytes); create the pool with a block size of at least "
+            f"{fmt.nbytes} bytes"
+        )
+    offs = np.asarray(pool_offsets)
+    if offs.ndim != 1 or (offs.size and offs.dtype.kind not in "iu"):
+        raise ValueError(f"pool offsets must be a 1-D sequence of ints, got {offs!r}")
+    if len(offs) != count:
+        raise ValueError(f"got {len(offs)} pool offsets for {count} blocks; pass one per block")
+    offs = offs.astype(np.int64)
+    bad = offs[(offs < 0) | (offs % LINE != 0) | (offs > pool_bytes - fmt.nbytes)]
+    if bad.size:
+        raise ValueError(
+            f"pool offset {int(bad[0])} is not a {LINE}-byte aligned start of a "
+            f"{fmt.nbytes}-byte block inside the {pool_bytes}-byte pool"
+        )
+    return offs
+
+
+def block_table(layout: KVLayout, block_ids: np.ndarray, pool_offsets: np.ndarray) -> np.ndarray:
+    """The scatter-gather table that moves whole engine blocks to or from pool blocks."""
+    buffer, offset, in_block = layout.block_runs
+    table = np.empty((len(block_ids), len(buffer), 4), dtype=np.uint64)
+    table[:, :, 0] = buffer
+    table[:, :, 1] = layout.block_starts(block_ids)[:, None] + offset
+    table[:, :, 2] = pool_offsets[:, None] + in_block
+    table[:, :, 3] = layout.run_bytes
+    return coalesce(table.reshape(-1, 4))
+
+
+def gather_write(
+    mem: Memory,
+    layout: KVLayout,
+    block_ids: Sequence[int] | np.ndarray,
+    pool_offsets: Sequence[int] | np.ndarray,
+    *,
+    block_bytes: int,
+) -> int:
+    """Copy engine blocks into pool blocks (non-temporal, fenced); returns bytes moved."""
+    ids = layout.check_blocks(block_ids)
+    offs = _pool_offsets(pool_offsets, len(ids), layout.format, mem.size, block_bytes)
+    ordered = np.sort(offs)
+    if np.any(np.diff(ordered) < layout.format.nbytes):
+        raise ValueError(
+            "two pool blocks of this write overlap; each engine block needs its own pool block"
+        )
+    return mem.gather_write(layout.buffers, block_table(layout, ids, offs))
+
+
+def scatter_read(
+    mem: Memory,
+    layout: KVLayout,
+    block_ids: Sequence[int] | np.ndarray,
+    pool_offsets: Sequence[int] | np.ndarray,
+    *,
+    block_bytes: int,
+) -> int:
+    """Copy pool blocks into engine blocks (invalidating first); returns bytes moved."""
+    ids = layout.check_blocks(block_ids)
+    offs = _pool_offsets(pool_offsets, len(ids), layout.format, mem.size, block_bytes)
+    if len(np.unique(ids)) != len(ids):
+        raise ValueError("an engine block id appears twice; each read needs its own engine block")
+    return mem.scatter_read(layout.buffers, block_table(layout, ids, offs))
+
+
+def sparse_shape(fmt: BlockFormat, positions: np.ndarray) -> tuple[int, int, int, int, int]:
+    """Shape of what :func:`sparse_fetch` writes: [layers, 2 (K, V), kv_heads, k, head_dim]."""
+    s = fmt.spec
+    return (s.num_layers, 2, s.num_kv_heads, positions.shape[-1], s.head_dim)
+
+
+def sparse_table(fmt: BlockFormat, pool_offsets: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The table that fetches chosen tokens' fragments, laid out as :func:`sparse_shape`."""
+    s = fmt.spec
+    num_layers, heads, k = positions.shape
+    layer = np.arange(num_layers, dtype=np.int64)[:, None, None, None]
+    kv = np.arange(2, dtype=np.int64)[None, :, None, None]
+    head = np.arange(heads, dtype=np.int64)[None, None, :, None]
+    block, token = np.divmod(positions[:, None], s.block_size)
+    fragment = s.head_dim * s.itemsize
+    table = np.empty((num_layers, 2, heads, k, 4), dtype=np.uint64)
+    table[..., 0] = 0
+    table[..., 1] = (np.arange(table.size // 4, dtype=np.int64) * fragment).reshape(table.shape[:4])
+    table[..., 2] = pool_offsets[block] + fmt.fragment_offsets(layer, kv, token, head)
+    table[..., 3] = fragment
+    return coalesce(table.reshape(-1, 4))
+
+
+def sparse_fetch(
+    mem: Memory,
+    fmt: BlockFormat,
+    pool_offsets: Sequence[int] | np.ndarray,
+    positions: np.ndarray,
+    out: object,
+    *,
+    block_bytes: int,
+) -> int:
+    """Fetch the K and V of chosen tokens, per layer and KV head, from a sequence's pool blocks.
+
+    ``pool_offsets[i]`` is the pool block holding tokens ``[i * block_size,
+    (i + 1) * block_size)``; ``positions`` is an int array ``[layers,
+    kv_heads, k]`` of token positions (top-k per layer and head); ``out`` is a
+    writable buffer that receives ``sparse_shape(fmt, positions)`` elements.
+    Returns the bytes moved.
+    """
+    if not fmt.token_addressable:
+        raise KVLayoutError(
+            "CPU_ATTN blocks pack each head's tokens for the CPU's ISA; sparse fetch needs "
+            "an NHD or HND block format"
+        )
+    pos = np.asarray(positions)
+    s = fmt.spec
+    want = (s.num_layers, s.num_kv_heads)
+    if pos.ndim != 3 or pos.shape[:2] != want or pos.dtype.kind not in "iu":
+        raise ValueError(
+            f"positions must be an int array [{s.num_layers}, {s.num_kv_heads}, k] "
+            f"(layers, kv heads, tokens), got shape {pos.shape} and dtype {pos.dtype}"
+        )
+    pos = pos.astype(np.int64)
+    offs = np.asarray(pool_offsets)
+    offs = _pool_offsets(offs, offs.size, fmt, mem.size, block_bytes)
+    limit = len(offs) * s.block_size
+    if pos.size and (pos.min() < 0 or pos.max() >= limit):
+        raise ValueError(
+            f"token positions must be in 0..{limit - 1}: the {len(offs)} pool blocks given "
+            f"hold {limit} tokens"
+        )
+    need = int(np.prod(sparse_shape(fmt, pos))) * s.itemsize
+    with memoryview(out) as view:
+        if view.readonly or not view.c_contiguous or view.nbytes < need:
+            raise ValueError(
+                f"out must be a writable contiguous buffer of at least {need} bytes "
+                f"(a {sparse_shape(fmt, pos)} {s.dtype} array), got {view.nbytes} bytes"
+            )
+    return mem.scatter_read([out], sparse_table(fmt, offs, pos))

@@ -1,0 +1,107 @@
+"""The canonical pool block: one engine block of KV for every layer, K and V.
+
+A pool block holds ``block_size`` tokens (16 by default, vLLM's block size) of
+every layer.  Its payload is ``2 * num_layers`` equal sections, in the order::
+
+    layer 0 K | layer 0 V | layer 1 K | layer 1 V | ... | layer L-1 V
+
+Each section is one block of one layer's K or V in one of three inner orders:
+
+``NHD``
+    ``[block_size, num_kv_heads, head_dim]``: vLLM FlashAttention (NHD).
+``HND``
+    ``[num_kv_heads, block_size, head_dim]``: vLLM FlashAttention with the HND
+    stride order, and Hugging Face ``[batch, heads, seq, dim]`` caches, so those
+    two kinds of engine can read each other's blocks.
+``CPU``
+    ``[num_kv_heads, block_size * head_dim]``: vLLM's CPU_ATTN backend, which
+    repacks each head's slab for its ISA (AMX tiles).  The slab moves whole;
+    no single token inside it can be addressed.
+
+Why this shape: for the vLLM layouts every section is the engine's own
+contiguous run for that block, copied as is, so a block moves as
+``2 * num_layers`` pieces with no reshuffling on either side; the layer-major
+order keeps one layer's K and V together for a later per-layer load.  The
+format is a pure function of the model's KV shape and the engine's order, so
+every host that computes the same :class:`BlockFormat` reads the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+K, V = 0, 1
+DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
+ORDERS = ("NHD", "HND", "CPU")
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The shape of one model's KV cache; it fixes what a pool block holds."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVSpec.{name} must be a positive int, not {value!r}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(
+                f"KVSpec.dtype must be one of {sorted(DTYPE_SIZES)}, not {self.dtype!r}"
+            )
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def section_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """The byte layout of one pool block for a model shape and an inner order."""
+
+    spec: KVSpec
+    order: str
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"BlockFormat.order must be one of {ORDERS}, not {self.order!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of one pool block (the pool's block size must be at least this)."""
+        return 2 * self.spec.num_layers * self.spec.section_bytes
+
+    @property
+    def token_addressable(self) -> bool:
+        """False for CPU_ATTN blocks, whose per-head slabs are packed for an ISA."""
+        return self.order != "CPU"
+
+    def fragment_offsets(
+        self, layer: np.ndarray, kv: np.ndarray, token: np.ndarray, head: np.ndarray
+    ) -> np.ndarray:
+        """Byte offsets, inside a block, of the head_dim vectors named (broadcast arrays)."""
+        if not self.token_addressable:
+            raise ValueError(
+                "tokens inside a CPU_ATTN block are packed for the CPU's ISA and cannot be "
+                "fetched one by one; move whole blocks, or use an NHD/HND layout"
+            )
+        s = self.spec
+        layer, kv, token, head = (np.asarray(a, dtype=np.int64) for a in (layer, kv, token, head))
+        if self.order == "NHD":
+            inner = token * s.num_kv_heads + head
+        else:
+            inner = head * s.block_size + token
+        section = (layer * 2 + kv) * (s.section_bytes // s.itemsize)
+        return (section + inner * s.head_dim) * s.itemsize

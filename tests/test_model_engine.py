@@ -1,0 +1,188 @@
+"""The model engine: a cached prefix read back through pool blocks gives full-recompute logits.
+
+Two engines with the same seed stand for two hosts serving one model; each
+has its own Memory on one shared pool, so under the non-coherent model the
+reader's KV really comes through gather-write, the pool and scatter-read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from beluga.coherence import Memory, attach
+from beluga.errors import KVLayoutError
+from beluga.serving.model import QWEN2_7B, ModelEngine, ModelShape
+from beluga.transfer import BlockFormat
+
+TOLERANCE = 1e-4
+PROMPT_TOKENS = 75  # four full blocks and a partial one
+SLOTS = 8
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[ModelEngine, ModelEngine]:
+    return ModelEngine(seed=11), ModelEngine(seed=11)
+
+
+def prompt(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
+    return np.random.default_rng(seed).integers(0, ModelShape().vocab_size, n).tolist()
+
+
+def slot_bytes(engine: ModelEngine) -> int:
+    return -(-BlockFormat(engine.kv_spec, "HND").nbytes // 4096) * 4096
+
+
+@pytest.fixture(params=["native", "model"])
+def hosts(
+    request: pytest.FixtureRequest, engines: tuple[ModelEngine, ModelEngine]
+) -> Iterator[tuple[bytearray, Memory, Memory]]:
+    pool = bytearray(slot_bytes(engines[0]) * SLOTS)
+    writer, reader = attach(pool, request.param), attach(pool, request.param)
+    yield pool, writer, reader
+    writer.release()
+    reader.release()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def test_cached_prefix_logits_equal_full_recomputation(
+    engines: tuple[ModelEngine, ModelEngine], hosts: tuple
+) -> None:
+    a, b = engines
+    pool, writer, reader = hosts
+    stride = slot_bytes(a)
+    tokens = prompt(1)
+    full = a.prefill(tokens)
+    assert full.logits.shape == (PROMPT_TOKENS, ModelShape().vocab_size)
+    assert full.num_full_blocks == 4
+    offsets = [stride * s for s in (6, 1, 4, 0)]
+    reader.load(0, len(pool))  # stale lines: only an invalidating read sees the blocks
+    a.save_blocks(writer, full.kv, offsets, block_bytes=stride)
+    reference = b.prefill(tokens)  # host B's own full recomputation
+    for blocks in (1, 2, 3, 4):
+        cached = blocks * 16
+        prefix = b.load_prefix(reader, offsets[:blocks], block_bytes=stride)
+        for (pk, pv), (fk, fv) in zip(prefix, full.kv, strict=True):
+            assert torch.equal(pk, fk[:, :, :cached]) and torch.equal(pv, fv[:, :, :cached])
+        out = b.prefill(tokens, prefix)
+        assert out.num_cached == cached and out.logits.shape[0] == PROMPT_TOKENS - cached
+        assert max_diff(out.logits, reference.logits[cached:]) <= TOLERANCE
+        for (ok, ov), (rk, rv) in zip(out.kv, reference.kv, strict=True):
+            assert max(max_diff(ok, rk), max_diff(ov, rv)) <= TOLERANCE
+
+
+def test_a_shared_prefix_serves_a_different_continuation(
+    engines: tuple[ModelEngine, ModelEngine], hosts: tuple
+) -> None:
+    a, b = engines
+    _, writer, reader = hosts
+    stride = slot_bytes(a)
+    first = prompt(2)
+    second = first[:48] + prompt(3, 30)
+    saved = a.prefill(first)
+    offsets = [stride * s for s in (3, 5, 2)]
+    a.save_blocks(writer, saved.kv, offsets, block_bytes=stride)
+    out = b.prefill(second, b.load_prefix(reader, offsets, block_bytes=stride))
+    assert max_diff(out.logits, b.prefill(second).logits[48:]) <= TOLERANCE
+
+
+def test_blocks_saved_from_later_in_the_prompt_land_where_asked(
+    engines: tuple[ModelEngine, ModelEngine], hosts: tuple
+) -> None:
+    a, b = engines
+    _, writer, reader = hosts
+    stride = slot_bytes(a)
+    tokens = prompt(4)
+    full = a.prefill(tokens)
+    a.save_blocks(writer, full.kv, [0, stride], block_bytes=stride)
+    a.save_blocks(writer, full.kv, [2 * stride], first_block=2, block_bytes=stride)
+    out = b.prefill(tokens, b.load_prefix(reader, [0, stride, 2 * stride], block_bytes=stride))
+    assert max_diff(out.logits, full.logits[48:]) <= TOLERANCE
+
+
+def test_a_wrong_prefix_is_visible_in_the_logits(engines: tuple[ModelEngine, ModelEngine]) -> None:
+    """The tolerance discriminates: another prompt's KV gives different logits."""
+    a, _ = engines
+    tokens = prompt(5)
+    other = a.prefill(prompt(6))
+    prefix = [(k[:, :, :32].contiguous(), v[:, :, :32].contiguous()) for k, v in other.kv]
+    out = a.prefill(tokens, prefix)
+    assert max_diff(out.logits, a.prefill(tokens).logits[32:]) > 100 * TOLERANCE
+
+
+def test_prefill_leaves_the_cached_prefix_untouched(
+    engines: tuple[ModelEngine, ModelEngine],
+) -> None:
+    a, _ = engines
+    full = a.prefill(prompt(7))
+    prefix = [(k[:, :, :16].clone(), v[:, :, :16].clone()) for k, v in full.kv]
+    before = [(k.clone(), v.clone()) for k, v in prefix]
+    a.prefill(prompt(7), prefix)
+    assert all(
+        torch.equal(k, bk) and torch.equal(v, bv)
+        for (k, v), (bk, bv) in zip(prefix, before, strict=True)
+    )
+
+
+def test_llama_family_reuses_prefixes_too() -> None:
+    shape = ModelShape(family="llama", num_layers=2, num_heads=4, num_kv_heads=1, hidden_size=128)
+    engine = ModelEngine(shape, seed=3)
+    tokens = prompt(8, 40)
+    full = engine.prefill(tokens)
+    prefix = [(k[:, :, :32].contiguous(), v[:, :, :32].contiguous()) for k, v in full.kv]
+    assert max_diff(engine.prefill(tokens, prefix).logits, full.logits[32:]) <= TOLERANCE
+
+
+def test_the_seed_fixes_the_weights() -> None:
+    small = ModelShape(num_layers=1)
+    tokens = prompt(9, 20)
+    one, same, other = (ModelEngine(small, seed=s).prefill(tokens).logits for s in (1, 1, 2))
+    assert torch.equal(one, same) and not torch.equal(one, other)
+
+
+def cut(kv: list, n: int) -> list:
+    return [(k[:, :, :n].contiguous(), v[:, :, :n].contiguous()) for k, v in kv]
+
+
+def test_prefill_refuses_bad_prompts_and_prefixes(
+    engines: tuple[ModelEngine, ModelEngine],
+) -> None:
+    a, _ = engines
+    tokens = prompt(10, 40)
+    kv = a.prefill(tokens).kv
+    with pytest.raises(ValueError, match="multiple of 16"):
+        a.prefill(tokens, cut(kv, 20))
+    with pytest.raises(ValueError, match="drop the last cached block"):
+        a.prefill(tokens[:32], cut(kv, 32))
+    with pytest.raises(ValueError, match="batch 2"):
+        a.prefill(tokens, [(torch.cat([k, k]), torch.cat([v, v])) for k, v in cut(kv, 16)])
+    with pytest.raises(KVLayoutError, match="got 3 per-layer"):
+        a.prefill(tokens, cut(kv, 16)[:3])
+    with pytest.raises(KVLayoutError, match=r"torch\.float16"):
+        a.prefill(tokens, [(k.half(), v.half()) for k, v in cut(kv, 16)])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        a.prefill([0, ModelShape().vocab_size])
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        a.prefill([])
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        a.prefill([1.5, 2.0])
+    with pytest.raises(ValueError, match="exceed"):
+        ModelEngine(ModelShape(num_layers=1, max_positions=8)).prefill(list(range(9)))
+
+
+def test_model_shapes_are_checked_and_describe_their_kv() -> None:
+    with pytest.raises(ValueError, match="family"):
+        ModelShape(family="gpt2")
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelShape(num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelShape(head_dim=0)
+    spec = QWEN2_7B.kv_spec("bfloat16")
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size) == (28, 4, 128, 16)
+    assert BlockFormat(spec, "HND").nbytes == 28 * 2 * 16 * 4 * 128 * 2
