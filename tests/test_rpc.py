@@ -1,0 +1,307 @@
+"""Shared-memory RPC across processes, in native and model coherence modes.
+
+The server runs in its own process (its own emulated host) unless a test
+needs to poke at it; every client is another process or this one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from beluga.coherence import LINE, attach, read_line, write_line
+from beluga.errors import CapacityError, RpcError
+from beluga.pool import Pool
+from beluga.rpc import RemoteValueError, Request, RpcClient, RpcServer, Status, per_request
+from beluga.rpc.protocol import Message, buf_size, request_line, response_line, ring_offset
+
+OP_ADD, OP_FAIL, OP_FULL, OP_BIG, OP_SLOW, OP_CRASH = range(16, 22)
+CTX = mp.get_context("fork")
+
+
+def _add(r: Request) -> bytes:
+    a, b = struct.unpack("<qq", r.payload)
+    return struct.pack("<q", a + b)
+
+
+def _fail(r: Request) -> bytes:
+    raise ValueError("negative sizes are not allowed")
+
+
+def _full(r: Request) -> bytes:
+    raise CapacityError("pool is full")
+
+
+def _slow(r: Request) -> bytes:
+    time.sleep(float(r.payload.decode()))
+    return b"late"
+
+
+def handlers() -> dict:
+    return {
+        OP_ADD: per_request(_add),
+        OP_FAIL: per_request(_fail),
+        OP_FULL: per_request(_full),
+        OP_BIG: per_request(lambda r: bytes(int(r.payload.decode()))),
+        OP_SLOW: per_request(_slow),
+        OP_CRASH: lambda reqs: [b"wrong count"],  # a broken batch handler
+    }
+
+
+def _server_main(spec: str, mode: str, ready: mp.Event, gone: mp.Queue) -> None:
+    with Pool.attach(spec, coherence=mode) as pool:
+        server = RpcServer(
+            pool, handlers(), refresh_s=0.02, idle_after_s=0.2, on_client_gone=gone.put
+        )
+        signal.signal(signal.SIGTERM, lambda *_: server.stop())
+        ready.set()
+        server.serve_forever()
+        server.close()
+
+
+@contextmanager
+def server_process(spec: str, mode: str = "native") -> Iterator[tuple[mp.Process, mp.Queue]]:
+    """A server in its own process; stopped with SIGTERM (a killed waiter would wedge an Event)."""
+    ready, gone = CTX.Event(), CTX.Queue()
+    proc = CTX.Process(target=_server_main, args=(spec, mode, ready, gone))
+    proc.start()
+    try:
+        assert ready.wait(30), "server did not start"
+        yield proc, gone
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGTERM)
+        proc.join(15)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        gone.close()
+        gone.join_thread()
+
+
+def add(client: RpcClient, a: int, b: int) -> int:
+    return struct.unpack("<q", client.call(OP_ADD, struct.pack("<qq", a, b)))[0]
+
+
+def test_calls_errors_and_payload_sizes(pool: Pool) -> None:
+    with server_process(pool.spec), RpcClient(pool, depth=8) as c:
+        assert add(c, 2, 40) == 42
+        assert c.call(1, b"") == b""
+        big = os.urandom(c.max_payload)  # the largest request travels out of line
+        assert c.call(1, big) == big
+        with pytest.raises(RpcError, match="slot buffer"):
+            c.call(1, big + b"x")
+        with pytest.raises(RemoteValueError, match="negative sizes"):
+            c.call(OP_FAIL)
+        with pytest.raises(CapacityError, match="pool is full"):
+            c.call(OP_FULL)
+        with pytest.raises(RpcError, match="unknown op 99"):
+            c.call(99)
+        with pytest.raises(RpcError, match="returned 1 results for 3"):
+            c.call_many([(OP_CRASH, b"")] * 3)
+        with pytest.raises(RpcError, match="exceeds the ring"):
+            c.call(OP_BIG, str(c.max_payload + 1).encode())
+        assert len(c.call(OP_BIG, str(c.max_payload).encode())) == c.max_payload
+        assert add(c, -1, 1) == 0  # still serving after all of that
+
+
+def test_pipelined_calls_keep_order(pool: Pool) -> None:
+    with server_process(pool.spec), RpcClient(pool, depth=16) as c:
+        reqs = [(OP_ADD, struct.pack("<qq", i, i)) for i in range(100)]
+        assert [struct.unpack("<q", r)[0] for r in c.call_many(reqs)] == [2 * i for i in range(100)]
+
+
+def _client_main(spec: str, mode: str, seed: int, n: int, out: mp.Queue) -> None:
+    try:
+        with Pool.attach(spec, coherence=mode) as pool, RpcClient(pool, depth=8) as c:
+            rng = __import__("random").Random(seed)
+            for _ in range(n):
+                size = rng.choice([0, 7, 40, 41, 300, min(2000, c.max_payload)])
+                data = rng.randbytes(size)
+                if c.call(1, data) != data:
+                    out.put("wrong echo")
+                    return
+                a, b = rng.randrange(-(2**40), 2**40), rng.randrange(-(2**40), 2**40)
+                if add(c, a, b) != a + b:
+                    out.put("wrong sum")
+                    return
+            out.put("ok")
+    except BaseException as e:
+        out.put(repr(e))
+
+
+@pytest.mark.parametrize("mode", ["model", "native"])
+def test_three_processes_server_and_two_clients(pool: Pool, mode: str) -> None:
+    with server_process(pool.spec, mode):
+        out = CTX.Queue()
+        clients = [
+            CTX.Process(target=_client_main, args=(pool.spec, mode, s, 300, out)) for s in range(2)
+        ]
+        for p in clients:
+            p.start()
+        results = [out.get(timeout=60) for _ in clients]
+        for p in clients:
+            p.join(30)
+        out.close()
+        out.join_thread()
+    assert results == ["ok", "ok"]
+
+
+def test_no_server_is_a_clear_error(pool: Pool) -> None:
+    with pytest.raises(RpcError, match="beluga serve"):
+        RpcClient(pool, connect_timeout=0.2)
+    assert not [e for e in pool.hosts.entries() if pool.hosts.is_alive(e)]  # host id returned
+
+
+def test_server_stop_and_death_are_detected(pool: Pool) -> None:
+    with server_process(pool.spec) as (proc, _):
+        c = RpcClient(pool)
+        assert add(c, 1, 1) == 2
+    with pytest.raises(RpcError, match="stopped"):
+        c.call(1, b"x", timeout=5)
+    c.close()
+    with server_process(pool.spec) as (proc, _):
+        c = RpcClient(pool)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        with pytest.raises(RpcError, match="died"):
+            c.call(1, b"x", timeout=5)
+        with pytest.raises(RpcError, match="unusable"):
+            c.call(1, b"x")
+        c.close()
+
+
+def test_restarted_server_serves_the_request_in_flight(pool: Pool) -> None:
+    with server_process(pool.spec) as (proc, _):
+        c = RpcClient(pool)
+        assert add(c, 1, 2) == 3
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+    result: list[object] = []
+    caller = threading.Thread(target=lambda: result.append(add(c, 20, 22)))
+    caller.start()  # this request waits in the ring while no server runs
+    time.sleep(0.05)
+    with server_process(pool.spec):
+        caller.join(20)
+        assert result == [42]
+        assert add(c, 5, 5) == 10
+    c.close()
+
+
+def test_timeout_makes_the_client_unusable_not_hung(pool: Pool) -> None:
+    with server_process(pool.spec), RpcClient(pool) as c:
+        with pytest.raises(RpcError, match=r"did not answer within 0\.2"):
+            c.call(OP_SLOW, b"1.0", timeout=0.2)
+        with pytest.raises(RpcError, match="unusable"):
+            c.call(1, b"")
+
+
+def _doomed_client(spec: str, started: mp.Event) -> None:
+    with Pool.attach(spec) as pool:
+        c = RpcClient(pool, depth=4)
+        started.set()
+        while True:
+            c.call(OP_SLOW, b"0.001")
+
+
+def test_a_killed_client_is_reclaimed_and_others_keep_going(pool: Pool) -> None:
+    with server_process(pool.spec) as (_, gone), RpcClient(pool) as survivor:
+        started = CTX.Event()
+        doomed = CTX.Process(target=_doomed_client, args=(pool.spec, started))
+        doomed.start()
+        assert started.wait(30)
+        dead_host = next(e.host_id for e in pool.hosts.entries() if e.pid == doomed.pid)
+        time.sleep(0.05)
+        os.kill(doomed.pid, signal.SIGKILL)  # most likely mid-request
+        doomed.join(10)
+        assert gone.get(timeout=10) == dead_host
+        assert add(survivor, 3, 4) == 7
+        with RpcClient(pool, host_id=dead_host) as heir:  # the id is free again
+            assert heir.entry.generation > 1 and add(heir, 1, 1) == 2
+
+
+def test_in_process_server_and_hostile_lines(pool: Pool) -> None:
+    """A rogue host writes lines into a live ring; the server answers errors and carries on."""
+    server = RpcServer(pool, handlers(), refresh_s=0.02)
+    server.start_thread()
+    try:
+        with Pool.attach(pool.spec) as other, RpcClient(other, depth=4) as c:
+            assert add(c, 1, 1) == 2
+            base = ring_offset(pool.superblock, c.host_id)
+            rogue = attach(pool.mapping.buffer, "native")
+            seq, gen, depth = c.ring.next_seq, c.entry.generation, 4
+            cases = [
+                ({"code": 777}, Status.UNKNOWN_OP),
+                ({"length": 41}, Status.BAD_LENGTH),
+                ({"flags": 1, "length": buf_size(pool.superblock, depth) + 1}, Status.BAD_LENGTH),
+                ({"flags": 1, "length": 100, "payload_crc": 1}, Status.CORRUPT),
+            ]
+            try:
+                for fields, status in cases:
+                    bad = Message(
+                        **{
+                            "seq": seq,
+                            "code": 1,
+                            "flags": 0,
+                            "length": 3,
+                            "gen": gen,
+                            "inline": b"abc".ljust(40, b"\0"),
+                            "payload_crc": 0,
+                            **fields,
+                        }
+                    )
+                    slot = (seq - 1) % depth
+                    write_line(rogue, base + request_line(depth, slot), bad.pack())
+                    deadline = time.monotonic() + 5
+                    while True:
+                        resp = Message.unpack(
+                            read_line(pool.memory, base + response_line(depth, slot))
+                        )
+                        if resp and resp.seq == seq:
+                            break
+                        assert time.monotonic() < deadline, f"no error response to {bad}"
+                    assert resp.code == status
+                    seq += 1
+            finally:
+                rogue.release()
+    finally:
+        server.close()
+    assert server.rings.rejected >= 3
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 7), st.binary(min_size=LINE, max_size=LINE)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_random_bytes_in_slots_never_stop_the_server(pool: Pool, junk: list) -> None:
+    server = RpcServer(pool, handlers(), refresh_s=0.02)
+    server.start_thread()
+    try:
+        with Pool.attach(pool.spec) as other, RpcClient(other, depth=8) as c:
+            base = ring_offset(pool.superblock, c.host_id)
+            rogue = attach(pool.mapping.buffer, "native")
+            try:
+                for slot, line in junk:
+                    write_line(rogue, base + request_line(8, slot), line)
+            finally:
+                rogue.release()
+            for i in range(10):
+                assert add(c, i, i) == 2 * i
+    finally:
+        server.close()
