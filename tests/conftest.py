@@ -39,15 +39,22 @@ def pool(shm_path: str) -> Iterator[Pool]:
     Pool.destroy(shm_path)
 
 
-@pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
-    """Every test leaves no child processes and no test files in /dev/shm."""
-    before = _leftovers()
-    yield
-    children = [
+def _children() -> set[psutil.Process]:
+    return {
         c
         for c in psutil.Process().children(recursive=True)
         if c.is_running() and c.status() != psutil.STATUS_ZOMBIE
-    ]
-    assert not children, f"test left processes behind: {children}"
-    assert _leftovers() <= before, f"test left files in /dev/shm: {_leftovers() - before}"
+    }
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Every test leaves no new child processes and no test files in /dev/shm.
+
+    (Processes that a module-scoped fixture started before the test are its own.)
+    """
+    files, children = _leftovers(), _children()
+    yield
+    extra = _children() - children
+    assert not extra, f"test left processes behind: {extra}"
+    assert _leftovers() <= files, f"test left files in /dev/shm: {_leftovers() - files}"

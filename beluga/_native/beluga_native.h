@@ -94,4 +94,27 @@ int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
                           const uint8_t digest[16], uint64_t version, size_t block_cap,
                           void *out, size_t cap, bl_header *seen);
 
+/* rpc.c: slot rings; the geometry both sides derive from (bytes per ring, depth). */
+#define BL_RPC_HEAD (2 * BL_LINE) /* ring control line + server status line */
+#define BL_RPC_INLINE 40u
+#define BL_RPC_MAX_DEPTH 128u
+size_t bl_rpc_buf_size(size_t ring_bytes, uint32_t depth);
+
+#ifdef Py_PYTHON_H
+/* The Python Memory object, shared by module.c and rpc.c. */
+#include <stdatomic.h>
+typedef struct {
+    PyObject_HEAD
+    bl_mem mem;
+    Py_buffer view;
+    int has_view;
+    atomic_int busy;
+} MemoryObject;
+
+extern PyTypeObject BlMemoryType;
+PyObject *bl_fail(PyObject *cls, const char *fmt, ...);
+extern PyObject *bl_coherence_error, *bl_rpc_error;
+int bl_rpc_init(PyObject *module);
+#endif
+
 #endif

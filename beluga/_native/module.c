@@ -10,34 +10,28 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <stdatomic.h>
 
 #include "beluga_native.h"
 
-static PyObject *coherence_error; /* beluga.errors.CoherenceError once registered */
+/* beluga.errors.CoherenceError and RpcError, once the package registers them */
+PyObject *bl_coherence_error, *bl_rpc_error;
 #define NOGIL_BYTES (256u * 1024u)
 
-typedef struct {
-    PyObject_HEAD
-    bl_mem mem;
-    Py_buffer view;
-    int has_view;
-    atomic_int busy;
-} MemoryObject;
-
-/* Raise the registered coherence error (ValueError before registration). */
-static PyObject *fail(const char *fmt, ...)
+/* Raise cls (ValueError until the package registers its classes); returns NULL. */
+PyObject *bl_fail(PyObject *cls, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
     PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
     va_end(ap);
     if (msg) {
-        PyErr_SetObject(coherence_error ? coherence_error : PyExc_ValueError, msg);
+        PyErr_SetObject(cls ? cls : PyExc_ValueError, msg);
         Py_DECREF(msg);
     }
     return NULL;
 }
+
+#define fail(...) bl_fail(bl_coherence_error, __VA_ARGS__)
 
 /* Check that the Memory is still attached. */
 static int attached(MemoryObject *self)
@@ -569,7 +563,7 @@ static PyGetSetDef Memory_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject MemoryType = {
+PyTypeObject BlMemoryType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "beluga._native._core.Memory",
     .tp_basicsize = sizeof(MemoryObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -630,11 +624,16 @@ static PyObject *mod_cpu_features(PyObject *mod, PyObject *unused)
                          bl_cpu_has("clwb") ? Py_True : Py_False);
 }
 
-/* _register_error(cls): the class raised for misuse (beluga.errors.CoherenceError). */
-static PyObject *mod_register_error(PyObject *mod, PyObject *cls)
+/* _register_errors(coherence_cls, rpc_cls): the classes raised for misuse and RPC failures. */
+static PyObject *mod_register_errors(PyObject *mod, PyObject *args)
 {
-    Py_XINCREF(cls);
-    Py_XSETREF(coherence_error, cls);
+    PyObject *coherence, *rpc;
+    if (!PyArg_ParseTuple(args, "OO", &coherence, &rpc))
+        return NULL;
+    Py_INCREF(coherence);
+    Py_XSETREF(bl_coherence_error, coherence);
+    Py_INCREF(rpc);
+    Py_XSETREF(bl_rpc_error, rpc);
     Py_RETURN_NONE;
 }
 
@@ -643,7 +642,7 @@ static PyMethodDef module_methods[] = {
     {"parse_header", mod_parse_header, METH_VARARGS, "parse_header(line) -> tuple | None"},
     {"selected", mod_selected, METH_NOARGS, "instructions in use"},
     {"cpu_features", mod_cpu_features, METH_NOARGS, "CPUID features"},
-    {"_register_error", mod_register_error, METH_O, "set the misuse error class"},
+    {"_register_errors", mod_register_errors, METH_VARARGS, "set the error classes"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -658,13 +657,13 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC PyInit__core(void)
 {
     bl_cpu_init();
-    if (PyType_Ready(&MemoryType) < 0)
+    if (PyType_Ready(&BlMemoryType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (!m)
         return NULL;
-    Py_INCREF(&MemoryType);
-    if (PyModule_AddObject(m, "Memory", (PyObject *)&MemoryType) < 0 ||
+    Py_INCREF(&BlMemoryType);
+    if (PyModule_AddObject(m, "Memory", (PyObject *)&BlMemoryType) < 0 || bl_rpc_init(m) < 0 ||
         PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_MAGIC", BL_HDR_MAGIC) < 0) {
         Py_DECREF(m);

@@ -40,19 +40,27 @@ class Mapping:
     """A writable shared buffer and how to let it go.
 
     ``buffer`` supports the buffer protocol (an ``mmap`` or a memoryview over
-    stitched mappings).  ``fd`` is a descriptor for advisory locking, or -1.
+    stitched mappings).  ``fd`` is a descriptor of the backing file or device
+    (for advisory locking, and for a backend that maps it again), or -1;
+    ``buffer[0]`` is byte ``offset`` of it.
     """
 
     buffer: Any
     size: int
     fd: int = -1
+    offset: int = 0
     _closers: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
-        """Unmap and close; safe to call twice."""
-        closers, self._closers = self._closers, []
-        for close in reversed(closers):
-            close()
+        """Unmap and close; safe to call twice.
+
+        Steps run last-registered first and each is dropped only once it has
+        succeeded, so a close refused while a view is alive (BufferError) can
+        be retried after the view is released, instead of leaking the rest.
+        """
+        while self._closers:
+            self._closers[-1]()
+            self._closers.pop()
         self.buffer = None
         self.fd = -1
 
@@ -78,7 +86,8 @@ class Backend(abc.ABC):
 
     scheme: ClassVar[str]
     #: True when ``create`` makes the memory (a file); False when it exists (a device).
-    creates_storage: ClassVar[bool] = True
+    #: A class default that a backend made of others may override per instance.
+    creates_storage: bool = True
 
     @classmethod
     def from_spec(cls, rest: str) -> Backend:
@@ -134,7 +143,9 @@ def _mapping_of(fd: int, size: int, offset: int = 0) -> Mapping:
     except BaseException:
         os.close(fd)
         raise
-    return Mapping(buffer=mm, size=size, fd=fd, _closers=[lambda: os.close(fd), mm.close])
+    return Mapping(
+        buffer=mm, size=size, fd=fd, offset=offset, _closers=[lambda: os.close(fd), mm.close]
+    )
 
 
 class ShmBackend(Backend):
@@ -168,17 +179,26 @@ class ShmBackend(Backend):
             ) from e
         try:
             os.fchmod(fd, POOL_FILE_MODE)  # the umask must not widen or narrow it
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
+            self._allocate(fd, size)
+        except BaseException as e:
             os.close(fd)
             os.unlink(tmp)
-            if e.errno in (errno.ENOSPC, errno.EFBIG):
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
                 raise BackendUnavailableError(
                     f"no room for a {size}-byte pool at {self.path}: {e.strerror}; "
                     "pick a smaller --size or free space"
                 ) from e
             raise
         return _mapping_of(fd, size)
+
+    def _allocate(self, fd: int, size: int) -> None:
+        """Give the new, empty file its pages now, so a full disk fails here and not later.
+
+        A subclass that places pages (NUMA binding) overrides this to set the
+        policy before any page exists; whatever it raises, ``create`` removes
+        the file.
+        """
+        os.posix_fallocate(fd, 0, size)
 
     def staging_path(self) -> str:
         """Where ``create`` builds the file before it is published by rename."""
@@ -225,7 +245,11 @@ class ShmBackend(Backend):
 _BACKENDS: dict[str, type[Backend]] = {"shm": ShmBackend}
 #: built-in backends imported on first use ("module:Class"), so that a plain
 #: shm user never loads libnuma or ctypes mapping code
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "numa": "beluga.pool.numa:NumaBackend",
+    "dax": "beluga.pool.dax:DaxBackend",
+    "interleave": "beluga.pool.interleave:InterleaveBackend",
+}
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
