@@ -8,61 +8,24 @@ still tell right data from wrong.
 
 from __future__ import annotations
 
-import mmap
-import os
 import random
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import NoReturn, Protocol
+from typing import NoReturn, TypeVar
 
-from beluga.coherence import LINE, Memory, Miss, attach, digest
+from beluga.coherence import LINE, Miss, digest
+from beluga.errors import PoolError
+from beluga.pool import Geometry, Pool
 
+#: Small, so that formatting a pool is quick under software emulation.
+GEOMETRY = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=64 << 10)
+POOL_BYTES = 64 << 20
 BLOCKS = 8
-BLOCK_SIZE = 64 << 10
 WAIT_S = 120.0  # how long a guest waits for the other one; the host's timeout is the backstop
-_HUGE = 2 << 20
-
-
-class Layout(Protocol):
-    """Where block slots lie: a pool's Superblock, or RawLayout on a bare mapping."""
-
-    block_size: int
-
-    def block_header_offset(self, block: int) -> int: ...
-
-    def block_payload_offset(self, block: int) -> int: ...
-
-
-class RawLayout:
-    """Block slots on a bare mapping: headers from offset 0, payloads from 2 MiB."""
-
-    block_size = BLOCK_SIZE
-
-    def block_header_offset(self, block: int) -> int:
-        return block * LINE
-
-    def block_payload_offset(self, block: int) -> int:
-        return _HUGE + block * self.block_size
-
-
-def map_dax(path: str, mode: str = "native") -> tuple[Memory, Callable[[], None]]:
-    """Map a whole device-DAX device and attach to it; returns the memory and its closer."""
-    name = os.path.basename(path)
-    with open(f"/sys/bus/dax/devices/{name}/size") as f:
-        size = int(f.read())
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-    mem = attach(mm, mode)
-
-    def close() -> None:
-        mem.release()
-        mm.close()
-
-    return mem, close
+POLL_S = 0.05
+_NOT_YET = (Miss.MAGIC, Miss.STATE)  # what a block looks like before its writer publishes it
+T = TypeVar("T")
 
 
 class Steps:
@@ -89,28 +52,28 @@ def key(block: int) -> bytes:
 def payload(block: int, version: int = 1) -> bytes:
     """A block's bytes: random, of a length that differs per block, fixed by index and version."""
     rng = random.Random(block * 1000 + version)
-    return rng.randbytes(rng.randrange(BLOCK_SIZE // 2, BLOCK_SIZE))
+    return rng.randbytes(rng.randrange(GEOMETRY.block_size // 2, GEOMETRY.block_size))
 
 
-def publish(mem: Memory, layout: Layout, block: int, version: int = 1) -> None:
-    mem.publish(
-        layout.block_header_offset(block),
-        layout.block_payload_offset(block),
+def publish(pool: Pool, block: int, version: int = 1) -> None:
+    sb = pool.superblock
+    pool.memory.publish(
+        sb.block_header_offset(block),
+        sb.block_payload_offset(block),
         digest(key(block)),
         version,
         payload(block, version),
     )
 
 
-def read(
-    mem: Memory, layout: Layout, block: int, version: int = 1, name: bytes | None = None
-) -> bytes | Miss:
+def read(pool: Pool, block: int, version: int = 1, name: bytes | None = None) -> bytes | Miss:
     """The block's payload, or why it is a miss."""
-    out = bytearray(layout.block_size)
-    n = mem.read_validated(
-        layout.block_header_offset(block),
-        layout.block_payload_offset(block),
-        layout.block_size,
+    sb = pool.superblock
+    out = bytearray(sb.block_size)
+    n = pool.memory.read_validated(
+        sb.block_header_offset(block),
+        sb.block_payload_offset(block),
+        sb.block_size,
         digest(key(block) if name is None else name),
         version,
         out,
@@ -118,47 +81,73 @@ def read(
     return bytes(out[:n]) if n >= 0 else Miss(n)
 
 
-def wait_published(
-    mem: Memory, layout: Layout, block: int, version: int = 1, wait_s: float = WAIT_S
-) -> bytes | Miss:
-    """Read a block another host may not have published yet, polling up to ``wait_s``."""
+def poll(
+    attempt: Callable[[], T],
+    done: Callable[[T], bool],
+    wait_s: float,
+    tick: Callable[[], object] = lambda: None,
+) -> T:
+    """Try until ``done`` says so or ``wait_s`` passes; the last try's result either way.
+
+    ``tick`` runs between tries (a host heartbeat, say).
+    """
     deadline = time.monotonic() + wait_s
     while True:
-        got = read(mem, layout, block, version)
-        if not isinstance(got, Miss) or got not in (Miss.MAGIC, Miss.STATE):
+        got = attempt()
+        if done(got) or time.monotonic() > deadline:
             return got
-        if time.monotonic() > deadline:
-            return got
-        time.sleep(0.05)
+        tick()
+        time.sleep(POLL_S)
+
+
+def wait_published(
+    pool: Pool, block: int, wait_s: float, tick: Callable[[], object] = lambda: None
+) -> bytes | Miss:
+    """Read a block another host may not have published yet."""
+    return poll(lambda: read(pool, block), lambda got: got not in _NOT_YET, wait_s, tick)
+
+
+def wait_pool(spec: str, wait_s: float) -> Pool:
+    """Attach a pool another host is creating, once its superblock is there."""
+
+    def attach() -> Pool | PoolError:
+        try:
+            return Pool.attach(spec)
+        except PoolError as e:
+            return e
+
+    got = poll(attach, lambda got: isinstance(got, Pool), wait_s)
+    if isinstance(got, PoolError):
+        raise got
+    return got
 
 
 def check_blocks(
     steps: Steps,
-    mem: Memory,
-    layout: Layout,
+    pool: Pool,
     blocks: Iterable[int],
     wait_s: float = 0.0,
+    tick: Callable[[], object] = lambda: None,
 ) -> None:
     """Every block reads back validated and byte-identical to what was published."""
     for block in blocks:
-        got = wait_published(mem, layout, block, wait_s=wait_s)
+        got = wait_published(pool, block, wait_s, tick)
         right = got == payload(block)
         detail = got.name if isinstance(got, Miss) else f"{len(got)} bytes, differing"
         steps.expect(right, f"block {block} reads back validated", "" if right else detail)
 
 
-def check_misses(steps: Steps, mem: Memory, layout: Layout, block: int) -> None:
+def check_misses(steps: Steps, pool: Pool, block: int) -> None:
     """A wrong key, a stale version and a torn payload are each a miss, never data."""
-    got = read(mem, layout, block, name=b"another key")
+    got = read(pool, block, name=b"another key")
     steps.expect(got is Miss.KEY, "a wrong key is a miss", got)
-    publish(mem, layout, block, version=2)
-    got = read(mem, layout, block, version=1)
+    publish(pool, block, version=2)
+    got = read(pool, block, version=1)
     steps.expect(got is Miss.VERSION, "the old version of a republished block is a miss", got)
-    steps.expect(read(mem, layout, block, version=2) == payload(block, 2), "the new version reads")
-    off = layout.block_payload_offset(block)
-    torn = bytes(b ^ 0xFF for b in mem.load(off, LINE))
-    mem.nt_store(off, torn)
+    steps.expect(read(pool, block, version=2) == payload(block, 2), "the new version reads")
+    mem, off = pool.memory, pool.superblock.block_payload_offset(block)
+    mem.nt_store(off, bytes(b ^ 0xFF for b in mem.load(off, LINE)))
     mem.sfence()
-    got = read(mem, layout, block, version=2)
+    got = read(pool, block, version=2)
     steps.expect(got is Miss.CHECKSUM, "a torn payload is a miss", got)
-    publish(mem, layout, block)
+    publish(pool, block)
