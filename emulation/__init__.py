@@ -28,7 +28,7 @@ protocol, not the flushes; the non-coherent cache model in CI covers those.
 or from Python: ``emulation.run("dax", script, timeout) -> Result``.
 """
 
-from emulation.build import build
+from emulation.builder import build
 from emulation.errors import SandboxError, SandboxNotBuiltError, TopologyError
 from emulation.runner import GuestResult, Result, run
 from emulation.sandbox import Sandbox

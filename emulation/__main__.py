@@ -7,7 +7,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from emulation.build import build
+from emulation.builder import build
 from emulation.errors import SandboxError
 from emulation.runner import DEFAULT_TIMEOUT_S, Result, run
 from emulation.topology import TOPOLOGIES

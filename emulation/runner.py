@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from emulation.topology import LABEL_BYTES, GuestFiles, Topology, qemu_argv, top
 
 DEFAULT_TIMEOUT_S = 300.0
 EXIT_TIMEOUT = 124  # the run's deadline passed first (as timeout(1) says)
-EXIT_NO_REPORT = 125  # the guest stopped without reporting an exit code
+EXIT_NO_REPORT = 125  # the sandbox failed: no exit code reported, or no device set up
 KEEP_RUNS = 20  # run directories (console logs) kept under emulation/.cache/runs
 POLL_S = 0.1
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -104,8 +105,7 @@ def run(
     command = _command(topology, script)
     sandbox = sandbox or Sandbox.load()
     rundir = _new_rundir(topology)
-    shared = Path("/dev/shm") / f"beluga-emu-{rundir.name}"
-    files = [_guest_files(rundir, shared, i) for i in range(topology.guests)]
+    files = [_guest_files(rundir, i) for i in range(topology.guests)]
     started = time.monotonic()
     try:
         argvs = [_prepare(topology, sandbox, f, i, command) for i, f in enumerate(files)]
@@ -160,9 +160,12 @@ def supervise(
                     outcomes[i] = Outcome("exited", proc.returncode)
                     if stop_others(i):
                         outcomes = [o or Outcome("stopped") for o in outcomes]
-            if None in outcomes and time.monotonic() >= deadline:
+            if None not in outcomes:
+                break
+            if time.monotonic() >= deadline:
                 outcomes = [o or Outcome("timeout") for o in outcomes]
-            time.sleep(POLL_S if None in outcomes else 0)
+            else:
+                time.sleep(POLL_S)
         return [o for o in outcomes if o is not None]
     finally:
         for proc in procs:
@@ -216,27 +219,19 @@ def _new_rundir(topology: Topology) -> Path:
     RUNS.mkdir(parents=True, exist_ok=True)
     for old in sorted(RUNS.iterdir())[:-KEEP_RUNS]:
         shutil.rmtree(old, ignore_errors=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    rundir = RUNS / f"{stamp}-{topology.name}-{os.getpid()}"
-    suffix = 0
-    while True:
-        try:
-            (
-                target := rundir.with_name(f"{rundir.name}.{suffix}" if suffix else rundir.name)
-            ).mkdir()
-            return target
-        except FileExistsError:
-            suffix += 1
+    prefix = f"{time.strftime('%Y%m%d-%H%M%S')}-{topology.name}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=RUNS))
 
 
-def _guest_files(rundir: Path, shared: Path, index: int) -> GuestFiles:
+def _guest_files(rundir: Path, index: int) -> GuestFiles:
+    """The files of one guest; the memory files go when the run ends, the rest stay."""
     return GuestFiles(
         console=rundir / f"console-{index}.log",
         qemu_log=rundir / f"qemu-{index}.log",
         wrapper=rundir / f"guest-{index}.sh",
         label=rundir / f"label-{index}.bin",
-        numa_memory=Path(f"{shared}-numa{index}"),
-        cxl_memory=Path(f"{shared}-cxl"),
+        numa_memory=rundir / f"numa-memory-{index}.bin",
+        cxl_memory=rundir / "cxl-memory.bin",
     )
 
 
@@ -296,9 +291,9 @@ def _report(console: Path) -> tuple[int | None, str, float | None, float | None]
     begin = _BEGIN.search(text)
     end = next(reversed(list(_EXIT.finditer(text))), None)  # the script may print a marker too
     output = text[begin.end() + 1 if begin else 0 : end.start() if end else len(text)]
-    if end is None:
-        return None, output, float(begin.group(1)) if begin else None, None
     boot = float(begin.group(1)) if begin else None
+    if end is None:
+        return None, output, boot, None
     script_s = float(end.group(2)) - boot if boot is not None else None
     return int(end.group(1)), output, boot, script_s
 

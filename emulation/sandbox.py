@@ -48,13 +48,14 @@ class Sandbox:
                 f"the QEMU sandbox is not built (missing: {', '.join(missing)}); "
                 "run python -m emulation build first"
             )
-        stamp = json.loads(STAMP.read_text())
-        return cls(
-            qemu, KERNEL, INITRAMFS, stamp["kernel_release"], accel_override() or stamp["accel"]
-        )
-
-    def with_accel(self, accel: str) -> Sandbox:
-        return Sandbox(self.qemu, self.kernel, self.initramfs, self.kernel_release, accel)
+        try:
+            stamp = json.loads(STAMP.read_text())
+            release, accel = stamp["kernel_release"], stamp["accel"]
+        except (ValueError, KeyError) as e:
+            raise SandboxNotBuiltError(
+                f"{STAMP} is damaged ({e}); run python -m emulation build first"
+            ) from e
+        return cls(qemu, KERNEL, INITRAMFS, release, accel_override() or accel)
 
 
 def accel_override() -> str | None:

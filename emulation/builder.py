@@ -1,7 +1,7 @@
 """Build the sandbox: host packages, a Debian kernel, and a tiny initramfs.
 
 Everything lands in ``emulation/.cache`` and is rebuilt only when an input
-changes (the kernel Debian currently ships, the guest init, the module list),
+changes (the kernel Debian currently ships, the guest init, this file),
 so a second ``python -m emulation build`` does nothing.  The kernel is Debian's
 own: its CXL, DAX and NVDIMM drivers are modules, so the initramfs carries just
 those (and their dependencies) plus a static busybox.
@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from emulation.errors import SandboxError
@@ -73,6 +74,7 @@ def build(log: bool = True) -> bool:
         say(f"the sandbox is up to date ({package}); nothing to do")
         return False
     CACHE.mkdir(exist_ok=True)
+    STAMP.unlink(missing_ok=True)  # a half-done rebuild must not pass for a built sandbox
     deb = _download(package, apt)
     release = package.removeprefix("linux-image-")
     with tempfile.TemporaryDirectory(dir=CACHE, prefix="unpack-") as tmp:
@@ -110,7 +112,8 @@ def _pick_accel(sandbox: Sandbox, say: Callable[[str], None]) -> str:
     else:
         candidates = ["tcg"]
     for accel in candidates:
-        result = run(BOOT_CHECK, ["true"], BOOT_CHECK_TIMEOUT_S, sandbox=sandbox.with_accel(accel))
+        trial = replace(sandbox, accel=accel)
+        result = run(BOOT_CHECK, ["true"], BOOT_CHECK_TIMEOUT_S, sandbox=trial)
         guest = result.guests[0]
         if result.returncode == 0:
             say(f"boot check: {accel} booted a guest and ran a script in {result.seconds:.1f} s")
@@ -123,9 +126,9 @@ def _pick_accel(sandbox: Sandbox, say: Callable[[str], None]) -> str:
     )
 
 
-def _run(argv: list[str], **kwargs: object) -> str:
+def _run(argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
     """Run a build tool; its failure becomes a SandboxError that shows its output."""
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SandboxError(
             f"{' '.join(argv)} failed with exit code {proc.returncode}:\n"
@@ -137,22 +140,21 @@ def _run(argv: list[str], **kwargs: object) -> str:
 class _Apt:
     """apt-get, with ``apt-get update`` run at most once and only when needed."""
 
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-
     def __init__(self, say: Callable[[str], None]) -> None:
         self.say = say
         self.updated = False
+        self.env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
 
-    def __call__(self, argv: list[str], **kwargs: object) -> str:
+    def __call__(self, argv: list[str], cwd: Path | None = None) -> str:
         try:
-            return _run(argv, env=self.env, **kwargs)
+            return _run(argv, cwd, self.env)
         except SandboxError:
             if self.updated:
                 raise
         self.say("refreshing the apt package lists (apt-get update)")
         _run(["apt-get", "update"], env=self.env)
         self.updated = True
-        return _run(argv, env=self.env, **kwargs)
+        return _run(argv, cwd, self.env)
 
 
 def _ensure_packages(apt: _Apt) -> None:
@@ -211,6 +213,7 @@ def _inputs_digest(package: str) -> str:
     h.update(package.encode())
     h.update("\0".join(GUEST_MODULES).encode())
     h.update((GUEST_DIR / "init").read_bytes())
+    h.update(Path(__file__).read_bytes())  # how the initramfs is put together
     h.update(BUSYBOX.read_bytes() if BUSYBOX.exists() else b"")
     return h.hexdigest()
 
@@ -261,7 +264,7 @@ def _module_name(path: str) -> str:
 def _write_initramfs(moddir: Path, modules: list[str], out: Path) -> None:
     """A gzipped newc cpio: busybox, the init script, the modules and their load order."""
     archive = _Cpio()
-    for d in ("bin", "dev", "proc", "sys", "tmp", "host", "etc", "modules"):
+    for d in ("bin", "dev", "proc", "sys", "host", "etc", "modules"):
         archive.directory(d)
     archive.file("init", (GUEST_DIR / "init").read_bytes(), 0o755)
     archive.file("bin/busybox", BUSYBOX.read_bytes(), 0o755)
