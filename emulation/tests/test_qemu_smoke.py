@@ -1,0 +1,58 @@
+"""The sandbox end to end: a real guest, a real emulated CXL device.
+
+Skips when the sandbox is not built (``python -m emulation build``); once it
+is, every failure is real.  A few minutes at most under software emulation.
+"""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from emulation import Result, Sandbox, SandboxNotBuiltError, run
+from emulation.runner import EXIT_TIMEOUT
+
+pytestmark = pytest.mark.qemu
+
+TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def built() -> Sandbox:
+    try:
+        return Sandbox.load()
+    except SandboxNotBuiltError as e:
+        pytest.skip(str(e))
+
+
+def explain(result: Result) -> str:
+    guest = result.guests[0]
+    return f"{guest.problem}\n{result.output}\nconsole: {guest.console}"
+
+
+def assert_nothing_left_running() -> None:
+    alive = [
+        c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert not alive, f"left running: {alive}"
+
+
+def test_the_dax_check_passes_in_a_guest(built: Sandbox) -> None:
+    result = run("dax", timeout=TIMEOUT_S, sandbox=built)
+    assert result.returncode == 0, explain(result)
+    assert "FAIL" not in result.output and "all steps passed" in result.output
+    assert_nothing_left_running()
+
+
+def test_a_script_exit_code_comes_back(built: Sandbox) -> None:
+    command = ["sh", "-c", "test -c /dev/dax0.0 && echo dax-ready; exit 7"]
+    result = run("dax", command, TIMEOUT_S, sandbox=built)
+    assert result.returncode == 7, explain(result)
+    assert result.output == "dax-ready\n"
+
+
+def test_a_hung_guest_is_killed_at_the_timeout(built: Sandbox) -> None:
+    result = run("dax", ["sleep", "1000"], timeout=3, sandbox=built)
+    assert result.returncode == EXIT_TIMEOUT
+    assert "killed" in result.guests[0].problem
+    assert_nothing_left_running()
