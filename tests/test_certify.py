@@ -14,6 +14,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -237,6 +238,36 @@ def test_without_matplotlib_the_report_says_why_there_are_no_charts(
     assert doc["charts"] == [] and "matplotlib" in doc["charts_skipped"]
     assert "- charts: matplotlib is not installed" in (tmp_path / "summary.md").read_text()
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_gpu_copies_release_the_pool_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU section on a stand-in CUDA (CPU tensors): it pins, copies, unpins, lets go."""
+    torch = pytest.importorskip("torch")
+    calls: list[tuple[str, int]] = []
+    cudart = SimpleNamespace(
+        cudaHostRegister=lambda ptr, n, flags: calls.append(("register", ptr)) or 0,
+        cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr)) or 0,
+    )
+    fake = SimpleNamespace(
+        from_numpy=torch.from_numpy,
+        uint8=torch.uint8,
+        empty=lambda n, dtype, device: torch.empty(n, dtype=dtype),
+        cuda=SimpleNamespace(
+            is_available=lambda: True,
+            cudart=lambda: cudart,
+            synchronize=lambda: None,
+            get_device_name=lambda: "stand-in GPU",
+        ),
+    )
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(certify, "GPU_NODES", ("/dev/null",))
+    args = ["certify", "--backend", "shm", "--quick", "--sections", "gpu"]
+    assert main([*args, "--out", str(tmp_path)]) == 0  # a leaked view would fail the close
+    gpu = read_report(tmp_path)["sections"]["gpu"]
+    assert gpu["status"] == "ok" and gpu["pinned"] and gpu["device"] == "stand-in GPU"
+    assert len(gpu["rows"]) == 2 * len(certify.GPU_SIZES)
+    assert [c[0] for c in calls] == ["register", "unregister"] and calls[0][1] == calls[1][1]
+    assert_valid_png(tmp_path / "gpu.png")
 
 
 def test_paper_ratios_and_shape() -> None:

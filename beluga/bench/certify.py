@@ -149,8 +149,10 @@ def certify_pool(backend: Backend, payload: int, force: bool) -> Iterator[Pool]:
     try:
         yield pool
     finally:
-        pool.close()
-        Pool.destroy(backend)
+        try:
+            pool.close()
+        finally:
+            Pool.destroy(backend)
 
 
 def last_level_cache_bytes() -> int:

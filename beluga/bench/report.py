@@ -324,7 +324,7 @@ def _section_lines(doc: dict[str, Any]) -> list[str]:
         ]
         chart("rpc.png")
         lines += _table(
-            ["queue depth", "Mops", "µs per request"],
+            ["queue depth", "Mops", "µs per request (1 / rate)"],
             [[d["depth"], d["mops"], d["us_per_request"]] for d in rpc["depths"]],
         )
         c = rpc["call"]

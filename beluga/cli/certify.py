@@ -59,7 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=crosshost.ROLES,
         help="cross-host litmus only: this host observes or writes (run the other on the peer)",
     )
-    p.add_argument("--trials", type=int, help="litmus trials per pattern")
+    p.add_argument(
+        "--trials",
+        type=int,
+        help="litmus trials per pattern (in a --role run the observer's count rules)",
+    )
     p.add_argument(
         "--timeout",
         type=float,
