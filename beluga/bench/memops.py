@@ -5,6 +5,7 @@ the plain memcpy into the pool is measured beside it in the same run:
 
 memcpy           plain stores into the pool (the baseline; no coherence at all;
                  in native mode Memory.store is exactly memcpy)
+load             plain loads from the pool (may hit this host's cache: no coherence)
 store_flush      stores, then CLFLUSHOPT each line, then SFENCE
 nt_store         non-temporal stores, then SFENCE
 invalidate_load  CLFLUSHOPT each line, MFENCE, then loads
@@ -26,7 +27,15 @@ from beluga.coherence import Memory, digest
 from beluga.pool import Pool
 
 DEFAULT_SIZES = [64 << s for s in range(0, 17, 2)]  # 64 B .. 4 MiB
-METHODS = ["memcpy", "store_flush", "nt_store", "invalidate_load", "publish", "read_validated"]
+METHODS = [
+    "memcpy",
+    "load",
+    "store_flush",
+    "nt_store",
+    "invalidate_load",
+    "publish",
+    "read_validated",
+]
 _KEY = digest(b"bench-memops")
 
 
@@ -52,6 +61,7 @@ def _methods(
     mem.publish(hdr, payload, _KEY, 1, src)
     return {
         "memcpy": lambda: mem.store(payload, src),
+        "load": lambda: mem.load_into(payload, dst),
         "store_flush": store_flush,
         "nt_store": nt_store,
         "invalidate_load": invalidate_load,

@@ -12,10 +12,10 @@ import sys
 from collections.abc import Sequence
 
 from beluga import __version__
-from beluga.cli import bench, pool
+from beluga.cli import bench, certify, pool
 from beluga.errors import BelugaError
 
-GROUPS = [pool, bench]
+GROUPS = [pool, bench, certify]
 
 
 def build_parser() -> argparse.ArgumentParser:
