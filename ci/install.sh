@@ -18,4 +18,9 @@ fi
 PIP="python3 -m pip --disable-pip-version-check -q"
 python3 -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || $PIP install "torch==2.13.0"
-$PIP install --no-build-isolation -e ".[test,lint]"
+$PIP install --no-build-isolation -e ".[model,report,test,lint]"
+
+# the Mooncake Store baseline (beluga bench store --baseline mooncake)
+bash ci/install-mooncake.sh
+# the QEMU CXL sandbox: packages, guest kernel, initramfs (cached after the first run)
+python3 -m emulation build
