@@ -82,3 +82,11 @@ def test_bench_memops_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert figures[f"memops.{method}.16KiB.p50_us"] > 0
         assert figures[f"memops.{method}.16KiB.p99_us"] >= figures[f"memops.{method}.16KiB.p50_us"]
     assert doc["machine"]["selected"]["crc"] in ("hw", "sw")
+
+
+def test_bench_rpc_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "rpc", "--iterations", "200", "--duration", "0.05", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)["figures"]
+    for transport in ("slot-c", "slot-python", "tcp", "unix"):
+        assert 0 < figures[f"rpc.{transport}.rtt_p50_us"] <= figures[f"rpc.{transport}.rtt_p99_us"]
+        assert figures[f"rpc.{transport}.mops_d128"] > 0

@@ -7,6 +7,7 @@ import os
 import uuid
 
 from beluga.bench import memops
+from beluga.bench import rpc as rpc_bench
 from beluga.bench.stats import format_table, machine, parse_size, write_json
 from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
 from beluga.pool import Geometry, Pool
@@ -32,6 +33,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     m.set_defaults(handler=run_memops)
 
+    r = cmds.add_parser(
+        "rpc", help="slot RPC round trip and throughput beside TCP and Unix sockets"
+    )
+    add_pool_args(r)
+    add_json_arg(r)
+    r.add_argument("--iterations", type=int, default=20000, help="round trips timed per transport")
+    r.add_argument("--duration", type=float, default=0.5, help="seconds per throughput point")
+    r.set_defaults(handler=run_rpc)
+
 
 def scratch_pool(args: argparse.Namespace, size: int) -> tuple[Pool, bool]:
     """The pool named on the command line, or a private scratch pool (removed after)."""
@@ -39,6 +49,18 @@ def scratch_pool(args: argparse.Namespace, size: int) -> tuple[Pool, bool]:
         return Pool.attach(pool_spec(args), coherence="native"), False
     path = f"/dev/shm/beluga-bench-{uuid.uuid4().hex[:8]}"
     return Pool.create(path, size, geometry=Geometry(max_hosts=4), coherence="native"), True
+
+
+def report(args: argparse.Namespace, name: str, result: dict, columns: list) -> int:
+    """Print the table, or the JSON document (to stdout or --json FILE)."""
+    doc = {"benchmark": name, "machine": machine(), **result}
+    if args.json:
+        text = write_json(doc, args.json)
+        if args.json == "-":
+            print(text)
+            return 0
+    print(format_table(result["rows"], columns))
+    return 0
 
 
 def run_memops(args: argparse.Namespace) -> int:
@@ -50,11 +72,17 @@ def run_memops(args: argparse.Namespace) -> int:
         pool.close()
         if scratch:
             Pool.destroy(pool.spec)
-    doc = {"benchmark": "memops", "machine": machine(), **result}
-    if args.json:
-        text = write_json(doc, args.json)
-        if args.json == "-":
-            print(text)
-            return 0
-    print(format_table(result["rows"], memops.COLUMNS))
-    return 0
+    return report(args, "memops", result, memops.COLUMNS)
+
+
+def run_rpc(args: argparse.Namespace) -> int:
+    if args.iterations < 1 or args.duration <= 0:
+        raise ValueError("--iterations must be >= 1 and --duration > 0")
+    pool, scratch = scratch_pool(args, 64 << 20)
+    try:
+        result = rpc_bench.run(pool, args.iterations, args.duration)
+    finally:
+        pool.close()
+        if scratch:
+            Pool.destroy(pool.spec)
+    return report(args, "rpc", result, rpc_bench.COLUMNS)
