@@ -4,7 +4,7 @@
  * A block is a one-line header plus a payload.  The protocol is a seqlock
  * whose sequence is the block's version:
  *
- *   publish       header := WRITING(version) ; SFENCE
+ *   publish       header := WRITING(version, length) ; SFENCE
  *                 payload := data (non-temporal) ; SFENCE
  *                 header := PUBLISHED(version, length, crc32c) ; SFENCE
  *   read          invalidate header ; MFENCE ; load and check header
@@ -48,7 +48,7 @@ void bl_publish(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *
     bl_header h = *proto;
     h.magic = BL_HDR_MAGIC;
     h.state = BL_WRITING;
-    h.length = 0;
+    h.length = n; /* so that recovery knows the extent a dead writer held */
     h.payload_crc = 0;
     put_header(m, hdr_off, &h);
     m->ops->nt_store(m, payload_off, data, n);

@@ -11,7 +11,7 @@ The server's life cycle, in shared memory:
   a ring whose client is alive (pid + start time, or heartbeat) and whose
   generation matches the host table is served; a dead client's ring is
   dropped and ``on_client_gone(host_id)`` runs, so upper layers reclaim what
-  that client held;
+  that client held; then ``tick()`` runs, for the service's own timers;
 - it writes each ring's status line (epoch, acknowledged generation,
   heartbeat); a clean stop writes epoch 0 so that clients fail fast.
 
@@ -94,6 +94,7 @@ class RpcServer:
         idle_after_s: float = 0.5,
         stale_s: float = DEFAULT_STALE_S,
         on_client_gone: Callable[[int], None] | None = None,
+        tick: Callable[[], None] | None = None,
     ) -> None:
         self.pool = pool
         self.sb = pool.superblock
@@ -108,6 +109,7 @@ class RpcServer:
         self.idle_after_s = idle_after_s
         self.stale_s = stale_s
         self.on_client_gone = on_client_gone
+        self.tick = tick
         self.epoch = int.from_bytes(os.urandom(4), "little") or 1
         self.entry = pool.claim_host(host_id)
         self.start_ms = process_start_ms(os.getpid()) or 0
@@ -174,6 +176,8 @@ class RpcServer:
                     self.on_client_gone(h)
             self._write_status(h, self.epoch, ctl.gen if live and ctl else 0)
         self.entry = hosts.heartbeat(self.entry)
+        if self.tick:
+            self.tick()
 
     # -- serving -------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""The store's RPC operations, each with a symmetric encode / decode pair.
+
+Every request and response is a little-endian count followed by fixed-size
+records, so a batch of N keys is one message and decoding is one
+``iter_unpack``.  Keys travel as their 16-byte digests (the identity kept in
+block headers); the server never sees key bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from beluga.rpc import FIRST_SERVICE_OP
+
+
+class StoreOp(enum.IntEnum):
+    ALLOC = FIRST_SERVICE_OP  # reserve extents for writing, under a write lease
+    COMMIT = FIRST_SERVICE_OP + 1  # make written extents visible in the index
+    ABORT = FIRST_SERVICE_OP + 2  # give reserved extents back (a put that failed)
+    LOOKUP = FIRST_SERVICE_OP + 3  # where keys live (optionally leasing them)
+    REMOVE = FIRST_SERVICE_OP + 4
+    STATS = FIRST_SERVICE_OP + 5
+
+
+NO_BLOCK = 0xFFFFFFFF
+LOOKUP_LEASE = 1  # take a read lease on every hit
+LOOKUP_PREFIX = 2  # stop at the first miss
+
+_COUNT = struct.Struct("<I")
+_ALLOC_REQ = struct.Struct("<16sQH")  # digest, length, key length
+_GRANT = struct.Struct("<IQ")  # block, version
+_COMMIT_REQ = struct.Struct("<16sIQ")  # digest, block, version
+_FLAG = struct.Struct("<B")
+_LOOKUP_REQ = struct.Struct("<B")  # flags, then digests
+_LOCATION = struct.Struct("<IQQ")  # block, version, length
+
+
+@dataclass(frozen=True)
+class Grant:
+    block: int
+    version: int
+
+
+@dataclass(frozen=True)
+class Location:
+    block: int
+    version: int
+    length: int
+
+
+def _records(st: struct.Struct, items: list[tuple]) -> bytes:
+    return _COUNT.pack(len(items)) + b"".join(st.pack(*i) for i in items)
+
+
+def _unrecords(st: struct.Struct, data: bytes, offset: int = 0) -> list[tuple]:
+    (n,) = _COUNT.unpack_from(data, offset)
+    body = data[offset + _COUNT.size :]
+    if len(body) != n * st.size:
+        raise ValueError(
+            f"malformed message: {n} records of {st.size} bytes expected, {len(body)} bytes present"
+        )
+    return list(st.iter_unpack(body))
+
+
+def encode_alloc(items: list[tuple[bytes, int, int]]) -> bytes:
+    return _records(_ALLOC_REQ, items)
+
+
+def decode_alloc(data: bytes) -> list[tuple[bytes, int, int]]:
+    return _unrecords(_ALLOC_REQ, data)
+
+
+def encode_grants(grants: list[Grant]) -> bytes:
+    return _records(_GRANT, [(g.block, g.version) for g in grants])
+
+
+def decode_grants(data: bytes) -> list[Grant]:
+    return [Grant(*r) for r in _unrecords(_GRANT, data)]
+
+
+def encode_commit(items: list[tuple[bytes, int, int]]) -> bytes:
+    return _records(_COMMIT_REQ, items)
+
+
+def decode_commit(data: bytes) -> list[tuple[bytes, int, int]]:
+    return _unrecords(_COMMIT_REQ, data)
+
+
+def encode_flags(flags: list[bool]) -> bytes:
+    return _records(_FLAG, [(int(f),) for f in flags])
+
+
+def decode_flags(data: bytes) -> list[bool]:
+    return [bool(f) for (f,) in _unrecords(_FLAG, data)]
+
+
+def encode_digests(digests: list[bytes], flags: int = 0) -> bytes:
+    return _LOOKUP_REQ.pack(flags) + _records(struct.Struct("<16s"), [(d,) for d in digests])
+
+
+def decode_digests(data: bytes) -> tuple[int, list[bytes]]:
+    (flags,) = _LOOKUP_REQ.unpack_from(data)
+    return flags, [d for (d,) in _unrecords(struct.Struct("<16s"), data, _LOOKUP_REQ.size)]
+
+
+def encode_locations(locations: list[Location | None]) -> bytes:
+    return _records(
+        _LOCATION,
+        [(loc.block, loc.version, loc.length) if loc else (NO_BLOCK, 0, 0) for loc in locations],
+    )
+
+
+def decode_locations(data: bytes) -> list[Location | None]:
+    return [None if b == NO_BLOCK else Location(b, v, n) for b, v, n in _unrecords(_LOCATION, data)]
+
+
+#: bytes per record, for sizing batches to the RPC slot buffers
+RECORD_BYTES = {
+    StoreOp.ALLOC: max(_ALLOC_REQ.size, _GRANT.size),
+    StoreOp.COMMIT: max(_COMMIT_REQ.size, _FLAG.size),
+    StoreOp.ABORT: _COMMIT_REQ.size,
+    StoreOp.LOOKUP: max(16, _LOCATION.size),
+    StoreOp.REMOVE: 16,
+}
+HEADER_BYTES = _COUNT.size + _LOOKUP_REQ.size

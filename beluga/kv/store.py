@@ -1,0 +1,258 @@
+"""KVStore: the client API, shaped after Mooncake Store's.
+
+Writes go allocate (one RPC per batch) -> copy into the pool and publish the
+header (no server involved) -> commit (one RPC per batch).  Reads go lookup
+(one RPC per batch, with a read lease) -> read_validated straight from the
+pool.  A read that fails validation (the key was just replaced or evicted)
+is retried once with a fresh lookup, then reported as a miss: never as data.
+
+Values are any buffer: bytes, bytearray, memoryview, numpy arrays, CPU torch
+tensors (any dtype, contiguous), or a raw ``(address, size)`` pair.  Keys are
+``str`` or ``bytes`` of at most 256 bytes; the pool stores their 16-byte
+BLAKE2b digests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from beluga.coherence import Miss, digest
+from beluga.errors import RpcError
+from beluga.kv import protocol as p
+from beluga.pool import Pool
+from beluga.rpc import RpcClient
+
+MAX_KEY_BYTES = 256
+Key = str | bytes
+_RACES = (Miss.KEY, Miss.VERSION, Miss.STATE, Miss.CHANGED, Miss.MAGIC)
+
+
+def key_bytes(key: Key) -> bytes:
+    """A key as bytes, checked against the size limit."""
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if not raw or len(raw) > MAX_KEY_BYTES:
+        raise ValueError(
+            f"a key is 1..{MAX_KEY_BYTES} bytes, not {len(raw)}; hash longer keys "
+            "(e.g. hashlib.sha256(key).digest())"
+        )
+    return raw
+
+
+def as_buffer(obj: Any, writable: bool = False) -> memoryview:
+    """A flat byte view of a value without copying it."""
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
+        address, size = obj
+        if address <= 0 or size < 0:
+            raise ValueError(f"a raw buffer is (address > 0, size >= 0), not {obj}")
+        return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+    if type(obj).__module__.startswith("torch"):
+        if obj.device.type != "cpu" or not obj.is_contiguous():
+            raise ValueError("a torch tensor value must be a contiguous CPU tensor")
+        import torch
+
+        obj = obj.reshape(-1).view(torch.uint8).numpy()
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise ValueError(
+            f"a value must support the buffer protocol, not {type(obj).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError("a value buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise ValueError("get_into needs a writable buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class KVStore:
+    """A connection to a pool's metadata server, and direct access to its blocks."""
+
+    def __init__(
+        self,
+        pool: Pool | str,
+        *,
+        coherence: str | None = None,
+        depth: int = 32,
+        host_id: int | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self._owns_pool = not isinstance(pool, Pool)
+        self.pool = Pool.attach(pool, coherence=coherence) if self._owns_pool else pool
+        try:
+            self.rpc = RpcClient(
+                self.pool,
+                depth=depth,
+                host_id=host_id,
+                timeout=timeout,
+                connect_timeout=connect_timeout,
+            )
+        except BaseException:
+            if self._owns_pool:
+                self.pool.close()
+            raise
+        self.mem = self.pool.memory
+        self.sb = self.pool.superblock
+
+    # -- plumbing ------------------------------------------------------------
+
+    def _batches(self, op: p.StoreOp, n: int) -> Iterator[slice]:
+        per = max(1, (self.rpc.max_payload - p.HEADER_BYTES) // p.RECORD_BYTES[op])
+        for start in range(0, n, per):
+            yield slice(start, min(n, start + per))
+
+    def _lookup(self, digests: list[bytes], flags: int) -> list[p.Location | None]:
+        out: list[p.Location | None] = []
+        for s in self._batches(p.StoreOp.LOOKUP, len(digests)):
+            found = p.decode_locations(
+                self.rpc.call(p.StoreOp.LOOKUP, p.encode_digests(digests[s], flags))
+            )
+            out += found
+            if flags & p.LOOKUP_PREFIX and len(found) < s.stop - s.start:
+                break
+        return out
+
+    def _extent_bytes(self, length: int) -> int:
+        return max(1, -(-length // self.sb.block_size)) * self.sb.block_size
+
+    def _read(self, d: bytes, loc: p.Location, out: memoryview) -> int:
+        return self.mem.read_validated(
+            self.sb.block_header_offset(loc.block),
+            self.sb.block_payload_offset(loc.block),
+            self._extent_bytes(loc.length),
+            d,
+            loc.version,
+            out,
+        )
+
+    def _read_retrying(
+        self, d: bytes, loc: p.Location | None, out: memoryview | None
+    ) -> tuple[int, bytearray | None]:
+        """Read one value (into ``out``, or a new buffer); (length or -1, buffer)."""
+        for attempt in range(2):
+            if loc is None:
+                return -1, None
+            buf = out if out is not None else bytearray(loc.length)
+            if len(buf) < loc.length:
+                raise ValueError(
+                    f"the buffer holds {len(buf)} bytes but the value is "
+                    f"{loc.length} bytes; pass a buffer of at least that size"
+                )
+            n = self._read(d, loc, memoryview(buf))
+            if n >= 0:
+                return n, buf if out is None else None
+            if attempt or n not in _RACES:
+                break
+            (loc,) = self._lookup([d], p.LOOKUP_LEASE)
+        return -1, None
+
+    # -- writes --------------------------------------------------------------
+
+    def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any]) -> None:
+        """Store many values; one ALLOC and one COMMIT RPC per batch."""
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        raw = [key_bytes(k) for k in keys]
+        views = [as_buffer(v) for v in values]
+        digests = [digest(k) for k in raw]
+        for s in self._batches(p.StoreOp.ALLOC, len(raw)):
+            items = [(digests[i], len(views[i]), len(raw[i])) for i in range(s.start, s.stop)]
+            grants = p.decode_grants(self.rpc.call(p.StoreOp.ALLOC, p.encode_alloc(items)))
+            commits = [(d, g.block, g.version) for (d, _, _), g in zip(items, grants, strict=True)]
+            try:
+                for (d, _, klen), g, view in zip(items, grants, views[s], strict=True):
+                    self.mem.publish(
+                        self.sb.block_header_offset(g.block),
+                        self.sb.block_payload_offset(g.block),
+                        d,
+                        g.version,
+                        view,
+                        key_len=klen,
+                        writer=self.rpc.host_id,
+                    )
+            except BaseException:
+                self.rpc.call(p.StoreOp.ABORT, p.encode_commit(commits))
+                raise
+            done = p.decode_flags(self.rpc.call(p.StoreOp.COMMIT, p.encode_commit(commits)))
+            if not all(done):
+                raise RpcError(
+                    f"{done.count(False)} of {len(done)} writes lost their write lease "
+                    "before commit (the server restarted or the write took too long); "
+                    "put them again"
+                )
+
+    def put_from(self, key: Key, value: Any) -> None:
+        self.batch_put_from([key], [value])
+
+    def put(self, key: Key, value: Any) -> None:
+        self.batch_put_from([key], [value])
+
+    def put_batch(self, keys: Sequence[Key], values: Sequence[Any]) -> None:
+        self.batch_put_from(keys, values)
+
+    def remove(self, key: Key) -> bool:
+        """Delete a key; False if it was not there."""
+        (found,) = p.decode_flags(
+            self.rpc.call(p.StoreOp.REMOVE, p.encode_digests([digest(key_bytes(key))]))
+        )
+        return found
+
+    # -- reads ---------------------------------------------------------------
+
+    def get_batch(self, keys: Sequence[Key]) -> list[bytes | None]:
+        """Values of many keys (None for a miss); one LOOKUP RPC per batch."""
+        digests = [digest(key_bytes(k)) for k in keys]
+        out: list[bytes | None] = []
+        for d, loc in zip(digests, self._lookup(digests, p.LOOKUP_LEASE), strict=True):
+            n, buf = self._read_retrying(d, loc, None)
+            out.append(bytes(buf[:n]) if buf is not None and n >= 0 else None)
+        return out
+
+    def get(self, key: Key) -> bytes | None:
+        return self.get_batch([key])[0]
+
+    def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int]:
+        """Read many values into caller buffers; each result is the length, or -1 for a miss."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        views = [as_buffer(b, writable=True) for b in buffers]
+        digests = [digest(key_bytes(k)) for k in keys]
+        locs = self._lookup(digests, p.LOOKUP_LEASE)
+        return [
+            self._read_retrying(d, loc, v)[0]
+            for d, loc, v in zip(digests, locs, views, strict=True)
+        ]
+
+    def get_into(self, key: Key, buffer: Any) -> int:
+        return self.batch_get_into([key], [buffer])[0]
+
+    def batch_is_exist(self, keys: Sequence[Key]) -> list[bool]:
+        return [loc is not None for loc in self._lookup([digest(key_bytes(k)) for k in keys], 0)]
+
+    def is_exist(self, key: Key) -> bool:
+        return self.batch_is_exist([key])[0]
+
+    def lookup_prefix(self, keys: Sequence[Key]) -> int:
+        """How many leading keys of a chain are stored (one batched lookup)."""
+        locs = self._lookup([digest(key_bytes(k)) for k in keys], p.LOOKUP_PREFIX | p.LOOKUP_LEASE)
+        return next((i for i, loc in enumerate(locs) if loc is None), len(locs))
+
+    def stats(self) -> dict[str, Any]:
+        """The server's counters (capacity, use, hits, misses, evictions, leases)."""
+        return json.loads(self.rpc.call(p.StoreOp.STATS))
+
+    # -- life cycle ----------------------------------------------------------
+
+    def close(self) -> None:
+        self.rpc.close()
+        if self._owns_pool:
+            self.pool.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
