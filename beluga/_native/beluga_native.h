@@ -90,6 +90,12 @@ void bl_header_seal(bl_header *h);
 int bl_header_check(const bl_header *h);
 void bl_publish(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *proto,
                 const void *data, size_t n);
+void bl_begin_write(bl_mem *m, size_t hdr_off, const bl_header *proto, size_t n);
+void bl_seal(bl_mem *m, size_t hdr_off, const bl_header *proto, size_t n, uint32_t crc);
+uint32_t bl_payload_crc(bl_mem *m, size_t payload_off, size_t n);
+void bl_get_header(bl_mem *m, size_t hdr_off, bl_header *h);
+int64_t bl_check_header(bl_mem *m, size_t hdr_off, size_t payload_off, const uint8_t digest[16],
+                        uint64_t version, size_t block_cap, bl_header *h);
 int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
                           const uint8_t digest[16], uint64_t version, size_t block_cap,
                           void *out, size_t cap, bl_header *seen);

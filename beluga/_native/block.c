@@ -12,7 +12,12 @@
  *                 invalidate header ; MFENCE ; header must be unchanged
  *
  * If a reader's copy saw any byte of a later writer, that writer's WRITING
- * header was visible first, so the final header check fails.  The checksum
+ * header was visible first, so the final header check fails.
+ *
+ * The data path writes a payload in place (one scatter-gather call), so the
+ * same protocol is split: begin_write (WRITING), the caller's stores, seal
+ * (fence, CRC32C over the payload as the pool holds it, PUBLISHED).  A reader
+ * that scatters a payload itself brackets its copy with check_header.  The checksum
  * catches a torn payload even without that ordering.  Every failure is a
  * miss (a negative code), never data.
  */
@@ -41,9 +46,8 @@ static void put_header(bl_mem *m, size_t hdr_off, bl_header *h)
     m->ops->sfence(m);
 }
 
-/* Publish `n` bytes of data as block (hdr_off, payload_off). */
-void bl_publish(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *proto,
-                const void *data, size_t n)
+/* Announce a write: header := WRITING(version, length), fenced, before any payload store. */
+void bl_begin_write(bl_mem *m, size_t hdr_off, const bl_header *proto, size_t n)
 {
     bl_header h = *proto;
     h.magic = BL_HDR_MAGIC;
@@ -51,20 +55,72 @@ void bl_publish(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *
     h.length = n; /* so that recovery knows the extent a dead writer held */
     h.payload_crc = 0;
     put_header(m, hdr_off, &h);
-    m->ops->nt_store(m, payload_off, data, n);
-    m->ops->sfence(m);
+}
+
+/* Finish a write whose payload (fenced) has the given CRC: header := PUBLISHED. */
+void bl_seal(bl_mem *m, size_t hdr_off, const bl_header *proto, size_t n, uint32_t crc)
+{
+    bl_header h = *proto;
+    h.magic = BL_HDR_MAGIC;
     h.state = BL_PUBLISHED;
     h.length = n;
-    h.payload_crc = ~bl_crc32c(~0u, data, n);
+    h.payload_crc = crc;
     put_header(m, hdr_off, &h);
 }
 
+/* Publish `n` bytes of data as block (hdr_off, payload_off). */
+void bl_publish(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *proto,
+                const void *data, size_t n)
+{
+    bl_begin_write(m, hdr_off, proto, n);
+    m->ops->nt_store(m, payload_off, data, n);
+    m->ops->sfence(m);
+    bl_seal(m, hdr_off, proto, n, ~bl_crc32c(~0u, data, n));
+}
+
+/* CRC32C of a payload as stored in the pool (through the memops table). */
+uint32_t bl_payload_crc(bl_mem *m, size_t payload_off, size_t n)
+{
+    uint8_t chunk[4096];
+    uint32_t c = ~0u;
+    m->ops->invalidate(m, payload_off, n);
+    m->ops->mfence(m);
+    for (size_t done = 0; done < n; done += sizeof(chunk)) {
+        size_t k = n - done < sizeof(chunk) ? n - done : sizeof(chunk);
+        m->ops->load(m, payload_off + done, chunk, k);
+        c = bl_crc32c(c, chunk, k);
+    }
+    return ~c;
+}
+
 /* Load a header after dropping any cached copy of it. */
-static void get_header(bl_mem *m, size_t hdr_off, bl_header *h)
+void bl_get_header(bl_mem *m, size_t hdr_off, bl_header *h)
 {
     m->ops->invalidate(m, hdr_off, sizeof(*h));
     m->ops->mfence(m);
     m->ops->load(m, hdr_off, h, sizeof(*h));
+}
+
+/*
+ * Check the header of a published block (length, or a negative BL_MISS_*):
+ * the first half of read_validated, and what a reader that scatters the
+ * payload itself calls before and after (a seqlock without the checksum).
+ */
+int64_t bl_check_header(bl_mem *m, size_t hdr_off, size_t payload_off, const uint8_t digest[16],
+                        uint64_t version, size_t block_cap, bl_header *h)
+{
+    bl_get_header(m, hdr_off, h);
+    if (!bl_header_check(h))
+        return BL_MISS_MAGIC;
+    if (h->state != BL_PUBLISHED)
+        return BL_MISS_STATE;
+    if (memcmp(h->digest, digest, sizeof(h->digest)))
+        return BL_MISS_KEY;
+    if (version && h->version != version)
+        return BL_MISS_VERSION;
+    if (h->length > block_cap || h->length > m->size - payload_off)
+        return BL_MISS_LENGTH;
+    return (int64_t)h->length;
 }
 
 /*
@@ -77,18 +133,10 @@ int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
                           void *out, size_t cap, bl_header *seen)
 {
     bl_header h, again;
-    get_header(m, hdr_off, &h);
+    int64_t r = bl_check_header(m, hdr_off, payload_off, digest, version, block_cap, &h);
     *seen = h;
-    if (!bl_header_check(&h))
-        return BL_MISS_MAGIC;
-    if (h.state != BL_PUBLISHED)
-        return BL_MISS_STATE;
-    if (memcmp(h.digest, digest, sizeof(h.digest)))
-        return BL_MISS_KEY;
-    if (version && h.version != version)
-        return BL_MISS_VERSION;
-    if (h.length > block_cap || h.length > m->size - payload_off)
-        return BL_MISS_LENGTH;
+    if (r < 0)
+        return r;
     if (h.length > cap)
         return BL_TOO_SMALL;
     m->ops->invalidate(m, payload_off, h.length);
@@ -96,7 +144,7 @@ int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
     m->ops->load(m, payload_off, out, h.length);
     if (~bl_crc32c(~0u, out, h.length) != h.payload_crc)
         return BL_MISS_CHECKSUM;
-    get_header(m, hdr_off, &again);
+    bl_get_header(m, hdr_off, &again);
     if (memcmp(&h, &again, sizeof(h)))
         return BL_MISS_CHANGED;
     return (int64_t)h.length;

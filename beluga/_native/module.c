@@ -288,6 +288,29 @@ static int block_ok(MemoryObject *self, unsigned long long hdr_off, unsigned lon
     return in_range(self, hdr_off, BL_LINE) && in_range(self, payload_off, 0);
 }
 
+/* Validate a block's placement and fill the fields every header of it carries. */
+static int block_proto(MemoryObject *self, unsigned long long hdr_off,
+                       unsigned long long payload_off, Py_buffer *digest,
+                       unsigned long long version, unsigned long long length, unsigned int key_len,
+                       unsigned int writer, unsigned long long stamp, bl_header *h)
+{
+    if (!block_ok(self, hdr_off, payload_off, digest) || !in_range(self, payload_off, length))
+        return 0;
+    if (hdr_off < payload_off + length && payload_off < hdr_off + BL_LINE)
+        return !!fail("header [%llu, +64) overlaps the payload", hdr_off);
+    if (version == 0)
+        return !!fail("version 0 is reserved for 'any version'; versions start at 1");
+    if (key_len > 0xffff)
+        return !!fail("key_len %u does not fit the header", key_len);
+    memset(h, 0, sizeof(*h));
+    memcpy(h->digest, digest->buf, 16);
+    h->version = version;
+    h->key_len = (uint16_t)key_len;
+    h->writer = writer;
+    h->stamp = stamp;
+    return 1;
+}
+
 /* publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0) */
 static PyObject *Memory_publish(MemoryObject *self, PyObject *args, PyObject *kw)
 {
@@ -296,38 +319,87 @@ static PyObject *Memory_publish(MemoryObject *self, PyObject *args, PyObject *kw
     unsigned long long hdr_off, payload_off, version, stamp = 0;
     unsigned int key_len = 0, writer = 0;
     Py_buffer digest, data;
+    bl_header h;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*Ky*|IIK", kwlist, &hdr_off, &payload_off,
                                      &digest, &version, &data, &key_len, &writer, &stamp))
         return NULL;
-    if (block_ok(self, hdr_off, payload_off, &digest) &&
-        in_range(self, payload_off, (unsigned long long)data.len)) {
-        if (hdr_off < payload_off + (size_t)data.len && payload_off < hdr_off + BL_LINE) {
-            fail("header [%llu, +64) overlaps the payload", hdr_off);
-        } else if (version == 0) {
-            fail("version 0 is reserved for 'any version'; versions start at 1");
-        } else if (key_len > 0xffff) {
-            fail("key_len %u does not fit the header", key_len);
-        } else {
-            bl_header h = {0};
-            memcpy(h.digest, digest.buf, 16);
-            h.version = version;
-            h.key_len = (uint16_t)key_len;
-            h.writer = writer;
-            h.stamp = stamp;
-            atomic_fetch_add(&self->busy, 1);
-            int nogil = (size_t)data.len >= NOGIL_BYTES;
-            PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
-            bl_publish(&self->mem, hdr_off, payload_off, &h, data.buf, (size_t)data.len);
-            if (nogil)
-                PyEval_RestoreThread(ts);
-            atomic_fetch_sub(&self->busy, 1);
-        }
+    if (block_proto(self, hdr_off, payload_off, &digest, version, (unsigned long long)data.len,
+                    key_len, writer, stamp, &h)) {
+        atomic_fetch_add(&self->busy, 1);
+        int nogil = (size_t)data.len >= NOGIL_BYTES;
+        PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+        bl_publish(&self->mem, hdr_off, payload_off, &h, data.buf, (size_t)data.len);
+        if (nogil)
+            PyEval_RestoreThread(ts);
+        atomic_fetch_sub(&self->busy, 1);
     }
     PyBuffer_Release(&digest);
     PyBuffer_Release(&data);
     if (PyErr_Occurred())
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* Shared body of begin_write() and seal(): a header for a payload written in place. */
+static PyObject *in_place(MemoryObject *self, PyObject *args, PyObject *kw, int sealing)
+{
+    static char *kwlist[] = {"hdr_off", "payload_off", "digest", "version", "length",
+                             "key_len", "writer", "stamp", NULL};
+    unsigned long long hdr_off, payload_off, version, length, stamp = 0;
+    unsigned int key_len = 0, writer = 0;
+    Py_buffer digest;
+    bl_header h;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*KK|IIK", kwlist, &hdr_off, &payload_off,
+                                     &digest, &version, &length, &key_len, &writer, &stamp))
+        return NULL;
+    if (block_proto(self, hdr_off, payload_off, &digest, version, length, key_len, writer, stamp,
+                    &h)) {
+        bl_mem *m = &self->mem;
+        if (!sealing) {
+            bl_begin_write(m, hdr_off, &h, length);
+        } else {
+            atomic_fetch_add(&self->busy, 1);
+            PyThreadState *ts = PyEval_SaveThread();
+            m->ops->sfence(m); /* the payload's own stores first */
+            bl_seal(m, hdr_off, &h, length, bl_payload_crc(m, payload_off, length));
+            PyEval_RestoreThread(ts);
+            atomic_fetch_sub(&self->busy, 1);
+        }
+    }
+    PyBuffer_Release(&digest);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* begin_write(hdr_off, payload_off, digest, version, length, ...): header WRITING, fenced. */
+static PyObject *Memory_begin_write(MemoryObject *self, PyObject *args, PyObject *kw)
+{
+    return in_place(self, args, kw, 0);
+}
+
+/* seal(hdr_off, payload_off, digest, version, length, ...): checksum in place, header PUBLISHED. */
+static PyObject *Memory_seal(MemoryObject *self, PyObject *args, PyObject *kw)
+{
+    return in_place(self, args, kw, 1);
+}
+
+/* check_header(hdr_off, payload_off, block_cap, digest, version) -> length or a Miss code */
+static PyObject *Memory_check_header(MemoryObject *self, PyObject *args)
+{
+    unsigned long long hdr_off, payload_off, block_cap, version;
+    Py_buffer digest;
+    int64_t r = 0;
+    if (!PyArg_ParseTuple(args, "KKKy*K", &hdr_off, &payload_off, &block_cap, &digest, &version))
+        return NULL;
+    if (block_ok(self, hdr_off, payload_off, &digest)) {
+        bl_header h;
+        r = bl_check_header(&self->mem, hdr_off, payload_off, digest.buf, version, block_cap, &h);
+    }
+    PyBuffer_Release(&digest);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLongLong(r);
 }
 
 /* read_validated(hdr_off, payload_off, block_cap, digest, version, out) -> int */
@@ -544,6 +616,12 @@ static PyMethodDef Memory_methods[] = {
     {"store_u64", (PyCFunction)Memory_store_u64, METH_VARARGS, "store_u64(off, value)"},
     {"publish", (PyCFunction)(void (*)(void))Memory_publish, METH_VARARGS | METH_KEYWORDS,
      "publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0)"},
+    {"begin_write", (PyCFunction)(void (*)(void))Memory_begin_write, METH_VARARGS | METH_KEYWORDS,
+     "begin_write(hdr_off, payload_off, digest, version, length, key_len=0, writer=0, stamp=0)"},
+    {"seal", (PyCFunction)(void (*)(void))Memory_seal, METH_VARARGS | METH_KEYWORDS,
+     "seal(hdr_off, payload_off, digest, version, length, key_len=0, writer=0, stamp=0)"},
+    {"check_header", (PyCFunction)Memory_check_header, METH_VARARGS,
+     "check_header(hdr_off, payload_off, block_cap, digest, version) -> int"},
     {"read_validated", (PyCFunction)Memory_read_validated, METH_VARARGS,
      "read_validated(hdr_off, payload_off, block_cap, digest, version, out) -> int"},
     {"gather_write", (PyCFunction)Memory_gather_write, METH_VARARGS,

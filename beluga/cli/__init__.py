@@ -8,14 +8,15 @@ any BelugaError or bad argument.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from beluga import __version__
-from beluga.cli import bench, certify, pool
+from beluga.cli import bench, certify, pool, serve
 from beluga.errors import BelugaError
 
-GROUPS = [pool, bench, certify]
+GROUPS = [pool, serve, bench, certify]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,3 +41,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("beluga: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `beluga ... | head`: the reader left, which is fine
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep the interpreter's exit quiet
+        return 0

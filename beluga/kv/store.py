@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from beluga.coherence import Miss, digest
@@ -65,6 +66,19 @@ def as_buffer(obj: Any, writable: bool = False) -> memoryview:
     if writable and view.readonly:
         raise ValueError("get_into needs a writable buffer")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """A value's place in the pool, for callers that move its payload themselves."""
+
+    digest: bytes
+    block: int
+    version: int
+    length: int
+    header_offset: int
+    payload_offset: int
+    capacity: int  # bytes of the extent
 
 
 class KVStore:
@@ -118,6 +132,46 @@ class KVStore:
     def _extent_bytes(self, length: int) -> int:
         return max(1, -(-length // self.sb.block_size)) * self.sb.block_size
 
+    def _ref(self, d: bytes, block: int, version: int, length: int) -> BlockRef:
+        return BlockRef(
+            d,
+            block,
+            version,
+            length,
+            self.sb.block_header_offset(block),
+            self.sb.block_payload_offset(block),
+            self._extent_bytes(length),
+        )
+
+    def _alloc(
+        self, digests: list[bytes], lengths: list[int], key_lens: list[int]
+    ) -> list[BlockRef]:
+        items = list(zip(digests, lengths, key_lens, strict=True))
+        grants = p.decode_grants(self.rpc.call(p.StoreOp.ALLOC, p.encode_alloc(items)))
+        return [
+            self._ref(d, g.block, g.version, n) for (d, n, _), g in zip(items, grants, strict=True)
+        ]
+
+    def _commit(self, refs: list[BlockRef]) -> None:
+        done = p.decode_flags(
+            self.rpc.call(
+                p.StoreOp.COMMIT, p.encode_commit([(r.digest, r.block, r.version) for r in refs])
+            )
+        )
+        if not all(done):
+            raise RpcError(
+                f"{done.count(False)} of {len(done)} writes lost their write lease "
+                "before commit (the server restarted or the write took too long); "
+                "put them again"
+            )
+
+    def abort(self, refs: Sequence[BlockRef]) -> None:
+        """Give back extents reserved by :meth:`reserve` that will not be sealed."""
+        for s in self._batches(p.StoreOp.ABORT, len(refs)):
+            self.rpc.call(
+                p.StoreOp.ABORT, p.encode_commit([(r.digest, r.block, r.version) for r in refs[s]])
+            )
+
     def _read(self, d: bytes, loc: p.Location, out: memoryview) -> int:
         return self.mem.read_validated(
             self.sb.block_header_offset(loc.block),
@@ -159,30 +213,77 @@ class KVStore:
         views = [as_buffer(v) for v in values]
         digests = [digest(k) for k in raw]
         for s in self._batches(p.StoreOp.ALLOC, len(raw)):
-            items = [(digests[i], len(views[i]), len(raw[i])) for i in range(s.start, s.stop)]
-            grants = p.decode_grants(self.rpc.call(p.StoreOp.ALLOC, p.encode_alloc(items)))
-            commits = [(d, g.block, g.version) for (d, _, _), g in zip(items, grants, strict=True)]
+            refs = self._alloc(digests[s], [len(v) for v in views[s]], [len(k) for k in raw[s]])
             try:
-                for (d, _, klen), g, view in zip(items, grants, views[s], strict=True):
+                for r, view, k in zip(refs, views[s], raw[s], strict=True):
                     self.mem.publish(
-                        self.sb.block_header_offset(g.block),
-                        self.sb.block_payload_offset(g.block),
-                        d,
-                        g.version,
+                        r.header_offset,
+                        r.payload_offset,
+                        r.digest,
+                        r.version,
                         view,
-                        key_len=klen,
+                        key_len=len(k),
                         writer=self.rpc.host_id,
                     )
             except BaseException:
-                self.rpc.call(p.StoreOp.ABORT, p.encode_commit(commits))
+                self.abort(refs)
                 raise
-            done = p.decode_flags(self.rpc.call(p.StoreOp.COMMIT, p.encode_commit(commits)))
-            if not all(done):
-                raise RpcError(
-                    f"{done.count(False)} of {len(done)} writes lost their write lease "
-                    "before commit (the server restarted or the write took too long); "
-                    "put them again"
-                )
+            self._commit(refs)
+
+    # -- in-place writes and reads (the KV data path) ------------------------
+
+    def reserve(self, keys: Sequence[Key], lengths: Sequence[int]) -> list[BlockRef]:
+        """Reserve extents and mark them WRITING; fill the payloads, then :meth:`seal`."""
+        raw = [key_bytes(k) for k in keys]
+        digests = [digest(k) for k in raw]
+        refs: list[BlockRef] = []
+        for s in self._batches(p.StoreOp.ALLOC, len(raw)):
+            refs += self._alloc(digests[s], list(lengths[s]), [len(k) for k in raw[s]])
+        for r, k in zip(refs, raw, strict=True):
+            self.mem.begin_write(
+                r.header_offset,
+                r.payload_offset,
+                r.digest,
+                r.version,
+                r.length,
+                key_len=len(k),
+                writer=self.rpc.host_id,
+            )
+        return refs
+
+    def seal(self, refs: Sequence[BlockRef]) -> None:
+        """Checksum payloads written in place, publish their headers, and commit them."""
+        for r in refs:
+            self.mem.seal(
+                r.header_offset,
+                r.payload_offset,
+                r.digest,
+                r.version,
+                r.length,
+                writer=self.rpc.host_id,
+            )
+        for s in self._batches(p.StoreOp.COMMIT, len(refs)):
+            self._commit(list(refs[s]))
+
+    def locate(self, keys: Sequence[Key], prefix: bool = True) -> list[BlockRef | None]:
+        """Where keys live, under a read lease; with ``prefix``, up to the first miss."""
+        digests = [digest(key_bytes(k)) for k in keys]
+        flags = p.LOOKUP_LEASE | (p.LOOKUP_PREFIX if prefix else 0)
+        locs = self._lookup(digests, flags)
+        return [
+            None if loc is None else self._ref(d, loc.block, loc.version, loc.length)
+            for d, loc in zip(digests, locs, strict=False)
+        ]
+
+    def check(self, refs: Sequence[BlockRef]) -> list[bool]:
+        """Whether each block is still the published version (call before and after a copy)."""
+        return [
+            self.mem.check_header(
+                r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
+            )
+            == r.length
+            for r in refs
+        ]
 
     def put_from(self, key: Key, value: Any) -> None:
         self.batch_put_from([key], [value])

@@ -1,0 +1,66 @@
+"""``beluga serve`` (the metadata server) and ``beluga stats`` (its counters)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from beluga.cli.common import add_pool_args, pool_spec
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="run the metadata server of a pool (until SIGTERM/SIGINT)")
+    add_pool_args(s)
+    s.add_argument(
+        "--coherence",
+        choices=["native", "model"],
+        help="coherence mode (default: $BELUGA_COHERENCE or native)",
+    )
+    s.add_argument(
+        "--write-lease",
+        type=float,
+        default=30.0,
+        help="seconds a writer may hold an extent before commit (default 30)",
+    )
+    s.add_argument(
+        "--read-lease",
+        type=float,
+        default=2.0,
+        help="seconds a lookup protects an extent from reuse (default 2)",
+    )
+    s.add_argument("--high-watermark", type=float, default=0.95)
+    s.add_argument("--low-watermark", type=float, default=0.90)
+    s.set_defaults(handler=run_serve)
+
+    t = sub.add_parser("stats", help="ask a pool's metadata server for its counters")
+    add_pool_args(t)
+    t.add_argument("--json", action="store_true", help="JSON instead of text")
+    t.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    t.set_defaults(handler=run_stats)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from beluga.kv.server import serve
+
+    serve(
+        pool_spec(args),
+        coherence=args.coherence,
+        write_lease_s=args.write_lease,
+        read_lease_s=args.read_lease,
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+    )
+    return 0
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from beluga.kv.store import KVStore
+
+    with KVStore(pool_spec(args), connect_timeout=args.timeout, timeout=args.timeout) as store:
+        stats = store.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    for key, value in stats.items():
+        print(f"{key:>22}: {value}")
+    return 0
