@@ -9,6 +9,7 @@ from beluga.errors import (
     LayoutVersionError,
     PoolError,
     RpcError,
+    ServingError,
 )
 
 __version__ = "0.1.0"
@@ -33,5 +34,6 @@ __all__ = [
     "LayoutVersionError",
     "PoolError",
     "RpcError",
+    "ServingError",
     "__version__",
 ]

@@ -37,3 +37,7 @@ class KVLayoutError(BelugaError, ValueError):
 
 class CapacityError(BelugaError):
     """The pool has no room left and nothing can be evicted."""
+
+
+class ServingError(BelugaError):
+    """An engine process failed to start, died, or did not answer in time."""

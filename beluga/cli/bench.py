@@ -1,4 +1,4 @@
-"""``beluga bench memops`` (and, as they land, rpc, store, e2e)."""
+"""``beluga bench memops``, ``rpc`` and ``e2e`` (and, as it lands, store)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from beluga.bench import memops
 from beluga.bench import rpc as rpc_bench
 from beluga.bench.stats import format_table, machine, parse_size, write_json
 from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
+from beluga.cli.demo import add_e2e_args, e2e_settings, run_with_progress, summary
 from beluga.pool import Geometry, Pool
 
 
@@ -41,6 +42,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--iterations", type=int, default=20000, help="round trips timed per transport")
     r.add_argument("--duration", type=float, default=0.5, help="seconds per throughput point")
     r.set_defaults(handler=run_rpc)
+
+    e = cmds.add_parser(
+        "e2e",
+        help="a long-context trace twice through engines sharing one pool, per scheduler",
+    )
+    add_e2e_args(e)
+    add_json_arg(e)
+    e.add_argument(
+        "--chart",
+        default="e2e-ttft.png",
+        metavar="FILE",
+        help="PNG chart of TTFT per pass and per scheduler (default e2e-ttft.png; '' for none)",
+    )
+    e.set_defaults(handler=run_e2e)
 
 
 def scratch_pool(args: argparse.Namespace, size: int) -> tuple[Pool, bool]:
@@ -86,3 +101,18 @@ def run_rpc(args: argparse.Namespace) -> int:
         if scratch:
             Pool.destroy(pool.spec)
     return report(args, "rpc", result, rpc_bench.COLUMNS)
+
+
+def run_e2e(args: argparse.Namespace) -> int:
+    from beluga.bench import e2e
+
+    result = run_with_progress(e2e_settings(args), args.pool)
+    if args.chart:
+        e2e.chart(result, args.chart)
+        result["chart"] = os.path.abspath(args.chart)
+    if args.json:
+        return report(args, "e2e", result, e2e.COLUMNS)
+    print(summary(result))
+    if args.chart:
+        print(f"chart: {result['chart']}")
+    return 0

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 K, V = 0, 1
+PAGE = 4096  # pool blocks are whole 4 KiB pages (beluga.pool.Geometry)
 DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
 ORDERS = ("NHD", "HND", "CPU")
 
@@ -82,6 +83,25 @@ class BlockFormat:
     def nbytes(self) -> int:
         """Payload bytes of one pool block (the pool's block size must be at least this)."""
         return 2 * self.spec.num_layers * self.spec.section_bytes
+
+    @property
+    def pool_block_bytes(self) -> int:
+        """The smallest pool block size (whole 4 KiB pages) that holds one block."""
+        return -(-self.nbytes // PAGE) * PAGE
+
+    @property
+    def fingerprint(self) -> str:
+        """Everything that fixes the block's bytes, short enough for a pool label (64 bytes).
+
+        Engines put it in their block keys' extra keys, so blocks of two formats
+        never share a key, and a pool made for KV blocks carries it as its label,
+        so an engine of another shape is refused before it writes.
+        """
+        s = self.spec
+        return (
+            f"beluga-kv/{self.order}/{s.dtype}/"
+            f"L{s.num_layers}H{s.num_kv_heads}D{s.head_dim}B{s.block_size}"
+        )
 
     @property
     def token_addressable(self) -> bool:

@@ -1,0 +1,148 @@
+"""``beluga demo``: the whole system end to end on this machine, in a few minutes.
+
+A scratch pool made for the model's KV blocks, the metadata server, two
+engine processes over a real (random-weight) Qwen2 model, and a long-context
+trace replayed twice under each scheduler; a progress bar while it runs and a
+summary table at the end.  Everything is stopped and removed afterwards.
+``beluga bench e2e`` runs the same experiment for figures (JSON, a chart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from beluga.errors import BackendUnavailableError
+from beluga.serving.scheduler import SCHEDULERS
+
+_NEEDS = ("torch", "transformers", "tqdm")
+
+
+def add_e2e_args(parser: argparse.ArgumentParser) -> None:
+    """The experiment's options, shared with ``beluga bench e2e``."""
+    g = parser.add_argument_group("experiment")
+    g.add_argument(
+        "--model",
+        default="small",
+        help="model size: small (8 layers, hidden 512; default) or tiny (4 layers, hidden 256)",
+    )
+    g.add_argument("--documents", type=int, default=4, help="long documents in the trace")
+    g.add_argument(
+        "--questions",
+        type=int,
+        nargs=2,
+        default=(2, 6),
+        metavar=("MIN", "MAX"),
+        help="questions per document, drawn between MIN and MAX (default 2 6)",
+    )
+    g.add_argument(
+        "--context-tokens", type=int, default=4096, help="tokens per document (default 4096)"
+    )
+    g.add_argument("--engines", type=int, default=2, help="engine processes (default 2)")
+    g.add_argument(
+        "--schedulers",
+        default=",".join(SCHEDULERS),
+        help=f"comma-separated, from {', '.join(SCHEDULERS)} (default: both)",
+    )
+    g.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="Poisson arrivals in requests/s (default 0: the whole trace at once)",
+    )
+    g.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--pool",
+        metavar="SPEC",
+        help="create the experiment's pool here (it must not exist; it is removed afterwards; "
+        "default: a scratch file in /dev/shm)",
+    )
+
+
+def e2e_settings(args: argparse.Namespace) -> Any:
+    """The experiment the command line describes, once its dependencies are known to be there."""
+    for name in _NEEDS:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise BackendUnavailableError(
+                f"the end-to-end experiment needs {name}: pip install torch==2.13.0, then "
+                "pip install 'beluga-kvcache[model]'"
+            ) from e
+    from beluga.bench.e2e import Settings
+    from beluga.serving.trace import TraceShape
+
+    trace = TraceShape(
+        documents=args.documents,
+        min_questions=args.questions[0],
+        max_questions=args.questions[1],
+        context_tokens=args.context_tokens,
+    )
+    return Settings(
+        model=args.model,
+        trace=trace,
+        engines=args.engines,
+        schedulers=tuple(s.strip() for s in args.schedulers.split(",") if s.strip()),
+        seed=args.seed,
+        rate=args.rate,
+        threads=args.threads,
+    )
+
+
+def run_with_progress(settings: Any, pool: str | None) -> dict[str, Any]:
+    """Run the experiment under a progress bar (on stderr)."""
+    from tqdm import tqdm
+
+    from beluga.bench import e2e
+
+    total = 2 * len(settings.schedulers) * len(settings.requests())
+    with tqdm(total=total, unit="req", desc="starting", dynamic_ncols=True) as bar:
+
+        def on_record(scheduler: str, pass_no: int, record: Any) -> None:
+            bar.update(1)
+            bar.set_postfix(ttft=f"{record.ttft:.2f}s", engine=record.engine, refresh=False)
+
+        on_phase: Callable[[str], None] = bar.set_description_str
+        return e2e.run(settings, pool, on_record=on_record, on_phase=on_phase)
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The table, then each scheduler's pass-2 / pass-1 TTFT against the target."""
+    from beluga.bench.e2e import COLUMNS
+    from beluga.bench.stats import format_table
+
+    s = result["settings"]
+    lines = [
+        f"model {s['model']} ({result['model_params'] / 1e6:.1f} M parameters, KV "
+        f"{s['kv_format']}), {s['engines']} engines, {result['requests_per_pass']} requests "
+        f"per pass over {s['trace']['documents']} documents of {s['trace']['context_tokens']} "
+        "tokens",
+        "",
+        format_table(result["rows"], COLUMNS),
+        "",
+    ]
+    for t in result["targets"]:
+        verdict = "met" if t["met"] else "NOT met"
+        lines.append(
+            f"{t['scheduler']}: pass-2 mean TTFT is {100 * t['pass2_over_pass1_ttft']:.1f}% of "
+            f"pass 1's (target <= {100 * t['target']:.0f}%: {verdict})"
+        )
+    return "\n".join(lines)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser(
+        "demo",
+        help="run the whole system end to end: pool, server, engines, a trace twice",
+    )
+    add_e2e_args(d)
+    d.set_defaults(handler=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    result = run_with_progress(e2e_settings(args), args.pool)
+    print(summary(result))
+    return 0

@@ -1,0 +1,424 @@
+"""Many engines, one pool: engine processes, the metadata server process, and a driver.
+
+Every process is an emulated host with its own mapping of the pool:
+
+metadata server (a process)
+    ``beluga.kv.server.serve`` on the pool: the index and the allocator.
+engine ``i`` (a process each)
+    a :class:`~beluga.serving.model.ModelEngine` with its own
+    :class:`~beluga.kv.store.KVStore` (its own ``Pool.attach`` and RPC ring),
+    wrapped in a :class:`~beluga.serving.engine.ServingEngine`; it serves the
+    jobs it is sent, one at a time, in order.
+driver (the caller's process)
+    :class:`Cluster` routes each arriving request with a scheduler
+    (:mod:`beluga.serving.scheduler`) and keeps one job in flight per engine,
+    queueing the rest, so a reply never waits behind a full pipe.
+
+The pipes carry token ids out and timings back (and logits when asked for);
+KV never goes through them, only through the pool.  Times cross processes
+as ``time.monotonic()`` readings, one clock for the whole machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+
+from beluga.errors import ServingError
+from beluga.serving.engine import Served
+from beluga.serving.model import ModelShape
+from beluga.serving.scheduler import Scheduler
+
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What every engine process builds: the same seeded model, so any engine may serve any."""
+
+    shape: ModelShape
+    seed: int = 0
+    coherence: str | None = None
+    threads: int = 1  # torch threads per engine: one core per emulated host
+    rpc_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class Job:
+    index: int
+    token_ids: Sequence[int]
+    salt: str | None
+    want_logits: bool
+
+
+@dataclass(frozen=True)
+class Reply:
+    index: int
+    started: float  # time.monotonic() when the engine took the job
+    served: Served | None
+    error: BaseException | None
+
+
+@dataclass(frozen=True)
+class Record:
+    """One request as the driver saw it; times in seconds from the start of the run."""
+
+    index: int
+    engine: int
+    arrival: float
+    start: float
+    served: Served
+
+    @property
+    def queue(self) -> float:
+        return self.start - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        """Arrival to first token: waiting for the engine, then lookup, load and compute."""
+        return self.queue + self.served.timings.ttft
+
+
+def _engine_main(conn: Connection, pool: str, config: EngineConfig) -> None:
+    """An engine process: build, say ready (or why not), then serve jobs until told to stop."""
+    try:
+        store, engine = _build_engine(pool, config)
+    except BaseException as e:  # the driver re-raises it, with its message
+        conn.send(("failed", _portable(e)))
+        return
+    try:
+        conn.send(("ready", os.getpid(), store.rpc.host_id))
+        while (job := conn.recv()) is not None:
+            started = time.monotonic()
+            try:
+                served = engine.serve(job.token_ids, salt=job.salt, want_logits=job.want_logits)
+            except Exception as e:
+                conn.send(Reply(job.index, started, None, _portable(e)))
+            else:
+                conn.send(Reply(job.index, started, served, None))
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass  # the driver went away or was interrupted: stop quietly
+    finally:
+        store.close()
+
+
+def _build_engine(pool: str, config: EngineConfig) -> tuple[Any, Any]:
+    import torch
+
+    from beluga.kv.store import KVStore
+    from beluga.serving.engine import ServingEngine
+    from beluga.serving.model import ModelEngine
+
+    torch.set_num_threads(config.threads)
+    model = ModelEngine(config.shape, seed=config.seed)
+    store = KVStore(pool, coherence=config.coherence, timeout=config.rpc_timeout)
+    try:
+        return store, ServingEngine(model, store)
+    except BaseException:
+        store.close()
+        raise
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The error itself if it pickles, else a RuntimeError with its text."""
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
+def _stop(proc: Any, grace: float) -> None:
+    """Wait for a process to exit; terminate it, then kill it, if it will not."""
+    proc.join(grace)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5.0)
+
+
+def _serve_quietly(pool: str, coherence: str | None, ready: Any) -> None:
+    """The metadata server process, without its start-up banner on the driver's terminal."""
+    from beluga.kv.server import serve
+
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    with contextlib.suppress(KeyboardInterrupt):
+        serve(pool, coherence=coherence, ready=ready)
+
+
+class Cluster:
+    """A metadata server and ``engines`` engine processes on one pool, driven from here."""
+
+    def __init__(
+        self,
+        pool: str,
+        config: EngineConfig,
+        *,
+        engines: int = 2,
+        start_timeout: float = 300.0,
+        reply_timeout: float = 600.0,
+        start_method: str = "spawn",
+    ) -> None:
+        """``start_method`` "spawn" (the default) gives every process a fresh interpreter
+        that imports torch itself; "fork" starts in a second instead of the ~7 s
+        that importing transformers takes, and is for parents that have not
+        touched CUDA (tests).
+        """
+        if engines < 1:
+            raise ValueError(f"a cluster needs at least one engine, not {engines}")
+        self.pool = pool
+        self.config = config
+        self.num_engines = engines
+        self.start_timeout = start_timeout
+        self.reply_timeout = reply_timeout
+        self.ctx = mp.get_context(start_method)
+        self.server: Any = None
+        self.engines: list[Any] = []
+        self.conns: list[Connection] = []
+        self.pids: list[int] = []
+
+    # -- life cycle ----------------------------------------------------------
+
+    def start(self) -> Cluster:
+        """Start the server, then the engines; on any failure stop what started and raise."""
+        try:
+            self._start_server()
+            self._start_engines()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start_server(self) -> None:
+        ready = self.ctx.Event()
+        server = self.ctx.Process(
+            target=_serve_quietly,
+            args=(self.pool, self.config.coherence, ready),
+            name="beluga-metadata-server",
+        )
+        server.start()
+        self.server = server  # only a started process is ever joined
+        deadline = time.monotonic() + self.start_timeout
+        while not ready.wait(_POLL_S):
+            if not self.server.is_alive():
+                raise ServingError(
+                    f"the metadata server for {self.pool} exited with code "
+                    f"{self.server.exitcode} before it was ready; its error is printed above"
+                )
+            if time.monotonic() > deadline:
+                raise ServingError(
+                    f"the metadata server for {self.pool} was not ready within "
+                    f"{self.start_timeout:.0f} s; is the machine overloaded?"
+                )
+
+    def _start_engines(self) -> None:
+        for i in range(self.num_engines):
+            parent, child = self.ctx.Pipe()
+            proc = self.ctx.Process(
+                target=_engine_main, args=(child, self.pool, self.config), name=f"beluga-engine-{i}"
+            )
+            self.conns.append(parent)  # closed by close(), whatever happens next
+            try:
+                proc.start()
+            finally:
+                child.close()
+            self.engines.append(proc)
+        deadline = time.monotonic() + self.start_timeout
+        for i in range(len(self.conns)):
+            message = self._receive(i, deadline, "starting")
+            if message[0] == "failed":
+                raise message[1]
+            self.pids.append(message[1])
+
+    def close(self) -> None:
+        """Stop the engines (after their current job), then the server; safe to call twice."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self.engines:
+            _stop(proc, grace=10.0)
+        for conn in self.conns:
+            conn.close()
+        if self.server is not None:
+            if self.server.is_alive():
+                self.server.terminate()  # SIGTERM: serve() shuts down cleanly
+            _stop(self.server, grace=10.0)
+        self.engines, self.conns, self.server = [], [], None
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- driving -------------------------------------------------------------
+
+    def _receive(self, engine: int, deadline: float, doing: str) -> Any:
+        """The next message from an engine, or a ServingError if it dies or the deadline passes."""
+        conn, proc = self.conns[engine], self.engines[engine]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServingError(
+                    f"engine {engine} did not answer in time while {doing}; "
+                    "raise the timeout for bigger models or slower machines"
+                )
+            try:
+                if wait([conn, proc.sentinel], left) and conn.poll():
+                    return conn.recv()
+            except (EOFError, OSError):
+                raise self._gone(engine, doing) from None
+            if not proc.is_alive():
+                raise self._gone(engine, doing)
+
+    def _send(self, engine: int, job: Job) -> None:
+        try:
+            self.conns[engine].send(job)
+        except OSError:
+            raise self._gone(engine, "a job") from None
+
+    def _gone(self, engine: int, doing: str) -> ServingError:
+        """The error for an engine whose pipe broke: it exited (or is about to)."""
+        proc = self.engines[engine]
+        proc.join(5.0)
+        return ServingError(
+            f"engine {engine} (pid {proc.pid}) exited with code {proc.exitcode} while "
+            f"{doing}; its error, if any, is printed above; start the cluster again"
+        )
+
+    def run(
+        self,
+        requests: Sequence[Sequence[int]],
+        scheduler: Scheduler,
+        *,
+        salt: str | None = None,
+        want_logits: bool = False,
+        rate: float = 0.0,
+        seed: int = 0,
+        on_record: Callable[[Record], None] | None = None,
+    ) -> list[Record]:
+        """Serve every request once; ``rate`` > 0 spaces arrivals as a Poisson process.
+
+        With ``rate`` 0 every request arrives at once (a trace replayed as
+        fast as the engines go).  Records come back in request order.
+        """
+        if not self.conns:
+            raise ServingError("the cluster is not started; call start() or use it in a with")
+        if rate < 0:
+            raise ValueError(f"rate must be >= 0 requests/s, not {rate}")
+        arrivals = np.zeros(len(requests))
+        if rate > 0:
+            arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, len(requests)))
+        return _Run(self, requests, scheduler, salt, want_logits, arrivals, on_record).drive()
+
+
+class _Run:
+    """The driver's state for one :meth:`Cluster.run`."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        requests: Sequence[Sequence[int]],
+        scheduler: Scheduler,
+        salt: str | None,
+        want_logits: bool,
+        arrivals: np.ndarray,
+        on_record: Callable[[Record], None] | None,
+    ) -> None:
+        self.c = cluster
+        self.requests = requests
+        self.scheduler = scheduler
+        self.salt = salt
+        self.want_logits = want_logits
+        self.arrivals = arrivals.tolist()
+        self.on_record = on_record
+        n = cluster.num_engines
+        self.queues: list[deque[int]] = [deque() for _ in range(n)]
+        self.in_flight: list[int | None] = [None] * n
+        self.outstanding = [0] * n
+        self.records: list[Record | None] = [None] * len(requests)
+
+    def drive(self) -> list[Record]:
+        t0 = time.monotonic()
+        arrived = 0
+        last_progress = t0
+        while not all(self.records):
+            now = time.monotonic()
+            while arrived < len(self.requests) and t0 + self.arrivals[arrived] <= now:
+                self._route(arrived)
+                arrived += 1
+            if self._dispatch():
+                last_progress = now
+            next_arrival = t0 + self.arrivals[arrived] if arrived < len(self.requests) else None
+            deadline = last_progress + self.c.reply_timeout
+            until = deadline if next_arrival is None else min(deadline, next_arrival)
+            ready = wait(self.c.conns + [p.sentinel for p in self.c.engines], max(0, until - now))
+            if not ready and next_arrival is None and time.monotonic() >= deadline:
+                raise ServingError(
+                    f"no engine answered within {self.c.reply_timeout:.0f} s; raise the reply "
+                    "timeout for bigger models or slower machines"
+                )
+            for engine, conn in enumerate(self.c.conns):
+                if conn in ready or self.c.engines[engine].sentinel in ready:
+                    self._collect(engine, t0)
+                    last_progress = time.monotonic()
+        return [r for r in self.records if r is not None]
+
+    def _route(self, index: int) -> None:
+        tokens = self.requests[index]
+        engine = self.scheduler.route(tokens, self.outstanding)
+        if not 0 <= engine < self.c.num_engines:
+            raise ValueError(
+                f"scheduler {self.scheduler.name} chose engine {engine}, "
+                f"not one of 0..{self.c.num_engines - 1}"
+            )
+        self.outstanding[engine] += len(tokens)
+        self.queues[engine].append(index)
+
+    def _dispatch(self) -> bool:
+        """Send the next queued job to every idle engine; whether any was sent."""
+        sent = False
+        for engine, queue in enumerate(self.queues):
+            if self.in_flight[engine] is None and queue:
+                index = queue.popleft()
+                tokens = list(self.requests[index])
+                self.c._send(engine, Job(index, tokens, self.salt, self.want_logits))
+                self.in_flight[engine] = index
+                sent = True
+        return sent
+
+    def _collect(self, engine: int, t0: float) -> None:
+        reply: Reply = self.c._receive(
+            engine, time.monotonic() + self.c.reply_timeout, "serving a job"
+        )
+        if reply.error is not None:
+            raise ServingError(
+                f"engine {engine} failed request {reply.index}: "
+                f"{type(reply.error).__name__}: {reply.error}"
+            ) from reply.error
+        if reply.served is None or reply.index != self.in_flight[engine]:
+            raise ServingError(
+                f"engine {engine} answered request {reply.index}, but it was sent request "
+                f"{self.in_flight[engine]}; the engine and the driver disagree: restart both"
+            )
+        self.in_flight[engine] = None
+        self.outstanding[engine] -= len(self.requests[reply.index])
+        record = Record(
+            reply.index, engine, self.arrivals[reply.index], reply.started - t0, reply.served
+        )
+        self.records[reply.index] = record
+        if self.on_record is not None:
+            self.on_record(record)

@@ -1,0 +1,261 @@
+"""A serving engine whose prefix cache is the pool: one request, end to end.
+
+For each request :meth:`ServingEngine.serve` does what a vLLM worker with a
+KV connector does, in order, and times each step:
+
+lookup
+    block keys from the token ids (vLLM's chained hashes, with the block
+    format and the request's cache salt as extra keys), then one batched
+    ``KVStore.locate`` of the longest cached prefix, under a read lease;
+load
+    ``KVStore.check`` the blocks, scatter-read them straight from the pool
+    into the model's KV cache (one C call), and check them again: a block
+    that changed meanwhile (evicted, replaced) ends the usable prefix there,
+    so a race costs recomputation, never wrong KV;
+compute
+    prefill only the tokens after the prefix; the first token is ready here,
+    so time to first token is lookup + load + compute;
+save
+    reserve pool blocks for the new full blocks, gather-write them (one C
+    call), seal (checksum, publish, commit).
+
+A pool is made for one KV shape: :func:`create_kv_pool` writes the block
+format's fingerprint into the superblock label and sizes pool blocks to hold
+one engine block, and :func:`check_kv_pool` refuses any other model before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from beluga.coherence import LINE
+from beluga.errors import KVLayoutError
+from beluga.kv.hashing import HashFn, block_keys, hash_function
+from beluga.kv.store import BlockRef, KVStore
+from beluga.pool import Geometry, Pool
+from beluga.pool.layout import REGION_ALIGN, align_up, plan
+from beluga.serving.model import KV, ModelEngine
+from beluga.transfer import BlockFormat
+
+KV_ORDER = "HND"  # Hugging Face caches are [batch, heads, tokens, dim]: HND blocks
+
+
+def kv_format(model: ModelEngine) -> BlockFormat:
+    """The pool block format of a model's KV cache."""
+    return BlockFormat(model.kv_spec, KV_ORDER)
+
+
+def kv_geometry(
+    fmt: BlockFormat, *, max_hosts: int = 8, rpc_bytes_per_host: int = 256 << 10
+) -> Geometry:
+    """A pool geometry whose blocks each hold one KV block of ``fmt``."""
+    return Geometry(
+        max_hosts=max_hosts, rpc_bytes_per_host=rpc_bytes_per_host, block_size=fmt.pool_block_bytes
+    )
+
+
+def kv_pool_size(blocks: int, geometry: Geometry) -> int:
+    """The smallest pool size (a 2 MiB multiple) with room for ``blocks`` blocks."""
+    if blocks < 1:
+        raise ValueError(f"a pool holds at least one block, not {blocks}")
+    size = align_up(blocks * (geometry.block_size + LINE) + 4 * REGION_ALIGN)
+    while True:
+        try:
+            if plan(size, geometry).nblocks >= blocks:
+                return size
+        except ValueError:
+            pass  # not even one block fits yet
+        size += REGION_ALIGN
+
+
+def create_kv_pool(
+    spec: str,
+    size: int,
+    fmt: BlockFormat,
+    *,
+    geometry: Geometry | None = None,
+    coherence: str | None = None,
+) -> Pool:
+    """A new pool for blocks of ``fmt``: labelled with its fingerprint, blocks sized to fit."""
+    geometry = geometry or kv_geometry(fmt)
+    if geometry.block_size < fmt.nbytes:
+        raise ValueError(
+            f"geometry.block_size {geometry.block_size} cannot hold one {fmt.nbytes}-byte KV "
+            f"block; use kv_geometry(fmt) or a block size of at least {fmt.pool_block_bytes}"
+        )
+    return Pool.create(spec, size, geometry=geometry, label=fmt.fingerprint, coherence=coherence)
+
+
+def check_kv_pool(pool: Pool, fmt: BlockFormat) -> None:
+    """Refuse a pool that was not made for blocks of ``fmt`` (nothing is written)."""
+    sb = pool.superblock
+    if sb.label != fmt.fingerprint:
+        made_for = f"KV blocks {sb.label!r}" if sb.label else "no KV format (its label is empty)"
+        raise KVLayoutError(
+            f"pool {pool.spec} was made for {made_for}, but this model's KV blocks are "
+            f"{fmt.fingerprint!r}; serve this model from a pool created for it "
+            "(beluga.serving.engine.create_kv_pool, or 'beluga pool create --label "
+            f"{fmt.fingerprint} --block-size {fmt.pool_block_bytes}')"
+        )
+    if sb.block_size < fmt.nbytes:
+        raise KVLayoutError(
+            f"pool {pool.spec} has {sb.block_size}-byte blocks, too small for one "
+            f"{fmt.nbytes}-byte KV block of {fmt.fingerprint!r}; recreate it with a block size "
+            f"of at least {fmt.pool_block_bytes}"
+        )
+
+
+def kv_block_keys(
+    fmt: BlockFormat,
+    token_ids: Sequence[int],
+    *,
+    salt: str | None = None,
+    hash_fn: HashFn | str = "sha256",
+    seed: str | None = None,
+) -> list[bytes]:
+    """The block keys of a prompt, with the block format, and the salt if any, as extra keys.
+
+    The format keeps blocks of two KV shapes or orders from ever sharing a
+    key; a salt (vLLM's ``cache_salt``) gives requests a cache namespace of
+    their own.
+    """
+    extra = (fmt.fingerprint,) if salt is None else (fmt.fingerprint, salt)
+    return block_keys(token_ids, fmt.spec.block_size, hash_fn, extra, seed)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds spent in each step of one request."""
+
+    lookup: float
+    load: float
+    compute: float
+    save: float
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token: the saving happens after the first token is ready."""
+        return self.lookup + self.load + self.compute
+
+    @property
+    def busy(self) -> float:
+        """How long the request kept the engine busy."""
+        return self.ttft + self.save
+
+
+@dataclass
+class Served:
+    """What serving one request did."""
+
+    num_tokens: int
+    cached_tokens: int  # tokens whose KV was read from the pool
+    saved_blocks: int
+    timings: Timings
+    logits: np.ndarray | None  # [computed tokens, vocab] float32, when asked for
+
+
+def _leading(flags: Sequence[object]) -> int:
+    """Length of the leading run of truthy items."""
+    return next((i for i, ok in enumerate(flags) if not ok), len(flags))
+
+
+class ServingEngine:
+    """A model engine whose prefix cache is a KV store on a shared pool."""
+
+    def __init__(
+        self,
+        model: ModelEngine,
+        store: KVStore,
+        *,
+        hash_fn: HashFn | str = "sha256",
+        hash_seed: str | None = None,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.format = kv_format(model)
+        check_kv_pool(store.pool, self.format)
+        self.block_size = self.format.spec.block_size
+        self.block_bytes = store.pool.superblock.block_size
+        self.hash_fn = hash_function(hash_fn) if isinstance(hash_fn, str) else hash_fn
+        self.hash_seed = hash_seed
+
+    def keys(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
+        """The block keys of a prompt (see :func:`kv_block_keys`)."""
+        return kv_block_keys(
+            self.format, token_ids, salt=salt, hash_fn=self.hash_fn, seed=self.hash_seed
+        )
+
+    def serve(
+        self, token_ids: Sequence[int], *, salt: str | None = None, want_logits: bool = False
+    ) -> Served:
+        """Prefill one prompt through the pool's prefix cache."""
+        clock = time.perf_counter
+        start = clock()
+        keys = self.keys(token_ids, salt)
+        found = self._locate(keys)
+        looked_up = clock()
+        # the last token is always computed (its logits pick the next token)
+        loadable = found[: (len(token_ids) - 1) // self.block_size]
+        prefix, used = self._load(loadable)
+        loaded = clock()
+        out = self.model.prefill(token_ids, prefix)
+        computed = clock()
+        # blocks found but dropped during the load may have changed: write them again
+        stored = len(found) if len(used) == len(loadable) else len(used)
+        saved = self._save(out.kv, keys, stored, out.num_full_blocks)
+        done = clock()
+        timings = Timings(looked_up - start, loaded - looked_up, computed - loaded, done - computed)
+        return Served(
+            len(token_ids),
+            out.num_cached,
+            saved,
+            timings,
+            out.logits.cpu().numpy() if want_logits else None,
+        )
+
+    def _locate(self, keys: list[bytes]) -> list[BlockRef]:
+        """The longest run of leading keys the store holds (one batched lookup)."""
+        if not keys:
+            return []
+        found = self.store.locate(keys, prefix=True)
+        return [r for r in found[: _leading(found)] if r is not None]
+
+    def _load(self, refs: list[BlockRef]) -> tuple[KV | None, list[BlockRef]]:
+        """Scatter-read the blocks into a fresh prefix; keep only those unchanged throughout."""
+        refs = refs[: _leading(self.store.check(refs))]
+        if not refs:
+            return None, []
+        offsets = [r.payload_offset for r in refs]
+        prefix = self.model.load_prefix(self.store.mem, offsets, block_bytes=self.block_bytes)
+        intact = _leading(self.store.check(refs))
+        if intact == len(refs):
+            return prefix, refs
+        if intact == 0:
+            return None, []
+        tokens = intact * self.block_size
+        cut = [(k[:, :, :tokens].contiguous(), v[:, :, :tokens].contiguous()) for k, v in prefix]
+        return cut, refs[:intact]
+
+    def _save(self, kv: KV, keys: list[bytes], first: int, end: int) -> int:
+        """Gather-write blocks ``first .. end`` of a prefill's KV into new pool blocks."""
+        if end <= first:
+            return 0
+        refs = self.store.reserve(keys[first:end], [self.format.nbytes] * (end - first))
+        try:
+            self.model.save_blocks(
+                self.store.mem,
+                kv,
+                [r.payload_offset for r in refs],
+                first_block=first,
+                block_bytes=self.block_bytes,
+            )
+            self.store.seal(refs)
+        except BaseException:
+            self.store.abort(refs)
+            raise
+        return len(refs)

@@ -1,0 +1,203 @@
+"""The serving engine's KV path through the store: lookup, load, compute, save.
+
+Two engines (two ModelEngines with one seed, each with its own KVStore and
+so its own Memory and RPC ring) stand for two hosts; the metadata server
+runs on a thread.  The stores use the non-coherent model, so a block that
+engine B reads really went through gather-write, the pool and scatter-read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from beluga.errors import KVLayoutError
+from beluga.kv import KVStore, MetadataServer
+from beluga.pool import Geometry, Pool
+from beluga.pool.layout import plan
+from beluga.serving.engine import (
+    ServingEngine,
+    check_kv_pool,
+    create_kv_pool,
+    kv_block_keys,
+    kv_format,
+    kv_geometry,
+    kv_pool_size,
+)
+from beluga.serving.model import ModelEngine, ModelShape
+from beluga.transfer import BlockFormat
+
+TOLERANCE = 1e-4
+SHAPE = ModelShape(num_layers=2)
+BS = SHAPE.block_size
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[ModelEngine, ModelEngine]:
+    return ModelEngine(SHAPE, seed=5), ModelEngine(SHAPE, seed=5)
+
+
+@dataclass
+class Hosts:
+    pool: Pool
+    a: ServingEngine
+    b: ServingEngine
+
+
+@pytest.fixture
+def hosts(shm_path: str, models: tuple[ModelEngine, ModelEngine]) -> Iterator[Hosts]:
+    fmt = kv_format(models[0])
+    pool = create_kv_pool(shm_path, kv_pool_size(64, kv_geometry(fmt)), fmt)
+    server = MetadataServer(pool)
+    thread = server.start_thread()
+    stores = []
+    try:
+        stores = [KVStore(shm_path, coherence="model") for _ in models]
+        yield Hosts(pool, *(ServingEngine(m, s) for m, s in zip(models, stores, strict=True)))
+        stats = stores[0].stats()
+        assert stats["writes_in_flight"] == 0, "a write was left reserved"
+    finally:
+        for s in stores:
+            s.close()
+        server.stop()
+        thread.join(10)
+        server.close()
+        pool.close()
+        Pool.destroy(shm_path)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, SHAPE.vocab_size, n).tolist()
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max())
+
+
+def test_host_b_reuses_host_a_blocks_and_matches_full_recomputation(hosts: Hosts) -> None:
+    tokens = prompt(1, 5 * BS + 3)
+    first = hosts.a.serve(tokens)
+    assert (first.cached_tokens, first.saved_blocks) == (0, 5)
+    second = hosts.b.serve(tokens, want_logits=True)
+    assert (second.cached_tokens, second.saved_blocks) == (5 * BS, 0)
+    assert second.logits is not None and second.logits.shape == (3, SHAPE.vocab_size)
+    full = hosts.b.model.prefill(tokens).logits.numpy()
+    assert max_diff(second.logits, full[5 * BS :]) <= TOLERANCE
+    t = second.timings
+    assert t.ttft == pytest.approx(t.lookup + t.load + t.compute)
+    assert t.busy == pytest.approx(t.ttft + t.save)
+
+
+def test_a_block_aligned_prompt_still_computes_its_last_block(hosts: Hosts) -> None:
+    tokens = prompt(2, 4 * BS)
+    assert hosts.a.serve(tokens).saved_blocks == 4
+    again = hosts.b.serve(tokens, want_logits=True)
+    assert again.cached_tokens == 3 * BS and again.saved_blocks == 0
+    assert again.logits is not None and again.logits.shape[0] == BS
+
+
+def test_a_shared_document_serves_another_question(hosts: Hosts) -> None:
+    document = prompt(3, 3 * BS + 5)
+    hosts.a.serve(document + prompt(4, 20))
+    other = document + prompt(5, 30)
+    served = hosts.b.serve(other, want_logits=True)
+    assert served.cached_tokens == 3 * BS  # the block that straddles the question differs
+    assert served.saved_blocks == len(other) // BS - 3
+    full = hosts.b.model.prefill(other).logits.numpy()
+    assert served.logits is not None and max_diff(served.logits, full[3 * BS :]) <= TOLERANCE
+
+
+def test_a_salt_is_a_cache_of_its_own(hosts: Hosts) -> None:
+    tokens = prompt(6, 3 * BS + 1)
+    hosts.a.serve(tokens, salt="tenant-1")
+    assert hosts.b.serve(tokens, salt="tenant-2").cached_tokens == 0
+    assert hosts.b.serve(tokens, salt="tenant-1").cached_tokens == 3 * BS
+    assert hosts.b.serve(tokens).cached_tokens == 0
+
+
+def test_a_block_that_changes_during_the_load_ends_the_prefix(
+    hosts: Hosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seqlock: a block replaced while it is copied is dropped, never used."""
+    tokens = prompt(7, 4 * BS + 2)
+    hosts.a.serve(tokens)
+    load = hosts.b.model.load_prefix
+    third = hosts.b.keys(tokens)[2]
+
+    def load_while_evicted(*args: object, **kwargs: object) -> object:
+        prefix = load(*args, **kwargs)
+        assert hosts.a.store.remove(third)  # the server clears its header
+        return prefix
+
+    monkeypatch.setattr(hosts.b.model, "load_prefix", load_while_evicted)
+    served = hosts.b.serve(tokens, want_logits=True)
+    assert served.cached_tokens == 2 * BS
+    assert served.saved_blocks == 2  # blocks 2 and 3 are computed and saved again
+    full = hosts.b.model.prefill(tokens).logits.numpy()
+    assert served.logits is not None and max_diff(served.logits, full[2 * BS :]) <= TOLERANCE
+
+
+def test_block_keys_carry_the_kv_format_and_the_salt(hosts: Hosts) -> None:
+    tokens = prompt(8, 2 * BS)
+    mine = hosts.a.keys(tokens)
+    assert mine == hosts.b.keys(tokens) == kv_block_keys(hosts.a.format, tokens)
+    assert len(mine) == 2 and mine != hosts.a.keys(tokens, "salt")
+    for order in ("NHD", "CPU"):
+        assert not set(kv_block_keys(BlockFormat(hosts.a.format.spec, order), tokens)) & set(mine)
+    other = kv_format(ModelEngine(ModelShape(num_layers=1), seed=5))
+    assert not set(kv_block_keys(other, tokens)) & set(mine)
+
+
+def test_a_model_of_another_kv_shape_is_refused_before_anything_is_written(
+    hosts: Hosts,
+) -> None:
+    other = ModelEngine(ModelShape(num_layers=3), seed=5)
+    with pytest.raises(KVLayoutError, match=r"L2H2D32B16.*L3H2D32B16.*create_kv_pool"):
+        ServingEngine(other, hosts.a.store)
+    assert hosts.a.store.stats()["puts"] == 0
+
+
+def test_a_pool_not_made_for_kv_is_refused(shm_path: str, models: tuple) -> None:
+    fmt = kv_format(models[0])
+    with (
+        Pool.create(shm_path, 32 << 20, geometry=Geometry(max_hosts=4)) as pool,
+        pytest.raises(KVLayoutError, match="its label is empty"),
+    ):
+        check_kv_pool(pool, fmt)
+
+
+def test_a_pool_with_blocks_too_small_is_refused(shm_path: str) -> None:
+    fmt = kv_format(ModelEngine(ModelShape(num_layers=1, head_dim=64), seed=0))
+    assert fmt.nbytes > 4096
+    small = Geometry(max_hosts=4, block_size=4096)
+    with pytest.raises(ValueError, match="cannot hold one"):
+        create_kv_pool(shm_path, 32 << 20, fmt, geometry=small)
+    with (
+        Pool.create(shm_path, 32 << 20, geometry=small, label=fmt.fingerprint) as pool,
+        pytest.raises(KVLayoutError, match=f"at least {fmt.pool_block_bytes}"),
+    ):
+        check_kv_pool(pool, fmt)
+
+
+def fits(size: int, geometry: Geometry) -> int:
+    try:
+        return plan(size, geometry).nblocks
+    except ValueError:
+        return 0
+
+
+def test_kv_pools_are_labelled_and_sized_for_their_blocks(models: tuple) -> None:
+    fmt = kv_format(models[0])
+    geometry = kv_geometry(fmt)
+    assert geometry.block_size == fmt.pool_block_bytes >= fmt.nbytes
+    assert fmt.pool_block_bytes % 4096 == 0 and fmt.pool_block_bytes - fmt.nbytes < 4096
+    assert len(fmt.fingerprint.encode()) <= 64
+    for blocks in (1, 100, 1000):
+        size = kv_pool_size(blocks, geometry)
+        assert plan(size, geometry).nblocks >= blocks
+        assert fits(size - (2 << 20), geometry) < blocks  # and no smaller pool would do
+    with pytest.raises(ValueError, match="at least one block"):
+        kv_pool_size(0, geometry)

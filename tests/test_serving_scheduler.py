@@ -1,0 +1,91 @@
+"""Schedulers route by load alone, or by prefix affinity; the trace is seeded and shared."""
+
+from __future__ import annotations
+
+import pytest
+
+from beluga.kv.hashing import block_keys
+from beluga.serving.scheduler import LocalityAware, LocalityFree, least_loaded, make_scheduler
+from beluga.serving.trace import TraceShape, lv_eval_trace
+
+DOC_A = list(range(100))
+DOC_B = list(range(200, 300))
+
+
+def test_locality_free_follows_the_least_outstanding_work() -> None:
+    s = LocalityFree(3)
+    assert s.route(DOC_A, [50, 10, 30]) == 1
+    assert s.route(DOC_A, [10, 5, 30]) == 1
+    assert s.route(DOC_B, [7, 7, 30]) == 0  # a tie goes to the engine routed to least
+
+
+def test_locality_free_spreads_a_burst_by_turns() -> None:
+    s = LocalityFree(2)
+    assert [s.route(DOC_A, [0, 0]) for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_locality_aware_sends_a_known_prefix_home_whatever_the_load() -> None:
+    s = LocalityAware(2, affinity_tokens=64)
+    assert s.route([*DOC_A, 1], [0, 0]) == 0
+    assert s.route([*DOC_B, 2], [100, 0]) == 1
+    assert s.route([*DOC_A, 3, 4], [10_000, 0]) == 0  # same first 64 tokens
+    assert s.route(DOC_B, [0, 10_000]) == 1
+    assert s.route(list(range(50)), [10_000, 0]) == 1  # a new prefix goes to the least loaded
+
+
+def test_schedulers_are_made_by_name() -> None:
+    assert isinstance(make_scheduler("locality-free", 2), LocalityFree)
+    assert make_scheduler("locality-aware", 2).name == "locality-aware"
+    with pytest.raises(ValueError, match="choose from"):
+        make_scheduler("round-robin", 2)
+    with pytest.raises(ValueError, match="no engines"):
+        least_loaded([], [])
+    with pytest.raises(ValueError, match="affinity_tokens"):
+        LocalityAware(2, affinity_tokens=0)
+
+
+def test_the_trace_shares_each_document_among_its_questions() -> None:
+    shape = TraceShape(documents=3, min_questions=2, max_questions=4, context_tokens=100)
+    trace = lv_eval_trace(shape, vocab_size=1000, seed=7)
+    assert trace == lv_eval_trace(shape, vocab_size=1000, seed=7)
+    assert trace != lv_eval_trace(shape, vocab_size=1000, seed=8)
+    assert [r.id for r in trace] == list(range(len(trace)))
+    docs = {r.document for r in trace}
+    assert docs == {0, 1, 2}
+    for d in docs:
+        mine = [r for r in trace if r.document == d]
+        assert 2 <= len(mine) <= 4
+        assert len({r.token_ids[:100] for r in mine}) == 1
+        assert len({r.token_ids[100:] for r in mine}) == len(mine)
+        assert all(16 <= len(r.token_ids) - 100 <= 48 for r in mine)
+    assert len({r.token_ids[:100] for r in trace}) == 3
+    assert [r.document for r in trace] != sorted(r.document for r in trace)  # shuffled
+    assert all(0 <= t < 1000 for r in trace for t in r.token_ids)
+
+
+def test_the_trace_stores_the_blocks_its_sizing_expects() -> None:
+    from beluga.bench.e2e import blocks_needed
+
+    shape = TraceShape(documents=3, context_tokens=100, min_question_tokens=1)
+    trace = lv_eval_trace(shape, vocab_size=50, seed=1)
+    distinct = {k for r in trace for k in block_keys(list(r.token_ids), 16)}
+    assert blocks_needed(trace, shape, 16) >= len(distinct)
+    assert blocks_needed(trace, shape, 16) - len(distinct) <= len(trace)  # rare repeats
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("documents", 0, "documents must be >= 1"),
+        ("max_questions", 1, "max_questions"),
+        ("max_question_tokens", 4, "max_question_tokens"),
+    ],
+)
+def test_trace_shapes_are_checked(field: str, value: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TraceShape(**{field: value})
+
+
+def test_the_trace_needs_a_vocabulary() -> None:
+    with pytest.raises(ValueError, match="vocab_size"):
+        lv_eval_trace(TraceShape(), vocab_size=1)
