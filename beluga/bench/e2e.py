@@ -87,6 +87,7 @@ class Settings:
     rate: float = 0.0  # requests/s (Poisson); 0: the whole trace arrives at once
     threads: int = 1  # torch threads per engine
     start_method: str = "spawn"
+    device: str = "cpu"  # "cuda": engines run the model, and move KV, on the GPU
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -191,7 +192,9 @@ def run(
     create_kv_pool(spec, size, fmt, geometry=geometry).close()
     rows: list[dict[str, Any]] = []
     try:
-        config = EngineConfig(shape, seed=settings.seed, threads=settings.threads)
+        config = EngineConfig(
+            shape, seed=settings.seed, threads=settings.threads, device=settings.device
+        )
         say(f"starting the metadata server and {settings.engines} engines")
         started = time.monotonic()
         with Cluster(

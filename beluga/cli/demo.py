@@ -53,6 +53,12 @@ def add_e2e_args(parser: argparse.ArgumentParser) -> None:
         help="Poisson arrivals in requests/s (default 0: the whole trace at once)",
     )
     g.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
+    g.add_argument(
+        "--device",
+        default="auto",
+        help="where engines run the model and keep KV: cpu, cuda, cuda:N (default auto: "
+        "cuda when torch sees a GPU, so KV moves through the GPU kernel; else cpu)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--pool",
@@ -72,8 +78,14 @@ def e2e_settings(args: argparse.Namespace) -> Any:
                 f"the end-to-end experiment needs {name}: pip install torch==2.13.0, then "
                 "pip install 'beluga-kvcache[model]'"
             ) from e
+    import torch
+
     from beluga.bench.e2e import Settings
     from beluga.serving.trace import TraceShape
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
 
     trace = TraceShape(
         documents=args.documents,
@@ -89,6 +101,7 @@ def e2e_settings(args: argparse.Namespace) -> Any:
         seed=args.seed,
         rate=args.rate,
         threads=args.threads,
+        device=device,
     )
 
 

@@ -52,6 +52,7 @@ class EngineConfig:
     coherence: str | None = None
     threads: int = 1  # torch threads per engine: one core per emulated host
     rpc_timeout: float = 30.0
+    device: str = "cpu"  # or a CUDA device: KV then moves through the GPU path
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ def _engine_main(conn: Connection, pool: str, config: EngineConfig) -> None:
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass  # the driver went away or was interrupted: stop quietly
     finally:
+        engine.close()
         store.close()
 
 
@@ -121,7 +123,7 @@ def _build_engine(pool: str, config: EngineConfig) -> tuple[Any, Any]:
     from beluga.serving.model import ModelEngine
 
     torch.set_num_threads(config.threads)
-    model = ModelEngine(config.shape, seed=config.seed)
+    model = ModelEngine(config.shape, seed=config.seed, device=config.device)
     store = KVStore(pool, coherence=config.coherence, timeout=config.rpc_timeout)
     try:
         return store, ServingEngine(model, store)

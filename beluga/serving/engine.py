@@ -19,6 +19,10 @@ save
     reserve pool blocks for the new full blocks, gather-write them (one C
     call), seal (checksum, publish, commit).
 
+A model on a CUDA device moves its KV with one kernel through the pool's
+registered mapping (:class:`beluga.transfer.gpu.GpuPool`) instead of the
+C call; everything else is the same.
+
 A pool is made for one KV shape: :func:`create_kv_pool` writes the block
 format's fingerprint into the superblock label and sizes pool blocks to hold
 one engine block, and :func:`check_kv_pool` refuses any other model before
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from beluga.coherence import LINE
+from beluga.coherence import LINE, Memory
 from beluga.errors import KVLayoutError
 from beluga.kv.hashing import HashFn, block_keys, hash_function
 from beluga.kv.store import BlockRef, KVStore
@@ -41,6 +45,7 @@ from beluga.pool import Geometry, Pool
 from beluga.pool.layout import REGION_ALIGN, align_up, plan
 from beluga.serving.model import KV, ModelEngine
 from beluga.transfer import BlockFormat
+from beluga.transfer.gpu import GpuPool
 
 KV_ORDER = "HND"  # Hugging Face caches are [batch, heads, tokens, dim]: HND blocks
 
@@ -183,6 +188,15 @@ class ServingEngine:
         self.block_bytes = store.pool.superblock.block_size
         self.hash_fn = hash_function(hash_fn) if isinstance(hash_fn, str) else hash_fn
         self.hash_seed = hash_seed
+        # KV on a GPU moves through one kernel over the registered pool; on the CPU, one C call
+        self.mover: Memory | GpuPool = store.mem
+        if model.device.type == "cuda":
+            self.mover = GpuPool(store.pool, model.device)
+
+    def close(self) -> None:
+        """Let go of the GPU registration, if any (before the store closes the pool)."""
+        if isinstance(self.mover, GpuPool):
+            self.mover.close()
 
     def keys(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
         """The block keys of a prompt (see :func:`kv_block_keys`)."""
@@ -231,7 +245,7 @@ class ServingEngine:
         if not refs:
             return None, []
         offsets = [r.payload_offset for r in refs]
-        prefix = self.model.load_prefix(self.store.mem, offsets, block_bytes=self.block_bytes)
+        prefix = self.model.load_prefix(self.mover, offsets, block_bytes=self.block_bytes)
         intact = _leading(self.store.check(refs))
         if intact == len(refs):
             return prefix, refs
@@ -248,7 +262,7 @@ class ServingEngine:
         refs = self.store.reserve(keys[first:end], [self.format.nbytes] * (end - first))
         try:
             self.model.save_blocks(
-                self.store.mem,
+                self.mover,
                 kv,
                 [r.payload_offset for r in refs],
                 first_block=first,

@@ -36,6 +36,7 @@ from transformers import (
 
 from beluga.coherence import Memory
 from beluga.transfer import KVLayout, KVSpec, gather_write, scatter_read
+from beluga.transfer.gpu import GpuPool
 
 FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -104,10 +105,18 @@ class Prefill:
 
 
 class ModelEngine:
-    """A seeded random-weight causal LM on the CPU, in float32, with prefix reuse."""
+    """A seeded random-weight causal LM in float32, with prefix reuse.
 
-    def __init__(self, shape: ModelShape | None = None, *, seed: int = 0) -> None:
+    It runs on the CPU, or on ``device`` (a CUDA device): its KV cache then
+    lives there and moves through a :class:`beluga.transfer.gpu.GpuPool`.
+    The weights are drawn on the CPU either way, so one seed is one model.
+    """
+
+    def __init__(
+        self, shape: ModelShape | None = None, *, seed: int = 0, device: str = "cpu"
+    ) -> None:
         self.shape = shape or ModelShape()
+        self.device = torch.device(device)
         self.kv_spec = self.shape.kv_spec("float32")
         config_cls, model_cls = FAMILIES[self.shape.family]
         s = self.shape
@@ -126,7 +135,7 @@ class ModelEngine:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model: PreTrainedModel = model_cls(self.config)
-        self.model = model.to(torch.float32).eval()
+        self.model = model.to(torch.float32).to(self.device).eval()
 
     @torch.no_grad()
     def prefill(self, token_ids: Sequence[int], cached_prefix_kv: KV | None = None) -> Prefill:
@@ -137,10 +146,10 @@ class ModelEngine:
         the block size and smaller than the prompt (the last token is always
         computed: its logits choose the next token).
         """
-        ids = self._check_tokens(token_ids)
+        ids = self._check_tokens(token_ids).to(self.device)
         cached = 0 if cached_prefix_kv is None else self._check_prefix(cached_prefix_kv, len(ids))
         cache = DynamicCache(cached_prefix_kv, config=self.config)
-        positions = torch.arange(cached, len(ids)).unsqueeze(0)
+        positions = torch.arange(cached, len(ids), device=self.device).unsqueeze(0)
         out = self.model(
             input_ids=ids[cached:].unsqueeze(0), position_ids=positions, cache=cache, use_cache=True
         )
@@ -149,7 +158,7 @@ class ModelEngine:
 
     def save_blocks(
         self,
-        mem: Memory,
+        mem: Memory | GpuPool,
         kv: KV,
         pool_offsets: Sequence[int] | np.ndarray,
         *,
@@ -162,13 +171,16 @@ class ModelEngine:
         return gather_write(mem, layout, blocks, pool_offsets, block_bytes=block_bytes)
 
     def load_prefix(
-        self, mem: Memory, pool_offsets: Sequence[int] | np.ndarray, *, block_bytes: int
+        self, mem: Memory | GpuPool, pool_offsets: Sequence[int] | np.ndarray, *, block_bytes: int
     ) -> KV:
         """A cached prefix for :meth:`prefill`, scatter-read from a prompt's first pool blocks."""
         s = self.kv_spec
         shape = (1, s.num_kv_heads, len(pool_offsets) * s.block_size, s.head_dim)
         kv = [
-            (torch.empty(shape, dtype=torch.float32), torch.empty(shape, dtype=torch.float32))
+            (
+                torch.empty(shape, dtype=torch.float32, device=self.device),
+                torch.empty(shape, dtype=torch.float32, device=self.device),
+            )
             for _ in range(s.num_layers)
         ]
         layout = KVLayout.hugging_face(s, kv)

@@ -21,11 +21,16 @@ checked before the C call, so bad input raises and nothing is written.
 ``gather_write`` makes the payload reach memory but publishes nothing: the
 caller seals each block with its header afterwards, and readers trust a block
 only through that header (see beluga.coherence).
+
+The mover is the pool's ``Memory`` for a KV cache in host memory, or a
+:class:`beluga.transfer.gpu.GpuPool` for one on its GPU (one kernel instead
+of one C call; the same table and the same checks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -78,6 +83,21 @@ def _pool_offsets(
     return offs
 
 
+def _check_mover(mover: Any, layout: KVLayout) -> None:
+    """Refuse a KV cache on one device moved by the mover of another."""
+    device = getattr(mover, "device", None)  # a GpuPool's GPU; a Memory moves host memory
+    if device is None and layout.device.type != "cpu":
+        raise KVLayoutError(
+            f"this {layout.kind} cache is on {layout.device}; the pool's Memory moves host "
+            "memory: move it through beluga.transfer.gpu.GpuPool(pool) instead"
+        )
+    if device is not None and layout.device != device:
+        raise KVLayoutError(
+            f"this {layout.kind} cache is on {layout.device} but the GpuPool moves KV on "
+            f"{device}; make the GpuPool for the cache's device"
+        )
+
+
 def block_table(layout: KVLayout, block_ids: np.ndarray, pool_offsets: np.ndarray) -> np.ndarray:
     """The scatter-gather table that moves whole engine blocks to or from pool blocks."""
     buffer, offset, in_block = layout.block_runs
@@ -90,7 +110,7 @@ def block_table(layout: KVLayout, block_ids: np.ndarray, pool_offsets: np.ndarra
 
 
 def gather_write(
-    mem: Memory,
+    mem: Memory | Any,
     layout: KVLayout,
     block_ids: Sequence[int] | np.ndarray,
     pool_offsets: Sequence[int] | np.ndarray,
@@ -98,6 +118,7 @@ def gather_write(
     block_bytes: int,
 ) -> int:
     """Copy engine blocks into pool blocks (non-temporal, fenced); returns bytes moved."""
+    _check_mover(mem, layout)
     ids = layout.check_blocks(block_ids)
     offs = _pool_offsets(pool_offsets, len(ids), layout.format, mem.size, block_bytes)
     ordered = np.sort(offs)
@@ -109,7 +130,7 @@ def gather_write(
 
 
 def scatter_read(
-    mem: Memory,
+    mem: Memory | Any,
     layout: KVLayout,
     block_ids: Sequence[int] | np.ndarray,
     pool_offsets: Sequence[int] | np.ndarray,
@@ -117,6 +138,7 @@ def scatter_read(
     block_bytes: int,
 ) -> int:
     """Copy pool blocks into engine blocks (invalidating first); returns bytes moved."""
+    _check_mover(mem, layout)
     ids = layout.check_blocks(block_ids)
     offs = _pool_offsets(pool_offsets, len(ids), layout.format, mem.size, block_bytes)
     if len(np.unique(ids)) != len(ids):
@@ -169,6 +191,8 @@ def sparse_fetch(
             "CPU_ATTN blocks pack each head's tokens for the CPU's ISA; sparse fetch needs "
             "an NHD or HND block format"
         )
+    if getattr(mem, "device", None) is not None:
+        raise KVLayoutError("sparse fetch runs on the CPU: pass the pool's Memory, not a GpuPool")
     pos = np.asarray(positions)
     s = fmt.spec
     want = (s.num_layers, s.num_kv_heads)

@@ -4,8 +4,10 @@ A :class:`KVLayout` is built from the tensors an engine registers (one entry
 per layer) and validated against the model's :class:`KVSpec` before anything
 else happens, so a wrong shape, dtype, device, stride order or layer count is
 refused up front instead of scattering bytes into the wrong places.  It keeps
-uint8 numpy views of the tensors' memory (no copies): these are the buffers
-the data path hands to the C core.
+uint8 views of the tensors' memory (no copies): numpy arrays for a cache in
+host memory, the buffers the data path hands to the C core; uint8 tensors
+for a cache on a CUDA device, whose addresses the GPU path
+(:mod:`beluga.transfer.gpu`) hands to its kernel.
 
 Layouts (per layer; ``nb`` blocks of ``bs`` tokens, ``H`` KV heads of ``D``):
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,14 +60,34 @@ def host_bytes(tensor: torch.Tensor) -> np.ndarray:
     if tensor.device.type != "cpu":
         raise KVLayoutError(
             f"a tensor on {tensor.device} cannot be a host buffer; this data path copies "
-            "host memory (move the KV cache to the CPU, or use the GPU connector)"
+            "host memory (move the KV cache to the CPU, or put it on a CUDA device and move "
+            "it through beluga.transfer.gpu.GpuPool)"
         )
+    return _flat_bytes(tensor).numpy()
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's memory, on its own device, no copy."""
     if not tensor.is_contiguous():
         raise KVLayoutError(
             f"tensor with shape {tuple(tensor.shape)} and strides {tensor.stride()} is not "
             "contiguous; the data path addresses memory directly and would copy into a temporary"
         )
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _byte_buffers(tensors: Sequence[torch.Tensor]) -> tuple[list[Any], torch.device]:
+    """The tensors' memory as byte buffers (numpy on the CPU, uint8 tensors on a GPU)."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise KVLayoutError(
+                f"KV cache tensors are on {device} and on {t.device}; one engine's KV cache "
+                "lives on one device"
+            )
+    if device.type == "cuda":
+        return [_flat_bytes(t) for t in tensors], device
+    return [host_bytes(t) for t in tensors], device
 
 
 def _check_dtype(spec: KVSpec, tensor: torch.Tensor, where: str) -> None:
@@ -90,7 +113,7 @@ class KVLayout:
         self,
         kind: str,
         fmt: BlockFormat,
-        buffers: Sequence[np.ndarray],
+        tensors: Sequence[torch.Tensor],
         buffers_per_layer: int,
         num_blocks: int,
         strides: _Strides,
@@ -99,7 +122,8 @@ class KVLayout:
         self.kind = kind
         self.format = fmt
         self.spec = fmt.spec
-        self.buffers = tuple(buffers)
+        buffers, self.device = _byte_buffers(tensors)
+        self.buffers = tuple(buffers)  # numpy views on the CPU, uint8 tensors on a GPU
         self.num_blocks = num_blocks
         self._per_layer = buffers_per_layer
         self._s = strides
@@ -146,9 +170,8 @@ class KVLayout:
             pieces=1,
             piece=0,
         )
-        buffers = [host_bytes(t) for t in physical]
         fmt = BlockFormat(spec, order)
-        return cls(f"vllm-flash-{order.lower()}", fmt, buffers, 1, num_blocks, strides)
+        return cls(f"vllm-flash-{order.lower()}", fmt, physical, 1, num_blocks, strides)
 
     @classmethod
     def cpu_attention(cls, spec: KVSpec, kv_caches: Sequence[torch.Tensor]) -> KVLayout:
@@ -177,9 +200,8 @@ class KVLayout:
             pieces=1,
             piece=0,
         )
-        buffers = [host_bytes(t) for t in kv_caches]
         fmt = BlockFormat(spec, "CPU")
-        return cls("vllm-cpu", fmt, buffers, 1, num_blocks, strides)
+        return cls("vllm-cpu", fmt, kv_caches, 1, num_blocks, strides)
 
     @classmethod
     def hugging_face(
@@ -217,9 +239,9 @@ class KVLayout:
             pieces=heads,
             piece=seq * dim,
         )
-        buffers = [host_bytes(t) for pair in kv for t in pair]
         fmt = BlockFormat(spec, "HND")
-        return cls("hugging-face", fmt, buffers, 2, batch * per_row, strides)
+        tensors = [t for pair in kv for t in pair]
+        return cls("hugging-face", fmt, tensors, 2, batch * per_row, strides)
 
     def check_blocks(self, block_ids: object) -> np.ndarray:
         """Engine block ids as an int64 array, refused when any is out of range."""
