@@ -11,9 +11,14 @@ vLLM FlashAttention NHD blocks: one pool block is 56 pieces of 16 KiB
 - ``per_piece``: a Python loop with one Memory call per piece (the table is
   built beforehand, which flatters it).
 
+- ``gpu_kernel`` (where CUDA exists): the same blocks between GPU memory and
+  the registered pool, one kernel launch (:mod:`beluga.transfer.gpu`).
+
 Sparse: 16 chosen tokens per layer and KV head out of a 512-token sequence,
-K and V (3,584 fragments of 256 bytes), in one call or one call per fragment.
-Compare the ratios within a run; absolute times belong to this machine.
+K and V (3,584 fragments of 256 bytes), in one call or one call per fragment;
+``extra_info`` carries the fragment count and fragments per second at the
+median.  Compare the ratios within a run; absolute times belong to this
+machine.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import pytest
 import torch
 
 from beluga.coherence import Memory, attach
+from beluga.pool import Geometry, Pool
 from beluga.serving.model import QWEN2_7B
 from beluga.transfer import (
     KVLayout,
@@ -42,6 +48,7 @@ SPEC = QWEN2_7B.kv_spec("bfloat16")
 BLOCKS = 4
 SEQUENCE_BLOCKS = 32
 TOP_K = 16
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 @dataclass
@@ -72,10 +79,13 @@ def rig() -> Iterator[Rig]:
     pool.close()
 
 
-def _caches(num_blocks: int) -> list[torch.Tensor]:
+def _caches(num_blocks: int, device: str = "cpu") -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     shape = (2, num_blocks, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
-    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(SPEC.num_layers)]
+    return [
+        torch.randn(shape, generator=gen).to(torch.bfloat16).to(device)
+        for _ in range(SPEC.num_layers)
+    ]
 
 
 def _moved(rig: Rig) -> int:
@@ -142,6 +152,38 @@ def test_read_per_piece(benchmark, rig: Rig) -> None:
     benchmark(loop)
 
 
+@pytest.fixture
+def gpu_rig(shm_path: str, rig: Rig) -> Iterator[tuple[object, KVLayout, np.ndarray]]:
+    """(a GpuPool on a real pool, a GPU cache of the rig's shape, pool offsets)."""
+    from beluga.transfer.gpu import GpuPool
+
+    geometry = Geometry(max_hosts=2, rpc_bytes_per_host=64 << 10, block_size=rig.stride)
+    pool = Pool.create(shm_path, 64 << 20, geometry=geometry, coherence="native")
+    layout = KVLayout.flash_attention(SPEC, _caches(2 * BLOCKS, "cuda"))
+    offsets = np.array([pool.superblock.block_payload_offset(3 * b) for b in range(BLOCKS)])
+    gpu = GpuPool(pool)
+    yield gpu, layout, offsets
+    gpu.close()
+    pool.close()
+    Pool.destroy(shm_path)
+
+
+@cuda
+@pytest.mark.benchmark(group="write")
+def test_write_gpu_kernel(benchmark, rig: Rig, gpu_rig: tuple) -> None:
+    gpu, layout, offsets = gpu_rig
+    moved = benchmark(gather_write, gpu, layout, rig.block_ids, offsets, block_bytes=rig.stride)
+    assert moved == _moved(rig)
+
+
+@cuda
+@pytest.mark.benchmark(group="read")
+def test_read_gpu_kernel(benchmark, rig: Rig, gpu_rig: tuple) -> None:
+    gpu, layout, offsets = gpu_rig
+    moved = benchmark(scatter_read, gpu, layout, rig.block_ids, offsets, block_bytes=rig.stride)
+    assert moved == _moved(rig)
+
+
 @pytest.fixture(scope="module")
 def sparse(rig: Rig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(pool offsets of a 512-token sequence, chosen positions, output buffer)."""
@@ -162,6 +204,7 @@ def test_sparse_one_call(benchmark, rig: Rig, sparse: tuple) -> None:
         sparse_fetch, rig.mem, rig.layout.format, offsets, positions, out, block_bytes=rig.stride
     )
     assert moved == out.size
+    _fragment_rate(benchmark, positions)
 
 
 @pytest.mark.benchmark(group="sparse")
@@ -177,3 +220,12 @@ def test_sparse_per_fragment(benchmark, rig: Rig, sparse: tuple) -> None:
             rig.mem.load_into(poff, view[boff : boff + n])
 
     benchmark(loop)
+    _fragment_rate(benchmark, positions)
+
+
+def _fragment_rate(benchmark, positions: np.ndarray) -> None:
+    """Record the fragment count, and fragments per second at the median when timed."""
+    fragments = 2 * positions.size  # K and V of each chosen (layer, head, token)
+    benchmark.extra_info["fragments"] = fragments
+    if benchmark.stats:  # None under --benchmark-disable
+        benchmark.extra_info["fragments_per_s"] = fragments / benchmark.stats.stats.median

@@ -68,7 +68,7 @@ def kv_pool_size(blocks: int, geometry: Geometry) -> int:
     """The smallest pool size (a 2 MiB multiple) with room for ``blocks`` blocks."""
     if blocks < 1:
         raise ValueError(f"a pool holds at least one block, not {blocks}")
-    size = align_up(blocks * (geometry.block_size + LINE) + 4 * REGION_ALIGN)
+    size = align_up(blocks * (geometry.block_size + LINE))  # a lower bound: no regions yet
     while True:
         try:
             if plan(size, geometry).nblocks >= blocks:

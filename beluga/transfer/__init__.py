@@ -7,6 +7,8 @@
   Face); needs torch.
 - :mod:`beluga.transfer.datapath`: :func:`gather_write`, :func:`scatter_read`
   and :func:`sparse_fetch`, each one C call through a coherence ``Memory``.
+- :mod:`beluga.transfer.gpu`: :class:`GpuPool`, the pool registered with CUDA,
+  which moves a GPU cache's blocks with one kernel instead.
 """
 
 from beluga.transfer.datapath import (
@@ -19,12 +21,14 @@ from beluga.transfer.datapath import (
     sparse_table,
 )
 from beluga.transfer.format import DTYPE_SIZES, ORDERS, BlockFormat, K, KVSpec, V
+from beluga.transfer.gpu import GpuPool
 from beluga.transfer.layouts import KVLayout, host_bytes
 
 __all__ = [
     "DTYPE_SIZES",
     "ORDERS",
     "BlockFormat",
+    "GpuPool",
     "K",
     "KVLayout",
     "KVSpec",
