@@ -25,10 +25,12 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -108,8 +110,8 @@ def _engine_main(conn: Connection, pool: str, config: EngineConfig) -> None:
                 conn.send(Reply(job.index, started, None, _portable(e)))
             else:
                 conn.send(Reply(job.index, started, served, None))
-    except (EOFError, KeyboardInterrupt, BrokenPipeError):
-        pass  # the driver went away or was interrupted: stop quietly
+    except (EOFError, BrokenPipeError):
+        pass  # the driver went away: stop quietly
     finally:
         engine.close()
         store.close()
@@ -152,13 +154,31 @@ def _stop(proc: Any, grace: float) -> None:
         proc.join(5.0)
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT while children start, so that they inherit the disposition.
+
+    A terminal's Ctrl-C goes to the whole process group; an engine that got
+    it while importing torch would die with a traceback.  Ignoring it, the
+    engines leave shutting down to the driver (``Cluster.close``).  Only the
+    main thread may change signal handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _serve_quietly(pool: str, coherence: str | None, ready: Any) -> None:
     """The metadata server process, without its start-up banner on the driver's terminal."""
     from beluga.kv.server import serve
 
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
-    with contextlib.suppress(KeyboardInterrupt):
-        serve(pool, coherence=coherence, ready=ready)
+    serve(pool, coherence=coherence, ready=ready)
 
 
 class Cluster:
@@ -211,7 +231,8 @@ class Cluster:
             args=(self.pool, self.config.coherence, ready),
             name="beluga-metadata-server",
         )
-        server.start()
+        with _sigint_ignored():  # serve() installs its own handlers once it runs
+            server.start()
         self.server = server  # only a started process is ever joined
         deadline = time.monotonic() + self.start_timeout
         while not ready.wait(_POLL_S):
@@ -227,6 +248,16 @@ class Cluster:
                 )
 
     def _start_engines(self) -> None:
+        with _sigint_ignored():  # Ctrl-C reaches the driver alone; it stops the engines
+            self._spawn_engines()
+        deadline = time.monotonic() + self.start_timeout
+        for i in range(len(self.conns)):
+            message = self._receive(i, deadline, "starting")
+            if message[0] == "failed":
+                raise message[1]
+            self.pids.append(message[1])
+
+    def _spawn_engines(self) -> None:
         for i in range(self.num_engines):
             parent, child = self.ctx.Pipe()
             proc = self.ctx.Process(
@@ -238,12 +269,6 @@ class Cluster:
             finally:
                 child.close()
             self.engines.append(proc)
-        deadline = time.monotonic() + self.start_timeout
-        for i in range(len(self.conns)):
-            message = self._receive(i, deadline, "starting")
-            if message[0] == "failed":
-                raise message[1]
-            self.pids.append(message[1])
 
     def close(self) -> None:
         """Stop the engines (after their current job), then the server; safe to call twice."""
