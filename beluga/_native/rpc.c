@@ -78,6 +78,7 @@ size_t bl_rpc_buf_size(size_t ring_bytes, uint32_t depth)
     return ((ring_bytes - fixed) / (2 * (size_t)depth)) & ~(size_t)(BL_LINE - 1);
 }
 
+/* Offsets of a slot's request line, response line, request and response buffers. */
 static size_t req_line(const ring_geo *g, uint32_t slot) { return g->base + BL_RPC_HEAD + (size_t)slot * BL_LINE; }
 static size_t resp_line(const ring_geo *g, uint32_t slot)
 {
@@ -192,6 +193,7 @@ static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
+/* Dealloc: drop the Memory reference. */
 static void Client_dealloc(ClientObject *self)
 {
     Py_XDECREF(self->mem);
@@ -426,6 +428,7 @@ static PyObject *Client_call(ClientObject *self, PyObject *args)
     return r;
 }
 
+/* Properties: requests in flight, next sequence number, slot buffer size, depth. */
 static PyObject *Client_get_inflight(ClientObject *self, void *c)
 {
     return PyLong_FromUnsignedLong(self->next_seq - self->done_seq);
@@ -518,6 +521,7 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
+/* Dealloc: drop the Memory reference and the ring table. */
 static void Server_dealloc(ServerObject *self)
 {
     Py_XDECREF(self->mem);
@@ -798,13 +802,6 @@ static PyObject *Server_stop(ServerObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* resume(): clear a previous stop(). */
-static PyObject *Server_resume(ServerObject *self, PyObject *unused)
-{
-    atomic_store(&self->stop, 0);
-    Py_RETURN_NONE;
-}
-
 /* ring_head(idx) -> next expected sequence number of a ring. */
 static PyObject *Server_ring_head(ServerObject *self, PyObject *args)
 {
@@ -815,6 +812,7 @@ static PyObject *Server_ring_head(ServerObject *self, PyObject *args)
     return r ? PyLong_FromUnsignedLong(r->head) : NULL;
 }
 
+/* Properties: responses written, malformed requests answered with an error. */
 static PyObject *Server_get_served(ServerObject *self, void *c) { return PyLong_FromUnsignedLongLong(self->served); }
 static PyObject *Server_get_rejected(ServerObject *self, void *c)
 {
@@ -831,7 +829,6 @@ static PyMethodDef Server_methods[] = {
     {"serve_echo", (PyCFunction)Server_serve_echo, METH_VARARGS,
      "serve_echo(duration_s) -> answered"},
     {"stop", (PyCFunction)Server_stop, METH_NOARGS, "end a running poll / serve_echo"},
-    {"resume", (PyCFunction)Server_resume, METH_NOARGS, "clear stop()"},
     {NULL, NULL, 0, NULL},
 };
 
