@@ -428,11 +428,7 @@ static PyObject *Client_call(ClientObject *self, PyObject *args)
     return r;
 }
 
-/* Properties: requests in flight, next sequence number, slot buffer size, depth. */
-static PyObject *Client_get_inflight(ClientObject *self, void *c)
-{
-    return PyLong_FromUnsignedLong(self->next_seq - self->done_seq);
-}
+/* Properties: next sequence number, slot buffer size, depth. */
 static PyObject *Client_get_next_seq(ClientObject *self, void *c)
 {
     return PyLong_FromUnsignedLong(self->next_seq);
@@ -453,7 +449,6 @@ static PyMethodDef Client_methods[] = {
 };
 
 static PyGetSetDef Client_getset[] = {
-    {"inflight", (getter)Client_get_inflight, NULL, "requests not yet completed", NULL},
     {"next_seq", (getter)Client_get_next_seq, NULL, "sequence number of the next request", NULL},
     {"buf_size", (getter)Client_get_buf_size, NULL, "largest payload per request", NULL},
     {"depth", (getter)Client_get_depth, NULL, "slots in the ring", NULL},
@@ -802,16 +797,6 @@ static PyObject *Server_stop(ServerObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* ring_head(idx) -> next expected sequence number of a ring. */
-static PyObject *Server_ring_head(ServerObject *self, PyObject *args)
-{
-    unsigned int idx;
-    if (!PyArg_ParseTuple(args, "I", &idx))
-        return NULL;
-    ring_state *r = ring_arg(self, idx);
-    return r ? PyLong_FromUnsignedLong(r->head) : NULL;
-}
-
 /* Properties: responses written, malformed requests answered with an error. */
 static PyObject *Server_get_served(ServerObject *self, void *c) { return PyLong_FromUnsignedLongLong(self->served); }
 static PyObject *Server_get_rejected(ServerObject *self, void *c)
@@ -822,7 +807,6 @@ static PyObject *Server_get_rejected(ServerObject *self, void *c)
 static PyMethodDef Server_methods[] = {
     {"set_ring", (PyCFunction)Server_set_ring, METH_VARARGS, "set_ring(idx, gen, depth, head)"},
     {"clear_ring", (PyCFunction)Server_clear_ring, METH_VARARGS, "clear_ring(idx)"},
-    {"ring_head", (PyCFunction)Server_ring_head, METH_VARARGS, "ring_head(idx) -> next seq"},
     {"poll", (PyCFunction)Server_poll, METH_VARARGS,
      "poll(max_batch, timeout_s) -> [(ring, seq, op, payload)]"},
     {"respond", (PyCFunction)Server_respond, METH_O, "respond([(ring, seq, status, payload)])"},
