@@ -12,7 +12,8 @@ import pytest
 from beluga.pool import Geometry, Pool
 
 SHM = "/dev/shm"
-PREFIX = "beluga-test-"
+# one prefix per test session, so that concurrent sessions never see each other's files
+PREFIX = f"beluga-test-{os.getpid()}-"
 SMALL = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=64 << 10)
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,16 +30,6 @@ needs_numa = pytest.mark.skipif(bool(_numa_usable()), reason=_numa_usable() or "
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-@pytest.fixture
-def shm_path() -> Iterator[str]:
-    """A unique tmpfs path, removed afterwards with any staging file."""
-    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
-    yield path
-    for p in (path, path + ".creating"):
-        if os.path.exists(p):
-            os.unlink(p)
 
 
 def test_spec_parses_and_round_trips() -> None:

@@ -238,11 +238,16 @@ static void nt_copy_sse2(void *dst, const void *src, size_t n)
     store_flush(d, s, n);
 }
 
+/* Store fence: earlier stores (non-temporal ones too) complete before later ones. */
 static void fence_store(void) { _mm_sfence(); }
+/* Full fence: also orders loads after earlier flushes. */
 static void fence_full(void) { _mm_mfence(); }
 #else
+/* Portable build: a coherent machine needs no flush, only ordering. */
 static void flush_none(const void *addr, size_t n) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+/* Portable store fence. */
 static void fence_store(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
+/* Portable full fence. */
 static void fence_full(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 #endif
 

@@ -587,16 +587,19 @@ static PyObject *Memory_model_stats(MemoryObject *self, PyObject *unused)
                          "evictions", s[3], "discarded", s[4]);
 }
 
+/* mode: "native" or "model". */
 static PyObject *Memory_get_mode(MemoryObject *self, void *c)
 {
     return PyUnicode_FromString(self->mem.ops ? self->mem.ops->name : "unattached");
 }
 
+/* size: bytes mapped (0 once released). */
 static PyObject *Memory_get_size(MemoryObject *self, void *c)
 {
     return PyLong_FromSize_t(self->has_view ? self->mem.size : 0);
 }
 
+/* released: whether release() ran. */
 static PyObject *Memory_get_released(MemoryObject *self, void *c)
 {
     return PyBool_FromLong(!self->has_view);
@@ -732,6 +735,7 @@ static struct PyModuleDef core_module = {
     .m_methods = module_methods,
 };
 
+/* Module init: pick instructions once, then publish the types. */
 PyMODINIT_FUNC PyInit__core(void)
 {
     bl_cpu_init();

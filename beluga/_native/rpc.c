@@ -78,6 +78,7 @@ size_t bl_rpc_buf_size(size_t ring_bytes, uint32_t depth)
     return ((ring_bytes - fixed) / (2 * (size_t)depth)) & ~(size_t)(BL_LINE - 1);
 }
 
+/* Offsets of a slot's request line, response line, request and response buffers. */
 static size_t req_line(const ring_geo *g, uint32_t slot) { return g->base + BL_RPC_HEAD + (size_t)slot * BL_LINE; }
 static size_t resp_line(const ring_geo *g, uint32_t slot)
 {
@@ -192,6 +193,7 @@ static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
+/* Dealloc: drop the Memory reference. */
 static void Client_dealloc(ClientObject *self)
 {
     Py_XDECREF(self->mem);
@@ -426,10 +428,7 @@ static PyObject *Client_call(ClientObject *self, PyObject *args)
     return r;
 }
 
-static PyObject *Client_get_inflight(ClientObject *self, void *c)
-{
-    return PyLong_FromUnsignedLong(self->next_seq - self->done_seq);
-}
+/* Properties: next sequence number, slot buffer size, depth. */
 static PyObject *Client_get_next_seq(ClientObject *self, void *c)
 {
     return PyLong_FromUnsignedLong(self->next_seq);
@@ -450,7 +449,6 @@ static PyMethodDef Client_methods[] = {
 };
 
 static PyGetSetDef Client_getset[] = {
-    {"inflight", (getter)Client_get_inflight, NULL, "requests not yet completed", NULL},
     {"next_seq", (getter)Client_get_next_seq, NULL, "sequence number of the next request", NULL},
     {"buf_size", (getter)Client_get_buf_size, NULL, "largest payload per request", NULL},
     {"depth", (getter)Client_get_depth, NULL, "slots in the ring", NULL},
@@ -518,6 +516,7 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
+/* Dealloc: drop the Memory reference and the ring table. */
 static void Server_dealloc(ServerObject *self)
 {
     Py_XDECREF(self->mem);
@@ -798,23 +797,7 @@ static PyObject *Server_stop(ServerObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* resume(): clear a previous stop(). */
-static PyObject *Server_resume(ServerObject *self, PyObject *unused)
-{
-    atomic_store(&self->stop, 0);
-    Py_RETURN_NONE;
-}
-
-/* ring_head(idx) -> next expected sequence number of a ring. */
-static PyObject *Server_ring_head(ServerObject *self, PyObject *args)
-{
-    unsigned int idx;
-    if (!PyArg_ParseTuple(args, "I", &idx))
-        return NULL;
-    ring_state *r = ring_arg(self, idx);
-    return r ? PyLong_FromUnsignedLong(r->head) : NULL;
-}
-
+/* Properties: responses written, malformed requests answered with an error. */
 static PyObject *Server_get_served(ServerObject *self, void *c) { return PyLong_FromUnsignedLongLong(self->served); }
 static PyObject *Server_get_rejected(ServerObject *self, void *c)
 {
@@ -824,14 +807,12 @@ static PyObject *Server_get_rejected(ServerObject *self, void *c)
 static PyMethodDef Server_methods[] = {
     {"set_ring", (PyCFunction)Server_set_ring, METH_VARARGS, "set_ring(idx, gen, depth, head)"},
     {"clear_ring", (PyCFunction)Server_clear_ring, METH_VARARGS, "clear_ring(idx)"},
-    {"ring_head", (PyCFunction)Server_ring_head, METH_VARARGS, "ring_head(idx) -> next seq"},
     {"poll", (PyCFunction)Server_poll, METH_VARARGS,
      "poll(max_batch, timeout_s) -> [(ring, seq, op, payload)]"},
     {"respond", (PyCFunction)Server_respond, METH_O, "respond([(ring, seq, status, payload)])"},
     {"serve_echo", (PyCFunction)Server_serve_echo, METH_VARARGS,
      "serve_echo(duration_s) -> answered"},
     {"stop", (PyCFunction)Server_stop, METH_NOARGS, "end a running poll / serve_echo"},
-    {"resume", (PyCFunction)Server_resume, METH_NOARGS, "clear stop()"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,300 @@
+"""The KV store end to end: API, capacity, crash safety and a multi-process stress test.
+
+The metadata server runs in its own process (``beluga.kv.server.serve``) so
+that it can be killed with SIGKILL like a real one; clients are this process
+or forked ones, each attached on its own (one emulated host each).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from beluga import KVStore
+from beluga.errors import CapacityError, RpcError
+from beluga.kv import block_keys, hash_block, seed_hash, sha256
+from beluga.kv.server import serve
+from beluga.pool import Geometry, Pool
+
+CTX = mp.get_context("fork")
+GEOMETRY = Geometry(max_hosts=8, rpc_bytes_per_host=256 << 10, block_size=16 << 10)
+
+
+def value_of(key: str, size: int) -> bytes:
+    """The bytes every test writes under a key: checkable by any reader."""
+    return random.Random(hashlib.sha256(key.encode()).digest()).randbytes(size)
+
+
+@pytest.fixture
+def pool(shm_path: str) -> Iterator[Pool]:
+    p = Pool.create(shm_path, 48 << 20, geometry=GEOMETRY)
+    yield p
+    p.close()
+    Pool.destroy(shm_path)
+
+
+def _serve(spec: str, mode: str, ready: Any, options: dict) -> None:
+    serve(spec, coherence=mode, ready=ready, **options)
+
+
+@contextmanager
+def server(spec: str, mode: str = "native", **options: Any) -> Iterator[mp.Process]:
+    ready = CTX.Event()
+    proc = CTX.Process(target=_serve, args=(spec, mode, ready, {"refresh_s": 0.02, **options}))
+    proc.start()
+    try:
+        assert ready.wait(30), "metadata server did not start"
+        yield proc
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGTERM)
+        proc.join(15)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def test_api_round_trips(pool: Pool) -> None:
+    with server(pool.spec), KVStore(pool) as s:
+        s.put("a", b"hello")
+        assert s.get("a") == b"hello" and s.get("missing") is None
+        assert s.is_exist("a") and not s.is_exist("missing")
+        s.put("a", b"replaced")  # a new version, out of place
+        assert s.get("a") == b"replaced"
+        s.put(b"\x00bin", b"")
+        assert s.get(b"\x00bin") == b""
+        big = value_of("big", 100_000)  # spans an extent of 7 blocks
+        s.put_from("big", np.frombuffer(big, dtype=np.uint8))
+        out = np.zeros(120_000, dtype=np.uint8)
+        assert s.get_into("big", out) == 100_000 and out[:100_000].tobytes() == big
+        t = torch.arange(1000, dtype=torch.bfloat16)
+        s.put_from("tensor", t)
+        back = torch.empty_like(t)
+        assert s.get_into("tensor", back) == 2000 and torch.equal(back, t)
+        raw = ctypes.create_string_buffer(b"raw bytes!", 10)
+        s.put_from("raw", (ctypes.addressof(raw), 10))
+        assert s.get("raw") == b"raw bytes!"
+        keys = [f"k{i}" for i in range(100)]
+        s.put_batch(keys, [value_of(k, 3000) for k in keys])
+        assert s.get_batch([*keys[:3], "nope"]) == [*(value_of(k, 3000) for k in keys[:3]), None]
+        bufs = [bytearray(3000) for _ in range(4)]
+        assert s.batch_get_into([keys[5], "nope", keys[7], keys[9]], bufs) == [3000, -1, 3000, 3000]
+        assert bytes(bufs[2]) == value_of(keys[7], 3000)
+        assert s.batch_is_exist(["a", "nope", "k99"]) == [True, False, True]
+        assert s.lookup_prefix(["k0", "k1", "k2", "nope", "k3"]) == 3
+        assert s.remove("a") and not s.remove("a") and s.get("a") is None
+        stats = s.stats()
+        assert stats["keys"] == 104 and stats["hits"] > 0 and stats["misses"] > 0
+        assert stats["writes_in_flight"] == 0
+
+
+def test_bad_input_is_refused_and_nothing_is_lost(pool: Pool) -> None:
+    with server(pool.spec), KVStore(pool) as s:
+        s.put("keep", b"safe")
+        with pytest.raises(ValueError, match=r"1\.\.256 bytes"):
+            s.put("x" * 257, b"v")
+        with pytest.raises(ValueError, match=r"1\.\.256 bytes"):
+            s.get("")
+        with pytest.raises(ValueError, match="buffer holds 2 bytes"):
+            s.get_into("keep", bytearray(2))
+        with pytest.raises(ValueError, match="writable"):
+            s.get_into("keep", b"read-only")
+        with pytest.raises(ValueError, match="buffer protocol"):
+            s.put("k", 12345)
+        with pytest.raises(ValueError, match="3 keys but 2 values"):
+            s.put_batch(["a", "b", "c"], [b"1", b"2"])
+        with pytest.raises(ValueError, match="exceeds the pool"):
+            s.put("huge", bytes(pool.superblock.payloads.length + 1))
+        with pytest.raises(ValueError, match="contiguous"):
+            s.put("strided", np.arange(10)[::2])
+        assert s.get("keep") == b"safe"
+        assert s.stats()["writes_in_flight"] == 0
+
+
+def test_a_pool_without_a_server(pool: Pool) -> None:
+    with pytest.raises(RpcError, match="beluga serve"):
+        KVStore(pool, connect_timeout=0.2)
+
+
+def test_lru_eviction_and_capacity_error(pool: Pool) -> None:
+    nblocks = pool.superblock.nblocks
+    with server(pool.spec, read_lease_s=60.0), KVStore(pool) as s:
+        for i in range(nblocks + 50):  # more values than blocks: the oldest go
+            s.put(f"v{i}", value_of(f"v{i}", 1000))
+        stats = s.stats()
+        assert stats["evictions"] >= 50 and stats["blocks_used"] <= nblocks
+        assert s.get(f"v{nblocks + 49}") == value_of(f"v{nblocks + 49}", 1000)
+        assert s.get("v0") is None  # least recently used, evicted
+        survivors = [f"v{i}" for i in range(nblocks + 50) if s.is_exist(f"v{i}")]
+        assert s.get_batch(survivors) == [value_of(k, 1000) for k in survivors]  # all leased now
+        free = stats["blocks_total"] - s.stats()["blocks_used"]
+        with pytest.raises(CapacityError, match="nothing can be evicted"):
+            s.put("one-too-many", bytes(pool.superblock.block_size * (free + 1)))
+        assert s.get(survivors[-1]) == value_of(survivors[-1], 1000)  # still serving
+
+
+def _doomed_writer(spec: str, mode: str, ready: Any) -> None:
+    with KVStore(spec, coherence=mode) as s:
+        refs = s.reserve(["never-visible"], [50_000])
+        s.mem.nt_store(refs[0].payload_offset, bytes(20_000))  # half a payload ...
+        ready.set()
+        os.kill(os.getpid(), signal.SIGKILL)  # ... and the writer dies mid-put
+
+
+@pytest.mark.parametrize("mode", ["native", "model"])
+def test_a_writer_killed_mid_put_never_becomes_visible(pool: Pool, mode: str) -> None:
+    with server(pool.spec, mode), KVStore(pool.spec, coherence=mode) as s:
+        base = s.stats()["blocks_used"]
+        ready = CTX.Event()
+        w = CTX.Process(target=_doomed_writer, args=(pool.spec, mode, ready))
+        w.start()
+        w.join(30)
+        assert ready.is_set() and w.exitcode == -signal.SIGKILL
+        assert s.get("never-visible") is None
+        deadline = time.monotonic() + 10
+        while s.stats()["blocks_used"] != base:  # reclaimed once the host is seen dead
+            assert time.monotonic() < deadline, "the dead writer's extent was never reclaimed"
+            time.sleep(0.02)
+        assert s.stats()["dead_writer_reclaims"] == 1 and s.get("never-visible") is None
+
+
+def test_an_expired_write_lease_returns_the_space(pool: Pool) -> None:
+    with server(pool.spec, write_lease_s=0.2), KVStore(pool) as s:
+        refs = s.reserve(["slow"], [1000])
+        time.sleep(0.5)
+        with pytest.raises(RpcError, match="lost their write lease"):
+            s.seal(refs)
+        assert s.get("slow") is None and s.stats()["lease_expiries"] == 1
+
+
+def _writer(spec: str, mode: str, prefix: str, n: int, size: int, out: Any) -> None:
+    try:
+        with KVStore(spec, coherence=mode) as s:
+            for i in range(n):
+                key = f"{prefix}{i}"
+                s.put(key, value_of(key, size))
+                out.put(("committed", key))
+        out.put(("done", prefix))
+    except BaseException as e:
+        out.put(("error", repr(e)))
+
+
+@pytest.mark.parametrize("mode", ["native", "model"])
+def test_server_killed_and_restarted_rebuilds_the_index(pool: Pool, mode: str) -> None:
+    out = CTX.Queue()
+    with server(pool.spec, mode) as first:
+        w = CTX.Process(target=_writer, args=(pool.spec, mode, "w", 10_000, 5000, out))
+        w.start()
+        committed: list[str] = []
+        while len(committed) < 60:
+            kind, key = out.get(timeout=30)
+            assert kind == "committed", key
+            committed.append(key)
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(10)
+        w.join(30)  # the writer fails: its server died
+    while not out.empty():
+        kind, key = out.get(timeout=5)
+        if kind == "committed":
+            committed.append(key)
+    out.close()
+    out.join_thread()
+    with server(pool.spec, mode), KVStore(pool.spec, coherence=mode) as s:
+        assert s.stats()["recovered_keys"] >= len(committed)
+        assert s.get_batch(committed) == [value_of(k, 5000) for k in committed]
+        assert s.stats()["writes_in_flight"] <= 1  # at most the put cut short, held by lease
+
+
+def _reader(spec: str, mode: str, prefixes: list[str], n: int, seconds: float, out: Any) -> None:
+    try:
+        rng = random.Random(os.getpid())
+        hits = misses = 0
+        with KVStore(spec, coherence=mode) as s:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                keys = [f"{rng.choice(prefixes)}{rng.randrange(n)}" for _ in range(8)]
+                for key, got in zip(keys, s.get_batch(keys), strict=True):
+                    if got is None:
+                        misses += 1
+                    elif got != value_of(key, len(got)) or len(got) not in (5000, 20000):
+                        out.put(("wrong", key))
+                        return
+                    else:
+                        hits += 1
+        out.put(("ok", hits, misses))
+    except BaseException as e:
+        out.put(("error", repr(e)))
+
+
+@pytest.mark.parametrize("mode", ["native", "model"])
+def test_stress_writers_and_readers_racing_eviction(pool: Pool, mode: str) -> None:
+    """Several writers overfill the pool while readers check every byte they read."""
+    out = CTX.Queue()
+    with server(pool.spec, mode, read_lease_s=0.05):
+        procs = [
+            CTX.Process(target=_writer, args=(pool.spec, mode, "a", 700, 20000, out)),
+            CTX.Process(target=_writer, args=(pool.spec, mode, "b", 1500, 5000, out)),
+            CTX.Process(target=_reader, args=(pool.spec, mode, ["a", "b"], 700, 4.0, out)),
+            CTX.Process(target=_reader, args=(pool.spec, mode, ["a", "b"], 700, 4.0, out)),
+        ]
+        for p in procs:
+            p.start()
+        results = []
+        deadline = time.monotonic() + 120
+        while sum(1 for r in results if r[0] != "committed") < len(procs):
+            results.append(out.get(timeout=max(1, deadline - time.monotonic())))
+        for p in procs:
+            p.join(30)
+        with KVStore(pool) as s:
+            stats = s.stats()
+    out.close()
+    out.join_thread()
+    final = [r for r in results if r[0] != "committed"]
+    assert not [r for r in final if r[0] in ("wrong", "error")], final
+    reads = [r for r in final if r[0] == "ok"]
+    assert sum(r[1] for r in reads) > 100, "readers must really read data"
+    assert stats["evictions"] > 0, "the test must exercise eviction and reuse"
+
+
+def test_block_keys_chain_like_vllm() -> None:
+    tokens = list(range(100))
+    keys = block_keys(tokens, block_size=16, seed="s")
+    assert len(keys) == 6  # only full blocks
+    parent = sha256("s")
+    assert seed_hash(sha256, "s") == parent
+    for i, k in enumerate(keys):  # vLLM: hash((parent, tuple(tokens), extra_keys))
+        parent = sha256((parent, tuple(tokens[16 * i : 16 * i + 16]), None))
+        assert (
+            k
+            == parent
+            == hash_block(sha256, keys[i - 1] if i else sha256("s"), tokens[16 * i : 16 * i + 16])
+        )
+    assert block_keys(tokens[:64] + [7] * 36, seed="s")[:4] == keys[:4]  # shared prefix
+    assert block_keys(tokens[:64] + [7] * 36, seed="s")[4] != keys[4]
+    assert block_keys(tokens, seed="s", extra_keys=("lora-1",))[0] != keys[0]
+    assert block_keys(tokens, seed="other")[0] != keys[0]
+    with pytest.raises(ValueError, match="unknown block hash"):
+        block_keys(tokens, hash_fn="md5")
+
+
+def test_a_server_refuses_a_pool_of_another_layout(pool: Pool, shm_path: str) -> None:
+    from beluga.errors import LayoutVersionError
+    from beluga.pool.layout import LAYOUT_VERSION
+
+    from .test_pool import reseal_file
+
+    reseal_file(shm_path, 8, "<I", LAYOUT_VERSION + 1)
+    with pytest.raises(LayoutVersionError, match="upgrade Beluga"):
+        serve(shm_path)
