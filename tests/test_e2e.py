@@ -51,17 +51,17 @@ def test_targets_compare_pass_two_with_pass_one() -> None:
     assert verdicts == {"a": (pytest.approx(0.1), True), "b": (pytest.approx(0.3), False)}
 
 
-def test_the_experiment_runs_both_schedulers_twice_and_cleans_up() -> None:
+def test_the_experiment_runs_both_schedulers_twice_and_cleans_up(shm_path: str) -> None:
     settings = e2e.Settings(model="tiny", trace=TOY, start_method="fork")
-    before = set(os.listdir("/dev/shm"))
     phases: list[str] = []
     seen: list[tuple[str, int]] = []
     result = e2e.run(
         settings,
+        shm_path,
         on_record=lambda s, p, r: seen.append((s, p)),
         on_phase=phases.append,
     )
-    assert set(os.listdir("/dev/shm")) <= before
+    assert not os.path.exists(shm_path)
     n = result["requests_per_pass"]
     assert n == 4 and len(seen) == 4 * n
     assert [(r["scheduler"], r["pass"]) for r in result["rows"]] == [

@@ -22,6 +22,7 @@ from beluga.serving.engine import create_kv_pool, kv_format, kv_geometry, kv_poo
 from beluga.serving.model import ModelEngine, ModelShape
 from beluga.serving.scheduler import LocalityAware, LocalityFree
 from beluga.serving.trace import TraceShape, lv_eval_trace
+from tests.conftest import PREFIX, SHM
 
 SHAPE = ModelShape(num_layers=2)
 SEED = 9
@@ -62,7 +63,7 @@ def cluster_on(
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    path = f"/dev/shm/beluga-test-cluster-{os.getpid()}"
+    path = os.path.join(SHM, f"{PREFIX}cluster")
     make_pool(path)
     try:
         with cluster_on(path) as c:
