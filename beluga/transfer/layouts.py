@@ -400,7 +400,8 @@ def _num_view_blocks(kv_caches: Sequence[torch.Tensor]) -> int:
         if t.dim() != 4 or t.shape[0] != num_blocks:
             raise KVLayoutError(
                 f"layer {layer} KV cache has shape {tuple(t.shape)} but layer 0 has "
-                f"{num_blocks} blocks; every layer must be a 4-D view [{num_blocks}, ...]"
+                f"{num_blocks} blocks; every layer must be a 4-D view [{num_blocks}, ...] "
+                "(or every layer 5-D with K and V first: [2, num_blocks, ...])"
             )
     return num_blocks
 
