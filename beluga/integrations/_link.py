@@ -5,7 +5,7 @@ metadata server is down, the engine must go on serving by recomputing, say so
 once, and pick the pool up again when it is back.  :class:`StoreLink` is that
 policy in one place for every integration: :meth:`StoreLink.get` returns a
 connected :class:`KVStore` or ``None``; :meth:`StoreLink.lost` drops a
-connection after an error.  One warning is logged per outage, not per call,
+connection after an error.  One warning is logged per outage and process, not per call,
 and reconnection is tried at most every ``retry_s`` seconds so that a dead
 server costs an engine step nothing but a clock read.
 """
@@ -23,6 +23,10 @@ log = logging.getLogger("beluga.integrations")
 
 #: errors that mean "the pool is not usable now", as opposed to bugs
 UNAVAILABLE = (BelugaError, OSError)
+
+# Pool specs this process has warned about: an engine holds several links (vLLM's
+# scheduler and worker connectors), and an outage is reported once per process.
+_warned: set[str] = set()
 
 
 class StoreLink:
@@ -53,7 +57,6 @@ class StoreLink:
         self._retry_s = retry_s
         self._store: KVStore | None = None
         self._next_try = 0.0
-        self._down = False
 
     def get(self) -> KVStore | None:
         """The connected store, or None (connecting at most every ``retry_s`` seconds)."""
@@ -71,9 +74,9 @@ class StoreLink:
         except UNAVAILABLE as e:
             self._outage(e)
             return None
-        if self._down:
+        if self.spec in _warned:
+            _warned.discard(self.spec)
             log.warning("%s: pool %s is back; using it again", self.who, self.spec)
-            self._down = False
         return self._store
 
     def lost(self, error: BaseException) -> None:
@@ -86,8 +89,8 @@ class StoreLink:
 
     def _outage(self, error: BaseException) -> None:
         self._next_try = time.monotonic() + self._retry_s
-        if not self._down:
-            self._down = True
+        if self.spec not in _warned:
+            _warned.add(self.spec)
             log.warning(
                 "%s: pool %s is unavailable (%s); serving without it (prefixes are "
                 "recomputed), retrying every %g s",
