@@ -32,22 +32,28 @@ CPU_ENV = {
 }
 
 
-def write_tiny_model(path: str, *, dtype: str = "bfloat16", seed: int = 0) -> str:
-    """A seeded random-weight Llama (2 layers, 2 KV heads of 32) in ``path``; nothing downloaded."""
+#: model shapes: "tiny" for tests (KV of 4 KiB per 32-token block per layer pair), "small" for
+#: benchmarks (prefill long enough to be worth skipping)
+MODELS = {
+    "tiny": dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    ),
+    "small": dict(
+        vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+    ),
+}  # fmt: skip
+
+
+def write_tiny_model(
+    path: str, *, size: str = "tiny", dtype: str = "bfloat16", seed: int = 0
+) -> str:
+    """A seeded random-weight Llama of a :data:`MODELS` shape in ``path``; nothing downloaded."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        torch_dtype=dtype,
-    )
+    config = LlamaConfig(**MODELS[size], max_position_embeddings=4096, torch_dtype=dtype)
     torch.manual_seed(seed)
     LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
     return path
@@ -77,7 +83,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         skip_tokenizer_init=True,
         enforce_eager=True,
         block_size=job.get("block_size", 32),
-        max_model_len=2048,
+        max_model_len=4096,
         dtype=job.get("dtype", "bfloat16"),
         seed=0,
         **options,
