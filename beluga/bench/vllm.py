@@ -32,6 +32,7 @@ from beluga.kv import MetadataServer
 from beluga.pool import Geometry, Pool
 
 BLOCK = 32  # tokens per engine block on vLLM's CPU backend
+PLAIN, WITH_BELUGA = "vLLM only", "vLLM + Beluga"
 COLUMNS = [
     ("pass", "pass"),
     ("mode", "mode"),
@@ -102,6 +103,7 @@ def _row(pass_no: int, mode: str, results: list[dict], prefixes: int) -> dict[st
         "cached_tokens_mean": statistics.fmean(r["num_cached_tokens"] for r in results),
         "load_ms_mean": statistics.fmean(load),
         "load_share": sum(load) / sum(ttft),
+        "ttft_ms": ttft,
     }
 
 
@@ -145,13 +147,14 @@ def run(
         job = {"model": model_dir, "prompts": prompts, "max_tokens": 1}
         for pass_no, name in ((1, "plain-A"), (2, "plain-B")):
             out = _engine(python, env, tmp, name, job)
-            rows.append(_row(pass_no, "vLLM only", out["results"], prefixes))
+            rows.append(_row(pass_no, PLAIN, out["results"], prefixes))
         kv_bytes = _block_bytes(model)
         path = f"/dev/shm/beluga-bench-vllm-{uuid.uuid4().hex[:8]}"
         need = 2 * len(prompts) * (prefix_tokens + suffix_tokens) // BLOCK * kv_bytes
+        size = -(-(need + (32 << 20)) // (2 << 20)) * (2 << 20)  # whole 2 MiB pages
         pool = Pool.create(
             path,
-            max(64 << 20, need + (32 << 20)),
+            size,
             geometry=Geometry(max_hosts=8, block_size=kv_bytes),
             coherence="native",
         )
@@ -160,15 +163,15 @@ def run(
         try:
             for pass_no, name in ((1, "beluga-A"), (2, "beluga-B")):
                 out = _engine(python, env, tmp, name, {**job, "pool": path})
-                rows.append(_row(pass_no, "vLLM + Beluga", out["results"], prefixes))
+                rows.append(_row(pass_no, WITH_BELUGA, out["results"], prefixes))
         finally:
             server.stop()
             thread.join(timeout=10)
             server.close()
             pool.close()
             Pool.destroy(path)
-    rows.sort(key=lambda r: (r["pass"], r["mode"]))
-    plain2, beluga2 = (r for r in rows if r["pass"] == 2)
+    rows.sort(key=lambda r: (r["pass"], r["mode"] != PLAIN))
+    plain2, beluga2 = rows[2], rows[3]
     return {
         "rows": rows,
         "model": model,
