@@ -83,7 +83,6 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         skip_tokenizer_init=True,
         enforce_eager=True,
         block_size=job.get("block_size", 32),
-        max_model_len=4096,
         dtype=job.get("dtype", "bfloat16"),
         seed=0,
         **options,

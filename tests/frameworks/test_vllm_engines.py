@@ -3,7 +3,8 @@
 Engine A serves prompts; engine B, a separate process that never saw them,
 serves prompts that share their prefixes and must report those prefixes as
 cached, load them from the pool, and produce exactly the tokens that engine C
-(plain vLLM, no connector) produces for the same prompts, greedily.  Engine D
+(plain vLLM, no connector) produces for the same prompts, greedily; engine E
+does the same loading layer by layer.  Engine D
 is configured for a pool that does not exist: it must serve the same tokens
 with one warning.  The model is a tiny random-weight Llama written by the
 test: nothing is downloaded.
@@ -77,6 +78,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "B": engine(tmp, "B", {**job, "prompts": sharing, "pool": path}),
             "C": engine(tmp, "C", {**job, "prompts": sharing}),
             "D": engine(tmp, "D", {**job, "prompts": sharing, "pool": str(tmp / "no-such-pool")}),
+            "E": engine(
+                tmp, "E", {**job, "prompts": sharing, "pool": path, "extra": {"transfer": "layerwise"}}
+            ),
         }
         with KVStore(pool) as store:
             out["stats"] = store.stats()
@@ -100,7 +104,7 @@ def test_the_first_engine_saves_its_prompt_blocks(runs: dict[str, Any]) -> None:
 
 
 def test_the_second_engine_reports_external_hits_and_loads_them(runs: dict[str, Any]) -> None:
-    for r in runs["B"][0]["results"]:
+    for r in runs["B"][0]["results"] + runs["E"][0]["results"]:
         assert r["num_cached_tokens"] == PREFIX_BLOCKS * BLOCK  # its own cache was empty
         assert r["loaded_blocks"] == PREFIX_BLOCKS
     assert runs["B"][0]["counters"]["load_errors"] == 0
@@ -109,6 +113,7 @@ def test_the_second_engine_reports_external_hits_and_loads_them(runs: dict[str, 
 
 def test_the_second_engine_generates_what_recomputation_generates(runs: dict[str, Any]) -> None:
     assert tokens(runs["B"]) == tokens(runs["C"])
+    assert tokens(runs["E"]) == tokens(runs["C"])  # loading layer by layer
     assert len({tuple(t) for t in tokens(runs["C"])}) == 3  # the prompts lead somewhere different
 
 
