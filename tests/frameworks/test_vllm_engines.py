@@ -73,14 +73,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     thread = server.start_thread()
     try:
         job = {"model": model, "max_tokens": 8}
+        layerwise = {"transfer": "layerwise"}
         out = {
             "A": engine(tmp, "A", {**job, "prompts": served, "pool": path}),
             "B": engine(tmp, "B", {**job, "prompts": sharing, "pool": path}),
             "C": engine(tmp, "C", {**job, "prompts": sharing}),
             "D": engine(tmp, "D", {**job, "prompts": sharing, "pool": str(tmp / "no-such-pool")}),
-            "E": engine(
-                tmp, "E", {**job, "prompts": sharing, "pool": path, "extra": {"transfer": "layerwise"}}
-            ),
+            "E": engine(tmp, "E", {**job, "prompts": sharing, "pool": path, "extra": layerwise}),
         }
         with KVStore(pool) as store:
             out["stats"] = store.stats()
