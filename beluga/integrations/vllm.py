@@ -336,10 +336,11 @@ class BelugaConnector(KVConnectorBase_V1):
 
     def _collect_saves(self, tracked: _Tracked, computed_after: int, meta: BelugaMetadata) -> None:
         """Queue the blocks whose KV is complete once this step's forward has run."""
-        hashes = self._block_hashes(tracked.request)
-        done = min(computed_after // self.block_size, len(hashes), len(tracked.block_ids))
+        hashed = len(tracked.request.block_hashes) // self.kv.hash_ratio
+        done = min(computed_after // self.block_size, hashed, len(tracked.block_ids))
         if done <= tracked.saved or self.link.get() is None:
-            return
+            return  # the common decode step: no block completed
+        hashes = self._block_hashes(tracked.request)
         seen = set(meta.saves.keys)
         for i in range(tracked.saved, done):
             key = self.kv.key(hashes[i])
