@@ -53,6 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--per-prefix", type=int, default=3, help="requests per prefix")
     v.add_argument("--prefix-tokens", type=int, default=1024, help="tokens per shared prefix")
     v.add_argument("--suffix-tokens", type=int, default=64, help="tokens after the prefix")
+    v.add_argument(
+        "--server-spin",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="metadata server busy-polls this long after a request (default 0: it shares "
+        "the engines' cores; 0.5 when it has a core of its own)",
+    )
     v.set_defaults(handler=run_vllm)
 
 
@@ -109,6 +117,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         per_prefix=args.per_prefix,
         prefix_tokens=args.prefix_tokens,
         suffix_tokens=args.suffix_tokens,
+        idle_after_s=args.server_spin,
     )
     status = report(args, "vllm", result, vllm_bench.COLUMNS)
     if not args.json:
