@@ -1,13 +1,15 @@
-"""``beluga bench memops`` (and, as they land, rpc, store, e2e)."""
+"""``beluga bench memops|rpc|store`` (and, as it lands, e2e)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import uuid
 
 from beluga.bench import memops
 from beluga.bench import rpc as rpc_bench
+from beluga.bench import store as store_bench
 from beluga.bench.stats import format_table, machine, parse_size, write_json
 from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
 from beluga.pool import Geometry, Pool
@@ -41,6 +43,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--iterations", type=int, default=20000, help="round trips timed per transport")
     r.add_argument("--duration", type=float, default=0.5, help="seconds per throughput point")
     r.set_defaults(handler=run_rpc)
+
+    s = cmds.add_parser(
+        "store", help="KV store operations beside memcpy, and Mooncake Store with --baseline"
+    )
+    add_pool_args(s)
+    add_json_arg(s)
+    s.add_argument("--sizes", default="16K,256K,2M", help="comma-separated value sizes")
+    s.add_argument(
+        "--budget",
+        type=parse_size,
+        default=parse_size("64M"),
+        help="bytes to move per operation and size (sets the repetitions, at least 100)",
+    )
+    s.add_argument(
+        "--quick", action="store_true", help="smoke size: a few repetitions per point (tests)"
+    )
+    s.add_argument(
+        "--baseline",
+        choices=["mooncake"],
+        help="also run a private Mooncake Store on loopback and print both side by side",
+    )
+    s.set_defaults(handler=run_store)
 
 
 def scratch_pool(args: argparse.Namespace, size: int) -> tuple[Pool, bool]:
@@ -86,3 +110,24 @@ def run_rpc(args: argparse.Namespace) -> int:
         if scratch:
             Pool.destroy(pool.spec)
     return report(args, "rpc", result, rpc_bench.COLUMNS)
+
+
+def run_store(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    budget, least = (1 << 20, 10) if args.quick else (args.budget, 100)
+    pool, scratch = scratch_pool(args, store_bench.pool_bytes(sizes))
+    try:
+        result = store_bench.run(pool, sizes, budget, least, args.baseline, probe=not scratch)
+    finally:
+        pool.close()
+        if scratch:
+            Pool.destroy(pool.spec)
+    baseline = result["baseline"] or {}
+    if "unavailable" in baseline:
+        print(
+            f"beluga bench store: {baseline['unavailable']}; measured Beluga alone", file=sys.stderr
+        )
+    report(args, "store", result, store_bench.columns("version" in baseline))
+    if args.json != "-":
+        print(store_bench.format_targets(result["targets"]))
+    return 0
