@@ -232,7 +232,10 @@ class Runner:
         values = [v.tobytes() for v in self.buffers.batch_values()]
         targets = self.buffers.batch_targets
         iterations = self.plan.iterations(total)
-        record = lambda op, samples: self._record(op, BATCH_LABEL, samples, total, BATCH)  # noqa: E731
+
+        def record(op: str, samples: list[int]) -> None:
+            self._record(op, BATCH_LABEL, samples, total, BATCH)
+
         record("put_batch", self._fresh(lambda k: store.put_batch(k, values), BATCH, total))
         keys = [next(self._names) for _ in range(BATCH)]
         store.put_batch(keys, values)
