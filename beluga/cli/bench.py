@@ -1,13 +1,15 @@
-"""``beluga bench memops``, ``rpc``, ``e2e`` and ``vllm`` (and, as it lands, store)."""
+"""``beluga bench memops|rpc|store|e2e|vllm``."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import uuid
 
 from beluga.bench import memops
 from beluga.bench import rpc as rpc_bench
+from beluga.bench import store as store_bench
 from beluga.bench import vllm as vllm_bench
 from beluga.bench.stats import format_table, machine, parse_size, write_json
 from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
@@ -76,6 +78,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the engines' cores; 0.5 when it has a core of its own)",
     )
     v.set_defaults(handler=run_vllm)
+    s = cmds.add_parser(
+        "store", help="KV store operations beside memcpy, and Mooncake Store with --baseline"
+    )
+    add_pool_args(s)
+    add_json_arg(s)
+    s.add_argument("--sizes", default="16K,256K,2M", help="comma-separated value sizes")
+    s.add_argument(
+        "--budget",
+        type=parse_size,
+        default=parse_size("64M"),
+        help="bytes to move per operation and size (sets the repetitions, at least 100)",
+    )
+    s.add_argument(
+        "--quick", action="store_true", help="smoke size: a few repetitions per point (tests)"
+    )
+    s.add_argument(
+        "--baseline",
+        choices=["mooncake"],
+        help="also run a private Mooncake Store on loopback and print both side by side",
+    )
+    s.set_defaults(handler=run_store)
 
 
 def scratch_pool(args: argparse.Namespace, size: int) -> tuple[Pool, bool]:
@@ -158,3 +181,24 @@ def run_vllm(args: argparse.Namespace) -> int:
             "with Beluga is loading KV from the pool"
         )
     return status
+
+
+def run_store(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    budget, least = (1 << 20, 10) if args.quick else (args.budget, 100)
+    pool, scratch = scratch_pool(args, store_bench.pool_bytes(sizes))
+    try:
+        result = store_bench.run(pool, sizes, budget, least, args.baseline, probe=not scratch)
+    finally:
+        pool.close()
+        if scratch:
+            Pool.destroy(pool.spec)
+    baseline = result["baseline"] or {}
+    if "unavailable" in baseline:
+        print(
+            f"beluga bench store: {baseline['unavailable']}; measured Beluga alone", file=sys.stderr
+        )
+    report(args, "store", result, store_bench.columns("version" in baseline))
+    if args.json != "-":
+        print(store_bench.format_targets(result["targets"]))
+    return 0

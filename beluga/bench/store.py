@@ -1,0 +1,377 @@
+"""``beluga bench store``: the KV store's operations, beside memcpy and Mooncake Store.
+
+Every operation is timed per call from Python (p50/p99; throughput at the p50):
+
+put, get               a bytes value in, a bytes value out
+put_from, get_into     the zero-copy forms, on the caller's buffer
+put_batch, get_batch,  64 values of 16 KiB in one call (also per item)
+batch_get_into
+is_exist               one stored key
+
+memcpy (numpy ``copyto`` between two local buffers) of the same sizes runs in
+the same process as the floor: the store cannot move bytes faster than that.
+
+Beluga's metadata server runs in a child process, as ``beluga serve`` would,
+and is stopped before Mooncake starts, so the systems never compete for the
+CPUs.  With ``baseline="mooncake"`` a private Mooncake Store (see
+:mod:`beluga.bench.mooncake`) runs the same operations; its zero-copy forms
+work on one region registered once, as an engine registers its KV cache.
+
+Every timed put writes fresh keys: Mooncake keys are write-once, and a Beluga
+overwrite would also pay for retiring the old version.  What a round of puts
+stored is removed, untimed, before the next round, so neither store evicts
+while it is being measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from beluga.bench.mooncake import MooncakeBaseline
+from beluga.bench.rpc import server_process
+from beluga.bench.stats import human_bytes, iterations_for, summarize, time_calls
+from beluga.errors import BackendUnavailableError, BelugaError, RpcError
+from beluga.kv import KVStore, serve
+from beluga.pool import Pool
+
+KiB = 1 << 10
+MiB = 1 << 20
+DEFAULT_SIZES = [16 * KiB, 256 * KiB, 2 * MiB]
+BATCH = 64
+BATCH_VALUE = 16 * KiB
+BATCH_LABEL = f"{BATCH}x{human_bytes(BATCH_VALUE)}"
+#: Pool bytes a round of timed puts may fill before its keys are removed.
+ROUND_BYTES = 32 * MiB
+#: Seconds to wait for a server already running on a named pool.
+PROBE_S = 1.0
+SINGLE_OPS = ("put", "get", "put_from", "get_into")
+BATCH_OPS = ("put_batch", "get_batch", "batch_get_into")
+METRICS = ("p50_us", "p99_us", "gbps_at_p50", "per_item_us")
+#: (name, the figure it reads, what it means, goal): each must reach at least its goal.
+TARGETS = (
+    (
+        "get_2MiB_of_memcpy",
+        "store.beluga.get.2MiB.of_memcpy",
+        "2 MiB get throughput as a fraction of memcpy's",
+        0.5,
+    ),
+    (
+        "get_16KiB_vs_mooncake",
+        "store.vs_mooncake.get.16KiB",
+        "16 KiB get p50, times lower than Mooncake's",
+        20.0,
+    ),
+)
+
+
+class Store(Protocol):
+    """The operations both systems offer under the same names (KVStore, MooncakeClient)."""
+
+    def put(self, key: str, value: Any, /) -> None: ...
+    def get(self, key: str, /) -> bytes | None: ...
+    def put_from(self, key: str, value: Any, /) -> None: ...
+    def get_into(self, key: str, buffer: Any, /) -> int: ...
+    def put_batch(self, keys: Sequence[str], values: Sequence[Any], /) -> None: ...
+    def get_batch(self, keys: Sequence[str], /) -> Sequence[bytes | None]: ...
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any], /) -> Sequence[Any]: ...
+    def is_exist(self, key: str, /) -> bool: ...
+    def remove(self, key: str, /) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """Caller memory for every operation, inside one region (Mooncake registers it once)."""
+
+    region: np.ndarray
+    source: np.ndarray  # random bytes; every value is a prefix or a slice of it
+    target: np.ndarray
+    batch_targets: list[np.ndarray]
+
+    @classmethod
+    def make(cls, largest: int) -> Buffers:
+        span = max(largest, BATCH * BATCH_VALUE)
+        region = np.empty(3 * span, dtype=np.uint8)  # source | target | batch targets
+        region[:span] = np.random.default_rng(0).integers(0, 256, span, dtype=np.uint8)
+        return cls(
+            region,
+            region[:span],
+            region[span : 2 * span],
+            [region[2 * span + i * BATCH_VALUE :][:BATCH_VALUE] for i in range(BATCH)],
+        )
+
+    def batch_values(self) -> list[np.ndarray]:
+        return [self.source[i * BATCH_VALUE :][:BATCH_VALUE] for i in range(BATCH)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many calls each point gets: enough to move ``budget`` bytes, at least ``least``."""
+
+    sizes: list[int]
+    budget: int
+    least: int
+    block_size: int  # the pool's; a round of puts is sized by the blocks it fills
+
+    def iterations(self, nbytes: int) -> int:
+        return iterations_for(nbytes, self.budget, lo=self.least)
+
+    def footprint(self, nbytes: int) -> int:
+        return -(-nbytes // self.block_size) * self.block_size
+
+
+def pool_bytes(sizes: Sequence[int], block_size: int = 64 * KiB) -> int:
+    """A scratch pool that holds a round of puts and the stored values twice over."""
+    plan = Plan(list(sizes), 0, 0, block_size)
+    stored = sum(plan.footprint(n) for n in sizes) + BATCH * plan.footprint(BATCH_VALUE)
+    return max(64 * MiB, -(-2 * (ROUND_BYTES + stored) // (2 * MiB)) * 2 * MiB)
+
+
+def serve_in_child(spec: str, ready: Any) -> None:
+    """``beluga serve`` in a child process; its banner would corrupt a JSON document on stdout."""
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        serve(spec, coherence="native", ready=ready)
+
+
+@contextlib.contextmanager
+def beluga_store(pool: Pool, probe: bool) -> Iterator[tuple[KVStore, str]]:
+    """A KVStore, and where its server runs: the pool's own, or a child started for the run.
+
+    ``probe`` looks for a server already serving the pool first: a second server
+    on the same rings would answer requests twice.
+    """
+    running = None
+    if probe:
+        with contextlib.suppress(RpcError):
+            running = KVStore(pool, connect_timeout=PROBE_S)
+    if running is not None:
+        with running:
+            yield running, "already running"
+        return
+    with server_process(serve_in_child, pool.spec), KVStore(pool) as store:
+        yield store, "child process"
+
+
+def _check(ok: bool, system: str, what: str) -> None:
+    if not ok:
+        raise BelugaError(
+            f"{system} {what}: the benchmark measured something other than a working store; "
+            "run the store's tests (pytest tests) before trusting any figure"
+        )
+
+
+class Runner:
+    """Times every operation of one system; results keyed by (operation, size label)."""
+
+    def __init__(self, system: str, store: Store, buffers: Buffers, plan: Plan) -> None:
+        self.system = system
+        self.store = store
+        self.buffers = buffers
+        self.plan = plan
+        self.prefix = f"beluga-bench-{uuid.uuid4().hex[:12]}"
+        self._names = (f"{self.prefix}-{i}" for i in itertools.count())
+        self.results: dict[tuple[str, str], dict[str, float]] = {}
+
+    def run(self) -> dict[tuple[str, str], dict[str, float]]:
+        for n in self.plan.sizes:
+            self._single(n)
+        self._batch()
+        return self.results
+
+    def _fresh(self, write: Callable[[list[str]], object], keys: int, nbytes: int) -> list[int]:
+        """Time ``write(fresh keys)``; each round's keys are removed, untimed, after it."""
+        iterations = self.plan.iterations(nbytes)
+        per_round = max(1, ROUND_BYTES // (keys * self.plan.footprint(nbytes // keys)))
+        samples: list[int] = []
+        warmup = min(10, per_round)
+        while len(samples) < iterations:
+            calls = min(per_round, iterations - len(samples))
+            batches = [[next(self._names) for _ in range(keys)] for _ in range(calls + warmup)]
+            pending = iter(batches)
+            samples += time_calls(lambda it=pending: write(next(it)), calls, warmup)
+            for batch in batches:
+                for key in batch:
+                    self.store.remove(key)
+            warmup = 0
+        return samples
+
+    def _record(self, op: str, label: str, samples: list[int], nbytes: int, items: int) -> None:
+        s = summarize(samples, nbytes)
+        if items > 1:
+            s["per_item_us"] = s["p50_us"] / items
+        self.results[(op, label)] = s
+
+    def _single(self, n: int) -> None:
+        store, label, iterations = self.store, human_bytes(n), self.plan.iterations(n)
+        src, dst = self.buffers.source[:n], self.buffers.target[:n]
+        value = src.tobytes()
+        key = next(self._names)
+        self._record("put", label, self._fresh(lambda k: store.put(k[0], value), 1, n), n, 1)
+        store.put_from(key, src)
+        _check(store.get(key) == value, self.system, f"get of {label} returned other bytes")
+        self._record("get", label, time_calls(lambda: store.get(key), iterations), n, 1)
+        self._record(
+            "put_from", label, self._fresh(lambda k: store.put_from(k[0], src), 1, n), n, 1
+        )
+        dst[:] = 0
+        self._record(
+            "get_into", label, time_calls(lambda: store.get_into(key, dst), iterations), n, 1
+        )
+        _check(np.array_equal(dst, src), self.system, f"get_into of {label} wrote other bytes")
+        store.remove(key)
+
+    def _batch(self) -> None:
+        store, total = self.store, BATCH * BATCH_VALUE
+        values = [v.tobytes() for v in self.buffers.batch_values()]
+        targets = self.buffers.batch_targets
+        iterations = self.plan.iterations(total)
+
+        def record(op: str, samples: list[int]) -> None:
+            self._record(op, BATCH_LABEL, samples, total, BATCH)
+
+        record("put_batch", self._fresh(lambda k: store.put_batch(k, values), BATCH, total))
+        keys = [next(self._names) for _ in range(BATCH)]
+        store.put_batch(keys, values)
+        _check(store.get_batch(keys) == values, self.system, "get_batch returned other bytes")
+        record("get_batch", time_calls(lambda: store.get_batch(keys), iterations))
+        for t in targets:
+            t[:] = 0
+        record(
+            "batch_get_into", time_calls(lambda: store.batch_get_into(keys, targets), iterations)
+        )
+        _check(
+            [t.tobytes() for t in targets] == values,
+            self.system,
+            "batch_get_into wrote other bytes",
+        )
+        _check(store.is_exist(keys[0]), self.system, "is_exist missed a stored key")
+        self._record(
+            "is_exist",
+            "",
+            time_calls(lambda: store.is_exist(keys[0]), self.plan.iterations(BATCH_VALUE)),
+            0,
+            1,
+        )
+        for key in keys:
+            store.remove(key)
+
+
+def memcpy_floor(plan: Plan, buffers: Buffers) -> dict[str, dict[str, float]]:
+    """numpy copyto between two local buffers: what no store can beat."""
+    out = {}
+    for n in plan.sizes:
+        src, dst = buffers.source[:n], buffers.target[:n]
+        out[human_bytes(n)] = summarize(
+            time_calls(lambda s=src, d=dst: np.copyto(d, s), plan.iterations(n)), n
+        )
+    return out
+
+
+def run(
+    pool: Pool,
+    sizes: Sequence[int] | None = None,
+    budget: int = 64 * MiB,
+    least: int = 100,
+    baseline: str | None = None,
+    probe: bool = False,
+) -> dict[str, Any]:
+    """Measure Beluga (and a baseline); returns rows, named figures and targets.
+
+    ``probe``: the pool may already have a server (a pool named by the user); use it.
+    """
+    if baseline not in (None, "mooncake"):
+        raise ValueError(f"unknown baseline {baseline!r}; the one baseline is 'mooncake'")
+    sb = pool.superblock
+    plan = Plan(sorted(sizes or DEFAULT_SIZES), budget, least, sb.block_size)
+    need = pool_bytes(plan.sizes, sb.block_size) // 2
+    if sb.nblocks * sb.block_size < need:
+        raise ValueError(
+            f"the pool's data area holds {sb.nblocks * sb.block_size} bytes but the benchmark "
+            f"needs {need}; use a bigger pool, or omit --pool for a scratch pool"
+        )
+    buffers = Buffers.make(max(plan.sizes))
+    with beluga_store(pool, probe) as (kv, where):
+        beluga = Runner("Beluga", kv, buffers, plan).run()
+    floor = memcpy_floor(plan, buffers)
+    doc: dict[str, Any] = {"server": where, "baseline": None}
+    mooncake = None
+    if baseline == "mooncake":
+        try:
+            with MooncakeBaseline() as mc:
+                mc.client.register_buffer(buffers.region)
+                mooncake = Runner("Mooncake", mc.client, buffers, plan).run()
+                doc["baseline"] = {"system": "mooncake", "version": mc.install.version}
+        except BackendUnavailableError as exc:
+            doc["baseline"] = {"system": "mooncake", "unavailable": str(exc)}
+    return {**doc, **_tabulate(beluga, floor, mooncake)}
+
+
+def _tabulate(
+    beluga: dict[tuple[str, str], dict[str, float]],
+    floor: dict[str, dict[str, float]],
+    mooncake: dict[tuple[str, str], dict[str, float]] | None,
+) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    figures: dict[str, float] = {}
+    for label, s in floor.items():
+        rows.append({"op": "memcpy", "size": label, **s})
+        figures.update({f"store.memcpy.{label}.{m}": s[m] for m in METRICS if m in s})
+    for (op, label), s in beluga.items():
+        name = f"{op}.{label}" if label else op
+        row: dict[str, Any] = {"op": op, "size": label, **s}
+        figures.update({f"store.beluga.{name}.{m}": s[m] for m in METRICS if m in s})
+        if op in SINGLE_OPS:
+            row["of_memcpy"] = floor[label]["p50_us"] / s["p50_us"]
+            figures[f"store.beluga.{name}.of_memcpy"] = row["of_memcpy"]
+        if mooncake is not None:
+            m = mooncake[(op, label)]
+            row.update({f"mc_{k}": v for k, v in m.items()})
+            row["vs_mooncake"] = m["p50_us"] / s["p50_us"]
+            figures.update({f"store.mooncake.{name}.{k}": m[k] for k in METRICS if k in m})
+            figures[f"store.vs_mooncake.{name}"] = row["vs_mooncake"]
+        rows.append(row)
+    targets = []
+    for name, source, what, goal in TARGETS:
+        if source in figures:
+            value = figures[f"store.target.{name}"] = figures[source]
+            targets.append(
+                {"name": name, "what": what, "goal": goal, "value": value, "met": value >= goal}
+            )
+    return {"rows": rows, "figures": figures, "targets": targets}
+
+
+def format_targets(targets: list[dict[str, Any]]) -> str:
+    return "\n".join(
+        f"target: {t['what']}: {t['value']:.2f} (goal >= {t['goal']:g}): "
+        + ("met" if t["met"] else "MISSED")
+        for t in targets
+    )
+
+
+def columns(with_mooncake: bool) -> list[tuple[str, str]]:
+    base = [
+        ("op", "op"),
+        ("size", "size"),
+        ("p50_us", "p50 µs"),
+        ("p99_us", "p99 µs"),
+        ("gbps_at_p50", "GB/s@p50"),
+        ("per_item_us", "µs/item"),
+        ("of_memcpy", "of memcpy"),
+    ]
+    if not with_mooncake:
+        return base
+    return [
+        *base,
+        ("mc_p50_us", "Mooncake p50 µs"),
+        ("mc_p99_us", "Mooncake p99 µs"),
+        ("mc_gbps_at_p50", "Mooncake GB/s"),
+        ("mc_per_item_us", "Mooncake µs/item"),
+        ("vs_mooncake", "Mooncake/Beluga p50"),
+    ]
