@@ -25,6 +25,8 @@
 
 #include "beluga_native.h"
 
+#define READ_CHUNK 8192u
+
 /* Compute and store the header's own checksum (over bytes 0..59). */
 void bl_header_seal(bl_header *h)
 {
@@ -141,8 +143,14 @@ int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
         return BL_TOO_SMALL;
     m->ops->invalidate(m, payload_off, h.length);
     m->ops->mfence(m);
-    m->ops->load(m, payload_off, out, h.length);
-    if (~bl_crc32c(~0u, out, h.length) != h.payload_crc)
+    /* copy and checksum a chunk at a time, so the CRC reads what is still in L1 */
+    uint32_t crc = ~0u;
+    for (size_t done = 0; done < h.length; done += READ_CHUNK) {
+        size_t k = h.length - done < READ_CHUNK ? h.length - done : READ_CHUNK;
+        m->ops->load(m, payload_off + done, (uint8_t *)out + done, k);
+        crc = bl_crc32c(crc, (uint8_t *)out + done, k);
+    }
+    if (~crc != h.payload_crc)
         return BL_MISS_CHECKSUM;
     bl_get_header(m, hdr_off, &again);
     if (memcmp(&h, &again, sizeof(h)))

@@ -402,6 +402,39 @@ static PyObject *Memory_check_header(MemoryObject *self, PyObject *args)
     return PyLong_FromLongLong(r);
 }
 
+/* read_bytes(hdr_off, payload_off, block_cap, digest, version) -> bytes, or a Miss code */
+static PyObject *Memory_read_bytes(MemoryObject *self, PyObject *args)
+{
+    unsigned long long hdr_off, payload_off, block_cap, version;
+    Py_buffer digest;
+    PyObject *out = NULL;
+    if (!PyArg_ParseTuple(args, "KKKy*K", &hdr_off, &payload_off, &block_cap, &digest, &version))
+        return NULL;
+    if (block_ok(self, hdr_off, payload_off, &digest)) {
+        bl_header h;
+        int64_t r = bl_check_header(&self->mem, hdr_off, payload_off, digest.buf, version,
+                                    block_cap, &h);
+        if (r >= 0)
+            out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)r);
+        if (out) { /* the value, read exactly once, into the object returned */
+            atomic_fetch_add(&self->busy, 1);
+            int nogil = (size_t)r >= NOGIL_BYTES;
+            PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+            r = bl_read_validated(&self->mem, hdr_off, payload_off, digest.buf, version, block_cap,
+                                  PyBytes_AS_STRING(out), (size_t)r, &h);
+            if (nogil)
+                PyEval_RestoreThread(ts);
+            atomic_fetch_sub(&self->busy, 1);
+            if (r < 0 || r != PyBytes_GET_SIZE(out))
+                Py_CLEAR(out); /* changed under us: a miss */
+        }
+        if (!out && !PyErr_Occurred())
+            out = PyLong_FromLongLong(r < 0 ? r : BL_MISS_CHANGED);
+    }
+    PyBuffer_Release(&digest);
+    return out;
+}
+
 /* read_validated(hdr_off, payload_off, block_cap, digest, version, out) -> int */
 static PyObject *Memory_read_validated(MemoryObject *self, PyObject *args)
 {
@@ -625,6 +658,8 @@ static PyMethodDef Memory_methods[] = {
      "seal(hdr_off, payload_off, digest, version, length, key_len=0, writer=0, stamp=0)"},
     {"check_header", (PyCFunction)Memory_check_header, METH_VARARGS,
      "check_header(hdr_off, payload_off, block_cap, digest, version) -> int"},
+    {"read_bytes", (PyCFunction)Memory_read_bytes, METH_VARARGS,
+     "read_bytes(hdr_off, payload_off, block_cap, digest, version) -> bytes | int"},
     {"read_validated", (PyCFunction)Memory_read_validated, METH_VARARGS,
      "read_validated(hdr_off, payload_off, block_cap, digest, version, out) -> int"},
     {"gather_write", (PyCFunction)Memory_gather_write, METH_VARARGS,

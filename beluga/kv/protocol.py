@@ -35,6 +35,7 @@ _COMMIT_REQ = struct.Struct("<16sIQ")  # digest, block, version
 _FLAG = struct.Struct("<B")
 _LOOKUP_REQ = struct.Struct("<B")  # flags, then digests
 _LOCATION = struct.Struct("<IQQ")  # block, version, length
+_DIGEST = struct.Struct("<16s")
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,12 @@ def decode_flags(data: bytes) -> list[bool]:
 
 
 def encode_digests(digests: list[bytes], flags: int = 0) -> bytes:
-    return _LOOKUP_REQ.pack(flags) + _records(struct.Struct("<16s"), [(d,) for d in digests])
+    return _LOOKUP_REQ.pack(flags) + _COUNT.pack(len(digests)) + b"".join(digests)
 
 
 def decode_digests(data: bytes) -> tuple[int, list[bytes]]:
     (flags,) = _LOOKUP_REQ.unpack_from(data)
-    return flags, [d for (d,) in _unrecords(struct.Struct("<16s"), data, _LOOKUP_REQ.size)]
+    return flags, [d for (d,) in _unrecords(_DIGEST, data, _LOOKUP_REQ.size)]
 
 
 def encode_locations(locations: list[Location | None]) -> bytes:

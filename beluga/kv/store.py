@@ -172,36 +172,42 @@ class KVStore:
                 p.StoreOp.ABORT, p.encode_commit([(r.digest, r.block, r.version) for r in refs[s]])
             )
 
-    def _read(self, d: bytes, loc: p.Location, out: memoryview) -> int:
-        return self.mem.read_validated(
-            self.sb.block_header_offset(loc.block),
-            self.sb.block_payload_offset(loc.block),
-            self._extent_bytes(loc.length),
-            d,
-            loc.version,
-            out,
-        )
-
-    def _read_retrying(
+    def _read_one(
         self, d: bytes, loc: p.Location | None, out: memoryview | None
-    ) -> tuple[int, bytearray | None]:
-        """Read one value (into ``out``, or a new buffer); (length or -1, buffer)."""
+    ) -> bytes | int | None:
+        """One value: new bytes (no ``out``) or its length (into ``out``); None / -1 on a miss.
+
+        A read that lost a race (the key was replaced or evicted since the
+        lookup) is retried once with a fresh lookup.
+        """
+        miss = None if out is None else -1
         for attempt in range(2):
             if loc is None:
-                return -1, None
-            buf = out if out is not None else bytearray(loc.length)
-            if len(buf) < loc.length:
-                raise ValueError(
-                    f"the buffer holds {len(buf)} bytes but the value is "
-                    f"{loc.length} bytes; pass a buffer of at least that size"
-                )
-            n = self._read(d, loc, memoryview(buf))
-            if n >= 0:
-                return n, buf if out is None else None
-            if attempt or n not in _RACES:
+                return miss
+            where = (
+                self.sb.block_header_offset(loc.block),
+                self.sb.block_payload_offset(loc.block),
+                self._extent_bytes(loc.length),
+                d,
+                loc.version,
+            )
+            if out is None:
+                r = self.mem.read_bytes(*where)
+                if not isinstance(r, int):
+                    return r
+            else:
+                if len(out) < loc.length:
+                    raise ValueError(
+                        f"the buffer holds {len(out)} bytes but the value is "
+                        f"{loc.length} bytes; pass a buffer of at least that size"
+                    )
+                r = self.mem.read_validated(*where, out)
+                if r >= 0:
+                    return r
+            if attempt or r not in _RACES:
                 break
             (loc,) = self._lookup([d], p.LOOKUP_LEASE)
-        return -1, None
+        return miss
 
     # -- writes --------------------------------------------------------------
 
@@ -306,11 +312,8 @@ class KVStore:
     def get_batch(self, keys: Sequence[Key]) -> list[bytes | None]:
         """Values of many keys (None for a miss); one LOOKUP RPC per batch."""
         digests = [digest(key_bytes(k)) for k in keys]
-        out: list[bytes | None] = []
-        for d, loc in zip(digests, self._lookup(digests, p.LOOKUP_LEASE), strict=True):
-            n, buf = self._read_retrying(d, loc, None)
-            out.append(bytes(buf[:n]) if buf is not None and n >= 0 else None)
-        return out
+        locs = self._lookup(digests, p.LOOKUP_LEASE)
+        return [self._read_one(d, loc, None) for d, loc in zip(digests, locs, strict=True)]
 
     def get(self, key: Key) -> bytes | None:
         return self.get_batch([key])[0]
@@ -322,10 +325,7 @@ class KVStore:
         views = [as_buffer(b, writable=True) for b in buffers]
         digests = [digest(key_bytes(k)) for k in keys]
         locs = self._lookup(digests, p.LOOKUP_LEASE)
-        return [
-            self._read_retrying(d, loc, v)[0]
-            for d, loc, v in zip(digests, locs, views, strict=True)
-        ]
+        return [self._read_one(d, loc, v) for d, loc, v in zip(digests, locs, views, strict=True)]
 
     def get_into(self, key: Key, buffer: Any) -> int:
         return self.batch_get_into([key], [buffer])[0]

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from beluga._native import _core
 from beluga.coherence import LINE, read_line, write_line
@@ -45,8 +45,9 @@ from beluga.rpc.protocol import (
 )
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
+    """One request of a polled batch, as handlers see it."""
+
     host_id: int
     op: int
     payload: bytes
@@ -114,6 +115,7 @@ class RpcServer:
         self.entry = pool.claim_host(host_id)
         self.start_ms = process_start_ms(os.getpid()) or 0
         self.active: dict[int, RingControl] = {}
+        self.limits: dict[int, int] = {}  # largest response per ring
         self.rings = _core.RingServer(
             self.mem, self.sb.rpc.offset, self.sb.rpc_bytes_per_host, self.sb.max_hosts
         )
@@ -169,6 +171,7 @@ class RpcServer:
                 assert ctl is not None
                 self.rings.set_ring(h, ctl.gen, ctl.depth, self._recover_head(h, ctl))
                 self.active[h] = ctl
+                self.limits[h] = buf_size(self.sb, ctl.depth)
             elif not live and current is not None:
                 self.rings.clear_ring(h)
                 del self.active[h]
@@ -212,10 +215,10 @@ class RpcServer:
         for (ring, seq, op, _), r in zip(batch, results, strict=True):
             if isinstance(r, BaseException):
                 status = Status.UNKNOWN_OP if op not in self.handlers else _status_of(r)
-                payload = str(r).encode()[: buf_size(self.sb, self.active[ring].depth)]
+                payload = str(r).encode()[: self.limits[ring]]
             else:
                 status, payload = Status.OK, bytes(r)
-                limit = buf_size(self.sb, self.active[ring].depth)
+                limit = self.limits[ring]
                 if len(payload) > limit:
                     status = Status.FAILED
                     payload = (
