@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from beluga.bench.rpc import PAYLOAD, ring_server, server_process
+from beluga.bench.rpc import PAYLOAD, ring_server
+from beluga.child import server_process
 from beluga.pool import Pool
 from beluga.rpc import Op, RpcClient
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from beluga.bench.rpc import server_process
 from beluga.bench.store import BATCH, BATCH_VALUE, serve_in_child
+from beluga.child import server_process
 from beluga.kv import KVStore
 from beluga.pool import Pool
 

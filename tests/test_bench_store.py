@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from beluga.bench import mooncake
-from beluga.bench.rpc import server_process
 from beluga.bench.store import BATCH, BATCH_LABEL, BATCH_OPS, SINGLE_OPS, serve_in_child
+from beluga.child import server_process
 from beluga.cli import main
 from beluga.errors import BackendUnavailableError
 from beluga.kv import KVStore

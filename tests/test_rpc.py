@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from beluga.child import server_process
 from beluga.coherence import LINE, attach, read_line, write_line
 from beluga.errors import CapacityError, RpcError
 from beluga.pool import Pool
@@ -58,7 +59,7 @@ def handlers() -> dict:
     }
 
 
-def _server_main(spec: str, mode: str, ready: mp.Event, gone: mp.Queue) -> None:
+def _server_main(spec: str, mode: str, gone: mp.Queue, ready: mp.Event) -> None:
     with Pool.attach(spec, coherence=mode) as pool:
         server = RpcServer(
             pool, handlers(), refresh_s=0.02, idle_after_s=0.2, on_client_gone=gone.put
@@ -70,21 +71,13 @@ def _server_main(spec: str, mode: str, ready: mp.Event, gone: mp.Queue) -> None:
 
 
 @contextmanager
-def server_process(spec: str, mode: str = "native") -> Iterator[tuple[mp.Process, mp.Queue]]:
-    """A server in its own process; stopped with SIGTERM (a killed waiter would wedge an Event)."""
-    ready, gone = CTX.Event(), CTX.Queue()
-    proc = CTX.Process(target=_server_main, args=(spec, mode, ready, gone))
-    proc.start()
+def rpc_server(spec: str, mode: str = "native") -> Iterator[tuple[mp.Process, mp.Queue]]:
+    """A server in its own process, and the queue of the host ids it saw die."""
+    gone = CTX.Queue()
     try:
-        assert ready.wait(30), "server did not start"
-        yield proc, gone
+        with server_process(_server_main, spec, mode, gone) as proc:
+            yield proc, gone
     finally:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGTERM)
-        proc.join(15)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
         gone.close()
         gone.join_thread()
 
@@ -94,7 +87,7 @@ def add(client: RpcClient, a: int, b: int) -> int:
 
 
 def test_calls_errors_and_payload_sizes(pool: Pool) -> None:
-    with server_process(pool.spec), RpcClient(pool, depth=8) as c:
+    with rpc_server(pool.spec), RpcClient(pool, depth=8) as c:
         assert add(c, 2, 40) == 42
         assert c.call(1, b"") == b""
         big = os.urandom(c.max_payload)  # the largest request travels out of line
@@ -116,7 +109,7 @@ def test_calls_errors_and_payload_sizes(pool: Pool) -> None:
 
 
 def test_pipelined_calls_keep_order(pool: Pool) -> None:
-    with server_process(pool.spec), RpcClient(pool, depth=16) as c:
+    with rpc_server(pool.spec), RpcClient(pool, depth=16) as c:
         reqs = [(OP_ADD, struct.pack("<qq", i, i)) for i in range(100)]
         assert [struct.unpack("<q", r)[0] for r in c.call_many(reqs)] == [2 * i for i in range(100)]
 
@@ -142,7 +135,7 @@ def _client_main(spec: str, mode: str, seed: int, n: int, out: mp.Queue) -> None
 
 @pytest.mark.parametrize("mode", ["model", "native"])
 def test_three_processes_server_and_two_clients(pool: Pool, mode: str) -> None:
-    with server_process(pool.spec, mode):
+    with rpc_server(pool.spec, mode):
         out = CTX.Queue()
         clients = [
             CTX.Process(target=_client_main, args=(pool.spec, mode, s, 300, out)) for s in range(2)
@@ -164,13 +157,13 @@ def test_no_server_is_a_clear_error(pool: Pool) -> None:
 
 
 def test_server_stop_and_death_are_detected(pool: Pool) -> None:
-    with server_process(pool.spec) as (proc, _):
+    with rpc_server(pool.spec) as (proc, _):
         c = RpcClient(pool)
         assert add(c, 1, 1) == 2
     with pytest.raises(RpcError, match="stopped"):
         c.call(1, b"x", timeout=5)
     c.close()
-    with server_process(pool.spec) as (proc, _):
+    with rpc_server(pool.spec) as (proc, _):
         c = RpcClient(pool)
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
@@ -182,7 +175,7 @@ def test_server_stop_and_death_are_detected(pool: Pool) -> None:
 
 
 def test_restarted_server_serves_the_request_in_flight(pool: Pool) -> None:
-    with server_process(pool.spec) as (proc, _):
+    with rpc_server(pool.spec) as (proc, _):
         c = RpcClient(pool)
         assert add(c, 1, 2) == 3
         os.kill(proc.pid, signal.SIGKILL)
@@ -191,7 +184,7 @@ def test_restarted_server_serves_the_request_in_flight(pool: Pool) -> None:
     caller = threading.Thread(target=lambda: result.append(add(c, 20, 22)))
     caller.start()  # this request waits in the ring while no server runs
     time.sleep(0.05)
-    with server_process(pool.spec):
+    with rpc_server(pool.spec):
         caller.join(20)
         assert result == [42]
         assert add(c, 5, 5) == 10
@@ -199,7 +192,7 @@ def test_restarted_server_serves_the_request_in_flight(pool: Pool) -> None:
 
 
 def test_timeout_makes_the_client_unusable_not_hung(pool: Pool) -> None:
-    with server_process(pool.spec), RpcClient(pool) as c:
+    with rpc_server(pool.spec), RpcClient(pool) as c:
         with pytest.raises(RpcError, match=r"did not answer within 0\.2"):
             c.call(OP_SLOW, b"1.0", timeout=0.2)
         with pytest.raises(RpcError, match="unusable"):
@@ -215,7 +208,7 @@ def _doomed_client(spec: str, started: mp.Event) -> None:
 
 
 def test_a_killed_client_is_reclaimed_and_others_keep_going(pool: Pool) -> None:
-    with server_process(pool.spec) as (_, gone), RpcClient(pool) as survivor:
+    with rpc_server(pool.spec) as (_, gone), RpcClient(pool) as survivor:
         started = CTX.Event()
         doomed = CTX.Process(target=_doomed_client, args=(pool.spec, started))
         doomed.start()

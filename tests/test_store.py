@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from beluga import KVStore
+from beluga.child import server_process
 from beluga.errors import CapacityError, RpcError
 from beluga.kv import block_keys, hash_block, seed_hash, sha256
 from beluga.kv.server import serve
@@ -45,25 +46,14 @@ def pool(shm_path: str) -> Iterator[Pool]:
     Pool.destroy(shm_path)
 
 
-def _serve(spec: str, mode: str, ready: Any, options: dict) -> None:
+def _serve(spec: str, mode: str, options: dict, ready: Any) -> None:
     serve(spec, coherence=mode, ready=ready, **options)
 
 
 @contextmanager
 def server(spec: str, mode: str = "native", **options: Any) -> Iterator[mp.Process]:
-    ready = CTX.Event()
-    proc = CTX.Process(target=_serve, args=(spec, mode, ready, {"refresh_s": 0.02, **options}))
-    proc.start()
-    try:
-        assert ready.wait(30), "metadata server did not start"
+    with server_process(_serve, spec, mode, {"refresh_s": 0.02, **options}) as proc:
         yield proc
-    finally:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGTERM)
-        proc.join(15)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 def test_api_round_trips(pool: Pool) -> None:

@@ -21,11 +21,10 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from beluga.bench.stats import summarize, time_calls
+from beluga.child import server_process
 from beluga.pool import Pool
 from beluga.rpc import Op, RpcClient, RpcServer
 
@@ -59,24 +58,6 @@ def _socket_server(family: int, address: Any, ready: Any) -> None:
             buf = bytearray(MESSAGE * 256)
             while n := conn.recv_into(buf):
                 conn.sendall(memoryview(buf)[:n])
-
-
-@contextmanager
-def server_process(target: Callable[..., None], *args: Any) -> Iterator[mp.Process]:
-    ready = _CTX.Event()
-    proc = _CTX.Process(target=target, args=(*args, ready), daemon=True)
-    proc.start()
-    try:
-        if not ready.wait(30):
-            raise TimeoutError("benchmark server did not start within 30 s")
-        yield proc
-    finally:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGTERM)
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 def _recv_exactly(sock: socket.socket, buf: memoryview) -> None:

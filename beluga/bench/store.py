@@ -36,8 +36,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from beluga.bench.mooncake import MooncakeBaseline
-from beluga.bench.rpc import server_process
 from beluga.bench.stats import human_bytes, iterations_for, summarize, time_calls
+from beluga.child import server_process
 from beluga.errors import BackendUnavailableError, BelugaError, RpcError
 from beluga.kv import KVStore, serve
 from beluga.pool import Pool
