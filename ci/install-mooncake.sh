@@ -30,13 +30,17 @@ say() { echo "install-mooncake: $*"; }
 
 install_wheel() {
     local have
-    have=$("$PYTHON" -m pip show "$MOONCAKE_PACKAGE" 2>/dev/null | sed -n 's/^Version: //p')
+    # `pip show` exits 1 for a package that is not installed: not an error here
+    have=$("$PYTHON" -m pip show "$MOONCAKE_PACKAGE" 2>/dev/null | sed -n 's/^Version: //p' || true)
     if [[ "$have" == "$MOONCAKE_VERSION" ]]; then
         say "$MOONCAKE_PACKAGE $have already installed"
         return
     fi
     say "pip install $MOONCAKE_PACKAGE==$MOONCAKE_VERSION"
-    "$PYTHON" -m pip install --quiet "$MOONCAKE_PACKAGE==$MOONCAKE_VERSION"
+    "$PYTHON" -m pip install --quiet "$MOONCAKE_PACKAGE==$MOONCAKE_VERSION" || {
+        say "pip could not install $MOONCAKE_PACKAGE==$MOONCAKE_VERSION (with $PYTHON); check the network and run again" >&2
+        return 1
+    }
 }
 
 system_has_verbs() {
