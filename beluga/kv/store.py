@@ -82,7 +82,14 @@ class BlockRef:
 
 
 class KVStore:
-    """A connection to a pool's metadata server, and direct access to its blocks."""
+    """A connection to a pool's metadata server, and direct access to its blocks.
+
+    Thread-safe: threads may share one store.  Its RPC client serialises
+    calls with a lock; reads and writes of the pool itself need none (each
+    block has one writer, and reads validate).  Not fork-safe: the store is
+    one host of the pool, so a forked child opens its own (using the parent's
+    raises ``RpcError``; closing it in the child leaves the parent connected).
+    """
 
     def __init__(
         self,

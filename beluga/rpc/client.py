@@ -1,4 +1,13 @@
-"""The RPC client: a ring of slots in the pool, a heartbeat, and calls with timeouts."""
+"""The RPC client: a ring of slots in the pool, a heartbeat, and calls with timeouts.
+
+Thread-safe: one lock serialises the ring (a call is submit + complete of
+consecutive sequence numbers, and the C wait releases the GIL), so threads
+sharing a client take turns; an uncontended lock costs ~0.1 µs of a ~2 µs call.
+Not fork-safe by design: the ring and the host id belong to the process that
+connected.  A forked child that uses an inherited client gets an ``RpcError``
+that says to connect again, and its ``close()`` leaves the parent's ring and
+host id alone.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +33,18 @@ from beluga.rpc.protocol import (
 
 SLICE_S = 0.05  # how often a waiting call looks at the server's health
 
+# Bumped in every forked child: a client remembers the value it was made under,
+# so a child notices an inherited client with one integer comparison per call.
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class RpcClient:
     """One host's connection to the pool's server.  Use as a context manager."""
@@ -45,6 +66,9 @@ class RpcClient:
         self.timeout = timeout
         self.stale_s = stale_s
         self._broken: str | None = None
+        self._lock = threading.Lock()
+        self._fork_generation = _fork_generation
+        self._pid = os.getpid()
         sb = pool.superblock
         self.entry = pool.claim_host(host_id)
         self._ring_off = ring_offset(sb, self.entry.host_id)
@@ -116,7 +140,15 @@ class RpcClient:
 
     # -- calls ---------------------------------------------------------------
 
+    def _forked(self) -> bool:
+        return self._fork_generation != _fork_generation
+
     def _usable(self) -> None:
+        if self._forked():
+            raise RpcError(
+                f"this RPC client (and the KVStore over it) was opened by pid {self._pid}; "
+                "a forked child cannot share its ring: open a new KVStore in the child"
+            )
         if self._broken:
             raise RpcError(
                 f"this RPC client is unusable ({self._broken}); close it and connect again"
@@ -145,9 +177,10 @@ class RpcClient:
 
     def call(self, op: int, payload: bytes = b"", timeout: float | None = None) -> bytes:
         """One request, one response; raises the server's error for a non-OK status."""
-        self._usable()
-        r = self.ring.call(op, payload, SLICE_S)
-        status, data = r if r is not None else self._complete(1, timeout)[0]
+        with self._lock:
+            self._usable()
+            r = self.ring.call(op, payload, SLICE_S)
+            status, data = r if r is not None else self._complete(1, timeout)[0]
         if status != Status.OK:
             raise error_for(status, data, op)
         return data
@@ -156,13 +189,14 @@ class RpcClient:
         self, requests: Sequence[tuple[int, bytes]], timeout: float | None = None
     ) -> list[bytes]:
         """Pipeline many requests (up to the ring depth in flight); raises the first error."""
-        self._usable()
         out: list[tuple[int, bytes]] = []
-        depth = self.ring.depth
-        for start in range(0, len(requests), depth):
-            chunk = requests[start : start + depth]
-            self.ring.submit_many(chunk)
-            out += self._complete(len(chunk), timeout)
+        with self._lock:
+            self._usable()
+            depth = self.ring.depth
+            for start in range(0, len(requests), depth):
+                chunk = requests[start : start + depth]
+                self.ring.submit_many(chunk)
+                out += self._complete(len(chunk), timeout)
         for (op, _), (status, data) in zip(requests, out, strict=True):
             if status != Status.OK:
                 raise error_for(status, data, op)
@@ -187,12 +221,19 @@ class RpcClient:
             self.pool.hosts.release(self.entry)
 
     def close(self) -> None:
-        """Leave: stop the heartbeat, retire the ring, give the host id back."""
+        """Leave: stop the heartbeat, retire the ring, give the host id back.
+
+        In a forked child this only lets go of the child's copy: the ring and
+        the host id are the parent's.
+        """
         if getattr(self, "_stop", None) is None or self._stop.is_set():
             return
         self._stop.set()
+        if self._forked():
+            return
         self._beat.join(5)
-        self._retire()
+        with self._lock:
+            self._retire()
 
     def __enter__(self) -> RpcClient:
         return self
