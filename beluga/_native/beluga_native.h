@@ -114,8 +114,26 @@ typedef struct {
     bl_mem mem;
     Py_buffer view;
     int has_view;
-    atomic_int busy;
+    atomic_int busy;    /* sections running over the mapping (bl_section_enter) */
+    atomic_int closing; /* release() calls waiting for those sections to end */
 } MemoryObject;
+
+/*
+ * A section: code that touches the mapping and may run without the GIL.
+ * Enter counts it busy *then* checks the Memory is attached and not closing,
+ * so release() (which marks closing, then waits for busy to drain) can never
+ * unmap under it.  Long loops poll bl_section_closing() and end early.
+ */
+typedef struct {
+    MemoryObject *mem;
+    PyThreadState *ts; /* non-NULL while the GIL is dropped */
+} bl_section;
+
+int bl_section_enter(bl_section *s, MemoryObject *mem, int drop_gil, PyObject *cls,
+                     const char *why);
+void bl_section_gil(bl_section *s, int drop);
+void bl_section_leave(bl_section *s);
+int bl_section_closing(const bl_section *s);
 
 extern PyTypeObject BlMemoryType;
 PyObject *bl_fail(PyObject *cls, const char *fmt, ...);

@@ -5,9 +5,20 @@
  * table picked for it at construction: "native" or "model".  Every offset
  * and length is checked against the mapping before anything is touched, so
  * misuse from Python raises (the error class is registered by the Python
- * package) instead of crashing.  Long copies run with the GIL released; a
- * busy counter keeps release() from unmapping under them.
+ * package) instead of crashing.
+ *
+ * Long copies here, and the RPC loops in rpc.c, run without the GIL inside a
+ * *section* (bl_section_enter / bl_section_leave).  A section counts itself
+ * busy before it checks that the Memory is attached and not closing;
+ * release() marks the Memory closing before it looks at the busy count (the
+ * two orders make a Dekker pair: one side always sees the other).  release()
+ * then waits, with the GIL released, up to its timeout for sections to end:
+ * copies are bounded, and RPC loops poll the closing mark and return at once.
+ * If sections are still running at the timeout, release() raises and leaves
+ * the mapping attached, so a caller never unmaps memory a loop still reads.
  */
+#include <sched.h>
+#include <time.h>
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -16,6 +27,7 @@
 /* beluga.errors.CoherenceError and RpcError, once the package registers them */
 PyObject *bl_coherence_error, *bl_rpc_error;
 #define NOGIL_BYTES (256u * 1024u)
+#define RELEASE_WAIT_S 2.0 /* default wait of release() for running sections */
 
 /* Raise cls (ValueError until the package registers its classes); returns NULL. */
 PyObject *bl_fail(PyObject *cls, const char *fmt, ...)
@@ -50,6 +62,64 @@ static int in_range(MemoryObject *self, unsigned long long off, unsigned long lo
     if (off > self->mem.size || n > self->mem.size - off) {
         fail("range [%llu, +%llu) is outside the %zu-byte mapping", off, n, self->mem.size);
         return 0;
+    }
+    return 1;
+}
+
+/* Enter a section over mem (drop the GIL if asked); -1 with cls raised if released or closing. */
+int bl_section_enter(bl_section *s, MemoryObject *mem, int drop_gil, PyObject *cls,
+                     const char *why)
+{
+    s->mem = mem, s->ts = NULL;
+    atomic_fetch_add(&mem->busy, 1);
+    if (!mem->has_view || atomic_load(&mem->closing)) {
+        atomic_fetch_sub(&mem->busy, 1);
+        bl_fail(cls ? cls : bl_coherence_error, "%s",
+                why ? why : "this Memory was released (or is being released); attach the pool again");
+        return -1;
+    }
+    if (drop_gil)
+        s->ts = PyEval_SaveThread();
+    return 0;
+}
+
+/* Inside a section: drop the GIL (drop=1) or take it back (drop=0); idempotent. */
+void bl_section_gil(bl_section *s, int drop)
+{
+    if (drop && !s->ts)
+        s->ts = PyEval_SaveThread();
+    else if (!drop && s->ts) {
+        PyEval_RestoreThread(s->ts);
+        s->ts = NULL;
+    }
+}
+
+/* Leave a section: take the GIL back first, then stop counting busy. */
+void bl_section_leave(bl_section *s)
+{
+    bl_section_gil(s, 0);
+    atomic_fetch_sub(&s->mem->busy, 1);
+}
+
+/* Whether a release() is waiting for this section to end. */
+int bl_section_closing(const bl_section *s)
+{
+    return atomic_load_explicit(&s->mem->closing, memory_order_relaxed) != 0;
+}
+
+/* Wait (GIL released by the caller) until no section runs or timeout_s passes; 1 if idle. */
+static int wait_idle(MemoryObject *self, double timeout_s)
+{
+    struct timespec t0, t, nap = {0, 100000};
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; atomic_load(&self->busy); i++) {
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if ((double)(t.tv_sec - t0.tv_sec) + 1e-9 * (double)(t.tv_nsec - t0.tv_nsec) >= timeout_s)
+            return 0;
+        if (i < 16)
+            sched_yield();
+        else
+            nanosleep(&nap, NULL);
     }
     return 1;
 }
@@ -97,17 +167,40 @@ static int Memory_init(MemoryObject *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
-/* Detach: free the model cache (its unflushed lines are lost) and the view. */
-static PyObject *Memory_release(MemoryObject *self, PyObject *unused)
+/* release(timeout_s=2.0): end running sections, then detach (model cache and view). */
+static PyObject *Memory_release(MemoryObject *self, PyObject *args, PyObject *kw)
 {
-    if (atomic_load(&self->busy))
-        return fail("cannot release a Memory while another thread is copying through it");
-    if (self->has_view) {
+    static char *kwlist[] = {"timeout_s", NULL};
+    double timeout = RELEASE_WAIT_S;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|d", kwlist, &timeout))
+        return NULL;
+    if (!(timeout >= 0 && timeout <= 3600))
+        return bl_fail(PyExc_ValueError, "timeout_s must be 0..3600 s");
+    if (!self->has_view)
+        Py_RETURN_NONE;
+    atomic_fetch_add(&self->closing, 1); /* new sections are refused from here on */
+    int idle = !atomic_load(&self->busy);
+    if (!idle) {
+        Py_BEGIN_ALLOW_THREADS
+        idle = wait_idle(self, timeout);
+        Py_END_ALLOW_THREADS
+    }
+    if (!idle) {
+        int busy = atomic_load(&self->busy);
+        atomic_fetch_sub(&self->closing, 1);
+        return fail("cannot release this Memory: %d call(s) still run over it after %.1f s "
+                    "(a long copy, or an RPC loop that did not stop); stop them first "
+                    "(RpcServer.close(), RpcClient.close(), or let the copy finish), then close "
+                    "the pool again: it is still attached",
+                    busy, timeout);
+    }
+    if (self->has_view) { /* another release() may have finished meanwhile */
         bl_model_free(self->mem.model);
         self->mem.model = NULL;
         PyBuffer_Release(&self->view);
         self->has_view = 0;
     }
+    atomic_fetch_sub(&self->closing, 1);
     Py_RETURN_NONE;
 }
 
@@ -137,20 +230,16 @@ static PyObject *Memory_load(MemoryObject *self, PyObject *args)
 static void copy_io(MemoryObject *self, int write, int nt, size_t off, void *buf, size_t n)
 {
     bl_mem *m = &self->mem;
-    int nogil = n >= NOGIL_BYTES;
-    PyThreadState *ts = NULL;
-    atomic_fetch_add(&self->busy, 1);
-    if (nogil)
-        ts = PyEval_SaveThread();
+    bl_section s;
+    if (bl_section_enter(&s, self, n >= NOGIL_BYTES, NULL, NULL) < 0)
+        return;
     if (!write)
         m->ops->load(m, off, buf, n);
     else if (nt)
         m->ops->nt_store(m, off, buf, n);
     else
         m->ops->store(m, off, buf, n);
-    if (nogil)
-        PyEval_RestoreThread(ts);
-    atomic_fetch_sub(&self->busy, 1);
+    bl_section_leave(&s);
 }
 
 /* load_into(off, buffer): fill a writable buffer from the mapping. */
@@ -323,15 +412,12 @@ static PyObject *Memory_publish(MemoryObject *self, PyObject *args, PyObject *kw
     if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*Ky*|IIK", kwlist, &hdr_off, &payload_off,
                                      &digest, &version, &data, &key_len, &writer, &stamp))
         return NULL;
+    bl_section s;
     if (block_proto(self, hdr_off, payload_off, &digest, version, (unsigned long long)data.len,
-                    key_len, writer, stamp, &h)) {
-        atomic_fetch_add(&self->busy, 1);
-        int nogil = (size_t)data.len >= NOGIL_BYTES;
-        PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+                    key_len, writer, stamp, &h) &&
+        bl_section_enter(&s, self, (size_t)data.len >= NOGIL_BYTES, NULL, NULL) == 0) {
         bl_publish(&self->mem, hdr_off, payload_off, &h, data.buf, (size_t)data.len);
-        if (nogil)
-            PyEval_RestoreThread(ts);
-        atomic_fetch_sub(&self->busy, 1);
+        bl_section_leave(&s);
     }
     PyBuffer_Release(&digest);
     PyBuffer_Release(&data);
@@ -355,15 +441,13 @@ static PyObject *in_place(MemoryObject *self, PyObject *args, PyObject *kw, int 
     if (block_proto(self, hdr_off, payload_off, &digest, version, length, key_len, writer, stamp,
                     &h)) {
         bl_mem *m = &self->mem;
+        bl_section s;
         if (!sealing) {
             bl_begin_write(m, hdr_off, &h, length);
-        } else {
-            atomic_fetch_add(&self->busy, 1);
-            PyThreadState *ts = PyEval_SaveThread();
+        } else if (bl_section_enter(&s, self, 1, NULL, NULL) == 0) {
             m->ops->sfence(m); /* the payload's own stores first */
             bl_seal(m, hdr_off, &h, length, bl_payload_crc(m, payload_off, length));
-            PyEval_RestoreThread(ts);
-            atomic_fetch_sub(&self->busy, 1);
+            bl_section_leave(&s);
         }
     }
     PyBuffer_Release(&digest);
@@ -416,15 +500,13 @@ static PyObject *Memory_read_bytes(MemoryObject *self, PyObject *args)
                                     block_cap, &h);
         if (r >= 0)
             out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)r);
+        bl_section s;
+        if (out && bl_section_enter(&s, self, (size_t)r >= NOGIL_BYTES, NULL, NULL) < 0)
+            Py_CLEAR(out);
         if (out) { /* the value, read exactly once, into the object returned */
-            atomic_fetch_add(&self->busy, 1);
-            int nogil = (size_t)r >= NOGIL_BYTES;
-            PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
             r = bl_read_validated(&self->mem, hdr_off, payload_off, digest.buf, version, block_cap,
                                   PyBytes_AS_STRING(out), (size_t)r, &h);
-            if (nogil)
-                PyEval_RestoreThread(ts);
-            atomic_fetch_sub(&self->busy, 1);
+            bl_section_leave(&s);
             if (r < 0 || r != PyBytes_GET_SIZE(out))
                 Py_CLEAR(out); /* changed under us: a miss */
         }
@@ -444,16 +526,13 @@ static PyObject *Memory_read_validated(MemoryObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KKKy*Kw*", &hdr_off, &payload_off, &block_cap, &digest, &version,
                           &out))
         return NULL;
-    if (block_ok(self, hdr_off, payload_off, &digest)) {
+    bl_section s;
+    if (block_ok(self, hdr_off, payload_off, &digest) &&
+        bl_section_enter(&s, self, (size_t)out.len >= NOGIL_BYTES, NULL, NULL) == 0) {
         bl_header seen;
-        atomic_fetch_add(&self->busy, 1);
-        int nogil = (size_t)out.len >= NOGIL_BYTES;
-        PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
         r = bl_read_validated(&self->mem, hdr_off, payload_off, digest.buf, version, block_cap,
                               out.buf, (size_t)out.len, &seen);
-        if (nogil)
-            PyEval_RestoreThread(ts);
-        atomic_fetch_sub(&self->busy, 1);
+        bl_section_leave(&s);
         if (r == BL_TOO_SMALL)
             fail("the buffer holds %zd bytes but the value is %llu bytes; pass a buffer of at "
                  "least that size",
@@ -570,14 +649,11 @@ static PyObject *sg_common(MemoryObject *self, PyObject *args, int write)
     sg_job job;
     if (!PyArg_ParseTuple(args, "OO", &bufs, &table))
         return NULL;
-    if (sg_prepare(self, bufs, table, !write, &job) == 0) {
-        atomic_fetch_add(&self->busy, 1);
-        int nogil = job.total >= NOGIL_BYTES || job.nrows >= 256;
-        PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+    bl_section s;
+    if (sg_prepare(self, bufs, table, !write, &job) == 0 &&
+        bl_section_enter(&s, self, job.total >= NOGIL_BYTES || job.nrows >= 256, NULL, NULL) == 0) {
         sg_run(&self->mem, &job, write);
-        if (nogil)
-            PyEval_RestoreThread(ts);
-        atomic_fetch_sub(&self->busy, 1);
+        bl_section_leave(&s);
     }
     sg_release(&job);
     if (PyErr_Occurred())
@@ -632,6 +708,12 @@ static PyObject *Memory_get_size(MemoryObject *self, void *c)
     return PyLong_FromSize_t(self->has_view ? self->mem.size : 0);
 }
 
+/* busy: sections running over the mapping now (copies without the GIL, RPC loops). */
+static PyObject *Memory_get_busy(MemoryObject *self, void *c)
+{
+    return PyLong_FromLong(atomic_load(&self->busy));
+}
+
 /* released: whether release() ran. */
 static PyObject *Memory_get_released(MemoryObject *self, void *c)
 {
@@ -668,7 +750,8 @@ static PyMethodDef Memory_methods[] = {
      "scatter_read(buffers, table) -> bytes moved"},
     {"discard", (PyCFunction)Memory_discard, METH_NOARGS, "model: drop unflushed lines"},
     {"model_stats", (PyCFunction)Memory_model_stats, METH_NOARGS, "model cache counters"},
-    {"release", (PyCFunction)Memory_release, METH_NOARGS, "detach from the buffer"},
+    {"release", (PyCFunction)(void (*)(void))Memory_release, METH_VARARGS | METH_KEYWORDS,
+     "release(timeout_s=2.0): wait for running sections, then detach from the buffer"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -676,6 +759,7 @@ static PyGetSetDef Memory_getset[] = {
     {"mode", (getter)Memory_get_mode, NULL, "native or model", NULL},
     {"size", (getter)Memory_get_size, NULL, "bytes mapped", NULL},
     {"released", (getter)Memory_get_released, NULL, "True after release()", NULL},
+    {"busy", (getter)Memory_get_busy, NULL, "sections running over the mapping", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
