@@ -100,8 +100,25 @@ int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
                           const uint8_t digest[16], uint64_t version, size_t block_cap,
                           void *out, size_t cap, bl_header *seen);
 
-/* rpc.c: slot rings; the geometry both sides derive from (bytes per ring, depth). */
-#define BL_RPC_HEAD (2 * BL_LINE) /* ring control line + server status line */
+/* rpc.c: slot rings; the geometry both sides derive from (bytes per ring, depth).
+ *
+ * A ring opens with four lines, one writer each:
+ *   BL_RPC_CONTROL      ring control (client; parsed in Python)
+ *   BL_RPC_STATUS       server status (server; parsed in Python)
+ *   BL_RPC_CLIENT_WAKE  the client's wake line: "I am asleep" (a hint, see rpc.c)
+ *   BL_RPC_SERVER_WAKE  the server's wake line: a response counter the client sleeps on
+ * The server's doorbell lives in region 0, after the 4 KiB superblock: a line the
+ * server alone writes ("I am asleep") and a request counter every same-kernel
+ * client bumps atomically.  Wake lines are hints for peers on one kernel only;
+ * the protocol never depends on them.
+ */
+#define BL_RPC_CONTROL 0u
+#define BL_RPC_STATUS (1 * BL_LINE)
+#define BL_RPC_CLIENT_WAKE (2 * BL_LINE)
+#define BL_RPC_SERVER_WAKE (3 * BL_LINE)
+#define BL_RPC_HEAD (4 * BL_LINE)
+#define BL_RPC_DOORBELL 4096u                      /* server's "asleep" line */
+#define BL_RPC_DOORBELL_COUNT (BL_RPC_DOORBELL + BL_LINE) /* clients' request counter */
 #define BL_RPC_INLINE 40u
 #define BL_RPC_MAX_DEPTH 128u
 size_t bl_rpc_buf_size(size_t ring_bytes, uint32_t depth);

@@ -6,6 +6,8 @@
  *
  *   line 0          ring control (client-written; parsed in Python)
  *   line 1          server status (server-written; parsed in Python)
+ *   line 2          client wake line (client-written; a hint, see WAITING)
+ *   line 3          server wake line (server-written; a hint, see WAITING)
  *   depth lines     request lines, one per slot, written only by the client
  *   depth lines     response lines, one per slot, written only by the server
  *   depth buffers   request payloads that do not fit a line (client-written)
@@ -29,10 +31,67 @@
  *
  * The server loop (poll) runs without the GIL and returns a batch to Python;
  * serve_echo answers every request in C, to measure the transport alone.
+ * Every loop that runs without the GIL does so inside a section of the
+ * Memory (module.c), and ends early when the pool is being closed.
+ *
+ * WAITING
+ * A waiter (a client for its responses, the server for requests on any ring)
+ * polls its protocol lines and, while nothing arrives, backs off in steps:
+ *
+ *   1. spin     poll with PAUSE for spin_s (clients keep the GIL for the first
+ *               few microseconds, so a quick answer costs no GIL hand-off);
+ *   2. yield    two sched_yield() rounds, only where no wake-up is possible;
+ *   3. sleep    with a wake-up when the peer shares our kernel, else timed
+ *               naps growing from NAP_MIN_NS to NAP_MAX_NS.
+ *
+ * Busy-polling alone is right on dedicated cores and wrong on shared ones.  A
+ * thread that never sleeps (a spinner, and the Python around it) uses up its
+ * share of the core; the scheduler then runs every other task there before it
+ * for a full slice, a millisecond stall, while a thread that sleeps (like one
+ * blocked on a socket) is run at once when woken.  A yield is no better: on a
+ * busy core the yielder goes to the back of the queue.  So a waiter that was
+ * preempted lately (see contended()) skips spin and yield and sleeps at once,
+ * and spins again only after a calm spell.  On an idle machine nothing
+ * preempts it and a round trip stays a spin.
+ *
+ * The wake-up is an eventcount over futex words in the shared mapping (futex
+ * on a MAP_SHARED page works across processes of one kernel).  A sleeper reads
+ * the counter, announces itself in its own line, polls the protocol lines once
+ * more, and only then sleeps in FUTEX_WAIT on the counter value it read.  A
+ * waker publishes its lines as usual, issues a full fence, and only if a
+ * sleeper is announced bumps the counter and calls FUTEX_WAKE.  The fence pair
+ * (announce, fence, poll / publish, fence, read announcement) means one side
+ * always sees the other, so no wake-up is lost on a coherent kernel; and the
+ * counter read before announcing makes a wake that comes between the re-poll
+ * and the sleep return at once (EAGAIN).  Words:
+ *
+ *   client sleeps on    its ring's server wake line (a response counter),
+ *                       announced in its ring's client wake line;
+ *   server sleeps on    the doorbell counter (region 0, BL_RPC_DOORBELL_COUNT),
+ *                       announced in the doorbell line (BL_RPC_DOORBELL).
+ *
+ * The doorbell counter is the one line many hosts write; that is allowed only
+ * because wake lines are touched with real atomics, bypassing the memops table
+ * (and the model), by peers that share a coherent kernel, and never carry
+ * protocol state.  They are hints: every sleep has a short bounded timeout
+ * (sleep_s) after which the waiter polls the protocol lines as before, so a
+ * lost or missing wake-up costs latency, never correctness.  Peers on other
+ * kernels (other boot id: two QEMU guests, two hosts on a CXL switch) cannot
+ * reach each other's futexes: Python tells each end (RingClient.wake,
+ * set_ring(..., wake)) and those waits use spin, yield and timed naps only.
+ * A futex call that fails (some mappings, e.g. device-DAX, may refuse) turns
+ * wake-ups off for that object: timed naps from then on.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "beluga_native.h"
 
@@ -60,8 +119,25 @@ _Static_assert(sizeof(rpc_line) == BL_LINE, "an RPC message is one cache line");
 #define ST_BAD_LENGTH 0xfff0
 #define ST_CORRUPT 0xfff1
 #define SCAN_WINDOW 32u
-#define BAD_LIMIT 4096u   /* polls of a torn line before it is answered as corrupt */
-#define SPIN_WITH_GIL 512 /* polls before a waiter lets other threads run */
+#define BAD_NS 1000000ull /* a torn line at head this long is answered as corrupt */
+
+#define GIL_SPIN_NS 5000ull        /* a client polls this long before it drops the GIL */
+#define CLIENT_SPIN_NS 20000ull    /* default spin of a client wait */
+#define SERVER_SPIN_NS 50000ull    /* default spin of the server after its last request */
+#define YIELDS 2u                  /* sched_yield() rounds before a nap (no wake-up only) */
+#define CHECK_NS 1000000ull        /* how often a waiting thread asks if it was preempted */
+#define CALM_NS 50000000ull        /* then it sleeps at once (no spin, no yield) this long */
+#define SLEEP_NS 5000000ull        /* default longest futex sleep before a re-poll */
+#define NAP_MIN_NS 20000ull        /* timed naps (no wake-up) start here ... */
+#define NAP_MAX_NS 1000000ull      /* ... and double up to this */
+#define PUMP_GIVE_UP_NS 1000000000ull /* pump: the server answered nothing this long */
+
+static const char CLIENT_CLOSED[] =
+    "the pool this RPC client uses was closed (Pool.close()) while it waited; the request may or "
+    "may not have been served: attach the pool and connect again";
+static const char SERVER_CLOSED[] =
+    "the pool was closed (Pool.close()) while this server polled it; close the RpcServer "
+    "before its pool";
 
 typedef struct {
     size_t base;
@@ -96,6 +172,188 @@ static uint64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Seconds (from Python) to ns, 0 for negatives. */
+static uint64_t ns_of(double s) { return s > 0 ? (uint64_t)(s * 1e9) : 0; }
+
+/* ---------------------------------------------------------------- waiting */
+
+/* How one end waits (tunable from Python), and counters the tests read. */
+typedef struct {
+    uint64_t spin_ns;    /* spin this long before yielding and sleeping */
+    uint64_t sleep_ns;   /* longest futex sleep before polling again */
+    int wake;            /* (client) the server shares our kernel: use the wake lines */
+    int futex_ok;        /* cleared at the first futex error: timed naps only */
+    uint64_t calm_until; /* the core is contended: sleep at once until then */
+    uint64_t next_check; /* when to look at the thread's preemptions again */
+    long nivcsw;         /* its involuntary context switches at the last look */
+    long tid;            /* the thread that looked */
+} wait_cfg;
+
+typedef struct {
+    _Atomic uint64_t yields, naps, sleeps, woken, timeouts, wakes, futex_errors, preempted;
+} wait_stats;
+
+/* Count one event (read by other threads; one writer at a time). */
+#define COUNT(x) atomic_store_explicit(&(x), atomic_load_explicit(&(x), memory_order_relaxed) + 1, \
+                                       memory_order_relaxed)
+
+typedef struct {
+    uint64_t since; /* when this wait began (the spin budget runs from here) */
+    uint64_t nap;   /* length of the next timed nap */
+    unsigned yields;
+} backoff;
+
+enum { STEP_SPIN, STEP_YIELD, STEP_SLEEP };
+
+/* Start a wait at now; an idle waiter (nothing came last time) skips spin and yield. */
+static void backoff_start(backoff *b, uint64_t now, int idle)
+{
+    b->since = idle ? 0 : now;
+    b->nap = NAP_MIN_NS;
+    b->yields = idle ? YIELDS : 0;
+}
+
+/*
+ * Whether the cores are contended: the waiting thread was preempted lately.
+ * Spinning pays only while we own a core.  A thread that does not sleep
+ * (spinning, plus the Python around it) uses up its share, and the scheduler
+ * then runs every other task on the core before it for a full slice: a
+ * millisecond stall, where a thread that sleeps (a blocking socket) is run at
+ * once on wake-up.  So once every CHECK_NS of waiting the thread reads its
+ * count of involuntary context switches; if it grew, the thread sleeps at
+ * once for CALM_NS, then tries spinning again.  (Hypervisor steal is no
+ * context switch: it does not count.)
+ */
+static int contended(wait_cfg *c, wait_stats *st, uint64_t now)
+{
+    if (now >= c->next_check) {
+        struct rusage ru;
+        long tid = (long)syscall(SYS_gettid);
+        c->next_check = now + CHECK_NS;
+        if (getrusage(RUSAGE_THREAD, &ru) == 0) {
+            if (tid == c->tid && ru.ru_nivcsw != c->nivcsw) {
+                c->calm_until = now + CALM_NS;
+                COUNT(st->preempted);
+            }
+            c->tid = tid, c->nivcsw = ru.ru_nivcsw;
+        }
+    }
+    return now < c->calm_until;
+}
+
+/*
+ * The next step of a wait with nothing to do: spin, then (without a wake-up)
+ * yield, then sleep; on contended cores, sleep at once.  A yield is worse than
+ * a sleep on a busy core (the yielder goes to the back of the queue), so it is
+ * only tried before timed naps.
+ */
+static int backoff_step(backoff *b, wait_cfg *c, wait_stats *st, uint64_t now, int can_wake)
+{
+    if (contended(c, st, now))
+        return STEP_SLEEP;
+    if (now - b->since < c->spin_ns)
+        return STEP_SPIN;
+    if (!can_wake && b->yields < YIELDS) {
+        b->yields++;
+        return STEP_YIELD;
+    }
+    return STEP_SLEEP;
+}
+
+/* Sleep ns (no wake-up can end it). */
+static void sleep_ns(uint64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    nanosleep(&ts, NULL);
+}
+
+/* The length of the next timed nap (growing), at most left. */
+static uint64_t next_nap(backoff *b, uint64_t left)
+{
+    uint64_t ns = b->nap < left ? b->nap : left;
+    b->nap = b->nap * 2 < NAP_MAX_NS ? b->nap * 2 : NAP_MAX_NS;
+    return ns;
+}
+
+/* A timed nap of a waiter that has no wake-up. */
+static void nap(backoff *b, wait_stats *st, uint64_t left)
+{
+    COUNT(st->naps);
+    sleep_ns(next_nap(b, left));
+}
+
+/* The 32-bit wake word at off of the mapping (wake lines only, never protocol lines). */
+static atomic_uint *wake_word(bl_mem *m, size_t off) { return (atomic_uint *)(void *)(m->base + off); }
+
+/* Announce a sleep on counter w in flag; returns the counter value to sleep on. */
+static uint32_t announce(atomic_uint *flag, atomic_uint *w)
+{
+    uint32_t key = atomic_load(w);
+    atomic_store(flag, 1); /* sequentially consistent: ordered before the re-poll's loads */
+    return key;
+}
+
+/* FUTEX_WAIT on w while it holds key, at most ns; count how it ended. */
+static void futex_sleep(wait_cfg *c, wait_stats *st, atomic_uint *w, uint32_t key, uint64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    COUNT(st->sleeps);
+    if (syscall(SYS_futex, w, FUTEX_WAIT, key, &ts, NULL, 0) == 0 || errno == EAGAIN) {
+        COUNT(st->woken); /* woken, or the counter moved before we slept */
+    } else if (errno == ETIMEDOUT) {
+        COUNT(st->timeouts);
+    } else if (errno != EINTR) {
+        c->futex_ok = 0; /* this mapping refuses futexes: timed naps from now on */
+        COUNT(st->futex_errors);
+    }
+}
+
+/* After publishing lines: if a sleeper announced itself in flag, bump w and wake it. */
+static void wake_sleeper(wait_cfg *c, wait_stats *st, atomic_uint *flag, atomic_uint *w)
+{
+    atomic_thread_fence(memory_order_seq_cst); /* our lines before its announcement is read */
+    if (!atomic_load_explicit(flag, memory_order_relaxed))
+        return;
+    atomic_fetch_add(w, 1);
+    COUNT(st->wakes);
+    if (c->futex_ok && syscall(SYS_futex, w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0) < 0) {
+        c->futex_ok = 0;
+        COUNT(st->futex_errors);
+    }
+}
+
+/* Whether the doorbell lines lie in the mapping and outside [off, off + n). */
+static int doorbell_fits(MemoryObject *mem, size_t off, size_t n)
+{
+    size_t end = BL_RPC_DOORBELL_COUNT + BL_LINE;
+    return mem->mem.size >= end && (off >= end || off + n <= BL_RPC_DOORBELL);
+}
+
+/* wait_stats as a dict. */
+static PyObject *stats_dict(wait_stats *st)
+{
+    return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "yields", (unsigned long long)st->yields, "naps",
+                         (unsigned long long)st->naps, "sleeps", (unsigned long long)st->sleeps,
+                         "woken", (unsigned long long)st->woken, "timeouts",
+                         (unsigned long long)st->timeouts, "wakes", (unsigned long long)st->wakes,
+                         "futex_errors", (unsigned long long)st->futex_errors, "preempted",
+                         (unsigned long long)st->preempted);
+}
+
+/* Set a duration attribute from seconds within [lo, hi]; else raise ValueError(msg). */
+static int set_seconds(uint64_t *dst, PyObject *v, double lo, double hi, const char *msg)
+{
+    double s = v ? PyFloat_AsDouble(v) : -1.0;
+    if (s == -1.0 && PyErr_Occurred())
+        return -1;
+    if (!v || !(s >= lo && s <= hi)) {
+        PyErr_SetString(PyExc_ValueError, msg);
+        return -1;
+    }
+    *dst = ns_of(s);
+    return 0;
 }
 
 /* CRC32C of a line's first 60 bytes. */
@@ -171,25 +429,34 @@ typedef struct {
     uint32_t gen;
     uint32_t next_seq; /* sequence number of the next submit */
     uint32_t done_seq; /* oldest sequence number not yet completed */
+    int doorbell;      /* the server's doorbell lies in this mapping */
+    wait_cfg wait;
+    wait_stats stats;
 } ClientObject;
 
-/* RingClient(memory, ring_offset, ring_bytes, depth, gen, first_seq=1) */
+/* RingClient(memory, ring_offset, ring_bytes, depth, gen, first_seq=1, *, wake=False) */
 static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"memory", "ring_offset", "ring_bytes", "depth", "gen", "first_seq", NULL};
+    static char *kwlist[] = {"memory", "ring_offset", "ring_bytes", "depth", "gen", "first_seq",
+                             "wake", NULL};
     PyObject *mem;
     unsigned long long base, ring_bytes;
     unsigned int depth, gen, first = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!KKII|I", kwlist, &BlMemoryType, &mem, &base,
-                                     &ring_bytes, &depth, &gen, &first))
+    int wake = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!KKII|I$p", kwlist, &BlMemoryType, &mem, &base,
+                                     &ring_bytes, &depth, &gen, &first, &wake))
         return -1;
-    if (!ring_fits((MemoryObject *)mem, base, ring_bytes, depth))
+    MemoryObject *mo = (MemoryObject *)mem;
+    if (!ring_fits(mo, base, ring_bytes, depth))
         return -1;
     Py_INCREF(mem);
-    Py_XSETREF(self->mem, (MemoryObject *)mem);
+    Py_XSETREF(self->mem, mo);
     self->g = (ring_geo){base, depth, bl_rpc_buf_size(ring_bytes, depth)};
     self->gen = gen;
     self->next_seq = self->done_seq = first ? first : 1;
+    self->doorbell = doorbell_fits(mo, base, ring_bytes);
+    self->wait = (wait_cfg){CLIENT_SPIN_NS, SLEEP_NS, wake, 1, 0, 0, 0, 0};
+    atomic_store(wake_word(&mo->mem, base + BL_RPC_CLIENT_WAKE), 0); /* no stale "asleep" */
     return 0;
 }
 
@@ -207,6 +474,16 @@ static int client_ok(ClientObject *self)
         return 1;
     bl_fail(bl_rpc_error, "the pool this RPC client used was closed; connect again");
     return 0;
+}
+
+/* After new requests are visible: wake the server if it sleeps on our kernel. */
+static void wake_server(ClientObject *self)
+{
+    if (!self->wait.wake || !self->doorbell)
+        return;
+    bl_mem *m = &self->mem->mem;
+    wake_sleeper(&self->wait, &self->stats, wake_word(m, BL_RPC_DOORBELL),
+                 wake_word(m, BL_RPC_DOORBELL_COUNT));
 }
 
 /* submit_many([(op, payload), ...]) -> first sequence number; one doorbell batch. */
@@ -257,6 +534,8 @@ static PyObject *Client_submit_many(ClientObject *self, PyObject *list)
         offs[i] = req_line(&self->g, slot);
     }
     emit(m, lines, offs, (size_t)n, any_ool);
+    if (n)
+        wake_server(self);
     result = PyLong_FromUnsignedLong(self->next_seq);
     self->next_seq += (uint32_t)n;
 done:
@@ -285,6 +564,62 @@ static void fetch_responses(ClientObject *self, uint32_t s, uint32_t n, rpc_line
         m->ops->load(m, resp_line(&self->g, (first + i) % self->g.depth), &out[i], BL_LINE);
 }
 
+/* Whether the oldest request in flight has its answer. */
+static int oldest_answered(ClientObject *self)
+{
+    rpc_line ln;
+    fetch_responses(self, self->done_seq, 1, &ln);
+    return answers(self, &ln, self->done_seq);
+}
+
+/* Sleep (the GIL dropped) until a response may be there or left ns pass: futex or nap. */
+static void client_sleep(ClientObject *self, backoff *b, uint64_t left)
+{
+    if (!self->wait.wake || !self->wait.futex_ok) {
+        nap(b, &self->stats, left);
+        return;
+    }
+    bl_mem *m = &self->mem->mem;
+    atomic_uint *flag = wake_word(m, self->g.base + BL_RPC_CLIENT_WAKE);
+    atomic_uint *counter = wake_word(m, self->g.base + BL_RPC_SERVER_WAKE);
+    uint32_t key = announce(flag, counter);
+    if (!oldest_answered(self))
+        futex_sleep(&self->wait, &self->stats, counter, key,
+                    self->wait.sleep_ns < left ? self->wait.sleep_ns : left);
+    atomic_store(flag, 0);
+}
+
+/* One step of a client wait with nothing new: spin, yield or sleep (dropping the GIL first). */
+static void client_wait_step(ClientObject *self, bl_section *sec, backoff *b, uint64_t now,
+                             uint64_t left)
+{
+    int step = backoff_step(b, &self->wait, &self->stats, now, self->wait.wake && self->wait.futex_ok);
+    if (step != STEP_SPIN || now - b->since >= GIL_SPIN_NS)
+        bl_section_gil(sec, 1);
+    if (step == STEP_SPIN) {
+        cpu_relax();
+    } else if (step == STEP_YIELD) {
+        COUNT(self->stats.yields);
+        sched_yield();
+    } else {
+        client_sleep(self, b, left);
+    }
+}
+
+/* Append (status, payload) of a ready response line to out; -1 on a Python error. */
+static int take_response(ClientObject *self, const rpc_line *ln, PyObject *out)
+{
+    PyObject *payload =
+        payload_of(&self->mem->mem, ln, resp_buf(&self->g, (self->done_seq - 1) % self->g.depth));
+    if (!payload && PyErr_Occurred())
+        return -1;
+    PyObject *item = payload ? Py_BuildValue("(IN)", (unsigned)ln->code, payload)
+                             : Py_BuildValue("(Iy)", (unsigned)ST_CORRUPT, "response payload corrupt");
+    int r = item ? PyList_Append(out, item) : -1;
+    Py_XDECREF(item);
+    return r;
+}
+
 /* complete(n, timeout_s) -> [(status, payload), ...] for up to n oldest requests. */
 static PyObject *Client_complete(ClientObject *self, PyObject *args)
 {
@@ -297,51 +632,43 @@ static PyObject *Client_complete(ClientObject *self, PyObject *args)
         return bl_fail(bl_rpc_error, "asked to complete %u requests but %u are in flight", want,
                        inflight);
     PyObject *out = PyList_New(0);
-    if (!out)
+    bl_section sec;
+    if (!out || bl_section_enter(&sec, self->mem, 0, bl_rpc_error, CLIENT_CLOSED) < 0) {
+        Py_XDECREF(out);
         return NULL;
-    uint64_t deadline = now_ns() + (uint64_t)(timeout > 0 ? timeout * 1e9 : 0);
+    }
+    uint64_t start = now_ns(), deadline = start + ns_of(timeout);
     rpc_line lines[SCAN_WINDOW];
-    int spins = 0;
-    PyThreadState *ts = NULL;
+    backoff b;
+    int failed = 0, closed = 0;
+    backoff_start(&b, start, 0);
     while (PyList_GET_SIZE(out) < (Py_ssize_t)want) {
         uint32_t left = want - (uint32_t)PyList_GET_SIZE(out);
         uint32_t n = left < SCAN_WINDOW ? left : SCAN_WINDOW, ready = 0;
         fetch_responses(self, self->done_seq, n, lines);
         while (ready < n && answers(self, &lines[ready], self->done_seq + ready))
             ready++;
-        if (!ready) {
-            if (++spins == SPIN_WITH_GIL)
-                ts = PyEval_SaveThread();
-            if (spins % 64 == 0 && now_ns() > deadline)
+        if (ready) {
+            bl_section_gil(&sec, 0);
+            for (uint32_t i = 0; i < ready && !failed; i++) {
+                failed = take_response(self, &lines[i], out) < 0;
+                self->done_seq += !failed;
+            }
+            if (failed)
                 break;
-            cpu_relax();
+            backoff_start(&b, now_ns(), 0);
             continue;
         }
-        if (ts) {
-            PyEval_RestoreThread(ts);
-            ts = NULL;
-        }
-        spins = 0;
-        for (uint32_t i = 0; i < ready; i++, self->done_seq++) {
-            rpc_line *ln = &lines[i];
-            PyObject *payload =
-                payload_of(&self->mem->mem, ln, resp_buf(&self->g, (self->done_seq - 1) % self->g.depth));
-            if (!payload && PyErr_Occurred()) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PyObject *item = payload ? Py_BuildValue("(IN)", (unsigned)ln->code, payload)
-                                     : Py_BuildValue("(Iy)", (unsigned)ST_CORRUPT, "response payload corrupt");
-            if (!item || PyList_Append(out, item) < 0) {
-                Py_XDECREF(item);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(item);
-        }
+        uint64_t now = now_ns();
+        if ((closed = bl_section_closing(&sec)) || now >= deadline)
+            break;
+        client_wait_step(self, &sec, &b, now, deadline - now);
     }
-    if (ts)
-        PyEval_RestoreThread(ts);
+    bl_section_leave(&sec);
+    if (failed || closed) {
+        Py_DECREF(out);
+        return closed ? bl_fail(bl_rpc_error, "%s", CLIENT_CLOSED) : NULL;
+    }
     return out;
 }
 
@@ -361,13 +688,19 @@ static PyObject *Client_pump(ClientObject *self, PyObject *args)
         PyBuffer_Release(&p);
         return NULL;
     }
+    bl_section sec;
+    if (bl_section_enter(&sec, self->mem, 1, bl_rpc_error, CLIENT_CLOSED) < 0) {
+        PyBuffer_Release(&p);
+        return NULL;
+    }
     bl_mem *m = &self->mem->mem;
     rpc_line lines[BL_RPC_MAX_DEPTH], resp[SCAN_WINDOW];
     size_t offs[BL_RPC_MAX_DEPTH];
-    uint64_t done = 0;
-    Py_BEGIN_ALLOW_THREADS
-    uint64_t end = now_ns() + (uint64_t)(duration * 1e9), last_progress = now_ns();
-    while (1) {
+    uint64_t done = 0, end = now_ns() + ns_of(duration), last_progress = now_ns();
+    backoff b;
+    int closed = 0;
+    backoff_start(&b, last_progress, 0);
+    while (!(closed = bl_section_closing(&sec))) {
         uint64_t t = now_ns();
         uint32_t k = 0, room = t < end ? depth - (self->next_seq - self->done_seq) : 0;
         for (; k < room; k++) {
@@ -375,25 +708,39 @@ static PyObject *Client_pump(ClientObject *self, PyObject *args)
             stage(m, &lines[k], 0, 0, s, self->gen, (uint16_t)op, p.buf, (size_t)p.len);
             offs[k] = req_line(&self->g, (s - 1) % self->g.depth);
         }
-        if (k)
+        if (k) {
             emit(m, lines, offs, k, 0);
+            wake_server(self);
+        }
         self->next_seq += k;
-        uint32_t inflight = self->next_seq - self->done_seq;
-        uint32_t n = inflight < SCAN_WINDOW ? inflight : SCAN_WINDOW, ready = 0;
-        fetch_responses(self, self->done_seq, n, resp);
-        while (ready < n && answers(self, &resp[ready], self->done_seq + ready))
-            ready++;
-        self->done_seq += ready;
+        uint32_t ready = 0, n;
+        do { /* take every answer there is, window after full window */
+            uint32_t inflight = self->next_seq - self->done_seq, got = 0;
+            n = inflight < SCAN_WINDOW ? inflight : SCAN_WINDOW;
+            fetch_responses(self, self->done_seq, n, resp);
+            while (got < n && answers(self, &resp[got], self->done_seq + got))
+                got++;
+            self->done_seq += got;
+            ready += got;
+            if (got < n)
+                break;
+        } while (n);
         done += ready;
-        if (ready)
-            last_progress = t;
-        else if (t - last_progress > 1000000000ull)
-            break; /* the server stopped answering: give up after a second */
         if (t >= end && self->next_seq == self->done_seq)
             break;
+        if (ready || k) {
+            last_progress = t;
+            backoff_start(&b, t, 0);
+        } else if (t - last_progress > PUMP_GIVE_UP_NS) {
+            break; /* the server stopped answering */
+        } else {
+            client_wait_step(self, &sec, &b, t, last_progress + PUMP_GIVE_UP_NS - t);
+        }
     }
-    Py_END_ALLOW_THREADS
+    bl_section_leave(&sec);
     PyBuffer_Release(&p);
+    if (closed)
+        return bl_fail(bl_rpc_error, "%s", CLIENT_CLOSED);
     if (self->next_seq != self->done_seq)
         return bl_fail(bl_rpc_error, "the server stopped answering during pump (%u in flight)",
                        self->next_seq - self->done_seq);
@@ -436,6 +783,35 @@ static PyObject *Client_get_next_seq(ClientObject *self, void *c)
 static PyObject *Client_get_buf_size(ClientObject *self, void *c) { return PyLong_FromSize_t(self->g.buf); }
 static PyObject *Client_get_depth(ClientObject *self, void *c) { return PyLong_FromUnsignedLong(self->g.depth); }
 
+/* wake: whether waits use the wake lines (the server shares this kernel). */
+static PyObject *Client_get_wake(ClientObject *self, void *c) { return PyBool_FromLong(self->wait.wake); }
+static int Client_set_wake(ClientObject *self, PyObject *v, void *c)
+{
+    int on = v ? PyObject_IsTrue(v) : -1;
+    if (on < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "wake cannot be deleted");
+        return -1;
+    }
+    self->wait.wake = on;
+    return 0;
+}
+
+/* spin_s / sleep_s: how long a wait spins, and the longest futex sleep. */
+static PyObject *Client_get_spin(ClientObject *self, void *c) { return PyFloat_FromDouble(1e-9 * (double)self->wait.spin_ns); }
+static int Client_set_spin(ClientObject *self, PyObject *v, void *c)
+{
+    return set_seconds(&self->wait.spin_ns, v, 0, 10, "spin_s must be 0..10 s");
+}
+static PyObject *Client_get_sleep(ClientObject *self, void *c) { return PyFloat_FromDouble(1e-9 * (double)self->wait.sleep_ns); }
+static int Client_set_sleep(ClientObject *self, PyObject *v, void *c)
+{
+    return set_seconds(&self->wait.sleep_ns, v, 1e-6, 10, "sleep_s must be 1e-6..10 s");
+}
+
+/* wait_stats: how waits backed off (yields, naps, futex sleeps and how they ended, wakes sent). */
+static PyObject *Client_get_stats(ClientObject *self, void *c) { return stats_dict(&self->stats); }
+
 static PyMethodDef Client_methods[] = {
     {"submit_many", (PyCFunction)Client_submit_many, METH_O,
      "submit_many([(op, payload), ...]) -> first seq"},
@@ -452,6 +828,11 @@ static PyGetSetDef Client_getset[] = {
     {"next_seq", (getter)Client_get_next_seq, NULL, "sequence number of the next request", NULL},
     {"buf_size", (getter)Client_get_buf_size, NULL, "largest payload per request", NULL},
     {"depth", (getter)Client_get_depth, NULL, "slots in the ring", NULL},
+    {"wake", (getter)Client_get_wake, (setter)Client_set_wake,
+     "use the wake lines (only when the server shares this kernel)", NULL},
+    {"spin_s", (getter)Client_get_spin, (setter)Client_set_spin, "spin before backing off", NULL},
+    {"sleep_s", (getter)Client_get_sleep, (setter)Client_set_sleep, "longest futex sleep", NULL},
+    {"wait_stats", (getter)Client_get_stats, NULL, "how waits backed off", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -472,8 +853,10 @@ static PyTypeObject ClientType = {
 typedef struct {
     ring_geo g;
     uint32_t active, gen;
-    uint32_t head; /* next sequence number expected */
-    uint32_t bad;  /* consecutive polls of a torn line at head */
+    uint32_t head;     /* next sequence number expected */
+    int wake;          /* the client shares our kernel: wake it through the wake lines */
+    uint64_t bad_since; /* when a torn line at head was first seen (0: none) */
+    uint64_t marked;   /* the respond batch that last looked at this client's wake line */
 } ring_state;
 
 typedef struct {
@@ -486,9 +869,14 @@ typedef struct {
     MemoryObject *mem;
     size_t area_off, ring_bytes;
     uint32_t nrings;
+    uint32_t nactive, nwake; /* rings served, and those whose client shares our kernel */
     ring_state *rings;
     atomic_int stop, polling;
-    uint64_t served, rejected;
+    int doorbell; /* the doorbell lines lie in this mapping, outside the rings */
+    int idle;     /* the last poll found nothing: the next one skips spinning */
+    uint64_t served, rejected, batches;
+    wait_cfg wait;
+    wait_stats stats;
 } ServerObject;
 
 /* RingServer(memory, area_offset, ring_bytes, nrings) */
@@ -501,7 +889,8 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!KKI", kwlist, &BlMemoryType, &mem, &off,
                                      &ring_bytes, &n))
         return -1;
-    if (!n || !ring_fits((MemoryObject *)mem, off, ring_bytes * n, 1))
+    MemoryObject *mo = (MemoryObject *)mem;
+    if (!n || !ring_fits(mo, off, ring_bytes * n, 1))
         return n ? -1 : !!bl_fail(bl_rpc_error, "a server needs at least one ring") - 1;
     ring_state *rings = PyMem_Calloc(n, sizeof(ring_state));
     if (!rings) {
@@ -511,8 +900,13 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     PyMem_Free(self->rings);
     self->rings = rings;
     Py_INCREF(mem);
-    Py_XSETREF(self->mem, (MemoryObject *)mem);
+    Py_XSETREF(self->mem, mo);
     self->area_off = off, self->ring_bytes = ring_bytes, self->nrings = n;
+    self->nactive = self->nwake = 0;
+    self->doorbell = doorbell_fits(mo, off, ring_bytes * n);
+    self->wait = (wait_cfg){SERVER_SPIN_NS, SLEEP_NS, 1, 1, 0, 0, 0, 0};
+    if (self->doorbell) /* a server that died asleep left its announcement behind */
+        atomic_store(wake_word(&mo->mem, BL_RPC_DOORBELL), 0);
     return 0;
 }
 
@@ -534,11 +928,20 @@ static ring_state *ring_arg(ServerObject *self, unsigned int idx)
     return &self->rings[idx];
 }
 
-/* set_ring(idx, gen, depth, head): start serving a client's ring. */
+/* Stop counting a ring among the active (and wake-up) rings. */
+static void ring_off(ServerObject *self, ring_state *r)
+{
+    if (r->active)
+        self->nactive--, self->nwake -= r->wake != 0;
+    r->active = 0;
+}
+
+/* set_ring(idx, gen, depth, head, wake=False): start serving a client's ring. */
 static PyObject *Server_set_ring(ServerObject *self, PyObject *args)
 {
     unsigned int idx, gen, depth, head;
-    if (!PyArg_ParseTuple(args, "IIII", &idx, &gen, &depth, &head))
+    int wake = 0;
+    if (!PyArg_ParseTuple(args, "IIII|p", &idx, &gen, &depth, &head, &wake))
         return NULL;
     ring_state *r = ring_arg(self, idx);
     if (!r)
@@ -548,7 +951,10 @@ static PyObject *Server_set_ring(ServerObject *self, PyObject *args)
     size_t base = self->area_off + (size_t)idx * self->ring_bytes;
     if (!ring_fits(self->mem, base, self->ring_bytes, depth))
         return NULL;
-    *r = (ring_state){{base, depth, bl_rpc_buf_size(self->ring_bytes, depth)}, 1, gen, head ? head : 1, 0};
+    ring_off(self, r);
+    *r = (ring_state){{base, depth, bl_rpc_buf_size(self->ring_bytes, depth)}, 1, gen,
+                      head ? head : 1, wake, 0, 0};
+    self->nactive++, self->nwake += wake != 0;
     Py_RETURN_NONE;
 }
 
@@ -563,8 +969,31 @@ static PyObject *Server_clear_ring(ServerObject *self, PyObject *args)
         return NULL;
     if (atomic_load(&self->polling))
         return bl_fail(bl_rpc_error, "cannot change rings while poll() runs");
-    r->active = 0;
+    ring_off(self, r);
     Py_RETURN_NONE;
+}
+
+/* After responses on ring r are visible: wake its client if it sleeps on our kernel. */
+static void wake_client(ServerObject *self, ring_state *r)
+{
+    if (!r->wake)
+        return;
+    bl_mem *m = &self->mem->mem;
+    wake_sleeper(&self->wait, &self->stats, wake_word(m, r->g.base + BL_RPC_CLIENT_WAKE),
+                 wake_word(m, r->g.base + BL_RPC_SERVER_WAKE));
+}
+
+/* After a batch of responses (entries on rings idx[0..n)): wake each client once. */
+static void wake_clients(ServerObject *self, const uint32_t *idx, size_t n, size_t stride)
+{
+    uint64_t batch = ++self->batches;
+    for (size_t i = 0; i < n; i++) {
+        ring_state *r = &self->rings[*(const uint32_t *)((const char *)idx + i * stride)];
+        if (r->marked != batch) {
+            r->marked = batch;
+            wake_client(self, r);
+        }
+    }
 }
 
 /* Answer one request at once with a transport error status. */
@@ -576,11 +1005,12 @@ static void reject(ServerObject *self, ring_state *r, uint32_t seq, uint16_t sta
     stage(m, &ln, resp_buf(&r->g, slot), r->g.buf, seq, r->gen, status, why, strlen(why));
     size_t off = resp_line(&r->g, slot);
     emit(m, &ln, &off, 1, 0);
+    wake_client(self, r);
     self->rejected++;
 }
 
-/* Collect the consecutive new requests of one ring, up to room; no GIL needed. */
-static int scan_ring(ServerObject *self, uint32_t idx, request *out, int room)
+/* Collect the consecutive new requests of one window of a ring, up to room; no GIL needed. */
+static int scan_window(ServerObject *self, uint32_t idx, request *out, int room)
 {
     ring_state *r = &self->rings[idx];
     bl_mem *m = &self->mem->mem;
@@ -601,7 +1031,10 @@ static int scan_ring(ServerObject *self, uint32_t idx, request *out, int room)
             break;
         uint32_t seq = r->head;
         if (q->line.crc != line_crc(&q->line)) {
-            if (++r->bad < BAD_LIMIT)
+            uint64_t t = now_ns();
+            if (!r->bad_since)
+                r->bad_since = t;
+            if (t - r->bad_since < BAD_NS)
                 break; /* maybe a line still being written: look again later */
             reject(self, r, seq, ST_CORRUPT, "request line corrupt");
         } else if (q->line.len > ((q->line.flags & RPC_OOL) ? r->g.buf : BL_RPC_INLINE)) {
@@ -610,31 +1043,89 @@ static int scan_ring(ServerObject *self, uint32_t idx, request *out, int room)
             q->ring = idx, q->seq = seq;
             got++;
         }
-        r->bad = 0;
+        r->bad_since = 0;
         r->head++;
     }
     return got;
 }
 
-/* Spin over all active rings until a batch arrives, stop() is called or time runs out. */
-static int gather(ServerObject *self, request *batch, int max_batch, double timeout)
+/* Collect the consecutive new requests of one ring, window after full window, up to room. */
+static int scan_ring(ServerObject *self, uint32_t idx, request *out, int room)
 {
-    uint64_t deadline = now_ns() + (uint64_t)(timeout > 0 ? timeout * 1e9 : 0);
+    ring_state *r = &self->rings[idx];
+    uint32_t window = r->g.depth < SCAN_WINDOW ? r->g.depth : SCAN_WINDOW;
     int got = 0;
-    for (unsigned spins = 0;; spins++) {
-        for (uint32_t i = 0; i < self->nrings && got < max_batch; i++)
-            if (self->rings[i].active)
-                got += scan_ring(self, i, batch + got, max_batch - got);
-        if (got || atomic_load(&self->stop))
+    for (;;) {
+        uint32_t head = r->head;
+        got += scan_window(self, idx, out + got, room - got);
+        if (got >= room || r->head - head < window)
             return got;
-        if (spins % 64 == 63 && now_ns() > deadline)
-            return 0;
-        cpu_relax();
     }
 }
 
-/* Start a polling call: parse limits, allocate the batch, mark polling. */
-static request *begin_poll(ServerObject *self, unsigned int max_batch)
+/* Scan every active ring once; returns the requests collected. */
+static int scan_all(ServerObject *self, request *batch, int max_batch)
+{
+    int got = 0;
+    for (uint32_t i = 0; i < self->nrings && got < max_batch; i++)
+        if (self->rings[i].active)
+            got += scan_ring(self, i, batch + got, max_batch - got);
+    return got;
+}
+
+/* Sleep until a request may have come (futex on the doorbell, or a nap); returns any found. */
+static int server_sleep(ServerObject *self, backoff *b, request *batch, int max_batch, uint64_t left)
+{
+    if (!self->doorbell || !self->nwake || !self->wait.futex_ok) {
+        nap(b, &self->stats, left);
+        return 0;
+    }
+    bl_mem *m = &self->mem->mem;
+    atomic_uint *flag = wake_word(m, BL_RPC_DOORBELL), *counter = wake_word(m, BL_RPC_DOORBELL_COUNT);
+    uint32_t key = announce(flag, counter);
+    int got = scan_all(self, batch, max_batch);
+    if (!got) {
+        /* clients on other kernels cannot ring: sleep only as long as a nap then */
+        uint64_t ns = self->nwake == self->nactive ? self->wait.sleep_ns : next_nap(b, left);
+        futex_sleep(&self->wait, &self->stats, counter, key, ns < left ? ns : left);
+    }
+    atomic_store(flag, 0);
+    return got;
+}
+
+/* Poll all active rings until a batch arrives, stop(), closing, or time runs out. */
+static int gather(ServerObject *self, bl_section *sec, request *batch, int max_batch, double timeout)
+{
+    uint64_t start = now_ns(), deadline = start + ns_of(timeout);
+    backoff b;
+    backoff_start(&b, start, self->idle);
+    for (;;) {
+        int got = scan_all(self, batch, max_batch);
+        if (got || atomic_load(&self->stop) || bl_section_closing(sec)) {
+            self->idle = 0;
+            return got;
+        }
+        uint64_t now = now_ns();
+        if (now >= deadline) {
+            self->idle = 1;
+            return 0;
+        }
+        int can_wake = self->doorbell && self->nwake && self->wait.futex_ok;
+        int step = backoff_step(&b, &self->wait, &self->stats, now, can_wake);
+        if (step == STEP_SPIN) {
+            cpu_relax();
+        } else if (step == STEP_YIELD) {
+            COUNT(self->stats.yields);
+            sched_yield();
+        } else if ((got = server_sleep(self, &b, batch, max_batch, deadline - now))) {
+            self->idle = 0;
+            return got;
+        }
+    }
+}
+
+/* Start a polling call: check limits, allocate the batch, enter the section, mark polling. */
+static request *begin_poll(ServerObject *self, unsigned int max_batch, bl_section *sec)
 {
     if (!self->rings || !self->mem->has_view)
         return bl_fail(bl_rpc_error, "the server's pool was closed"), NULL;
@@ -644,11 +1135,25 @@ static request *begin_poll(ServerObject *self, unsigned int max_batch)
     if (!atomic_compare_exchange_strong(&self->polling, &expected, 1))
         return bl_fail(bl_rpc_error, "poll() is already running in another thread"), NULL;
     request *batch = PyMem_Malloc(max_batch * sizeof(request));
-    if (!batch) {
-        atomic_store(&self->polling, 0);
+    if (!batch)
         PyErr_NoMemory();
-    }
+    else if (bl_section_enter(sec, self->mem, 1, bl_rpc_error, SERVER_CLOSED) < 0)
+        PyMem_Free(batch), batch = NULL;
+    if (!batch)
+        atomic_store(&self->polling, 0);
     return batch;
+}
+
+/* End a polling call: leave the section, unmark polling; 0, or -1 raised if the pool closed. */
+static int end_poll(ServerObject *self, bl_section *sec)
+{
+    int closed = bl_section_closing(sec);
+    bl_section_leave(sec);
+    atomic_store(&self->polling, 0);
+    if (!closed)
+        return 0;
+    bl_fail(bl_rpc_error, "%s", SERVER_CLOSED);
+    return -1;
 }
 
 /* poll(max_batch, timeout_s) -> [(ring, seq, op, payload), ...] */
@@ -656,17 +1161,14 @@ static PyObject *Server_poll(ServerObject *self, PyObject *args)
 {
     unsigned int max_batch;
     double timeout;
+    bl_section sec;
     if (!PyArg_ParseTuple(args, "Id", &max_batch, &timeout))
         return NULL;
-    request *batch = begin_poll(self, max_batch);
+    request *batch = begin_poll(self, max_batch, &sec);
     if (!batch)
         return NULL;
-    int got;
-    Py_BEGIN_ALLOW_THREADS
-    got = gather(self, batch, (int)max_batch, timeout);
-    Py_END_ALLOW_THREADS
-    atomic_store(&self->polling, 0);
-    PyObject *out = PyList_New(0);
+    int got = gather(self, &sec, batch, (int)max_batch, timeout);
+    PyObject *out = end_poll(self, &sec) < 0 ? NULL : PyList_New(0);
     for (int i = 0; out && i < got; i++) {
         request *q = &batch[i];
         ring_state *r = &self->rings[q->ring];
@@ -697,7 +1199,8 @@ static PyObject *Server_respond(ServerObject *self, PyObject *list)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     rpc_line *lines = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(rpc_line));
     size_t *offs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(size_t));
-    int any_ool = 0, ok = lines && offs;
+    uint32_t *rings = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+    int any_ool = 0, ok = lines && offs && rings;
     if (!ok)
         PyErr_NoMemory();
     for (Py_ssize_t i = 0; ok && i < n; i++) {
@@ -723,15 +1226,18 @@ static PyObject *Server_respond(ServerObject *self, PyObject *list)
             }
             any_ool |= st > 0;
             offs[i] = resp_line(&r->g, slot);
+            rings[i] = idx;
         }
         PyBuffer_Release(&p);
     }
     if (ok) {
         emit(&self->mem->mem, lines, offs, (size_t)n, any_ool);
+        wake_clients(self, rings, (size_t)n, sizeof(uint32_t));
         self->served += (uint64_t)n;
     }
     PyMem_Free(lines);
     PyMem_Free(offs);
+    PyMem_Free(rings);
     Py_DECREF(seq);
     if (!ok)
         return NULL;
@@ -742,24 +1248,27 @@ static PyObject *Server_respond(ServerObject *self, PyObject *list)
 static PyObject *Server_serve_echo(ServerObject *self, PyObject *args)
 {
     double duration;
+    bl_section sec;
     if (!PyArg_ParseTuple(args, "d", &duration))
         return NULL;
-    request *batch = begin_poll(self, SCAN_WINDOW * 4);
-    if (!batch)
-        return NULL;
     size_t max_buf = 0;
-    for (uint32_t i = 0; i < self->nrings; i++)
+    for (uint32_t i = 0; self->rings && i < self->nrings; i++)
         if (self->rings[i].g.buf > max_buf)
             max_buf = self->rings[i].g.buf;
     uint8_t *tmp = PyMem_Malloc(max_buf + 1);
+    if (!tmp)
+        return PyErr_NoMemory();
+    request *batch = begin_poll(self, SCAN_WINDOW * 4, &sec);
+    if (!batch) {
+        PyMem_Free(tmp);
+        return NULL;
+    }
     rpc_line lines[SCAN_WINDOW * 4];
     size_t offs[SCAN_WINDOW * 4];
-    uint64_t answered = 0;
+    uint64_t answered = 0, end = now_ns() + ns_of(duration);
     bl_mem *m = &self->mem->mem;
-    Py_BEGIN_ALLOW_THREADS
-    uint64_t end = now_ns() + (uint64_t)(duration * 1e9);
-    while (tmp && !atomic_load(&self->stop) && now_ns() < end) {
-        int got = gather(self, batch, SCAN_WINDOW * 4, 0.01);
+    while (!atomic_load(&self->stop) && !bl_section_closing(&sec) && now_ns() < end) {
+        int got = gather(self, &sec, batch, SCAN_WINDOW * 4, 0.01);
         int any_ool = 0, k = 0;
         for (int i = 0; i < got; i++) {
             request *q = &batch[i];
@@ -776,24 +1285,28 @@ static PyObject *Server_serve_echo(ServerObject *self, PyObject *args)
                              q->line.len) > 0;
             offs[k++] = resp_line(&r->g, slot);
         }
-        if (k)
+        if (k) {
             emit(m, lines, offs, (size_t)k, any_ool);
+            wake_clients(self, &batch[0].ring, (size_t)k, sizeof(request));
+        }
         answered += (uint64_t)k;
     }
-    Py_END_ALLOW_THREADS
-    atomic_store(&self->polling, 0);
+    int failed = end_poll(self, &sec) < 0;
     PyMem_Free(batch);
-    if (!tmp)
-        return PyErr_NoMemory();
     PyMem_Free(tmp);
     self->served += answered;
-    return PyLong_FromUnsignedLongLong(answered);
+    return failed ? NULL : PyLong_FromUnsignedLongLong(answered);
 }
 
-/* stop(): make a running poll or serve_echo return promptly (thread-safe). */
+/* stop(): make a running poll or serve_echo return promptly, waking it (thread-safe). */
 static PyObject *Server_stop(ServerObject *self, PyObject *unused)
 {
     atomic_store(&self->stop, 1);
+    if (self->doorbell && self->mem && self->mem->has_view) {
+        atomic_uint *counter = wake_word(&self->mem->mem, BL_RPC_DOORBELL_COUNT);
+        atomic_fetch_add(counter, 1);
+        syscall(SYS_futex, counter, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
     Py_RETURN_NONE;
 }
 
@@ -804,8 +1317,23 @@ static PyObject *Server_get_rejected(ServerObject *self, void *c)
     return PyLong_FromUnsignedLongLong(self->rejected);
 }
 
+/* spin_s / sleep_s: spin after the last request, and the longest futex sleep. */
+static PyObject *Server_get_spin(ServerObject *self, void *c) { return PyFloat_FromDouble(1e-9 * (double)self->wait.spin_ns); }
+static int Server_set_spin(ServerObject *self, PyObject *v, void *c)
+{
+    return set_seconds(&self->wait.spin_ns, v, 0, 3600, "spin_s must be 0..3600 s");
+}
+static PyObject *Server_get_sleep(ServerObject *self, void *c) { return PyFloat_FromDouble(1e-9 * (double)self->wait.sleep_ns); }
+static int Server_set_sleep(ServerObject *self, PyObject *v, void *c)
+{
+    return set_seconds(&self->wait.sleep_ns, v, 1e-6, 10, "sleep_s must be 1e-6..10 s");
+}
+
+/* wait_stats: how polls backed off (yields, naps, futex sleeps and how they ended, wakes sent). */
+static PyObject *Server_get_stats(ServerObject *self, void *c) { return stats_dict(&self->stats); }
+
 static PyMethodDef Server_methods[] = {
-    {"set_ring", (PyCFunction)Server_set_ring, METH_VARARGS, "set_ring(idx, gen, depth, head)"},
+    {"set_ring", (PyCFunction)Server_set_ring, METH_VARARGS, "set_ring(idx, gen, depth, head, wake=False)"},
     {"clear_ring", (PyCFunction)Server_clear_ring, METH_VARARGS, "clear_ring(idx)"},
     {"poll", (PyCFunction)Server_poll, METH_VARARGS,
      "poll(max_batch, timeout_s) -> [(ring, seq, op, payload)]"},
@@ -819,6 +1347,9 @@ static PyMethodDef Server_methods[] = {
 static PyGetSetDef Server_getset[] = {
     {"served", (getter)Server_get_served, NULL, "responses written", NULL},
     {"rejected", (getter)Server_get_rejected, NULL, "malformed requests answered with an error", NULL},
+    {"spin_s", (getter)Server_get_spin, (setter)Server_set_spin, "spin after the last request", NULL},
+    {"sleep_s", (getter)Server_get_sleep, (setter)Server_set_sleep, "longest futex sleep", NULL},
+    {"wait_stats", (getter)Server_get_stats, NULL, "how polls backed off", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -844,8 +1375,22 @@ static PyObject *mod_rpc_buf_size(PyObject *mod, PyObject *args)
     return PyLong_FromSize_t(bl_rpc_buf_size(ring_bytes, depth));
 }
 
+/* rpc_slot_lines(depth, slot) -> (request line, response line) offsets inside a ring. */
+static PyObject *mod_rpc_slot_lines(PyObject *mod, PyObject *args)
+{
+    unsigned int depth, slot;
+    if (!PyArg_ParseTuple(args, "II", &depth, &slot))
+        return NULL;
+    if (!depth || depth > BL_RPC_MAX_DEPTH || slot >= depth)
+        return bl_fail(PyExc_ValueError, "need 1 <= depth <= %u and slot < depth", BL_RPC_MAX_DEPTH);
+    ring_geo g = {0, depth, 0};
+    return Py_BuildValue("(nn)", (Py_ssize_t)req_line(&g, slot), (Py_ssize_t)resp_line(&g, slot));
+}
+
 static PyMethodDef rpc_functions[] = {
     {"rpc_buf_size", mod_rpc_buf_size, METH_VARARGS, "rpc_buf_size(ring_bytes, depth) -> int"},
+    {"rpc_slot_lines", mod_rpc_slot_lines, METH_VARARGS,
+     "rpc_slot_lines(depth, slot) -> (request line offset, response line offset)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -860,7 +1405,13 @@ int bl_rpc_init(PyObject *module)
         PyModule_AddObject(module, "RingServer", (PyObject *)&ServerType) < 0 ||
         PyModule_AddFunctions(module, rpc_functions) < 0 ||
         PyModule_AddIntConstant(module, "RPC_INLINE", BL_RPC_INLINE) < 0 ||
+        PyModule_AddIntConstant(module, "RPC_CONTROL", BL_RPC_CONTROL) < 0 ||
+        PyModule_AddIntConstant(module, "RPC_STATUS", BL_RPC_STATUS) < 0 ||
+        PyModule_AddIntConstant(module, "RPC_CLIENT_WAKE", BL_RPC_CLIENT_WAKE) < 0 ||
+        PyModule_AddIntConstant(module, "RPC_SERVER_WAKE", BL_RPC_SERVER_WAKE) < 0 ||
         PyModule_AddIntConstant(module, "RPC_HEAD", BL_RPC_HEAD) < 0 ||
+        PyModule_AddIntConstant(module, "RPC_DOORBELL", BL_RPC_DOORBELL) < 0 ||
+        PyModule_AddIntConstant(module, "RPC_DOORBELL_COUNT", BL_RPC_DOORBELL_COUNT) < 0 ||
         PyModule_AddIntConstant(module, "RPC_MAX_DEPTH", BL_RPC_MAX_DEPTH) < 0 ||
         PyModule_AddIntConstant(module, "ST_BAD_LENGTH", ST_BAD_LENGTH) < 0 ||
         PyModule_AddIntConstant(module, "ST_CORRUPT", ST_CORRUPT) < 0)

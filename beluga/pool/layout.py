@@ -3,9 +3,11 @@
 Offset 0 holds the superblock; every region starts on a 2 MiB boundary (a
 device-DAX mapping is 2 MiB aligned, and so are our offsets on a tmpfs file)::
 
-    [0, 2 MiB)        superblock (first 4 KiB), rest reserved
+    [0, 2 MiB)        superblock (first 4 KiB), the RPC server's doorbell (two
+                      wake-up lines at 4 KiB, see beluga.rpc), rest reserved
     host table        one 64-byte line per host, written only by that host
-    RPC area          one ring per client host (layout owned by beluga.rpc)
+    RPC area          one ring per client host (layout owned by beluga.rpc;
+                      a ring opens with control, status and two wake-up lines)
     data area         block header table (one line per block), then payloads
 
 The superblock is written once, by the creator, and sealed with a CRC32C.

@@ -23,12 +23,14 @@ from beluga.pool import Pool
 from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, process_start_ms
 from beluga.rpc.protocol import (
     MAX_DEPTH,
+    STATUS_LINE,
     Op,
     RingControl,
     ServerStatus,
     Status,
     error_for,
     ring_offset,
+    wake_ups,
 )
 
 SLICE_S = 0.05  # how often a waiting call looks at the server's health
@@ -80,7 +82,7 @@ class RpcClient:
             self.ring = _core.RingClient(
                 pool.memory, self._ring_off, sb.rpc_bytes_per_host, depth, self.entry.generation
             )
-            self.server = self._wait_for_server(connect_timeout)
+            self._follow(self._wait_for_server(connect_timeout))
         except BaseException:
             self._retire()
             raise
@@ -102,7 +104,12 @@ class RpcClient:
     # -- server health -------------------------------------------------------
 
     def _status(self) -> ServerStatus | None:
-        return ServerStatus.unpack(read_line(self.pool.memory, self._ring_off + LINE))
+        return ServerStatus.unpack(read_line(self.pool.memory, self._ring_off + STATUS_LINE))
+
+    def _follow(self, st: ServerStatus) -> None:
+        """Talk to this server; waits sleep with a wake-up only if it shares our kernel."""
+        self.server = st
+        self.ring.wake = wake_ups(st.boot_id)
 
     def _alive(self, st: ServerStatus) -> bool:
         if st.boot_id == BOOT_ID:
@@ -136,7 +143,7 @@ class RpcClient:
                 "restart it with 'beluga serve'"
             )
         if st.epoch != self.server.epoch and st.acked_gen == self.entry.generation:
-            self.server = st  # a new server adopted our ring and serves what is in flight
+            self._follow(st)  # a new server adopted our ring and serves what is in flight
 
     # -- calls ---------------------------------------------------------------
 

@@ -1,13 +1,21 @@
 """The RPC's shared-memory formats: ring geometry, control lines, messages, statuses.
 
 Per client host h, a ring lives at ``rpc.offset + h * rpc_bytes_per_host``
-(the C core, ``beluga/_native/rpc.c``, documents the slot layout).  Its first
-two lines are parsed here:
+(the C core, ``beluga/_native/rpc.c``, defines and documents the slot layout;
+every offset here comes from it).  Its head is four lines:
 
-- line 0, ring control, written only by the client: who, which generation of
-  the host id (from the host table), how many slots;
-- line 1, server status, written only by the server: its epoch (new at every
-  start), the ring generation it has acknowledged, its pid and heartbeat.
+- ``CONTROL_LINE``, ring control, written only by the client: who, which
+  generation of the host id (from the host table), how many slots;
+- ``STATUS_LINE``, server status, written only by the server: its epoch (new
+  at every start), the ring generation it has acknowledged, its pid and
+  heartbeat;
+- two wake lines (client's, server's) that only the C core touches.
+
+Wake lines, and the server's doorbell at ``DOORBELL`` in region 0, are
+same-kernel hints for sleeping waiters (futex); nothing depends on them.
+Each end uses them only when the other end runs on the same kernel (same
+boot id): see :func:`wake_ups`.  ``BELUGA_RPC_WAKE=0`` turns them off, so
+waits fall back to spinning, yielding and timed naps, as across hosts.
 
 Requests are at-least-once across a server restart: a request in flight when
 the server died is served by the next server.
@@ -16,18 +24,23 @@ the server died is served by the next server.
 from __future__ import annotations
 
 import enum
+import os
 import struct
 from dataclasses import dataclass
 
 from beluga._native import _core
 from beluga.coherence import LINE, crc32c
 from beluga.errors import BelugaError, CapacityError, RpcError
+from beluga.pool.hosts import BOOT_ID
 from beluga.pool.layout import Superblock
 
 RING_MAGIC = 0x474E4952  # "RING"
 SERVER_MAGIC = 0x52565253  # "SRVR"
 INLINE = _core.RPC_INLINE
 MAX_DEPTH = _core.RPC_MAX_DEPTH
+CONTROL_LINE = _core.RPC_CONTROL  # offsets inside a ring
+STATUS_LINE = _core.RPC_STATUS
+DOORBELL = _core.RPC_DOORBELL  # offset in the pool (region 0, after the superblock)
 
 _RING = struct.Struct("<IIIIIIQ")
 _SERVER = struct.Struct("<IIIIIQ8sQ")
@@ -166,12 +179,17 @@ class Message:
 
 def request_line(depth: int, slot: int) -> int:
     """Offset of a slot's request line inside its ring."""
-    return 2 * LINE + slot * LINE
+    return _core.rpc_slot_lines(depth, slot)[0]
 
 
 def response_line(depth: int, slot: int) -> int:
     """Offset of a slot's response line inside its ring."""
-    return 2 * LINE + (depth + slot) * LINE
+    return _core.rpc_slot_lines(depth, slot)[1]
+
+
+def wake_ups(peer_boot_id: bytes) -> bool:
+    """Whether to use the wake lines with a peer: same kernel, and not turned off."""
+    return peer_boot_id == BOOT_ID and os.environ.get("BELUGA_RPC_WAKE", "1") != "0"
 
 
 _ERRORS: dict[int, type[BelugaError]] = {Status.CAPACITY: CapacityError}

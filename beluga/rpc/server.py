@@ -15,6 +15,13 @@ The server's life cycle, in shared memory:
 - it writes each ring's status line (epoch, acknowledged generation,
   heartbeat); a clean stop writes epoch 0 so that clients fail fast.
 
+Waiting for requests happens in C (``RingServer.poll``): it spins for
+``idle_after_s`` after the last request, yields, then sleeps until a client
+on this kernel rings the doorbell (a futex wake-up) or a short bounded sleep
+ends; rings of clients on other kernels are re-polled after timed naps.  An
+idle server therefore costs little CPU and still answers within microseconds
+of a wake-up.
+
 A restarted server recovers each ring's position from the lines themselves:
 a request with no matching response is still pending and is served again.
 """
@@ -28,11 +35,12 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from beluga._native import _core
-from beluga.coherence import LINE, read_line, write_line
+from beluga.coherence import read_line, write_line
 from beluga.errors import BelugaError, CapacityError, RpcError
 from beluga.pool import Pool
 from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, process_start_ms
 from beluga.rpc.protocol import (
+    STATUS_LINE,
     Message,
     Op,
     RingControl,
@@ -42,6 +50,7 @@ from beluga.rpc.protocol import (
     request_line,
     response_line,
     ring_offset,
+    wake_ups,
 )
 
 
@@ -92,7 +101,7 @@ class RpcServer:
         host_id: int | None = None,
         max_batch: int = 256,
         refresh_s: float = 0.1,
-        idle_after_s: float = 0.5,
+        idle_after_s: float = 50e-6,
         stale_s: float = DEFAULT_STALE_S,
         on_client_gone: Callable[[int], None] | None = None,
         tick: Callable[[], None] | None = None,
@@ -107,7 +116,6 @@ class RpcServer:
         }
         self.max_batch = max_batch
         self.refresh_s = refresh_s
-        self.idle_after_s = idle_after_s
         self.stale_s = stale_s
         self.on_client_gone = on_client_gone
         self.tick = tick
@@ -119,9 +127,19 @@ class RpcServer:
         self.rings = _core.RingServer(
             self.mem, self.sb.rpc.offset, self.sb.rpc_bytes_per_host, self.sb.max_hosts
         )
+        self.idle_after_s = idle_after_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.refresh()
+
+    @property
+    def idle_after_s(self) -> float:
+        """How long polling spins after the last request before it yields and sleeps."""
+        return float(self.rings.spin_s)
+
+    @idle_after_s.setter
+    def idle_after_s(self, seconds: float) -> None:
+        self.rings.spin_s = seconds
 
     # -- rings ---------------------------------------------------------------
 
@@ -135,7 +153,7 @@ class RpcServer:
             BOOT_ID,
             time.time_ns(),
         )
-        write_line(self.mem, ring_offset(self.sb, host_id) + LINE, status.pack())
+        write_line(self.mem, ring_offset(self.sb, host_id) + STATUS_LINE, status.pack())
 
     def _recover_head(self, host_id: int, ctl: RingControl) -> int:
         """Next sequence number to serve: the oldest request without a response."""
@@ -168,8 +186,9 @@ class RpcServer:
             )
             current = self.active.get(h)
             if live and current != ctl:
-                assert ctl is not None
-                self.rings.set_ring(h, ctl.gen, ctl.depth, self._recover_head(h, ctl))
+                assert ctl is not None and holder is not None
+                head = self._recover_head(h, ctl)
+                self.rings.set_ring(h, ctl.gen, ctl.depth, head, wake_ups(holder.boot_id))
                 self.active[h] = ctl
                 self.limits[h] = buf_size(self.sb, ctl.depth)
             elif not live and current is not None:
@@ -236,18 +255,17 @@ class RpcServer:
         return len(batch)
 
     def serve_forever(self) -> None:
-        """Serve until :meth:`stop`.  Busy-polls while there is traffic, naps when idle."""
-        next_refresh = last_work = time.monotonic()
+        """Serve until :meth:`stop`; between refreshes the C poll spins, then sleeps.
+
+        Raises ``RpcError`` if the pool is closed under it (close the server first).
+        """
+        next_refresh = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_refresh:
                 self.refresh()
                 next_refresh = now + self.refresh_s
-            idle = now - last_work > self.idle_after_s
-            if self.serve_once(0.0 if idle else min(0.05, self.refresh_s)):
-                last_work = time.monotonic()
-            elif idle:
-                time.sleep(0.0005)
+            self.serve_once(max(0.0, next_refresh - time.monotonic()))
 
     def serve_echo(self, duration_s: float) -> int:
         """Answer every request by echoing it, entirely in C (measures the transport)."""
