@@ -44,6 +44,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_json_arg(r)
     r.add_argument("--iterations", type=int, default=20000, help="round trips timed per transport")
     r.add_argument("--duration", type=float, default=0.5, help="seconds per throughput point")
+    r.add_argument(
+        "--contended",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure again while N CPU-hog processes run (stopped after), beside the quiet run",
+    )
     r.set_defaults(handler=run_rpc)
 
     e = cmds.add_parser(
@@ -134,16 +141,22 @@ def run_memops(args: argparse.Namespace) -> int:
 
 
 def run_rpc(args: argparse.Namespace) -> int:
-    if args.iterations < 1 or args.duration <= 0:
-        raise ValueError("--iterations must be >= 1 and --duration > 0")
+    if args.iterations < 1 or args.duration <= 0 or args.contended < 0:
+        raise ValueError("--iterations must be >= 1, --duration > 0 and --contended >= 0")
     pool, scratch = scratch_pool(args, 64 << 20)
     try:
-        result = rpc_bench.run(pool, args.iterations, args.duration)
+        result = rpc_bench.run(pool, args.iterations, args.duration, args.contended)
     finally:
         pool.close()
         if scratch:
             Pool.destroy(pool.spec)
-    return report(args, "rpc", result, rpc_bench.COLUMNS)
+    status = report(args, "rpc", result, rpc_bench.COLUMNS)
+    if args.json != "-":
+        print(
+            "targets: "
+            + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in result["targets"].items())
+        )
+    return status
 
 
 def run_e2e(args: argparse.Namespace) -> int:
