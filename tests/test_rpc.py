@@ -61,9 +61,7 @@ def handlers() -> dict:
 
 def _server_main(spec: str, mode: str, gone: mp.Queue, ready: mp.Event) -> None:
     with Pool.attach(spec, coherence=mode) as pool:
-        server = RpcServer(
-            pool, handlers(), refresh_s=0.02, idle_after_s=0.2, on_client_gone=gone.put
-        )
+        server = RpcServer(pool, handlers(), refresh_s=0.02, on_client_gone=gone.put)
         signal.signal(signal.SIGTERM, lambda *_: server.stop())
         ready.set()
         server.serve_forever()

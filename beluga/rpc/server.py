@@ -134,7 +134,7 @@ class RpcServer:
 
     @property
     def idle_after_s(self) -> float:
-        """How long polling spins after the last request before it yields and sleeps."""
+        """How long polling spins after the last request before it backs off and sleeps."""
         return float(self.rings.spin_s)
 
     @idle_after_s.setter
