@@ -9,6 +9,8 @@ not a timeout, ended one.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import threading
 from collections.abc import Iterator
 
@@ -129,6 +131,43 @@ def test_peers_on_other_kernels_complete_with_timed_naps(
         server.close()
     stats = server.rings.wait_stats
     assert stats["naps"] > 0 and stats["sleeps"] == 0 and stats["wakes"] == 0
+
+
+def _hog(cpu: int) -> None:
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        pass
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/thread-self/schedstat"), reason="the kernel has no schedstat"
+)
+def test_a_spinner_that_loses_its_core_sleeps_instead(pool: Pool) -> None:
+    """Pinned to one core beside a CPU hog, a wait told to spin a whole second still sleeps."""
+    server = _server(pool)  # nobody polls: the request goes unanswered
+    cpu = min(os.sched_getaffinity(0))
+    hog = mp.get_context("fork").Process(target=_hog, args=(cpu,), daemon=True)
+    hog.start()
+    mask = os.sched_getaffinity(0)
+    try:
+        with Pool.attach(pool.spec) as other:
+            client = connect(server, other)
+            try:
+                client.ring.spin_s = 1.0
+                client.ring.submit_many([(Op.ECHO, b"alone")])
+                os.sched_setaffinity(0, {cpu})  # this thread only
+                try:
+                    assert client.ring.complete(1, 0.5) == []
+                finally:
+                    os.sched_setaffinity(0, mask)
+                stats = client.ring.wait_stats
+                assert stats["stalled"] >= 1 and stats["sleeps"] >= 1
+            finally:
+                client.close()
+    finally:
+        hog.kill()
+        hog.join()
+        server.close()
 
 
 @pytest.mark.parametrize("wake", ["1", "0"])

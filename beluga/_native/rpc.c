@@ -46,13 +46,13 @@
  *
  * Busy-polling alone is right on dedicated cores and wrong on shared ones.  A
  * thread that never sleeps (a spinner, and the Python around it) uses up its
- * share of the core; the scheduler then runs every other task there before it
- * for a full slice, a millisecond stall, while a thread that sleeps (like one
+ * share of the core; the scheduler then runs other tasks there before it for
+ * a full slice, a millisecond stall, while a thread that sleeps (like one
  * blocked on a socket) is run at once when woken.  A yield is no better: on a
- * busy core the yielder goes to the back of the queue.  So a waiter that was
- * preempted lately (see contended()) skips spin and yield and sleeps at once,
- * and spins again only after a calm spell.  On an idle machine nothing
- * preempts it and a round trip stays a spin.
+ * busy core the yielder goes to the back of the queue.  So a spinning waiter
+ * watches how long it waits for a core (contended()); once it is losing
+ * slices it skips spin and yield and sleeps at once for a calm spell.  On an
+ * idle machine nothing takes its core, and a round trip stays a spin.
  *
  * The wake-up is an eventcount over futex words in the shared mapping (futex
  * on a MAP_SHARED page works across processes of one kernel).  A sleeper reads
@@ -85,10 +85,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <sched.h>
-#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -125,8 +125,11 @@ _Static_assert(sizeof(rpc_line) == BL_LINE, "an RPC message is one cache line");
 #define CLIENT_SPIN_NS 20000ull    /* default spin of a client wait */
 #define SERVER_SPIN_NS 50000ull    /* default spin of the server after its last request */
 #define YIELDS 2u                  /* sched_yield() rounds before a nap (no wake-up only) */
-#define CHECK_NS 1000000ull        /* how often a waiting thread asks if it was preempted */
-#define CALM_NS 50000000ull        /* then it sleeps at once (no spin, no yield) this long */
+#define CHECK_NS 1000000ull        /* how often a spinning thread looks at its core's contention */
+#define STALLED_SHARE 8            /* contended: it waited for a core > 1/8 of the time since, */
+#define LONG_STALL_NS 20000ull     /* ... for longer than this per turn on a core on average */
+#define CALM_MIN_NS 50000000ull    /* then it sleeps at once (no spin, no yield) this long, */
+#define CALM_MAX_NS 2000000000ull  /* doubling each time spinning is stalled again */
 #define SLEEP_NS 5000000ull        /* default longest futex sleep before a re-poll */
 #define NAP_MIN_NS 20000ull        /* timed naps (no wake-up) start here ... */
 #define NAP_MAX_NS 1000000ull      /* ... and double up to this */
@@ -186,13 +189,16 @@ typedef struct {
     int wake;            /* (client) the server shares our kernel: use the wake lines */
     int futex_ok;        /* cleared at the first futex error: timed naps only */
     uint64_t calm_until; /* the core is contended: sleep at once until then */
-    uint64_t next_check; /* when to look at the thread's preemptions again */
-    long nivcsw;         /* its involuntary context switches at the last look */
+    uint64_t calm_ns;    /* length of the next calm spell */
+    uint64_t next_check; /* when to look at the thread's contention again */
+    uint64_t checked;    /* when it last looked (0: not while spinning) */
+    uint64_t stalled;    /* its time waiting for a core then */
+    uint64_t turns;      /* its turns on a core then */
     long tid;            /* the thread that looked */
 } wait_cfg;
 
 typedef struct {
-    _Atomic uint64_t yields, naps, sleeps, woken, timeouts, wakes, futex_errors, preempted;
+    _Atomic uint64_t yields, naps, sleeps, woken, timeouts, wakes, futex_errors, stalled;
 } wait_stats;
 
 /* Count one event (read by other threads; one writer at a time). */
@@ -216,31 +222,67 @@ static void backoff_start(backoff *b, uint64_t now, int idle)
 }
 
 /*
- * Whether the cores are contended: the waiting thread was preempted lately.
+ * The calling thread's time spent runnable but waiting for a core (ns) and
+ * its turns on a core, from schedstat; 0 when the kernel does not tell.
+ */
+static int read_schedstat(uint64_t *stalled, uint64_t *turns)
+{
+    char buf[128];
+    unsigned long long run, delay, count;
+    int fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof(buf) - 1);
+    if (fd >= 0)
+        close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    if (sscanf(buf, "%llu %llu %llu", &run, &delay, &count) != 3)
+        return 0;
+    *stalled = delay, *turns = count;
+    return 1;
+}
+
+/*
+ * Whether the cores are contended, so that spinning would only hurt.
+ *
  * Spinning pays only while we own a core.  A thread that does not sleep
  * (spinning, plus the Python around it) uses up its share, and the scheduler
- * then runs every other task on the core before it for a full slice: a
- * millisecond stall, where a thread that sleeps (a blocking socket) is run at
- * once on wake-up.  So once every CHECK_NS of waiting the thread reads its
- * count of involuntary context switches; if it grew, the thread sleeps at
- * once for CALM_NS, then tries spinning again.  (Hypervisor steal is no
- * context switch: it does not count.)
+ * then runs other tasks on the core before it for a full slice: millisecond
+ * stalls, where a thread that sleeps (like one blocked on a socket) is run at
+ * once on wake-up.  So every CHECK_NS a spinning waiter reads how long it
+ * waited for a core: past 1/STALLED_SHARE of the time, in stalls that average
+ * more than LONG_STALL_NS, it has been losing slices to other tasks, and it
+ * sleeps at once for a calm spell, then tries spinning again.  A spell
+ * doubles (CALM_MIN_NS up to CALM_MAX_NS) each time spinning is stalled again
+ * and shrinks back after a clean look, so busy cores are probed rarely.  Only
+ * spinning is judged: a sleeping waiter that wakes its peer on its own core
+ * is stalled for the peer's turn (microseconds) every call, which says
+ * nothing.  (Hypervisor steal is no run delay.  Where schedstat is missing,
+ * waits always spin first.)
  */
 static int contended(wait_cfg *c, wait_stats *st, uint64_t now)
 {
-    if (now >= c->next_check) {
-        struct rusage ru;
-        long tid = (long)syscall(SYS_gettid);
-        c->next_check = now + CHECK_NS;
-        if (getrusage(RUSAGE_THREAD, &ru) == 0) {
-            if (tid == c->tid && ru.ru_nivcsw != c->nivcsw) {
-                c->calm_until = now + CALM_NS;
-                COUNT(st->preempted);
-            }
-            c->tid = tid, c->nivcsw = ru.ru_nivcsw;
+    int calm = now < c->calm_until;
+    if (calm || now < c->next_check)
+        return calm;
+    uint64_t stalled, turns;
+    long tid = (long)syscall(SYS_gettid);
+    c->next_check = now + CHECK_NS;
+    if (!read_schedstat(&stalled, &turns))
+        return 0;
+    if (c->checked && tid == c->tid) {
+        uint64_t waited = stalled - c->stalled, window = now - c->checked;
+        if (waited > window / STALLED_SHARE && waited > (turns - c->turns) * LONG_STALL_NS) {
+            c->calm_until = now + c->calm_ns;
+            c->calm_ns = c->calm_ns * 2 < CALM_MAX_NS ? c->calm_ns * 2 : CALM_MAX_NS;
+            c->checked = 0; /* the next look, after the spell, starts a new window */
+            COUNT(st->stalled);
+            return 1;
         }
+        c->calm_ns = CALM_MIN_NS;
     }
-    return now < c->calm_until;
+    c->tid = tid, c->stalled = stalled, c->turns = turns, c->checked = now;
+    return 0;
 }
 
 /*
@@ -338,8 +380,8 @@ static PyObject *stats_dict(wait_stats *st)
                          (unsigned long long)st->naps, "sleeps", (unsigned long long)st->sleeps,
                          "woken", (unsigned long long)st->woken, "timeouts",
                          (unsigned long long)st->timeouts, "wakes", (unsigned long long)st->wakes,
-                         "futex_errors", (unsigned long long)st->futex_errors, "preempted",
-                         (unsigned long long)st->preempted);
+                         "futex_errors", (unsigned long long)st->futex_errors, "stalled",
+                         (unsigned long long)st->stalled);
 }
 
 /* Set a duration attribute from seconds within [lo, hi]; else raise ValueError(msg). */
@@ -455,7 +497,8 @@ static int Client_init(ClientObject *self, PyObject *args, PyObject *kw)
     self->gen = gen;
     self->next_seq = self->done_seq = first ? first : 1;
     self->doorbell = doorbell_fits(mo, base, ring_bytes);
-    self->wait = (wait_cfg){CLIENT_SPIN_NS, SLEEP_NS, wake, 1, 0, 0, 0, 0};
+    self->wait = (wait_cfg){.spin_ns = CLIENT_SPIN_NS, .sleep_ns = SLEEP_NS, .wake = wake,
+                            .futex_ok = 1, .calm_ns = CALM_MIN_NS};
     atomic_store(wake_word(&mo->mem, base + BL_RPC_CLIENT_WAKE), 0); /* no stale "asleep" */
     return 0;
 }
@@ -904,7 +947,8 @@ static int Server_init(ServerObject *self, PyObject *args, PyObject *kw)
     self->area_off = off, self->ring_bytes = ring_bytes, self->nrings = n;
     self->nactive = self->nwake = 0;
     self->doorbell = doorbell_fits(mo, off, ring_bytes * n);
-    self->wait = (wait_cfg){SERVER_SPIN_NS, SLEEP_NS, 1, 1, 0, 0, 0, 0};
+    self->wait = (wait_cfg){.spin_ns = SERVER_SPIN_NS, .sleep_ns = SLEEP_NS, .wake = 1,
+                            .futex_ok = 1, .calm_ns = CALM_MIN_NS};
     if (self->doorbell) /* a server that died asleep left its announcement behind */
         atomic_store(wake_word(&mo->mem, BL_RPC_DOORBELL), 0);
     return 0;
