@@ -249,15 +249,16 @@ static int read_schedstat(uint64_t *stalled, uint64_t *turns)
  * (spinning, plus the Python around it) uses up its share, and the scheduler
  * then runs other tasks on the core before it for a full slice: millisecond
  * stalls, where a thread that sleeps (like one blocked on a socket) is run at
- * once on wake-up.  So every CHECK_NS a spinning waiter reads how long it
- * waited for a core: past 1/STALLED_SHARE of the time, in stalls that average
- * more than LONG_STALL_NS, it has been losing slices to other tasks, and it
- * sleeps at once for a calm spell, then tries spinning again.  A spell
- * doubles (CALM_MIN_NS up to CALM_MAX_NS) each time spinning is stalled again
- * and shrinks back after a clean look, so busy cores are probed rarely.  Only
- * spinning is judged: a sleeping waiter that wakes its peer on its own core
- * is stalled for the peer's turn (microseconds) every call, which says
- * nothing.  (Hypervisor steal is no run delay.  Where schedstat is missing,
+ * once on wake-up.  So at most every CHECK_NS, outside calm spells, a waiter
+ * reads how long it waited for a core since its last look: past
+ * 1/STALLED_SHARE of the time, in stalls that average more than
+ * LONG_STALL_NS per turn on a core, it has been losing slices to other tasks,
+ * and it sleeps at once for a calm spell, then tries spinning again.  The
+ * average tells a slice lost to a hog (milliseconds) from a peer that was
+ * woken on our core and ran first (microseconds, every call).  A spell
+ * doubles (CALM_MIN_NS up to CALM_MAX_NS) each time spinning is stalled
+ * again and shrinks back after a clean look, so busy cores are probed
+ * rarely.  (Hypervisor steal is no run delay.  Where schedstat is missing,
  * waits always spin first.)
  */
 static int contended(wait_cfg *c, wait_stats *st, uint64_t now)
