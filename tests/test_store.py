@@ -163,11 +163,16 @@ def test_a_writer_killed_mid_put_never_becomes_visible(pool: Pool, mode: str) ->
 
 def test_an_expired_write_lease_returns_the_space(pool: Pool) -> None:
     with server(pool.spec, write_lease_s=0.2), KVStore(pool) as s:
+        base = s.stats()["blocks_used"]
         refs = s.reserve(["slow"], [1000])
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while s.stats()["lease_expiries"] < 1:
+            assert time.monotonic() < deadline, "the write lease never expired"
+            time.sleep(0.01)
+        assert s.stats()["blocks_used"] == base + 1  # quarantined: its writer still lives
         with pytest.raises(RpcError, match="lost their write lease"):
             s.seal(refs)
-        assert s.get("slow") is None and s.stats()["lease_expiries"] == 1
+        assert s.get("slow") is None and s.stats()["blocks_used"] == base
 
 
 def _writer(spec: str, mode: str, prefix: str, n: int, size: int, out: Any) -> None:
