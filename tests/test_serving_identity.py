@@ -161,6 +161,12 @@ def test_hugging_face_snapshots_are_named_by_their_commit(
         ModelIdentity.of_files("acme/tiny-llama", "v2")
     with pytest.raises(LookupError, match="not a local path"):
         ModelIdentity.of_files("acme/other-model")
+    shutil.copytree(snapshot, repo / "snapshots" / COMMIT.replace("0", "f"))
+    assert ModelIdentity.of_files("acme/tiny-llama", "main") == exact
+    with pytest.raises(LookupError, match="2 snapshots"):  # and the revision is not known
+        ModelIdentity.of_files("acme/tiny-llama")
+    with pytest.raises(KVLayoutError, match=SETTING):
+        resolve_model("acme/tiny-llama", setting=SETTING)
 
 
 # -- resolve_model -------------------------------------------------------------

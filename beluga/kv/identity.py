@@ -114,9 +114,11 @@ class ModelIdentity:
         A path inside a Hugging Face snapshot, or a repo id found in the
         Hugging Face cache (``cache_dir``, else ``$HF_HUB_CACHE``, else
         ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``) at ``revision``
-        (default ``main``), is named by its commit; any other path is
-        fingerprinted (see the module docstring).  Raises ``LookupError`` when
-        ``model`` is neither, and ``ValueError`` for a directory without weights.
+        (a branch, tag or commit), is named by its commit; any other path is
+        fingerprinted (see the module docstring).  ``revision`` None means
+        "not known": the repo's only cached snapshot, refused when there are
+        several.  Raises ``LookupError`` when ``model`` is neither, and
+        ``ValueError`` for a directory without weights.
         """
         if os.path.exists(model):
             path = os.path.abspath(model)
@@ -127,9 +129,10 @@ class ModelIdentity:
             return cls(f"files:{_files_digest(path)}", os.path.basename(path.rstrip(os.sep)))
         commit = _cached_commit(model, revision, cache_dir)
         if commit is None:
+            at = "" if revision is None else f" at revision {revision!r}"
             raise LookupError(
-                f"{model!r} is not a local path, and no snapshot of it at revision "
-                f"{revision or 'main'!r} is in the Hugging Face cache {_hub_cache(cache_dir)}"
+                f"{model!r} is not a local path, and no snapshot of it{at} is in the "
+                f"Hugging Face cache {_hub_cache(cache_dir)}"
             )
         return cls(f"hf:{model}@{commit}", model)
 
@@ -259,9 +262,21 @@ def _snapshot_of(path: str) -> tuple[str, str] | None:
 
 
 def _cached_commit(repo: str, revision: str | None, cache_dir: str | None) -> str | None:
-    """The commit of ``repo`` at ``revision`` in the Hugging Face cache, if it is there."""
+    """The commit of ``repo`` at ``revision`` (None: its only snapshot) in the HF cache."""
     folder = os.path.join(_hub_cache(cache_dir), "models--" + repo.replace("/", "--"))
-    revision = revision or "main"
+    if revision is None:
+        try:
+            snapshots = [
+                c for c in os.listdir(os.path.join(folder, "snapshots")) if _COMMIT.fullmatch(c)
+            ]
+        except OSError:
+            return None
+        if len(snapshots) > 1:
+            raise LookupError(
+                f"{len(snapshots)} snapshots of {repo!r} are in the Hugging Face cache "
+                f"{_hub_cache(cache_dir)}, and which one is served is not known"
+            )
+        return snapshots[0] if snapshots else None
     commit = revision if _COMMIT.fullmatch(revision) else None
     if commit is None:
         try:
