@@ -26,7 +26,7 @@ import torch
 from beluga import KVStore
 from beluga.child import server_process
 from beluga.errors import CapacityError, RpcError
-from beluga.kv import block_keys, hash_block, seed_hash, sha256
+from beluga.kv import hash_block, prefix_hashes, seed_hash, sha256
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
 
@@ -264,9 +264,9 @@ def test_stress_writers_and_readers_racing_eviction(pool: Pool, mode: str) -> No
     assert stats["evictions"] > 0, "the test must exercise eviction and reuse"
 
 
-def test_block_keys_chain_like_vllm() -> None:
+def test_prefix_hashes_chain_like_vllm() -> None:
     tokens = list(range(100))
-    keys = block_keys(tokens, block_size=16, seed="s")
+    keys = prefix_hashes(tokens, block_size=16, seed="s")
     assert len(keys) == 6  # only full blocks
     parent = sha256("s")
     assert seed_hash(sha256, "s") == parent
@@ -277,12 +277,12 @@ def test_block_keys_chain_like_vllm() -> None:
             == parent
             == hash_block(sha256, keys[i - 1] if i else sha256("s"), tokens[16 * i : 16 * i + 16])
         )
-    assert block_keys(tokens[:64] + [7] * 36, seed="s")[:4] == keys[:4]  # shared prefix
-    assert block_keys(tokens[:64] + [7] * 36, seed="s")[4] != keys[4]
-    assert block_keys(tokens, seed="s", extra_keys=("lora-1",))[0] != keys[0]
-    assert block_keys(tokens, seed="other")[0] != keys[0]
+    assert prefix_hashes(tokens[:64] + [7] * 36, seed="s")[:4] == keys[:4]  # shared prefix
+    assert prefix_hashes(tokens[:64] + [7] * 36, seed="s")[4] != keys[4]
+    assert prefix_hashes(tokens, seed="s", extra_keys=("lora-1",))[0] != keys[0]
+    assert prefix_hashes(tokens, seed="other")[0] != keys[0]
     with pytest.raises(ValueError, match="unknown block hash"):
-        block_keys(tokens, hash_fn="md5")
+        prefix_hashes(tokens, hash_fn="md5")
 
 
 def test_a_server_refuses_a_pool_of_another_layout(pool: Pool, shm_path: str) -> None:
