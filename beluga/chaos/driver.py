@@ -104,12 +104,18 @@ COHERENCE = ("native", "mixed", "model")
 
 
 class ChaosError(BelugaError):
-    """The chaos run itself could not proceed (not a finding about Beluga)."""
+    """The chaos run itself could not proceed (not a finding about Beluga).
+
+    Its message says what it waited for and how to rerun (seed, bounds).
+    """
 
 
 @dataclass(frozen=True)
 class ChaosConfig:
-    """One chaos run.  ``seed=None`` draws one (it is printed and reported)."""
+    """One chaos run.  ``seed=None`` draws one (it is printed and reported).
+
+    Frozen (treat ``weights`` as read-only too): thread-safe and fork-safe.
+    """
 
     faults: int = 200
     seed: int | None = None
@@ -284,6 +290,11 @@ class ChaosDriver:
 
     def run(self) -> ChaosReport:
         cfg = self.cfg
+        if os.path.exists(self.path):
+            raise ChaosError(
+                f"{self.path} already exists; a chaos run makes (and removes) a scratch pool "
+                "of its own: name a new path, or remove that one if nothing uses it"
+            )
         self.log(
             f"beluga chaos: seed {self.seed}, {cfg.faults} faults, coherence {cfg.coherence}, "
             f"pool {self.path} (replay: beluga chaos --seed {self.seed} --faults {cfg.faults}"

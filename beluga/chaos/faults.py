@@ -34,7 +34,10 @@ RPC_PARTS = ("request-line", "response-line", "request-buffer", "response-buffer
 
 @dataclass(frozen=True)
 class Hit:
-    """Where hostile bytes went, and the published block they hit, if any."""
+    """Where hostile bytes went, and the published block they hit, if any.
+
+    Immutable: thread-safe and fork-safe.
+    """
 
     target: str
     offset: int

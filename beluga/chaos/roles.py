@@ -57,12 +57,15 @@ from beluga.errors import RpcError
 from beluga.kv.store import BlockRef, KVStore
 
 READ_PATHS = ("get", "get_into", "batch_get_into", "get_batch", "inplace")
-_MAX_REPORT = 24  # read results per message: keeps a message far below PIPE_BUF
+_MAX_REPORT = 8  # read results per message: keeps a message below PIPE_BUF (4 KiB)
 
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """What one role process does; built by the driver, inherited through fork."""
+    """What one role process does; built by the driver, inherited through fork.
+
+    Immutable: thread-safe and fork-safe (that is how it reaches the role).
+    """
 
     name: str
     kind: str  # "writer" | "inplace" | "reader" | "auditor"

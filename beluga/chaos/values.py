@@ -51,7 +51,10 @@ def make_value(key_digest: bytes, writer: int, serial: int, n: int) -> bytes:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a returned value is: a value of the key asked for, or why it is not."""
+    """What a returned value is: a value of the key asked for, or why it is not.
+
+    Immutable: thread-safe and fork-safe.
+    """
 
     ok: bool
     writer: int = -1

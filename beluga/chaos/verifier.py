@@ -44,6 +44,8 @@ _DETAILS = 40  # findings kept with full detail per category
 
 @dataclass
 class WriteOp:
+    """One put or remove as its writer reported it (History's own record; not shared)."""
+
     key: int
     serial: int
     kind: str  # "put" | "remove"
@@ -56,6 +58,8 @@ class WriteOp:
 
 @dataclass
 class Read:
+    """One key read as its reader reported it (History's own record; not shared)."""
+
     role: str
     path: str
     key: int
@@ -66,7 +70,11 @@ class Read:
 
 @dataclass
 class Findings:
-    """What the checks found over a whole history."""
+    """What the checks found over a whole history.
+
+    A plain value built by :meth:`History.check`: not thread-safe while it is
+    filled, safe to read and to pickle afterwards.
+    """
 
     values_verified: int = 0
     bytes_verified: int = 0

@@ -191,6 +191,14 @@ def test_in_place_read_of_a_corrupted_payload_is_a_miss(chaos_pool: Pool) -> Non
         assert intact, f"the in-place read path returned other bytes: {verdict}"
 
 
+def _serial(key: bytes, value: bytes | None) -> Any:
+    """What a read returned, in short: None, the serial of a value of ``key``, or why not."""
+    if value is None:
+        return None
+    v = verify(digest(key), value)
+    return v.serial if v.ok else f"other bytes ({v.reason})"
+
+
 def _header_at(pool: Pool, block: int) -> Any:
     return parse_header(read_line(pool.memory, pool.superblock.block_header_offset(block)))
 
@@ -235,6 +243,36 @@ def test_a_writer_stalled_past_its_lease_never_lands_on_a_reused_extent(chaos_po
             problems.append(f"acknowledged {victim} lost after a server restart")
         if s.get("stalled") is not None:
             problems.append("the refused write of 'stalled' is served after a server restart")
+    assert not problems, problems
+
+
+def test_a_refused_write_is_never_served_not_even_after_a_restart(chaos_pool: Pool) -> None:
+    """Defect: a seal after the write lease expired leaves a published header that the
+    server does not know; a restarted server recovers it as the key's newest value,
+    over the acknowledged one, and brings back a key whose removal was acknowledged."""
+    problems = []
+    acked = {k: make_value(digest(k.encode()), 1, 1, 5_000) for k in ("kept", "gone")}
+    options = {"refresh_s": 0.02, "write_lease_s": 0.3}
+    with server_process(_serve, chaos_pool.spec, options) as first:
+        with KVStore(chaos_pool) as s:
+            for key, value in acked.items():
+                s.put(key, value)
+                late = make_value(digest(key.encode()), 1, 2, 5_000)
+                (ref,) = s.reserve([key], [len(late)])
+                time.sleep(0.6)  # stalled past the write lease
+                put_piece(s, ref, late, 0, len(late))
+                with pytest.raises(RpcError, match="lost their write lease"):
+                    s.seal([ref])
+            assert s.remove("gone")
+            assert s.get("kept") == acked["kept"] and s.get("gone") is None
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(10)
+    with server_process(_serve, chaos_pool.spec, {"refresh_s": 0.02}), KVStore(chaos_pool) as s:
+        kept, gone = _serial(b"kept", s.get("kept")), _serial(b"gone", s.get("gone"))
+    if kept != 1:
+        problems.append(f"after a restart 'kept' reads serial {kept}, not the acknowledged 1")
+    if gone is not None:
+        problems.append(f"after a restart the removed 'gone' is back with serial {gone}")
     assert not problems, problems
 
 
