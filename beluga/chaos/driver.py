@@ -131,9 +131,9 @@ class ChaosConfig:
     rpc_timeout_s: float = 4.0
     connect_timeout_s: float = 6.0
     server_start_timeout_s: float = 30.0
-    max_reuse_wait_s: float = 6.0  # past the lease, waiting for the extent to be reused
+    max_reuse_wait_s: float = 8.0  # past the lease, waiting for the extent to be reused
     pool_path: str | None = None  # default: a unique /dev/shm/beluga-chaos-* file
-    pool_bytes: int = 14 << 20  # small enough that freed extents are reused within seconds
+    pool_bytes: int = 16 << 20  # small enough that freed extents are reused within seconds
     block_size: int = 16 << 10
     max_value_blocks: int = 3
     role_pause_s: float = 0.002
@@ -285,6 +285,7 @@ class ChaosDriver:
         self.mid_reused = 0
         self.injecting = True
         self.pool: Pool | None = None
+        self.nblocks = 0
 
     # -- set-up and tear-down ------------------------------------------------
 
@@ -302,6 +303,7 @@ class ChaosDriver:
         )
         geometry = Geometry(max_hosts=32, rpc_bytes_per_host=128 << 10, block_size=cfg.block_size)
         self.pool = Pool.create(self.path, cfg.pool_bytes, geometry=geometry, coherence="native")
+        self.nblocks = self.pool.superblock.nblocks
         try:
             self._start_server()
             self._await(
@@ -959,6 +961,7 @@ class ChaosDriver:
             error_samples=self.error_samples,
             corrupted_keys=sorted(self.keys[k] for k in self.history.corruptions),
             evictions_seen=self.history.evictions_seen,
+            server_peaks={**self.history.peaks, "blocks_total": self.nblocks},
             server_restarts=len(self.history.server_kills),
         )
 

@@ -29,6 +29,7 @@ class ChaosReport:
     error_samples: dict[str, Counter[str]]
     corrupted_keys: list[str]
     evictions_seen: int
+    server_peaks: dict[str, int]
     server_restarts: int
 
     @property
@@ -92,6 +93,7 @@ class ChaosReport:
             "wrong_bytes_by_cause": dict(sorted(f.wrong_by_cause.items())),
             "corrupted_keys": self.corrupted_keys,
             "evictions_seen": self.evictions_seen,
+            "server_peaks": self.server_peaks,
             "errors": dict(sorted(self.errors.items())),
             "error_messages": {k: dict(v.most_common()) for k, v in self.error_samples.items()},
             "details": {
@@ -123,7 +125,8 @@ class ChaosReport:
             f"{self.lost_acked_writes}; uncommitted values read: {self.uncommitted_reads}; "
             f"hangs: {len(self.hangs)}",
             f"misses excused: {excused}; keys deliberately corrupted: "
-            f"{len(self.corrupted_keys)}; evictions seen: {self.evictions_seen}",
+            f"{len(self.corrupted_keys)}; evictions seen: {self.evictions_seen}; server peaks: "
+            f"{self.server_peaks}",
             f"findings by phase: {phases}",
             f"wrong bytes by path/reason/key: {causes}",
             f"errors by type: {errors}",

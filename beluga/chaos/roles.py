@@ -23,7 +23,7 @@ Messages to the driver (``t`` is the sender's monotonic clock):
                                              serial, nbytes)``, or ``("wrong", reason,
                                              detail, writer, serial)``
 ``("error", t, type, message)``              a call failed (the role carries on)
-``("stats", t, epoch, evictions)``           the server's eviction counter
+``("stats", t, epoch, counters)``            the server's counters (evictions, use)
 ``("audited", t)``                           the auditor read every key by every path
 
 Commands from the driver: ``"stop"`` (finish the current step and exit),
@@ -57,6 +57,7 @@ from beluga.errors import RpcError
 from beluga.kv.store import BlockRef, KVStore
 
 READ_PATHS = ("get", "get_into", "batch_get_into", "get_batch", "inplace")
+_COUNTERS = ("evictions", "blocks_used", "keys", "writes_in_flight", "retiring_extents")
 _MAX_REPORT = 8  # read results per message: keeps a message below PIPE_BUF (4 KiB)
 
 
@@ -220,7 +221,7 @@ class _Writer(_Role):
         if _now() >= self.next_stats:
             self.next_stats = _now() + 0.25
             st = store.stats()
-            self.send("stats", _now(), store.rpc.server.epoch, int(st["evictions"]))
+            self.send("stats", _now(), store.rpc.server.epoch, {k: st[k] for k in _COUNTERS})
 
     def step(self, store: KVStore) -> None:
         self.stats(store)

@@ -122,6 +122,7 @@ class History:
         self.corruptions: dict[int, list[float]] = defaultdict(list)
         self.server_kills: list[float] = []
         self.evictions: dict[int, int] = {}
+        self.peaks: dict[str, int] = {}  # the highest of each server counter seen
         self.live_wrong = 0
 
     # -- what the roles and the driver report --------------------------------
@@ -161,8 +162,12 @@ class History:
     def server_killed(self, t: float) -> None:
         self.server_kills.append(t)
 
-    def stats(self, epoch: int, evictions: int) -> None:
-        self.evictions[epoch] = max(self.evictions.get(epoch, 0), evictions)
+    def stats(self, epoch: int, counters: dict[str, int]) -> None:
+        """A server's counters as a writer saw them (they restart with every server)."""
+        self.evictions[epoch] = max(self.evictions.get(epoch, 0), counters["evictions"])
+        for name, value in counters.items():
+            if name != "evictions":
+                self.peaks[name] = max(self.peaks.get(name, 0), value)
 
     @property
     def evictions_seen(self) -> int:

@@ -55,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated fault kinds to inject (default: all; see beluga.chaos.KINDS)",
     )
     c.add_argument(
-        "--pool-size", type=parse_size, default=14 << 20, help="scratch pool size (default 14M)"
+        "--pool-size", type=parse_size, default=16 << 20, help="scratch pool size (default 16M)"
     )
     c.add_argument(
         "--pool",
