@@ -181,16 +181,20 @@ class History:
         for op in self.ops.values():
             by_key[op.key].append(op)
             f.writes[f"{op.kind}:{op.outcome.split(':')[0]}"] += 1
+        # per key, acknowledgements in time order and the highest-serial one so far
         acked: dict[int, tuple[list[float], list[WriteOp]]] = {}
         for key, ops in by_key.items():
             ops.sort(key=lambda o: o.serial)
             done = sorted((o for o in ops if o.outcome == "ack"), key=lambda o: o.t_done)
-            acked[key] = ([o.t_done for o in done], done)
+            highest: list[WriteOp] = []
+            for o in done:
+                highest.append(o if not highest or o.serial > highest[-1].serial else highest[-1])
+            acked[key] = ([o.t_done for o in done], highest)
         for r in self.reads:
             f.reads_by_path[r.path] += 1
-            times, done = acked.get(r.key, ([], []))
-            before = done[: bisect.bisect_left(times, r.t0)]
-            floor = max(before, key=lambda o: o.serial) if before else None
+            times, highest = acked.get(r.key, ([], []))
+            n = bisect.bisect_left(times, r.t0)
+            floor = highest[n - 1] if n else None
             if r.result is None:
                 f.misses += 1
                 self._check_miss(f, r, floor, by_key.get(r.key, []))
