@@ -39,7 +39,7 @@ from typing import Any
 
 #: seconds after a writer died or gave up during which its requests may still land
 LATE_EFFECT_S = 3.0
-_DETAILS = 40  # findings kept with full detail per category
+_DETAILS = 200  # findings kept with full detail per category
 
 
 @dataclass
