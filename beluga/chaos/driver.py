@@ -131,9 +131,9 @@ class ChaosConfig:
     rpc_timeout_s: float = 4.0
     connect_timeout_s: float = 6.0
     server_start_timeout_s: float = 30.0
-    max_reuse_wait_s: float = 8.0  # past the lease, waiting for the extent to be reused
+    max_reuse_wait_s: float = 2.0  # past the lease, waiting for the extent to be reused
     pool_path: str | None = None  # default: a unique /dev/shm/beluga-chaos-* file
-    pool_bytes: int = 16 << 20  # small enough that freed extents are reused within seconds
+    pool_bytes: int = 24 << 20  # small enough that freed extents are reused within seconds
     block_size: int = 16 << 10
     max_value_blocks: int = 3
     role_pause_s: float = 0.002

@@ -16,6 +16,9 @@ import json
 import sys
 
 from beluga.bench.stats import parse_size
+from beluga.chaos.driver import ChaosConfig
+
+_DEFAULT = ChaosConfig()  # one home for every default: the config's own
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,27 +38,51 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="clients' coherence: native, mixed (every odd role slot under the non-coherent "
         "model), model (every role and the server) (default native)",
     )
-    c.add_argument("--writers", type=int, default=3, help="out-of-place writers (default 3)")
-    c.add_argument("--inplace-writers", type=int, default=2, help="in-place writers (default 2)")
-    c.add_argument("--readers", type=int, default=3, help="readers (default 3)")
     c.add_argument(
-        "--write-lease", type=float, default=0.75, help="server write lease in s (default 0.75)"
+        "--writers",
+        type=int,
+        default=_DEFAULT.writers,
+        help=f"out-of-place writers (default {_DEFAULT.writers})",
     )
     c.add_argument(
-        "--interval", type=float, default=0.3, help="mean seconds between faults (default 0.3)"
+        "--inplace-writers",
+        type=int,
+        default=_DEFAULT.inplace_writers,
+        help=f"in-place writers (default {_DEFAULT.inplace_writers})",
+    )
+    c.add_argument(
+        "--readers",
+        type=int,
+        default=_DEFAULT.readers,
+        help=f"readers (default {_DEFAULT.readers})",
+    )
+    c.add_argument(
+        "--write-lease",
+        type=float,
+        default=_DEFAULT.write_lease_s,
+        help=f"server write lease in s (default {_DEFAULT.write_lease_s})",
+    )
+    c.add_argument(
+        "--interval",
+        type=float,
+        default=_DEFAULT.fault_interval_s,
+        help=f"mean seconds between faults (default {_DEFAULT.fault_interval_s})",
     )
     c.add_argument(
         "--hang-bound",
         type=float,
-        default=30.0,
-        help="seconds without progress that make a hang (default 30)",
+        default=_DEFAULT.hang_bound_s,
+        help=f"seconds without progress that make a hang (default {_DEFAULT.hang_bound_s})",
     )
     c.add_argument(
         "--only",
         help="comma-separated fault kinds to inject (default: all; see beluga.chaos.KINDS)",
     )
     c.add_argument(
-        "--pool-size", type=parse_size, default=16 << 20, help="scratch pool size (default 16M)"
+        "--pool-size",
+        type=parse_size,
+        default=_DEFAULT.pool_bytes,
+        help=f"scratch pool size (default {_DEFAULT.pool_bytes >> 20}M)",
     )
     c.add_argument(
         "--pool",

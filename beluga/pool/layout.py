@@ -108,7 +108,8 @@ class Superblock:
 
     @property
     def rpc_bytes_per_host(self) -> int:
-        return self.rpc.length // self.max_hosts
+        """Bytes of each host's ring: the RPC area shared out, in whole 4 KiB pages."""
+        return self.rpc.length // self.max_hosts // 4096 * 4096
 
     def block_header_offset(self, block: int) -> int:
         return self.headers.offset + block * LINE
@@ -275,7 +276,11 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
         if r.offset % REGION_ALIGN or r.offset < prev_end or r.end > pool_size:
             problems.append(f"region [{r.offset}, {r.end}) is misplaced")
         prev_end = max(prev_end, r.end)
-    if max_hosts < 1 or h_len < host_region_lines(max_hosts) * LINE or r_len % max(max_hosts, 1):
+    if (
+        max_hosts < 1
+        or h_len < host_region_lines(max_hosts) * LINE
+        or r_len < max(max_hosts, 1) * 4096
+    ):
         problems.append(f"host table does not fit {max_hosts} hosts")
     if (
         block_size < 4096

@@ -72,6 +72,7 @@ class Pool:
         """
         backend = parse_spec(spec)
         sb = plan(size, geometry or Geometry(), label)
+        unpack(sb.pack(), size, backend.spec)  # what attach will check, before anything is made
         if backend.exists() and not force:
             existing = None
             with contextlib.suppress(PoolError):
