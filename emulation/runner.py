@@ -210,8 +210,12 @@ def _python_or_sh(path: Path) -> str:
 
 
 def _python() -> str:
-    """This Python's real path: the guest runs it from the shared host root."""
-    return os.path.realpath(sys.executable)
+    """This Python's path: the guest runs it from the shared host root.
+
+    Not resolved through symlinks: a virtualenv's ``bin/python`` is a link to
+    the base interpreter, and only the link's path finds the venv's packages.
+    """
+    return os.path.abspath(sys.executable)
 
 
 def _new_rundir(topology: Topology) -> Path:

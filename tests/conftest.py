@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import pytest
 
 from beluga.pool import Geometry, Pool
+from beluga.rpc import RpcServer
 
 SHM = "/dev/shm"
 # one prefix per test session, so that concurrent sessions never see each other's files
@@ -59,3 +61,14 @@ def no_leaks() -> Iterator[None]:
     extra = _children() - children
     assert not extra, f"test left processes behind: {extra}"
     assert _leftovers() <= files, f"test left files in /dev/shm: {_leftovers() - files}"
+
+
+@contextmanager
+def serving(pool: Pool, **options: object) -> Iterator[RpcServer]:
+    """An RPC server (the grantor of host ids) in a thread of this process."""
+    server = RpcServer(pool, refresh_s=0.01, **options)  # type: ignore[arg-type]
+    server.start_thread()
+    try:
+        yield server
+    finally:
+        server.close()

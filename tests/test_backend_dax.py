@@ -11,6 +11,7 @@ from beluga.errors import BackendUnavailableError, PoolError
 from beluga.pool import Geometry, Pool, parse_spec
 from beluga.pool import dax as dax_module
 from beluga.pool.dax import DaxBackend
+from tests.conftest import serving
 
 MiB = 1 << 20
 SMALL = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=64 << 10)
@@ -125,7 +126,8 @@ def test_pool_lifecycle_on_a_dirty_stand_in(tmp_path: Path) -> None:
     with Pool.create(spec, 64 * MiB, geometry=SMALL) as pool:
         assert pool.superblock.pool_size == 64 * MiB
         assert pool.mapping.size == 64 * MiB  # open maps the whole device after the offset
-        entry = pool.claim_host()
+        with serving(pool):
+            entry = pool.claim_host()
         assert entry.host_id == 0
         assert pool.info()["device_size"] == 66 * MiB and pool.info()["stand_in_file"]
     with pytest.raises(PoolError, match="--force"):

@@ -1,82 +1,330 @@
-"""The host table: claims, liveness by pid + start time, reuse of dead slots."""
+"""The host table: exact claims granted by the server, liveness, reuse of dead ids.
+
+Claims race among forked children of one attachment (they share its file
+descriptors, which is what broke the old flock-based claim), among threads
+that are each a model-mode host with stalls injected between every step of
+the protocol, and with claimants forced onto one lobby line.  Liveness and
+staleness are driven by an injected clock: no sleeping for time to pass.
+"""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
-from beluga.errors import PoolError
-from beluga.pool import HostState, Pool
+from beluga.child import server_process
+from beluga.errors import PoolError, RpcError
+from beluga.pool import Geometry, HostState, Pool
+from beluga.pool.hosts import (
+    ClaimRequest,
+    Grant,
+    HostRegistry,
+    HostTable,
+    Identity,
+    Staleness,
+)
+from beluga.rpc import RpcServer
+from tests.conftest import serving
+
+CTX = mp.get_context("fork")
+HOSTS16 = Geometry(max_hosts=16, rpc_bytes_per_host=64 << 10, block_size=64 << 10)
+
+
+@pytest.fixture
+def pool16(shm_path: str) -> Iterator[Pool]:
+    p = Pool.create(shm_path, 32 << 20, geometry=HOSTS16)
+    yield p
+    p.close()
+    Pool.destroy(shm_path)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_claim_heartbeat_release(pool: Pool) -> None:
-    me = pool.claim_host()
-    assert me.pid == os.getpid() and pool.hosts.is_alive(me)
-    assert pool.hosts.read(me.host_id) == me
-    later = pool.hosts.heartbeat(me)
-    assert later.heartbeat_ns >= me.heartbeat_ns
-    pool.hosts.release(later)
-    left = pool.hosts.read(me.host_id)
-    assert left is not None and left.state == HostState.LEFT and not pool.hosts.is_alive(left)
+    with serving(pool):
+        me = pool.claim_host()
+        assert me.pid == os.getpid() and pool.hosts.is_alive(me) and pool.hosts.holds(me)
+        assert pool.hosts.read(me.host_id) == me
+        later = pool.hosts.heartbeat(me)
+        assert later.heartbeat_ns > me.heartbeat_ns
+        pool.hosts.release(later)
+        left = pool.hosts.read(me.host_id)
+        assert left is not None and left.state == HostState.LEFT
+        assert not pool.hosts.is_alive(left)
+        again = pool.claim_host()  # a released id is free again, in a new generation
+        assert again.host_id == me.host_id and again.generation == me.generation + 1
 
 
-def _claim_and_report(spec: str, q: mp.Queue) -> None:
-    with Pool.attach(spec, coherence="model") as p:
-        q.put(p.claim_host().host_id)
+def test_no_server_is_a_clear_error_and_the_request_is_withdrawn(pool: Pool) -> None:
+    with pytest.raises(RpcError, match="beluga serve"):
+        pool.claim_host(timeout=0.2)
+    assert HostRegistry(pool.hosts).serve_lobby() == 0  # a server started later grants nothing
 
 
-def test_concurrent_claims_get_distinct_ids(pool: Pool) -> None:
-    ctx = mp.get_context("fork")
-    q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_claim_and_report, args=(pool.spec, q)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    ids = sorted(q.get(timeout=30) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    q.close()
-    q.join_thread()
-    assert len(set(ids)) == 3
-    # those processes exited: their slots count as dead and are reclaimable
-    assert all(not pool.hosts.is_alive(pool.hosts.read(i)) for i in ids)
-    assert pool.claim_host().host_id in range(4)
+def _serve_rpc(spec: str, ready: mp.Event) -> None:
+    with Pool.attach(spec) as pool:
+        server = RpcServer(pool, refresh_s=0.005)
+        signal.signal(signal.SIGTERM, lambda *_: server.stop())
+        ready.set()
+        server.serve_forever()
+        server.close()
 
 
-def test_a_reused_pid_is_not_the_old_host(pool: Pool) -> None:
-    me = pool.claim_host()
-    impostor = type(me)(**{**me.__dict__, "start_ms": me.start_ms - 5000})
-    pool.hosts._write(impostor)
-    assert not pool.hosts.is_alive(pool.hosts.read(me.host_id))
-
-
-def test_a_live_explicit_id_is_refused_and_a_full_table_says_so(pool: Pool) -> None:
-    ctx = mp.get_context("fork")
-    ready, done = ctx.Event(), ctx.Event()
-
-    def hold(spec: str) -> None:
-        with Pool.attach(spec) as p:
-            p.claim_host(2)
-            ready.set()
-            done.wait(30)
-
-    proc = ctx.Process(target=hold, args=(pool.spec,))
-    proc.start()
+def _claim_in_child(pool: Pool, barrier: mp.Barrier, out: mp.Queue) -> None:
     try:
-        assert ready.wait(30)
-        with pytest.raises(PoolError, match="held by live pid"):
+        entry = pool.claim_host(timeout=20)  # through the parent's attachment
+        out.put((entry.host_id, entry.generation, os.getpid()))
+        barrier.wait(30)  # nobody exits (freeing its id) before every one has claimed
+        pool.hosts.release(entry)
+    except BaseException as e:
+        out.put(repr(e))
+
+
+def test_forked_children_of_one_attachment_get_distinct_ids(pool16: Pool) -> None:
+    """8 concurrent claimants forked from one attached pool, many rounds: never one id twice."""
+    with server_process(_serve_rpc, pool16.spec):
+        for _ in range(25):
+            barrier, out = CTX.Barrier(8), CTX.Queue()
+            kids = [
+                CTX.Process(target=_claim_in_child, args=(pool16, barrier, out)) for _ in range(8)
+            ]
+            for k in kids:
+                k.start()
+            got = [out.get(timeout=60) for _ in kids]
+            for k in kids:
+                k.join(30)
+            out.close()
+            out.join_thread()
+            assert all(isinstance(g, tuple) for g in got), got
+            assert len({g[0] for g in got}) == 8, f"two live processes share an id: {got}"
+            assert len({g[2] for g in got}) == 8
+
+
+def _stalling(rng: random.Random, seen: list[str]) -> object:
+    """A step hook that stalls a claimant for a random while at every step."""
+
+    def step(name: str) -> None:
+        seen.append(name)
+        time.sleep(rng.choice([0, 0, 0.0005, 0.002, 0.01]))
+
+    return step
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_model_hosts_with_stalls_at_every_step_and_one_lobby_line(pool16: Pool, seed: int) -> None:
+    """Claimants are model-mode hosts (stale caches, lines written back whole), stalled at
+    random between every step, and all forced onto lobby line 0, so their requests
+    overwrite and tear each other: every id granted is still granted to one live claimant."""
+    rng = random.Random(seed)
+    steps: list[str] = []
+    results: list[object] = []
+    hosts = [Pool.attach(pool16.spec, coherence="model") for _ in range(6)]
+    for h in hosts:
+        h.hosts._lobby_line = lambda rng: 0  # type: ignore[method-assign]  # all on one line
+    try:
+        with serving(pool16):
+
+            def claim(h: Pool, i: int) -> None:
+                try:
+                    step = _stalling(random.Random(rng.random()), steps)
+                    results.append(h.hosts.claim(timeout=30, step=step))  # type: ignore[arg-type]
+                except BaseException as e:
+                    results.append(e)
+
+            threads = [threading.Thread(target=claim, args=(h, i)) for i, h in enumerate(hosts)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert all(not t.is_alive() for t in threads)
+            assert all(not isinstance(r, BaseException) for r in results), results
+            ids = [r.host_id for r in results]  # type: ignore[union-attr]
+            assert len(set(ids)) == len(hosts), ids
+            for r in results:
+                assert pool16.hosts.holds(r)  # type: ignore[arg-type]
+            # the window was hit: claimants had to post again after a collision
+            assert steps.count("post") > len(hosts), steps
+    finally:
+        for h in hosts:
+            h.close()
+
+
+def test_a_wanted_id_held_by_a_live_process_is_refused(pool: Pool) -> None:
+    with serving(pool):
+        mine = pool.claim_host(2)
+        assert mine.host_id == 2
+        with pytest.raises(PoolError, match=f"held by live pid {os.getpid()}"):
             pool.claim_host(2)
         with pytest.raises(ValueError, match=r"0\.\.3"):
             pool.claim_host(9)
-    finally:
-        done.set()
-        proc.join(30)
+        others = [pool.claim_host() for _ in range(3)]
+        assert sorted(e.host_id for e in others) == [0, 1, 3]
+        with pytest.raises(PoolError, match="all 4 host ids"):
+            pool.claim_host()
 
 
-def test_heartbeat_staleness_decides_for_other_boots(pool: Pool) -> None:
-    me = pool.claim_host()
-    remote = type(me)(**{**me.__dict__, "boot_id": b"elsewhr", "heartbeat_ns": 1})
-    assert not pool.hosts.is_alive(remote)
-    fresh = pool.hosts.heartbeat(remote)
-    assert pool.hosts.is_alive(fresh)
+def _claim_then_die(spec: str, out: mp.Queue) -> None:
+    with Pool.attach(spec) as pool:
+        out.put(pool.claim_host(timeout=20).host_id)
+    out.close()
+    out.join_thread()  # the id is on its way to the parent ...
+    os._exit(0)  # ... and this process ends without releasing it
+
+
+def test_a_dead_holders_id_is_granted_again(pool: Pool) -> None:
+    with serving(pool):
+        out = CTX.Queue()
+        p = CTX.Process(target=_claim_then_die, args=(pool.spec, out))
+        p.start()
+        dead = out.get(timeout=30)
+        p.join(30)
+        out.close()
+        out.join_thread()
+        heir = pool.claim_host(dead)
+        assert heir.host_id == dead and heir.generation == 2
+
+
+def test_a_stopped_holder_is_alive(pool: Pool) -> None:
+    """On one kernel liveness is exact: a SIGSTOPped holder keeps its id however long."""
+    with serving(pool) as server:
+        out = CTX.Queue()
+        ready = CTX.Event()
+
+        def hold(spec: str) -> None:
+            with Pool.attach(spec) as p:
+                out.put(p.claim_host(1, timeout=20).host_id)
+                ready.wait(60)
+
+        proc = CTX.Process(target=hold, args=(pool.spec,))
+        proc.start()
+        try:
+            assert out.get(timeout=30) == 1
+            os.kill(proc.pid, signal.SIGSTOP)
+            server.registry.stale.clock = lambda: time.monotonic() + 1e6  # ages nothing here
+            with pytest.raises(PoolError, match=f"held by live pid {proc.pid}"):
+                pool.claim_host(1)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+            ready.set()
+            proc.join(30)
+        out.close()
+        out.join_thread()
+
+
+# -- liveness and staleness with an injected clock ------------------------------------
+
+
+def test_staleness_is_judged_by_the_observers_clock() -> None:
+    clock = FakeClock()
+    s = Staleness(10.0, clock)
+    assert s.fresh("h", 1)
+    clock.now += 9.9
+    assert s.fresh("h", 1)
+    clock.now += 0.2
+    assert not s.fresh("h", 1)  # unchanged for 10.1 s of our clock
+    assert s.fresh("h", 2)  # it moved: fresh again, whatever its value says
+    clock.now += 9.9
+    assert s.fresh("h", 2)
+
+
+def _table(pool: Pool, clock: FakeClock) -> HostTable:
+    sb = pool.superblock
+    return HostTable(pool.memory, sb.hosts, sb.max_hosts, clock=clock, wall=lambda: 5)
+
+
+def _remote_grant(table: HostTable, host_id: int, gen: int) -> Grant:
+    """Grant an id to a process of another machine (another boot id), as the server would."""
+    from beluga.coherence import write_line
+
+    g = Grant(host_id, gen, Identity(4242, 1, b"elsewher"), 99)
+    write_line(table.mem, table._grant_off(host_id), g.pack())
+    return g
+
+
+def test_another_hosts_holder_lives_while_its_heartbeat_moves(pool: Pool) -> None:
+    clock = FakeClock()
+    table = _table(pool, clock)
+    registry = HostRegistry(table, stale_s=10.0)
+    g = _remote_grant(table, 1, 3)
+    assert registry.alive(1) == g  # granted, not yet confirmed: fresh from now
+    clock.now += 11
+    assert registry.alive(1) is None  # never confirmed within stale_s
+    from beluga.coherence import write_line
+    from beluga.pool.hosts import HostEntry
+
+    entry = HostEntry(1, HostState.ALIVE, 4242, 1, b"elsewher", 100, 3, 99)
+    write_line(table.mem, table._host_off(1), entry.pack())
+    assert registry.alive(1) == g  # confirmed, and its heartbeat is new to us
+    clock.now += 9
+    write_line(table.mem, table._host_off(1), replace(entry, heartbeat_ns=101).pack())
+    assert registry.alive(1) == g
+    clock.now += 9.5
+    assert registry.alive(1) == g  # 9.5 s since it moved
+    clock.now += 1
+    assert registry.alive(1) is None  # stalled past stale_s: taken for dead
+    left = replace(entry, state=HostState.LEFT, heartbeat_ns=102)
+    write_line(table.mem, table._host_off(1), left.pack())
+    assert registry.alive(1) is None
+
+
+def test_a_holder_taken_for_dead_finds_its_grant_gone(pool: Pool) -> None:
+    clock = FakeClock()
+    table = _table(pool, clock)
+    regrants: list[tuple[int, int]] = []
+    registry = HostRegistry(
+        table, 10.0, before_grant=lambda h, old: regrants.append((h, old.generation))
+    )
+    from beluga.coherence import write_line
+    from beluga.pool.hosts import HostEntry
+
+    _remote_grant(table, 0, 1)
+    stalled = HostEntry(0, HostState.ALIVE, 4242, 1, b"elsewher", 7, 1, 99)
+    write_line(table.mem, table._host_off(0), stalled.pack())
+    assert table.holds(stalled) and registry.alive(0) is not None
+    clock.now += 30  # its heartbeat never moves again
+    me = Identity.mine()
+    write_line(table.mem, table._lobby_off(0), ClaimRequest(0, me, 1234).pack())
+    assert registry.serve_lobby() == 1
+    assert regrants == [(0, 1)]  # the old holder's state is dropped before the new grant
+    assert not table.holds(stalled)  # a resumed holder sees this and stops writing its line
+    new = table.grant(0)
+    assert new is not None and new.generation == 2 and new.identity == me
+    table.release(stalled)  # a late release by the old holder changes nothing
+    assert table.read(0) == stalled
+
+
+def test_torn_and_foreign_lobby_lines_are_ignored(pool: Pool) -> None:
+    from beluga.coherence import write_line
+
+    table = pool.hosts
+    registry = HostRegistry(table)
+    write_line(table.mem, table._lobby_off(0), os.urandom(64))
+    torn = bytearray(ClaimRequest(-1, Identity.mine(), 5).pack())
+    torn[20] ^= 0xFF
+    write_line(table.mem, table._lobby_off(1), bytes(torn))
+    assert registry.serve_lobby() == 0
+    assert all(table.grant(h) is None for h in range(table.max_hosts))
+
+
+def test_a_second_server_is_refused_while_one_serves(pool: Pool) -> None:
+    with serving(pool):
+        with pytest.raises(PoolError, match=r"server seat .* is held by another process"):
+            RpcServer(pool)
+        with Pool.attach(pool.spec) as other, pytest.raises(PoolError, match="another"):
+            RpcServer(other)
+    with serving(pool) as again:  # the seat and the lock were given back
+        assert again.registry.table.seat() is not None

@@ -201,3 +201,15 @@ def test_resealed_nonsense_regions_are_refused(field_offset: int, value: int) ->
         return
     for r in (parsed.hosts, parsed.rpc, parsed.headers, parsed.payloads):
         assert r.end <= parsed.pool_size <= 64 << 20
+
+
+def test_a_geometry_whose_rpc_area_does_not_divide_evenly_still_attaches(shm_path: str) -> None:
+    """24 hosts of 128 KiB rings round the RPC area up to 4 MiB, which 24 does not divide."""
+    geometry = Geometry(max_hosts=24, rpc_bytes_per_host=128 << 10, block_size=16 << 10)
+    with Pool.create(shm_path, 24 << 20, geometry=geometry) as pool:
+        sb = pool.superblock
+        assert sb.rpc_bytes_per_host >= 128 << 10 and sb.rpc_bytes_per_host % 4096 == 0
+        assert sb.rpc.offset + sb.max_hosts * sb.rpc_bytes_per_host <= sb.rpc.end
+    with Pool.attach(shm_path) as again:
+        assert again.superblock == sb
+    Pool.destroy(shm_path)

@@ -179,9 +179,13 @@ def test_restarted_server_serves_the_request_in_flight(pool: Pool) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
     result: list[object] = []
+    submitted = c.ring.next_seq
     caller = threading.Thread(target=lambda: result.append(add(c, 20, 22)))
-    caller.start()  # this request waits in the ring while no server runs
-    time.sleep(0.05)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while c.ring.next_seq == submitted:  # the request is in the ring, and no server runs
+        assert time.monotonic() < deadline, "the call never submitted its request"
+        time.sleep(0.001)
     with rpc_server(pool.spec):
         caller.join(20)
         assert result == [42]
@@ -200,9 +204,9 @@ def test_timeout_makes_the_client_unusable_not_hung(pool: Pool) -> None:
 def _doomed_client(spec: str, started: mp.Event) -> None:
     with Pool.attach(spec) as pool:
         c = RpcClient(pool, depth=4)
+        c.ring.submit_many([(OP_SLOW, b"0.001")] * 3)  # requests in flight, never collected
         started.set()
-        while True:
-            c.call(OP_SLOW, b"0.001")
+        time.sleep(60)  # killed here: mid-request
 
 
 def test_a_killed_client_is_reclaimed_and_others_keep_going(pool: Pool) -> None:
@@ -212,8 +216,7 @@ def test_a_killed_client_is_reclaimed_and_others_keep_going(pool: Pool) -> None:
         doomed.start()
         assert started.wait(30)
         dead_host = next(e.host_id for e in pool.hosts.entries() if e.pid == doomed.pid)
-        time.sleep(0.05)
-        os.kill(doomed.pid, signal.SIGKILL)  # most likely mid-request
+        os.kill(doomed.pid, signal.SIGKILL)  # with three requests in flight
         doomed.join(10)
         assert gone.get(timeout=10) == dead_host
         assert add(survivor, 3, 4) == 7

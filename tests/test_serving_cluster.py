@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from beluga.errors import KVLayoutError, ServingError
+from beluga.kv import KVStore, ModelIdentity
 from beluga.pool import Pool
 from beluga.serving.cluster import Cluster, EngineConfig
 from beluga.serving.engine import create_kv_pool, kv_format, kv_geometry, kv_pool_size
@@ -48,9 +49,14 @@ def make_pool(path: str, blocks: int = 256) -> None:
 
 
 def cluster_on(
-    path: str, shape: ModelShape = SHAPE, engines: int = 2, reply_timeout: float = 60
+    path: str,
+    shape: ModelShape = SHAPE,
+    engines: int = 2,
+    reply_timeout: float = 60,
+    seed: int = SEED,
+    identity: ModelIdentity | None = None,
 ) -> Cluster:
-    config = EngineConfig(shape, seed=SEED, coherence="model")
+    config = EngineConfig(shape, seed=seed, coherence="model", identity=identity)
     return Cluster(
         path,
         config,
@@ -104,6 +110,36 @@ def test_a_trace_replayed_twice_hits_under_either_scheduler(cluster: Cluster) ->
             assert r.served.saved_blocks == 0
     homes = {(r.document, rec.engine) for r, rec in zip(trace, passes[0], strict=True)}
     assert len(homes) == shape.documents  # locality-aware: one engine per document
+
+
+OTHER_MODELS = {
+    "llama": (ModelShape(family="llama", num_layers=2), SEED, None),
+    "fine-tune": (SHAPE, SEED + 1, None),
+    # the same weights under a revision the user names: not the fingerprinted blocks
+    "explicit-revision": (SHAPE, SEED, ModelIdentity.explicit("tiny-qwen2", "r2")),
+}
+
+
+def test_models_of_one_kv_shape_share_a_pool_but_never_a_block(shm_path: str) -> None:
+    make_pool(shm_path)
+    tokens = prompt(4, 4 * BS + 5)
+    with cluster_on(shm_path, engines=1) as c:
+        (first,) = c.run([tokens], Pinned(0))
+        assert first.served.saved_blocks == 4
+    for n, name in enumerate(sorted(OTHER_MODELS), start=2):
+        shape, seed, identity = OTHER_MODELS[name]
+        full = ModelEngine(shape, seed=seed).prefill(tokens).logits.numpy()
+        with cluster_on(shm_path, shape, seed=seed, identity=identity) as c:
+            (miss,) = c.run([tokens], Pinned(0), want_logits=True)
+            (hit,) = c.run([tokens], Pinned(1), want_logits=True)
+            with KVStore(shm_path) as store:
+                assert store.stats()["keys"] == 4 * n, name  # four blocks per model
+        assert (miss.served.cached_tokens, miss.served.saved_blocks) == (0, 4), name
+        assert (hit.served.cached_tokens, hit.served.saved_blocks) == (4 * BS, 0), name
+        for record in (miss, hit):
+            logits = record.served.logits
+            assert logits is not None
+            assert float(np.abs(logits - full[-len(logits) :]).max()) <= TOLERANCE, name
 
 
 def test_an_engine_for_another_kv_shape_is_refused_at_start(shm_path: str) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from beluga.errors import KVLayoutError
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore, MetadataServer, ModelIdentity
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import plan
 from beluga.serving.engine import (
@@ -140,15 +140,20 @@ def test_a_block_that_changes_during_the_load_ends_the_prefix(
     assert served.logits is not None and max_diff(served.logits, full[2 * BS :]) <= TOLERANCE
 
 
-def test_block_keys_carry_the_kv_format_and_the_salt(hosts: Hosts) -> None:
+def test_block_keys_carry_the_model_the_kv_format_and_the_salt(hosts: Hosts) -> None:
     tokens = prompt(8, 2 * BS)
     mine = hosts.a.keys(tokens)
-    assert mine == hosts.b.keys(tokens) == kv_block_keys(hosts.a.format, tokens)
+    model = hosts.a.identity
+    assert model == hosts.b.identity  # two engines of one seed: one model
+    assert mine == hosts.b.keys(tokens) == kv_block_keys(hosts.a.format, model, tokens)
     assert len(mine) == 2 and mine != hosts.a.keys(tokens, "salt")
     for order in ("NHD", "CPU"):
-        assert not set(kv_block_keys(BlockFormat(hosts.a.format.spec, order), tokens)) & set(mine)
+        fmt = BlockFormat(hosts.a.format.spec, order)
+        assert not set(kv_block_keys(fmt, model, tokens)) & set(mine)
     other = kv_format(ModelEngine(ModelShape(num_layers=1), seed=5))
-    assert not set(kv_block_keys(other, tokens)) & set(mine)
+    assert not set(kv_block_keys(other, model, tokens)) & set(mine)
+    named = ModelIdentity.explicit("random-qwen2", "v1")
+    assert not set(kv_block_keys(hosts.a.format, named, tokens)) & set(mine)
 
 
 def test_a_model_of_another_kv_shape_is_refused_before_anything_is_written(
@@ -201,3 +206,30 @@ def test_kv_pools_are_labelled_and_sized_for_their_blocks(models: tuple) -> None
         assert fits(size - (2 << 20), geometry) < blocks  # and no smaller pool would do
     with pytest.raises(ValueError, match="at least one block"):
         kv_pool_size(0, geometry)
+
+
+SAME_SHAPE_MODELS = {
+    "llama": (ModelShape(family="llama", num_layers=2), 5),  # another architecture
+    "fine-tune": (SHAPE, 6),  # the same architecture with other weights
+}
+
+
+@pytest.mark.parametrize("other", sorted(SAME_SHAPE_MODELS))
+def test_two_models_of_one_kv_shape_never_share_a_block(hosts: Hosts, other: str) -> None:
+    shape, seed = SAME_SHAPE_MODELS[other]
+    model = ModelEngine(shape, seed=seed)
+    assert model.kv_spec == hosts.a.model.kv_spec  # the pool's format fits both
+    b = ServingEngine(model, hosts.b.store)
+    tokens = prompt(9, 4 * BS + 3)
+    assert hosts.a.serve(tokens).saved_blocks == 4
+    first = b.serve(tokens, want_logits=True)
+    assert (first.cached_tokens, first.saved_blocks) == (0, 4)  # not the other model's blocks
+    assert not set(b.keys(tokens)) & set(hosts.a.keys(tokens))
+    assert hosts.a.store.stats()["keys"] == 8
+    for engine in (b, hosts.a):  # each hits its own blocks, and they are its own KV
+        again = engine.serve(tokens, want_logits=True)
+        assert again.cached_tokens == 4 * BS
+        full = engine.model.prefill(tokens).logits.numpy()
+        assert again.logits is not None and max_diff(again.logits, full[4 * BS :]) <= TOLERANCE
+    assert first.logits is not None
+    assert max_diff(first.logits, model.prefill(tokens).logits.numpy()) <= TOLERANCE

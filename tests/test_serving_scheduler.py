@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from beluga.kv.hashing import block_keys
+from beluga.kv.hashing import prefix_hashes
 from beluga.serving.scheduler import LocalityAware, LocalityFree, least_loaded, make_scheduler
 from beluga.serving.trace import TraceShape, lv_eval_trace
 
@@ -68,7 +68,7 @@ def test_the_trace_stores_the_blocks_its_sizing_expects() -> None:
 
     shape = TraceShape(documents=3, context_tokens=100, min_question_tokens=1)
     trace = lv_eval_trace(shape, vocab_size=50, seed=1)
-    distinct = {k for r in trace for k in block_keys(list(r.token_ids), 16)}
+    distinct = {k for r in trace for k in prefix_hashes(list(r.token_ids), 16)}
     assert blocks_needed(trace, shape, 16) >= len(distinct)
     assert blocks_needed(trace, shape, 16) - len(distinct) <= len(trace)  # rare repeats
 

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ import torch
 from beluga import KVStore
 from beluga.child import server_process
 from beluga.errors import CapacityError, RpcError
-from beluga.kv import block_keys, hash_block, seed_hash, sha256
+from beluga.kv import hash_block, prefix_hashes, seed_hash, sha256
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
 
@@ -162,11 +163,16 @@ def test_a_writer_killed_mid_put_never_becomes_visible(pool: Pool, mode: str) ->
 
 def test_an_expired_write_lease_returns_the_space(pool: Pool) -> None:
     with server(pool.spec, write_lease_s=0.2), KVStore(pool) as s:
+        base = s.stats()["blocks_used"]
         refs = s.reserve(["slow"], [1000])
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while s.stats()["lease_expiries"] < 1:
+            assert time.monotonic() < deadline, "the write lease never expired"
+            time.sleep(0.01)
+        assert s.stats()["blocks_used"] == base + 1  # quarantined: its writer still lives
         with pytest.raises(RpcError, match="lost their write lease"):
             s.seal(refs)
-        assert s.get("slow") is None and s.stats()["lease_expiries"] == 1
+        assert s.get("slow") is None and s.stats()["blocks_used"] == base
 
 
 def _writer(spec: str, mode: str, prefix: str, n: int, size: int, out: Any) -> None:
@@ -258,9 +264,9 @@ def test_stress_writers_and_readers_racing_eviction(pool: Pool, mode: str) -> No
     assert stats["evictions"] > 0, "the test must exercise eviction and reuse"
 
 
-def test_block_keys_chain_like_vllm() -> None:
+def test_prefix_hashes_chain_like_vllm() -> None:
     tokens = list(range(100))
-    keys = block_keys(tokens, block_size=16, seed="s")
+    keys = prefix_hashes(tokens, block_size=16, seed="s")
     assert len(keys) == 6  # only full blocks
     parent = sha256("s")
     assert seed_hash(sha256, "s") == parent
@@ -271,12 +277,12 @@ def test_block_keys_chain_like_vllm() -> None:
             == parent
             == hash_block(sha256, keys[i - 1] if i else sha256("s"), tokens[16 * i : 16 * i + 16])
         )
-    assert block_keys(tokens[:64] + [7] * 36, seed="s")[:4] == keys[:4]  # shared prefix
-    assert block_keys(tokens[:64] + [7] * 36, seed="s")[4] != keys[4]
-    assert block_keys(tokens, seed="s", extra_keys=("lora-1",))[0] != keys[0]
-    assert block_keys(tokens, seed="other")[0] != keys[0]
+    assert prefix_hashes(tokens[:64] + [7] * 36, seed="s")[:4] == keys[:4]  # shared prefix
+    assert prefix_hashes(tokens[:64] + [7] * 36, seed="s")[4] != keys[4]
+    assert prefix_hashes(tokens, seed="s", extra_keys=("lora-1",))[0] != keys[0]
+    assert prefix_hashes(tokens, seed="other")[0] != keys[0]
     with pytest.raises(ValueError, match="unknown block hash"):
-        block_keys(tokens, hash_fn="md5")
+        prefix_hashes(tokens, hash_fn="md5")
 
 
 def test_a_server_refuses_a_pool_of_another_layout(pool: Pool, shm_path: str) -> None:
@@ -288,3 +294,167 @@ def test_a_server_refuses_a_pool_of_another_layout(pool: Pool, shm_path: str) ->
     reseal_file(shm_path, 8, "<I", LAYOUT_VERSION + 1)
     with pytest.raises(LayoutVersionError, match="upgrade Beluga"):
         serve(shm_path)
+
+
+# -- a stalled writer, and threads sharing one store -----------------------------------
+
+
+def read_every_path(s: KVStore, key: str, size: int) -> dict[str, bytes | None]:
+    """One key through every read path: get, get_into, batch_get_into, get_batch, and the
+    in-place path of the data path (locate, check, copy out of the pool, check)."""
+    out: dict[str, bytes | None] = {"get": s.get(key), "get_batch": s.get_batch([key])[0]}
+    buf = bytearray(size)
+    n = s.get_into(key, buf)
+    out["get_into"] = None if n < 0 else bytes(buf[:n])
+    buf = bytearray(size)
+    (n,) = s.batch_get_into([key], [buf])
+    out["batch_get_into"] = None if n < 0 else bytes(buf[:n])
+    (ref,) = s.locate([key], prefix=False)
+    copy = None
+    if ref is not None and s.check([ref]) == [True]:
+        s.mem.invalidate(ref.payload_offset, ref.length)
+        s.mem.mfence()
+        data = s.mem.load(ref.payload_offset, ref.length)
+        copy = data if s.check([ref]) == [True] else None
+    out["in_place"] = copy
+    return out
+
+
+def _stalled_writer(spec: str, size: int, ready: Any, go: Any, out: Any) -> None:
+    """An in-place write that stops half way (the parent SIGSTOPs it there), then finishes."""
+    try:
+        with KVStore(spec) as s:
+            (ref,) = s.reserve(["stalled"], [size])
+            data = value_of("stalled", size)
+            s.mem.nt_store(ref.payload_offset, data[: size // 2])
+            ready.set()
+            go.wait(60)  # stopped here, past its lease, while others reuse the pool
+            s.mem.nt_store(ref.payload_offset + size // 2, data[size // 2 :])
+            s.mem.sfence()
+            try:
+                s.seal([ref])
+                out.put("sealed")
+            except RpcError as e:
+                out.put(f"refused: {e}")
+    except BaseException as e:
+        out.put(f"error: {e!r}")
+
+
+@pytest.mark.parametrize("restart_while_stopped", [False, True])
+def test_a_writer_stopped_past_its_lease_corrupts_nothing(
+    shm_path: str, restart_while_stopped: bool
+) -> None:
+    """Reproduction 4 of the trust issue: writer A stops mid-payload past its write lease;
+    the pool is full, so B's put needs space; A resumes, writes the rest and seals; the
+    server restarts.  Every read path returns each key's committed bytes or a miss, and
+    no acknowledged value is lost."""
+    geometry = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=16 << 10)
+    pool = Pool.create(shm_path, 12 << 20, geometry=geometry)
+    size = 3 * geometry.block_size  # an extent of three blocks
+    opts = {"write_lease_s": 0.3, "high_watermark": 1.0, "low_watermark": 1.0}
+    ready, go, out = CTX.Event(), CTX.Event(), CTX.Queue()
+    try:
+        first = server_process(_serve, pool.spec, "native", {"refresh_s": 0.02, **opts})
+        proc = first.__enter__()
+        a = CTX.Process(target=_stalled_writer, args=(pool.spec, size, ready, go, out))
+        a.start()
+        assert ready.wait(30)
+        os.kill(a.pid, signal.SIGSTOP)
+        with KVStore(pool) as s:
+            acked = []
+            while True:  # fill the pool with acknowledged values of the same size
+                key = f"acked{len(acked)}"
+                try:
+                    s.put(key, value_of(key, size))
+                except Exception:
+                    break
+                acked.append(key)
+                if s.stats()["blocks_used"] > s.stats()["blocks_total"] - 3:
+                    break
+            deadline = time.monotonic() + 10
+            while s.stats()["lease_expiries"] < 1:  # A's lease has run out
+                assert time.monotonic() < deadline, "the stalled write's lease never expired"
+                time.sleep(0.02)
+            assert s.stats()["quarantined_extents"] == 1
+            s.put("B", value_of("B", size))  # needs space: evicts, never takes A's extent
+            acked.append("B")
+            evictions = s.stats()["evictions"]
+            assert evictions >= 1  # B's space came from an acknowledged value, not from A
+        if restart_while_stopped:
+            os.kill(proc.pid, signal.SIGKILL)
+            first.__exit__(None, None, None)
+            first = server_process(_serve, pool.spec, "native", {"refresh_s": 0.02, **opts})
+            first.__enter__()
+        os.kill(a.pid, signal.SIGCONT)
+        go.set()
+        verdict = out.get(timeout=30)
+        a.join(30)
+        # a restarted server forgot the cancellation: A's commit may land, with A's bytes
+        assert verdict.startswith("sealed" if restart_while_stopped else "refused"), verdict
+        first.__exit__(None, None, None)
+        with (
+            server_process(_serve, pool.spec, "native", {"refresh_s": 0.02, **opts}),
+            KVStore(pool) as s,
+        ):
+            for key in [*acked, "stalled"]:
+                for path, got in read_every_path(s, key, size).items():
+                    assert got is None or got == value_of(key, size), (key, path)
+            assert s.get("B") == value_of("B", size)  # the last acknowledged value
+            lost = [k for k in acked if s.get(k) is None]
+            assert len(lost) == evictions, lost  # every miss is an eviction, nothing else
+            assert (s.get("stalled") is not None) == restart_while_stopped
+            assert s.stats()["writes_in_flight"] == 0
+    finally:
+        out.close()
+        out.join_thread()
+        pool.close()
+        Pool.destroy(shm_path)
+
+
+def test_threads_share_one_store(pool: Pool) -> None:
+    """8 threads on one KVStore, mixed put / get / batches / remove: byte-exact answers."""
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        rng = random.Random(t)
+        mine: dict[str, bytes | None] = {}
+        try:
+            for i in range(150):
+                key = f"t{t}-{rng.randrange(12)}"
+                op = rng.random()
+                if op < 0.3:
+                    value = value_of(f"{key}/{i}", rng.choice([10, 3000, 40_000]))
+                    s.put(key, value)
+                    mine[key] = value
+                elif op < 0.45:
+                    keys = [f"t{t}-b{j}" for j in range(rng.randrange(1, 6))]
+                    values = [value_of(f"{k}/{i}", rng.choice([8, 5000])) for k in keys]
+                    s.put_batch(keys, values)
+                    mine.update(zip(keys, values, strict=True))
+                elif op < 0.55:
+                    assert s.remove(key) == (mine.get(key) is not None), key
+                    mine[key] = None
+                elif op < 0.8:
+                    keys = list(mine)[:8]
+                    for k, got in zip(keys, s.get_batch(keys), strict=True):
+                        if got != mine[k]:
+                            errors.append(f"thread {t}: {k} read {got!r:.40} not {mine[k]!r:.40}")
+                else:
+                    want = mine.get(key)
+                    buf = bytearray(40_000)
+                    n = s.get_into(key, buf)
+                    if (None if n < 0 else bytes(buf[:n])) != want:
+                        errors.append(f"thread {t}: get_into {key}")
+        except BaseException as e:
+            errors.append(f"thread {t}: {e!r}")
+
+    with server(pool.spec), KVStore(pool) as s:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert not any(th.is_alive() for th in threads)
+        assert not errors, errors[:5]
+        stats = s.stats()
+        assert stats["writes_in_flight"] == 0 and stats["puts"] > 8 * 30

@@ -80,7 +80,7 @@ typedef struct bl_header {
     uint32_t payload_crc;
     uint32_t writer;
     uint64_t stamp;
-    uint32_t reserved;
+    uint32_t writer_gen; /* generation of the writer's host id (recovery knows whose write it is) */
     uint32_t header_crc;
 } bl_header;
 

@@ -381,7 +381,8 @@ static int block_ok(MemoryObject *self, unsigned long long hdr_off, unsigned lon
 static int block_proto(MemoryObject *self, unsigned long long hdr_off,
                        unsigned long long payload_off, Py_buffer *digest,
                        unsigned long long version, unsigned long long length, unsigned int key_len,
-                       unsigned int writer, unsigned long long stamp, bl_header *h)
+                       unsigned int writer, unsigned int writer_gen, unsigned long long stamp,
+                       bl_header *h)
 {
     if (!block_ok(self, hdr_off, payload_off, digest) || !in_range(self, payload_off, length))
         return 0;
@@ -396,25 +397,28 @@ static int block_proto(MemoryObject *self, unsigned long long hdr_off,
     h->version = version;
     h->key_len = (uint16_t)key_len;
     h->writer = writer;
+    h->writer_gen = writer_gen;
     h->stamp = stamp;
     return 1;
 }
 
-/* publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0) */
+/* publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0,
+ *         writer_gen=0) */
 static PyObject *Memory_publish(MemoryObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"hdr_off", "payload_off", "digest", "version", "data",
-                             "key_len", "writer", "stamp", NULL};
+                             "key_len", "writer", "stamp", "writer_gen", NULL};
     unsigned long long hdr_off, payload_off, version, stamp = 0;
-    unsigned int key_len = 0, writer = 0;
+    unsigned int key_len = 0, writer = 0, writer_gen = 0;
     Py_buffer digest, data;
     bl_header h;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*Ky*|IIK", kwlist, &hdr_off, &payload_off,
-                                     &digest, &version, &data, &key_len, &writer, &stamp))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*Ky*|IIKI", kwlist, &hdr_off, &payload_off,
+                                     &digest, &version, &data, &key_len, &writer, &stamp,
+                                     &writer_gen))
         return NULL;
     bl_section s;
     if (block_proto(self, hdr_off, payload_off, &digest, version, (unsigned long long)data.len,
-                    key_len, writer, stamp, &h) &&
+                    key_len, writer, writer_gen, stamp, &h) &&
         bl_section_enter(&s, self, (size_t)data.len >= NOGIL_BYTES, NULL, NULL) == 0) {
         bl_publish(&self->mem, hdr_off, payload_off, &h, data.buf, (size_t)data.len);
         bl_section_leave(&s);
@@ -430,16 +434,17 @@ static PyObject *Memory_publish(MemoryObject *self, PyObject *args, PyObject *kw
 static PyObject *in_place(MemoryObject *self, PyObject *args, PyObject *kw, int sealing)
 {
     static char *kwlist[] = {"hdr_off", "payload_off", "digest", "version", "length",
-                             "key_len", "writer", "stamp", NULL};
+                             "key_len", "writer", "stamp", "writer_gen", NULL};
     unsigned long long hdr_off, payload_off, version, length, stamp = 0;
-    unsigned int key_len = 0, writer = 0;
+    unsigned int key_len = 0, writer = 0, writer_gen = 0;
     Py_buffer digest;
     bl_header h;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*KK|IIK", kwlist, &hdr_off, &payload_off,
-                                     &digest, &version, &length, &key_len, &writer, &stamp))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*KK|IIKI", kwlist, &hdr_off, &payload_off,
+                                     &digest, &version, &length, &key_len, &writer, &stamp,
+                                     &writer_gen))
         return NULL;
-    if (block_proto(self, hdr_off, payload_off, &digest, version, length, key_len, writer, stamp,
-                    &h)) {
+    if (block_proto(self, hdr_off, payload_off, &digest, version, length, key_len, writer,
+                    writer_gen, stamp, &h)) {
         bl_mem *m = &self->mem;
         bl_section s;
         if (!sealing) {
@@ -733,11 +738,14 @@ static PyMethodDef Memory_methods[] = {
     {"load_u64", (PyCFunction)Memory_load_u64, METH_VARARGS, "load_u64(off) -> int"},
     {"store_u64", (PyCFunction)Memory_store_u64, METH_VARARGS, "store_u64(off, value)"},
     {"publish", (PyCFunction)(void (*)(void))Memory_publish, METH_VARARGS | METH_KEYWORDS,
-     "publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0)"},
+     "publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0, "
+     "writer_gen=0)"},
     {"begin_write", (PyCFunction)(void (*)(void))Memory_begin_write, METH_VARARGS | METH_KEYWORDS,
-     "begin_write(hdr_off, payload_off, digest, version, length, key_len=0, writer=0, stamp=0)"},
+     "begin_write(hdr_off, payload_off, digest, version, length, key_len=0, writer=0, stamp=0, "
+     "writer_gen=0)"},
     {"seal", (PyCFunction)(void (*)(void))Memory_seal, METH_VARARGS | METH_KEYWORDS,
-     "seal(hdr_off, payload_off, digest, version, length, key_len=0, writer=0, stamp=0)"},
+     "seal(hdr_off, payload_off, digest, version, length, key_len=0, writer=0, stamp=0, "
+     "writer_gen=0)"},
     {"check_header", (PyCFunction)Memory_check_header, METH_VARARGS,
      "check_header(hdr_off, payload_off, block_cap, digest, version) -> int"},
     {"read_bytes", (PyCFunction)Memory_read_bytes, METH_VARARGS,
@@ -802,9 +810,9 @@ static PyObject *mod_parse_header(PyObject *mod, PyObject *args)
     PyBuffer_Release(&b);
     if (!bl_header_check(&h))
         Py_RETURN_NONE;
-    return Py_BuildValue("(HKy#KIHIK)", h.state, (unsigned long long)h.version, h.digest,
+    return Py_BuildValue("(HKy#KIHIKI)", h.state, (unsigned long long)h.version, h.digest,
                          (Py_ssize_t)16, (unsigned long long)h.length, h.payload_crc, h.key_len,
-                         h.writer, (unsigned long long)h.stamp);
+                         h.writer, (unsigned long long)h.stamp, h.writer_gen);
 }
 
 /* selected() -> dict: the instruction chosen for each operation. */

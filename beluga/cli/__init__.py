@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from beluga import __version__
-from beluga.cli import bench, certify, demo, pool, serve
+from beluga.cli import bench, certify, chaos, demo, pool, serve
 from beluga.errors import BelugaError
 
-GROUPS = [pool, serve, demo, bench, certify]
+GROUPS = [pool, serve, demo, bench, certify, chaos]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -76,7 +76,10 @@ def info(args: argparse.Namespace) -> int:
     for key, value in facts.items():
         if key == "members":
             continue
-        if isinstance(value, dict):
+        if key == "server":
+            where = "this machine" if value and value["same_machine"] else "another host"
+            value = f"pid {value['pid']} on {where}" if value else "none running"
+        elif isinstance(value, dict):
             value = f"offset {value['offset']}, {value['length']} bytes"
         print(f"{key:>16}: {value}")
     print(f"{'hosts':>16}: {len(facts['members'])} registered")

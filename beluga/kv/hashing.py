@@ -1,10 +1,15 @@
 """Block keys compatible with vLLM's prefix caching.
 
 A request's tokens are cut into blocks of ``block_size`` (16 by default, vLLM's
-size); block i's key hashes (key of block i-1, the block's token ids, extra
-keys), the first block chaining from a seed hash.  So a request's cached
-prefix is the longest run of leading keys that the store holds: one batched
-lookup.  Only full blocks get keys.
+size); block i's hash hashes (hash of block i-1, the block's token ids, extra
+keys), the first block chaining from a seed hash (:func:`prefix_hashes`).  So
+a request's cached prefix is the longest run of leading keys that the store
+holds: one batched lookup.  Only full blocks get keys.
+
+The hashes name tokens, not the model that computed their KV, so a store key
+is a hash inside a :class:`~beluga.kv.identity.KVNamespace` (the model's
+identity and the block layout): :func:`block_keys`.  Two models never share a
+block, even when their KV caches have the same shape.
 
 The hash functions follow vLLM's: ``sha256`` hashes the pickle of the tuple,
 ``sha256_cbor`` its canonical CBOR (needs ``cbor2``).  vLLM picks a random
@@ -20,6 +25,8 @@ import os
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from beluga.kv.identity import KVNamespace
 
 HashFn = Callable[[Any], bytes]
 DEFAULT_BLOCK_SIZE = 16
@@ -70,20 +77,47 @@ def hash_block(
     return hash_fn((parent, tuple(token_ids), extra_keys))
 
 
-def block_keys(
+def prefix_hashes(
     token_ids: Sequence[int],
     block_size: int = DEFAULT_BLOCK_SIZE,
     hash_fn: HashFn | str = sha256,
     extra_keys: tuple[Any, ...] | None = None,
     seed: str | None = None,
 ) -> list[bytes]:
-    """The chain of keys of every full block of a token sequence."""
+    """The chained hashes of every full block of a token sequence (vLLM's block hashes).
+
+    They say nothing about the model: store KV under :func:`block_keys`.
+    """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, not {block_size}")
     fn = hash_function(hash_fn) if isinstance(hash_fn, str) else hash_fn
-    keys: list[bytes] = []
+    hashes: list[bytes] = []
     parent = seed_hash(fn, seed)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(fn, parent, token_ids[start : start + block_size], extra_keys)
-        keys.append(parent)
-    return keys
+        hashes.append(parent)
+    return hashes
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    namespace: KVNamespace,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    hash_fn: HashFn | str = sha256,
+    extra_keys: tuple[Any, ...] | None = None,
+    seed: str | None = None,
+) -> list[bytes]:
+    """The store keys of every full block of a token sequence, for one model's KV.
+
+    ``namespace`` names the model and the block layout (see
+    :mod:`beluga.kv.identity`); the rest is as for :func:`prefix_hashes`.
+    """
+    if not isinstance(namespace, KVNamespace):
+        raise TypeError(
+            "block_keys needs the KVNamespace of the model whose KV the blocks hold, e.g. "
+            "KVNamespace(ModelIdentity.explicit(name, revision), layout), not "
+            f"{type(namespace).__name__}"
+        )
+    return [
+        namespace.key(h) for h in prefix_hashes(token_ids, block_size, hash_fn, extra_keys, seed)
+    ]

@@ -24,7 +24,6 @@ class MetadataServer:
         self,
         pool: Pool,
         *,
-        host_id: int | None = None,
         refresh_s: float = 0.1,
         **service_options: Any,
     ) -> None:
@@ -33,11 +32,11 @@ class MetadataServer:
         self.rpc = RpcServer(
             pool,
             self.service.handlers(),
-            host_id=host_id,
             refresh_s=refresh_s,
             on_client_gone=self.service.client_gone,
             tick=self.service.tick,
         )
+        self.service.writer_alive = self.rpc.holder_alive
 
     def serve_forever(self) -> None:
         self.rpc.serve_forever()

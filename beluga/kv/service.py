@@ -2,21 +2,45 @@
 
 It runs on the server's one thread, so it needs no locks.  Data never passes
 through it: clients write and read the pool themselves and only ask here
-where things are.
+where things are.  Time is an input (``clock``), so leases, expiry and
+eviction are tested in-process without sleeping.
 
 State
   index      digest -> Entry(first block, extent, version, length, read lease),
              an OrderedDict in LRU order (oldest first)
-  pending    first block -> a write in progress, under a write lease
+  pending    first block -> a write in progress: who writes it (host id and
+             that id's generation), under a write lease
   retiring   extents whose key is gone but whose read lease has not expired
+  commits    in the pool: one u64 per block, the version this server
+             committed at an extent's first block (0: none).  Only the server
+             writes it; it is the commit record recovery trusts.
+  floor      in the pool's service line: a bound above every version handed
+             out, raised ahead of use, so versions never repeat across restarts
+             (a version names one write of a key forever, even a removed one)
+
+Reuse of an extent (the one rule readers and writers rely on)
+  An extent goes back to the allocator only when no host can still store into
+  it, and a reader that raced its reuse sees the header change:
+
+  - a write in progress is freed when its writer commits (or its COMMIT is
+    refused), aborts, or is gone: its host id is no longer held, alive, in the
+    generation that wrote.  A write lease that runs out *cancels* the write
+    (its COMMIT is refused) but does not free the extent while its writer
+    lives: a writer stopped mid-payload (SIGSTOP, a paused VM) may resume and
+    store the rest of its payload and its header, and those stores must land
+    on nothing but its own dead extent.  Until then the extent is quarantined.
+    On one kernel "alive" is exact (pid and start time); across hosts it is a
+    heartbeat seen moving within the host table's stale_s.
+  - a committed value that is removed, replaced or evicted has its header and
+    commit word cleared at once; its extent then waits out the read leases
+    of the lookups that returned it.  Readers never depend on those leases:
+    a new writer publishes WRITING (fenced) before its first payload store, so
+    a reader's header re-check after its copy fails.
 
 Leases
-  A write lease (ALLOC) lasts ``write_lease_s``; a writer that dies or stalls
-  loses its extent when the lease expires, or at once when its host is seen
-  dead.  A read lease (LOOKUP with LOOKUP_LEASE) keeps an extent from being
-  evicted or reused for ``read_lease_s``; readers never depend on it for
-  correctness (read_validated turns any reuse into a miss), only for fewer
-  misses.
+  A write lease (ALLOC) lasts ``write_lease_s``.  A read lease (LOOKUP with
+  LOOKUP_LEASE) keeps an extent from being evicted or reused for
+  ``read_lease_s``: fewer misses, never correctness.
 
 Eviction
   LRU, skipping leased entries: above ``high_watermark`` of the blocks in use
@@ -26,11 +50,14 @@ Eviction
 
 Recovery
   The pool, not the process, is the source of truth.  At start the service
-  scans the block header table: published blocks become index entries (the
-  newest version of a key wins; overlaps resolve to the newer extent), blocks
-  still marked WRITING are held under a fresh write lease (so a writer that
-  outlived the old server can still commit), everything else is free.
-  A removed or evicted block has its header cleared, so it never comes back.
+  reads the block header table and the commit table: a PUBLISHED header whose
+  version the commit table holds is an index entry (the newest version of a
+  key wins; overlaps resolve to the newer extent).  Any other header with a
+  writer (WRITING, or PUBLISHED but not committed: its COMMIT may still be on
+  its way) is a write in progress again, under a fresh write lease, owned by
+  the host id and generation its header names, so it is freed as soon as that
+  writer is seen gone.  Everything else is free.  A value whose writer sealed
+  it after its lease ran out was never committed, so it never comes back.
 """
 
 from __future__ import annotations
@@ -53,6 +80,7 @@ from beluga.rpc import BatchHandler, Request, per_request
 
 _CLEAR = bytes(LINE)
 _MAGIC = np.frombuffer(b"BLKH", dtype="<u4")[0]
+FLOOR_STEP = 1 << 16  # versions handed out per write of the floor
 
 
 @dataclass
@@ -70,8 +98,10 @@ class Pending:
     version: int
     length: int
     nblocks: int
-    host: int  # -1: found WRITING during recovery
+    host: int  # host id of the writer
+    generation: int  # of that host id, when it wrote (grants start at 1; 0: unknown)
     expires: float
+    cancelled: bool = False  # its lease ran out: COMMIT is refused; freed once the writer is done
 
 
 class MetadataService:
@@ -84,6 +114,7 @@ class MetadataService:
         high_watermark: float = 0.95,
         low_watermark: float = 0.90,
         clock: Callable[[], float] = time.monotonic,
+        writer_alive: Callable[[int, int], bool] | None = None,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
@@ -95,11 +126,16 @@ class MetadataService:
         self.high = high_watermark
         self.low = low_watermark
         self.clock = clock
+        #: whether host id h is still held, alive, in generation g: the server wires in
+        #: its host registry; without one every writer is presumed alive, so a write
+        #: whose lease ran out stays quarantined until its writer commits or aborts
+        self.writer_alive = writer_alive or (lambda host, generation: True)
         self.alloc = BlockAllocator(self.sb.nblocks)
         self.index: OrderedDict[bytes, Entry] = OrderedDict()
         self.pending: dict[int, Pending] = {}
         self.retiring: list[tuple[float, int, int]] = []
         self.version = 0
+        self.floor = 0
         self.counters: Counter[str] = Counter()
         self.started = time.time()
         self.recover()
@@ -112,8 +148,30 @@ class MetadataService:
     def _clear_header(self, block: int) -> None:
         write_line(self.mem, self.sb.block_header_offset(block), _CLEAR)
 
+    def _next_version(self) -> int:
+        """A version never handed out before, by this server or any before it."""
+        self.version += 1
+        if self.version >= self.floor:
+            self.floor = self.version + FLOOR_STEP
+            self.mem.nt_store(self.sb.service_offset, self.floor.to_bytes(8, "little"))
+            self.mem.sfence()  # persisted before the version is used
+        return self.version
+
+    def _set_commit(self, block: int, version: int) -> None:
+        """Record (or, with 0, erase) the committed version of an extent; fenced by callers."""
+        self.mem.nt_store(self.sb.block_commit_offset(block), version.to_bytes(8, "little"))
+
+    def _free_pending(self, block: int) -> Pending:
+        """A write is over without a commit: clear its header, free its extent."""
+        pend = self.pending.pop(block)
+        self._clear_header(block)
+        self.alloc.release(block, pend.nblocks)
+        return pend
+
     def _retire(self, e: Entry) -> None:
-        """A key is gone: clear its header; free its extent once no read lease holds it."""
+        """A key is gone: clear its commit word and header; free the extent after its leases."""
+        self._set_commit(e.block, 0)
+        self.mem.sfence()
         self._clear_header(e.block)
         if e.lease_until > self.clock():
             heapq.heappush(self.retiring, (e.lease_until, e.block, e.nblocks))
@@ -154,13 +212,19 @@ class MetadataService:
                     )
                 n = self.extent(length)
                 first = self._allocate(n)
-                self.version += 1
+                version = self._next_version()
                 self.pending[first] = Pending(
-                    digest, self.version, length, n, req.host_id, self.clock() + self.write_lease_s
+                    digest,
+                    version,
+                    length,
+                    n,
+                    req.host_id,
+                    req.generation,
+                    self.clock() + self.write_lease_s,
                 )
-                granted.append(p.Grant(first, self.version))
+                granted.append(p.Grant(first, version))
         except BaseException:
-            for g in granted:  # all or nothing
+            for g in granted:  # all or nothing (no header was written yet)
                 pend = self.pending.pop(g.block)
                 self.alloc.release(g.block, pend.nblocks)
             raise
@@ -174,24 +238,31 @@ class MetadataService:
         for digest, block, version in p.decode_commit(req.payload):
             pend = self.pending.get(block)
             if pend is None or pend.digest != digest or pend.version != version:
+                # already committed (the request was sent again to a restarted server)?
+                e = self.index.get(digest)
+                done.append(e is not None and e.block == block and e.version == version)
+                continue
+            if pend.cancelled:  # too late: its writer has finished storing, so free it now
+                self._free_pending(block)
+                self.counters["late_commits_refused"] += 1
                 done.append(False)
                 continue
             del self.pending[block]
+            self._set_commit(block, version)
             old = self.index.pop(digest, None)
             if old is not None:
                 self._retire(old)
             self.index[digest] = Entry(block, pend.nblocks, version, pend.length)
             self.counters["puts"] += 1
             done.append(True)
+        self.mem.sfence()  # every commit word is in the pool before the answer goes out
         return p.encode_flags(done)
 
     def op_abort(self, req: Request) -> bytes:
         for digest, block, version in p.decode_commit(req.payload):
             pend = self.pending.get(block)
             if pend and pend.digest == digest and pend.version == version:
-                del self.pending[block]
-                self._clear_header(block)
-                self.alloc.release(block, pend.nblocks)
+                self._free_pending(block)
         return b""
 
     def op_lookup(self, req: Request) -> bytes:
@@ -240,25 +311,32 @@ class MetadataService:
     # -- timers and hosts ----------------------------------------------------
 
     def tick(self) -> None:
-        """Expire write leases and free retired extents whose read leases ran out."""
+        """Cancel writes whose lease ran out, free those whose writer is gone, end retirements."""
         now = self.clock()
+        alive: dict[tuple[int, int], bool] = {}  # one look per writer per tick
         for block, pend in list(self.pending.items()):
-            if pend.expires <= now:
-                del self.pending[block]
-                self._clear_header(block)
-                self.alloc.release(block, pend.nblocks)
+            if not pend.cancelled and pend.expires <= now:
+                pend.cancelled = True
                 self.counters["lease_expiries"] += 1
+            if pend.generation == 0:  # writer unknown: the lease alone decides
+                gone = pend.cancelled
+            else:
+                who = (pend.host, pend.generation)
+                if who not in alive:
+                    alive[who] = self.writer_alive(*who)
+                gone = not alive[who]
+                self.counters["dead_writer_reclaims"] += gone
+            if gone:
+                self._free_pending(block)
         while self.retiring and self.retiring[0][0] <= now:
             _, block, n = heapq.heappop(self.retiring)
             self.alloc.release(block, n)
 
     def client_gone(self, host_id: int) -> None:
-        """A client host died: what it was writing goes back at once."""
+        """A client host died or left: what it was writing goes back at once."""
         for block, pend in list(self.pending.items()):
             if pend.host == host_id:
-                del self.pending[block]
-                self._clear_header(block)
-                self.alloc.release(block, pend.nblocks)
+                self._free_pending(block)
                 self.counters["dead_writer_reclaims"] += 1
 
     def stats(self) -> dict[str, object]:
@@ -272,6 +350,7 @@ class MetadataService:
             "keys": len(self.index),
             "value_bytes": sum(e.length for e in self.index.values()),
             "writes_in_flight": len(self.pending),
+            "quarantined_extents": sum(pend.cancelled for pend in self.pending.values()),
             "retiring_extents": len(self.retiring),
             "hits": self.counters["hits"],
             "misses": self.counters["misses"],
@@ -279,6 +358,7 @@ class MetadataService:
             "removes": self.counters["removes"],
             "evictions": self.counters["evictions"],
             "lease_expiries": self.counters["lease_expiries"],
+            "late_commits_refused": self.counters["late_commits_refused"],
             "dead_writer_reclaims": self.counters["dead_writer_reclaims"],
             "recovered_keys": self.counters["recovered_keys"],
             "uptime_s": round(time.time() - self.started, 3),
@@ -287,36 +367,50 @@ class MetadataService:
     # -- recovery ------------------------------------------------------------
 
     def recover(self) -> None:
-        """Rebuild the index and the allocator from the block headers in the pool."""
+        """Rebuild the index and the allocator from the header and commit tables in the pool."""
         sb = self.sb
-        table = sb.headers.offset
+        table, commits = sb.headers.offset, sb.commits.offset
         self.mem.invalidate(table, sb.nblocks * LINE)
+        self.mem.invalidate(commits, sb.commits.length)
+        self.mem.invalidate(sb.service_offset, LINE)
         self.mem.mfence()
+        self.version = self.floor = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")
         raw = np.frombuffer(self.mem.load(table, sb.nblocks * LINE), dtype=np.uint8)
+        committed = np.frombuffer(self.mem.load(commits, sb.commits.length), dtype="<u8")
         magic = raw.view("<u4")[:: LINE // 4]
-        published, writing = [], []
+        published, unfinished = [], []
         for block in np.flatnonzero(magic == _MAGIC).tolist():
             h = parse_header(raw[block * LINE : (block + 1) * LINE].tobytes())
             if h is None:
                 continue
             self.version = max(self.version, h.version)
-            if h.state == BlockState.PUBLISHED:
+            if h.state == BlockState.PUBLISHED and committed[block] == h.version:
                 published.append((h.version, block, h))
-            elif h.state == BlockState.WRITING:
-                writing.append((h.version, block, h))
+            elif h.state in (BlockState.WRITING, BlockState.PUBLISHED):
+                unfinished.append((h.version, block, h))
+        self.version = max(self.version, int(committed.max(initial=0)))
         published.sort(key=lambda t: -t[0])
         for _, block, h in published:
             n = self.extent(h.length)
             if h.digest in self.index or not self.alloc.reserve(block, n):
-                self._clear_header(block)  # an older copy, or overlapped by a newer extent
+                self._set_commit(block, 0)  # an older copy, or overlapped by a newer extent
+                self._clear_header(block)
                 continue
             self.index[h.digest] = Entry(block, n, h.version, h.length)
         self.index = OrderedDict(sorted(self.index.items(), key=lambda kv: kv[1].version))
         expires = self.clock() + self.write_lease_s
-        for _, block, h in writing:
+        for _, block, h in sorted(unfinished, key=lambda t: -t[0]):
             n = self.extent(h.length)
             if self.alloc.reserve(block, n):
-                self.pending[block] = Pending(h.digest, h.version, h.length, n, -1, expires)
+                self.pending[block] = Pending(
+                    h.digest, h.version, h.length, n, h.writer, h.writer_gen, expires
+                )
             else:
                 self._clear_header(block)
+        indexed = {e.block for e in self.index.values()}
+        for block in np.flatnonzero(committed).tolist():  # commit words of nothing indexed
+            if block not in indexed:
+                self._set_commit(block, 0)
+        self.mem.sfence()
         self.counters["recovered_keys"] = len(self.index)
+        self.counters["recovered_writes"] = len(self.pending)

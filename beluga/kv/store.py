@@ -237,6 +237,7 @@ class KVStore:
                         view,
                         key_len=len(k),
                         writer=self.rpc.host_id,
+                        writer_gen=self.rpc.entry.generation,
                     )
             except BaseException:
                 self.abort(refs)
@@ -261,6 +262,7 @@ class KVStore:
                 r.length,
                 key_len=len(k),
                 writer=self.rpc.host_id,
+                writer_gen=self.rpc.entry.generation,
             )
         return refs
 
@@ -274,6 +276,7 @@ class KVStore:
                 r.version,
                 r.length,
                 writer=self.rpc.host_id,
+                writer_gen=self.rpc.entry.generation,
             )
         for s in self._batches(p.StoreOp.COMMIT, len(refs)):
             self._commit(list(refs[s]))

@@ -24,7 +24,6 @@ import fcntl
 import importlib
 import mmap
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -64,21 +63,30 @@ class Mapping:
         self.buffer = None
         self.fd = -1
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold an exclusive advisory lock on the backing object, where it has one.
+    def exclusive_lock(self, what: str) -> int:
+        """Take this kernel's exclusive advisory lock on the backing object; returns its fd.
 
-        This only serialises processes of one kernel (CI, one host); across
-        hosts the claim protocol of the host table stands on its own.
+        The lock is taken on a *fresh* open file description, so it excludes
+        every other process of this kernel, forked children of the holder
+        included (a lock on an inherited descriptor would be shared with
+        them).  Closing the returned descriptor releases it; so does the
+        holder's death.  Raises ``PoolError`` naming ``what`` when another
+        process holds it; returns -1 where there is nothing to lock.
         """
         if self.fd < 0:
-            yield
-            return
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+            return -1
+        fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            yield
-        finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PoolError(
+                f"{what} is held by another process of this machine; stop it first"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
 
 class Backend(abc.ABC):

@@ -1,40 +1,88 @@
-"""The host table: one 64-byte line per host, written only by that host.
+"""The host table: which process holds which host id, exactly, across hosts.
 
-A line records who holds a host id (pid, process start time, boot id), a
-heartbeat, and a generation that grows with every claim.  Liveness is judged
-two ways: on the same boot (same kernel: CI, one machine) by the pid *and* its
-start time, so a reused pid is not mistaken for the old process; across hosts
-by the age of the heartbeat.
+Host ids are *granted by the metadata server*, the one writer of grants, so a
+claim is exact with loads, stores and fences alone: no two live processes
+ever hold one id, whatever the timing, among forked children of one
+attachment as across machines that share nothing but the pool.  (A protocol
+without an arbiter cannot be: with claimants unknown in advance, reads and
+writes over bounded memory give no mutual exclusion, so claim-then-verify
+always leaves a window for a claimant stalled between its write and its
+read-back.)
 
-Claiming a free id is claim-then-verify: write the line with a random nonce,
-wait, read it back.  Processes of one kernel also serialise claims with an
-advisory lock on the pool file, which makes the claim exact there.
+The host region, in 64-byte lines (``H`` hosts, ``L`` lobby lines)::
+
+    hosts    [0, H)          one per id, written only by its holder: state, pid,
+                             process start time, boot id, heartbeat, generation, nonce
+    grants   [H, 2H)         one per id, written only by the server: who holds it
+    lobby    [2H, 2H+L)      claim requests; a claimant writes one at random
+    answers  [2H+L, 2H+2L)   one per lobby line, written only by the server
+    seat     2H+2L           the serving server: identity and heartbeat
+
+Claim
+    A claimant posts a request (a fresh nonce, its identity, the id it wants
+    or any) in a lobby line picked at random.  At its next refresh the server
+    picks an id that is free or whose holder is dead, writes the grant (the
+    generation grows with every grant of an id), then the answer.  The
+    claimant reads its answer and writes its own host line, which confirms the
+    grant.  A request torn or overwritten by another claimant's (the lobby is
+    the only place two hosts may write one line) is simply posted again in
+    another line: a collision costs a retry, never a wrong grant.
+
+Liveness of a holder
+    On the same boot (one kernel: CI, one machine) by the pid *and* its start
+    time: exact, a stopped process is alive and a reused pid is not the old
+    process.  Across hosts by its heartbeat having changed within ``stale_s``
+    of the *observer's* clock (no synchronised clocks needed).  A host stalled
+    past ``stale_s`` is taken for dead: that is the definition of liveness
+    where nothing else is shared, and a resumed holder finds its grant gone.
+
+Time is an input: :class:`HostTable` takes the monotonic ``clock`` that
+staleness is judged by and the ``wall`` clock of heartbeat stamps, so tests
+drive both; only real waits (a claimant waiting for its answer) read the
+system's monotonic clock.
+
+Thread-safe: yes (every method is a few whole-line loads or stores; the
+server's :class:`HostRegistry` is used by its one thread).  Fork-safe: a
+forked child may claim its own id through an inherited table (each claimant
+is identified by its own pid), and never inherits its parent's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import os
+import random
 import struct
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
 from beluga.coherence import LINE, Memory, crc32c, read_line, write_line
-from beluga.errors import PoolError
-from beluga.pool.layout import Region
+from beluga.errors import PoolError, RpcError
+from beluga.pool.layout import Region, lobby_lines
 
 HOST_MAGIC = 0x54534F48  # "HOST"
-_LINE = struct.Struct("<IIIIQ8sQQQ4x")
+GRANT_MAGIC = 0x544E5247  # "GRNT"
+CLAIM_MAGIC = 0x4D49414C  # "LAIM"
+ANSWER_MAGIC = 0x52534E41  # "ANSR"
+SEAT_MAGIC = 0x54414553  # "SEAT"
 _CRC = struct.Struct("<I")
-assert _LINE.size + _CRC.size == LINE
+_BODY = LINE - _CRC.size
+_HOST = struct.Struct("<IIIIQ8sQQQ")  # magic, id, state, pid, start, boot, beat, gen, nonce
+_GRANT = struct.Struct("<IIIIQ8sQ")  # magic, id, gen, pid, start, boot, nonce
+_CLAIM = struct.Struct("<IiIQ8sQ")  # magic, wanted id (-1: any), pid, start, boot, nonce
+_ANSWER = struct.Struct("<IiIIQ")  # magic, result, gen, holder pid, nonce
+_SEAT = struct.Struct("<IIIQ8sQ")  # magic, epoch, pid, start, boot, heartbeat
 
 DEFAULT_STALE_S = 10.0
-CLAIM_SETTLE_S = 0.002
+CLAIM_POLL_S = 0.0005  # how often a claimant looks for its answer
+REPOST_S = 0.05  # how often a claimant checks its request is still in its lobby line
+ANY_HOST = -1
+REFUSED_FULL = -1  # answer: every id is held by a live process
+REFUSED_HELD = -2  # answer: the wanted id is held by a live process
+REFUSED_RANGE = -3  # answer: the wanted id does not exist
 
 
 def _boot_id() -> bytes:
@@ -56,6 +104,41 @@ def process_start_ms(pid: int) -> int | None:
         return None
 
 
+def _seal(body: bytes) -> bytes:
+    padded = body.ljust(_BODY, b"\0")
+    return padded + _CRC.pack(crc32c(padded))
+
+
+def _unseal(line: bytes, st: struct.Struct, magic: int) -> tuple | None:
+    """The fields of a sealed line of format ``st``; None when torn, foreign or empty."""
+    body = line[:_BODY]
+    if _CRC.unpack_from(line, _BODY)[0] != crc32c(body):
+        return None
+    fields = st.unpack_from(body)
+    return fields[1:] if fields[0] == magic else None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a process is, everywhere: pid and start time on one boot of one kernel."""
+
+    pid: int
+    start_ms: int
+    boot_id: bytes
+
+    @classmethod
+    def mine(cls) -> Identity:
+        pid = os.getpid()
+        return cls(pid, process_start_ms(pid) or 0, BOOT_ID)
+
+    def same_kernel(self) -> bool:
+        return self.boot_id == BOOT_ID
+
+    def running(self) -> bool:
+        """On this kernel: whether this exact process still runs (exact, no timing)."""
+        return process_start_ms(self.pid) == self.start_ms
+
+
 class HostState(enum.IntEnum):
     FREE = 0
     ALIVE = 1
@@ -64,6 +147,8 @@ class HostState(enum.IntEnum):
 
 @dataclass(frozen=True)
 class HostEntry:
+    """A host line: written only by the holder of the id."""
+
     host_id: int
     state: HostState
     pid: int
@@ -73,119 +158,490 @@ class HostEntry:
     generation: int
     nonce: int
 
+    @property
+    def identity(self) -> Identity:
+        return Identity(self.pid, self.start_ms, self.boot_id)
+
     def pack(self) -> bytes:
-        body = _LINE.pack(
-            HOST_MAGIC,
-            self.host_id,
-            self.state,
-            self.pid,
-            self.start_ms,
-            self.boot_id,
-            self.heartbeat_ns,
-            self.generation,
-            self.nonce,
+        return _seal(
+            _HOST.pack(
+                HOST_MAGIC,
+                self.host_id,
+                self.state,
+                self.pid,
+                self.start_ms,
+                self.boot_id,
+                self.heartbeat_ns,
+                self.generation,
+                self.nonce,
+            )
         )
-        return body + _CRC.pack(crc32c(body))
 
     @classmethod
     def unpack(cls, line: bytes) -> HostEntry | None:
         """Decode a host line; None for a free, torn or garbage line."""
-        body = line[: _LINE.size]
-        (crc,) = _CRC.unpack(line[_LINE.size :])
-        magic, hid, state, pid, start, boot, beat, gen, nonce = _LINE.unpack(body)
-        if magic != HOST_MAGIC or crc != crc32c(body) or state not in HostState._value2member_map_:
+        f = _unseal(line, _HOST, HOST_MAGIC)
+        if f is None or f[1] not in HostState._value2member_map_:
             return None
-        return cls(hid, HostState(state), pid, start, boot, beat, gen, nonce)
+        hid, state, *rest = f
+        return cls(hid, HostState(state), *rest)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A grant line: written only by the server; who holds an id, in which generation."""
+
+    host_id: int
+    generation: int
+    identity: Identity
+    nonce: int
+
+    def pack(self) -> bytes:
+        i = self.identity
+        return _seal(
+            _GRANT.pack(
+                GRANT_MAGIC,
+                self.host_id,
+                self.generation,
+                i.pid,
+                i.start_ms,
+                i.boot_id,
+                self.nonce,
+            )
+        )
+
+    @classmethod
+    def unpack(cls, line: bytes) -> Grant | None:
+        f = _unseal(line, _GRANT, GRANT_MAGIC)
+        if f is None:
+            return None
+        hid, gen, pid, start, boot, nonce = f
+        return cls(hid, gen, Identity(pid, start, boot), nonce)
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """A lobby line: a claimant's request for an id (any, or a given one)."""
+
+    wanted: int
+    identity: Identity
+    nonce: int
+
+    def pack(self) -> bytes:
+        i = self.identity
+        return _seal(
+            _CLAIM.pack(CLAIM_MAGIC, self.wanted, i.pid, i.start_ms, i.boot_id, self.nonce)
+        )
+
+    @classmethod
+    def unpack(cls, line: bytes) -> ClaimRequest | None:
+        f = _unseal(line, _CLAIM, CLAIM_MAGIC)
+        if f is None:
+            return None
+        wanted, pid, start, boot, nonce = f
+        return cls(wanted, Identity(pid, start, boot), nonce)
+
+
+@dataclass(frozen=True)
+class ClaimAnswer:
+    """An answer line: the server's reply to the request last seen in a lobby line."""
+
+    result: int  # the granted id, or a REFUSED_* code
+    generation: int
+    holder_pid: int  # for REFUSED_HELD: who holds the wanted id
+    nonce: int
+
+    def pack(self) -> bytes:
+        return _seal(
+            _ANSWER.pack(ANSWER_MAGIC, self.result, self.generation, self.holder_pid, self.nonce)
+        )
+
+    @classmethod
+    def unpack(cls, line: bytes) -> ClaimAnswer | None:
+        f = _unseal(line, _ANSWER, ANSWER_MAGIC)
+        return None if f is None else cls(*f)
+
+
+@dataclass(frozen=True)
+class Seat:
+    """The seat line: which server serves the pool (epoch 0: none)."""
+
+    epoch: int
+    identity: Identity
+    heartbeat_ns: int
+
+    def pack(self) -> bytes:
+        i = self.identity
+        return _seal(
+            _SEAT.pack(SEAT_MAGIC, self.epoch, i.pid, i.start_ms, i.boot_id, self.heartbeat_ns)
+        )
+
+    @classmethod
+    def unpack(cls, line: bytes) -> Seat | None:
+        f = _unseal(line, _SEAT, SEAT_MAGIC)
+        if f is None:
+            return None
+        epoch, pid, start, boot, beat = f
+        return cls(epoch, Identity(pid, start, boot), beat)
+
+
+class Staleness:
+    """Whether a value another host keeps changing (a heartbeat) still changes.
+
+    The observer's own ``clock`` times it: a value unchanged for ``stale_s``
+    of that clock is stale.  Nothing is assumed about the other host's clock.
+    A value first seen counts as fresh from that moment.  Not thread-safe
+    (one observer thread).
+    """
+
+    def __init__(self, stale_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stale_s = stale_s
+        self.clock = clock
+        self._seen: dict[object, tuple[object, float]] = {}
+
+    def fresh(self, key: object, value: object) -> bool:
+        now = self.clock()
+        last = self._seen.get(key)
+        if last is None or last[0] != value:
+            self._seen[key] = (value, now)
+            return True
+        return now - last[1] < self.stale_s
+
+    def forget(self, key: object) -> None:
+        self._seen.pop(key, None)
 
 
 class HostTable:
-    """Claims, heartbeats and liveness over the pool's host table region."""
+    """Claims, heartbeats and liveness over the pool's host region (see the module doc)."""
 
     def __init__(
         self,
         mem: Memory,
         region: Region,
         max_hosts: int,
-        lock: Callable[[], AbstractContextManager[None]] | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], int] = time.time_ns,
     ) -> None:
         self.mem = mem
         self.region = region
         self.max_hosts = max_hosts
-        self._lock = lock or contextlib.nullcontext
+        self.lobby_lines = lobby_lines(max_hosts)
+        self.clock = clock
+        self.wall = wall
 
-    def _offset(self, host_id: int) -> int:
+    # -- offsets ---------------------------------------------------------------
+
+    def _check_id(self, host_id: int) -> None:
         if not 0 <= host_id < self.max_hosts:
             raise ValueError(f"host id must be in 0..{self.max_hosts - 1}, not {host_id}")
+
+    def _host_off(self, host_id: int) -> int:
+        self._check_id(host_id)
         return self.region.offset + host_id * LINE
 
+    def _grant_off(self, host_id: int) -> int:
+        self._check_id(host_id)
+        return self.region.offset + (self.max_hosts + host_id) * LINE
+
+    def _lobby_off(self, line: int) -> int:
+        return self.region.offset + (2 * self.max_hosts + line) * LINE
+
+    def _answer_off(self, line: int) -> int:
+        return self._lobby_off(self.lobby_lines + line)
+
+    @property
+    def _seat_off(self) -> int:
+        return self._lobby_off(2 * self.lobby_lines)
+
+    # -- reading -----------------------------------------------------------------
+
     def read(self, host_id: int) -> HostEntry | None:
-        """The current entry of a host id, or None when the slot is free."""
-        entry = HostEntry.unpack(read_line(self.mem, self._offset(host_id)))
+        """The current host line of an id, or None when the line is free or garbage."""
+        entry = HostEntry.unpack(read_line(self.mem, self._host_off(host_id)))
         return entry if entry and entry.host_id == host_id else None
 
+    def grant(self, host_id: int) -> Grant | None:
+        """Who the server granted an id to (None: never granted)."""
+        g = Grant.unpack(read_line(self.mem, self._grant_off(host_id)))
+        return g if g and g.host_id == host_id else None
+
     def entries(self) -> list[HostEntry]:
-        """Every claimed (alive or not) entry."""
+        """Every claimed (alive or not) host line."""
         return [
             e for i in range(self.max_hosts) if (e := self.read(i)) and e.state != HostState.FREE
         ]
 
+    def seat(self) -> Seat | None:
+        return Seat.unpack(read_line(self.mem, self._seat_off))
+
     def is_alive(self, entry: HostEntry | None, stale_s: float = DEFAULT_STALE_S) -> bool:
-        """Whether the holder of an entry is still running."""
+        """A quick judgement of one host line, for display (``beluga pool info``).
+
+        Exact on this boot (pid and start time); for another boot it compares
+        the heartbeat's wall-clock stamp with ours, which assumes roughly
+        synchronised clocks.  The server decides with :class:`HostRegistry`,
+        which does not.
+        """
         if entry is None or entry.state != HostState.ALIVE:
             return False
-        if entry.boot_id == BOOT_ID:
-            return process_start_ms(entry.pid) == entry.start_ms
-        return time.time_ns() - entry.heartbeat_ns < stale_s * 1e9
+        if entry.identity.same_kernel():
+            return entry.identity.running()
+        return self.wall() - entry.heartbeat_ns < stale_s * 1e9
 
-    def _write(self, entry: HostEntry) -> None:
-        write_line(self.mem, self._offset(entry.host_id), entry.pack())
+    # -- the holder's side -------------------------------------------------------
 
-    def claim(self, host_id: int | None = None, stale_s: float = DEFAULT_STALE_S) -> HostEntry:
-        """Take a host id (the given one, or the first free or dead one) for this process."""
-        pid = os.getpid()
-        start = process_start_ms(pid) or 0
-        candidates = [host_id] if host_id is not None else list(range(self.max_hosts))
-        with self._lock():
-            for hid in candidates:
-                old = self.read(hid)
-                if old and self.is_alive(old, stale_s):
-                    if host_id is not None:
-                        raise PoolError(
-                            f"host id {hid} is held by live pid {old.pid}; pick another "
-                            "--host-id or let Beluga choose one"
-                        )
-                    continue
-                entry = HostEntry(
-                    hid,
-                    HostState.ALIVE,
-                    pid,
-                    start,
-                    BOOT_ID,
-                    time.time_ns(),
-                    (old.generation if old else 0) + 1,
-                    int.from_bytes(os.urandom(8), "little"),
-                )
-                self._write(entry)
-                time.sleep(CLAIM_SETTLE_S)
-                if self.read(hid) == entry:
-                    return entry
-        raise PoolError(
-            f"all {self.max_hosts} host ids of this pool are held by live processes; "
-            "stop one, or create the pool with a larger --max-hosts"
+    def claim(
+        self,
+        host_id: int | None = None,
+        *,
+        timeout: float = 10.0,
+        step: Callable[[str], None] | None = None,
+    ) -> HostEntry:
+        """Ask the pool's server for a host id (the given one, or any) for this process.
+
+        Raises ``PoolError`` when the id is held by a live process or every id
+        is; ``RpcError`` when no server answers within ``timeout`` s.  ``step``
+        (tests) is called between the steps of the protocol, by name.
+        """
+        if host_id is not None:
+            self._check_id(host_id)
+        me = Identity.mine()
+        request = ClaimRequest(
+            ANY_HOST if host_id is None else host_id, me, int.from_bytes(os.urandom(8), "little")
         )
+        rng = random.Random(request.nonce)
+        deadline = time.monotonic() + timeout
+        line = self._post(request, rng, step)
+        next_check = time.monotonic() + REPOST_S
+        while True:
+            answer = ClaimAnswer.unpack(read_line(self.mem, self._answer_off(line)))
+            if answer is not None and answer.nonce == request.nonce:
+                break
+            now = time.monotonic()
+            if now > deadline:
+                self._withdraw(line, request)
+                raise RpcError(
+                    f"no Beluga server granted a host id within {timeout} s; start one "
+                    "with 'beluga serve --pool SPEC' (one serves each pool)"
+                )
+            if now >= next_check:  # torn or overwritten by another claimant: post again
+                if ClaimRequest.unpack(read_line(self.mem, self._lobby_off(line))) != request:
+                    line = self._post(request, rng, step)
+                next_check = now + REPOST_S
+            time.sleep(CLAIM_POLL_S)
+        if step:
+            step("answered")
+        if answer.result == REFUSED_HELD:
+            raise PoolError(
+                f"host id {host_id} is held by live pid {answer.holder_pid}; pick another "
+                "--host-id or let Beluga choose one"
+            )
+        if answer.result < 0:
+            raise PoolError(
+                f"all {self.max_hosts} host ids of this pool are held by live processes; "
+                "stop one, or create the pool with a larger --max-hosts"
+            )
+        entry = HostEntry(
+            answer.result,
+            HostState.ALIVE,
+            me.pid,
+            me.start_ms,
+            me.boot_id,
+            self.wall(),
+            answer.generation,
+            request.nonce,
+        )
+        write_line(self.mem, self._host_off(entry.host_id), entry.pack())
+        if step:
+            step("confirmed")
+        return entry
+
+    def _withdraw(self, line: int, request: ClaimRequest) -> None:
+        """Take back a request nobody answered, so a server started later does not grant it."""
+        if ClaimRequest.unpack(read_line(self.mem, self._lobby_off(line))) == request:
+            write_line(self.mem, self._lobby_off(line), bytes(LINE))
+
+    def _lobby_line(self, rng: random.Random) -> int:
+        """Where to post a request: anywhere in the lobby, at random."""
+        return rng.randrange(self.lobby_lines)
+
+    def _post(
+        self, request: ClaimRequest, rng: random.Random, step: Callable[[str], None] | None
+    ) -> int:
+        line = self._lobby_line(rng)
+        if step:
+            step("post")
+        write_line(self.mem, self._lobby_off(line), request.pack())
+        if step:
+            step("posted")
+        return line
+
+    def holds(self, entry: HostEntry) -> bool:
+        """Whether the server's grant of this id is still this entry's."""
+        g = self.grant(entry.host_id)
+        return g is not None and g.generation == entry.generation and g.nonce == entry.nonce
 
     def heartbeat(self, entry: HostEntry) -> HostEntry:
         """Refresh this host's heartbeat; returns the new entry."""
-        fresh = HostEntry(**{**entry.__dict__, "heartbeat_ns": time.time_ns()})
-        self._write(fresh)
+        fresh = replace(entry, heartbeat_ns=max(self.wall(), entry.heartbeat_ns + 1))
+        write_line(self.mem, self._host_off(entry.host_id), fresh.pack())
         return fresh
 
     def release(self, entry: HostEntry) -> None:
-        """Give a host id back (only its holder calls this)."""
-        current = self.read(entry.host_id)
-        if current and current.nonce == entry.nonce:
-            self._write(
-                HostEntry(
-                    **{**entry.__dict__, "state": HostState.LEFT, "heartbeat_ns": time.time_ns()}
+        """Give a host id back (only its holder calls this); a no-op once it was regranted."""
+        if self.holds(entry):
+            left = replace(entry, state=HostState.LEFT, heartbeat_ns=self.wall())
+            write_line(self.mem, self._host_off(entry.host_id), left.pack())
+
+
+class HostRegistry:
+    """The server's side of the host table: it grants ids and judges liveness.
+
+    Only the server (one thread) uses it.  It writes grant and answer lines,
+    and nothing else of the host region but the seat.  ``before_grant(host_id,
+    old_grant)`` runs before an id that was held (by a holder now dead or gone)
+    is granted again, so the caller drops what the old holder had: its ring,
+    its writes in flight.
+    """
+
+    def __init__(
+        self,
+        table: HostTable,
+        stale_s: float = DEFAULT_STALE_S,
+        before_grant: Callable[[int, Grant], None] | None = None,
+    ) -> None:
+        self.table = table
+        self.before_grant = before_grant
+        self.stale = Staleness(stale_s, table.clock)
+        self.granted = 0
+        self.refused = 0
+
+    def alive(self, host_id: int) -> Grant | None:
+        """The grant of an id if its holder is alive (see the module doc), else None."""
+        t = self.table
+        g = t.grant(host_id)
+        if g is None:
+            return None
+        entry = t.read(host_id)
+        confirmed = (
+            entry is not None and entry.generation == g.generation and entry.nonce == g.nonce
+        )
+        if confirmed and entry.state != HostState.ALIVE:
+            return None  # released
+        # unconfirmed (its claimant gave up, or has not written its line yet): it counts
+        # from when we first saw the grant, and lapses after stale_s
+        beat = entry.heartbeat_ns if confirmed else None
+        fresh = self.stale.fresh((host_id, g.generation), beat)
+        if g.identity.same_kernel():
+            return g if g.identity.running() and (confirmed or fresh) else None
+        return g if fresh else None
+
+    def _free_id(self, wanted: int) -> tuple[int, Grant | None]:
+        """An id for a request (or a REFUSED_* code), and the live grant that refused it."""
+        t = self.table
+        if wanted != ANY_HOST:
+            if not 0 <= wanted < t.max_hosts:
+                return REFUSED_RANGE, None
+            live = self.alive(wanted)
+            return (REFUSED_HELD, live) if live is not None else (wanted, None)
+        for h in range(t.max_hosts):
+            if self.alive(h) is None:
+                return h, None
+        return REFUSED_FULL, None
+
+    def serve_lobby(self) -> int:
+        """Answer every new claim request in the lobby; returns how many ids were granted."""
+        t = self.table
+        n = t.lobby_lines
+        first = t._lobby_off(0)  # the lobby, then the answers: one read of both
+        t.mem.invalidate(first, 2 * n * LINE)
+        t.mem.mfence()
+        raw = t.mem.load(first, 2 * n * LINE)
+        granted = 0
+        for line in range(n):
+            chunk = raw[line * LINE : (line + 1) * LINE]
+            if not any(chunk):
+                continue
+            req = ClaimRequest.unpack(chunk)
+            if req is None:
+                continue  # torn by two claimants: both post again elsewhere
+            done = ClaimAnswer.unpack(raw[(n + line) * LINE : (n + line + 1) * LINE])
+            if done is not None and done.nonce == req.nonce:
+                continue  # answered already, by this server or one before it
+            answer = self._answer(req)
+            write_line(t.mem, t._answer_off(line), answer.pack())
+            granted += answer.result >= 0
+        return granted
+
+    def _answer(self, req: ClaimRequest) -> ClaimAnswer:
+        t = self.table
+        for h in range(t.max_hosts):  # answered before (e.g. by a server since restarted)?
+            g = t.grant(h)
+            if g is not None and g.nonce == req.nonce and g.identity == req.identity:
+                return ClaimAnswer(h, g.generation, 0, req.nonce)
+        result, holder = self._free_id(req.wanted)
+        if result < 0:
+            self.refused += 1
+            return ClaimAnswer(result, 0, holder.identity.pid if holder else 0, req.nonce)
+        old = t.grant(result)
+        if old is not None and self.before_grant is not None:
+            self.before_grant(result, old)
+        g = Grant(result, (old.generation if old else 0) + 1, req.identity, req.nonce)
+        write_line(t.mem, t._grant_off(result), g.pack())  # the grant first, then the answer
+        self.stale.forget((result, g.generation))
+        self.granted += 1
+        return ClaimAnswer(result, g.generation, 0, req.nonce)
+
+    # -- the seat ------------------------------------------------------------------
+
+    def take_seat(self, epoch: int, wait_s: float) -> Seat:
+        """Write this server into the seat, unless a live server holds it.
+
+        A server of this kernel is judged exactly (pid and start time); one of
+        another host by whether its heartbeat changes within ``wait_s`` of our
+        clock, which is waited out only when the seat names such a server.
+        """
+        t = self.table
+        seat = t.seat()
+        if seat is not None and seat.epoch:
+            if seat.identity.same_kernel():
+                busy = seat.identity.running() and seat.identity != Identity.mine()
+            else:
+                busy = self._seat_moves(seat, wait_s)
+            if busy:
+                raise PoolError(
+                    f"another Beluga server (pid {seat.identity.pid}"
+                    f"{'' if seat.identity.same_kernel() else ', on another host'}) serves this "
+                    "pool; stop it first (one server per pool)"
                 )
-            )
+        mine = Seat(epoch, Identity.mine(), t.wall())
+        write_line(t.mem, t._seat_off, mine.pack())
+        return mine
+
+    def _seat_moves(self, seat: Seat, wait_s: float) -> bool:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            now = self.table.seat()
+            if now != seat:
+                return now is not None and now.epoch != 0
+            time.sleep(0.05)
+        return False
+
+    def keep_seat(self, seat: Seat) -> Seat:
+        """Heartbeat the seat; raises if another server took it over meanwhile."""
+        t = self.table
+        now = t.seat()
+        if now is None or now.epoch != seat.epoch or now.identity != seat.identity:
+            who = f"pid {now.identity.pid}" if now else "someone"
+            raise PoolError(f"another Beluga server ({who}) took this pool over; stopping")
+        beat = replace(seat, heartbeat_ns=max(t.wall(), seat.heartbeat_ns + 1))
+        write_line(t.mem, t._seat_off, beat.pack())
+        return beat
+
+    def leave_seat(self, seat: Seat) -> None:
+        """Clear the seat if it is still ours."""
+        t = self.table
+        now = t.seat()
+        if now is not None and now.epoch == seat.epoch and now.identity == seat.identity:
+            write_line(t.mem, t._seat_off, replace(seat, epoch=0, heartbeat_ns=t.wall()).pack())

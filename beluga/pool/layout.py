@@ -5,10 +5,15 @@ device-DAX mapping is 2 MiB aligned, and so are our offsets on a tmpfs file)::
 
     [0, 2 MiB)        superblock (first 4 KiB), the RPC server's doorbell (two
                       wake-up lines at 4 KiB, see beluga.rpc), rest reserved
-    host table        one 64-byte line per host, written only by that host
+    host region       host lines (each written only by its holder), grant lines
+                      and claim answers (written only by the server), the claim
+                      lobby and the server seat (beluga.pool.hosts owns the format)
     RPC area          one ring per client host (layout owned by beluga.rpc;
                       a ring opens with control, status and two wake-up lines)
-    data area         block header table (one line per block), then payloads
+    data area         block header table (one line per block), the commit table
+                      (one u64 per block: the version the server committed) and the
+                      service line (the server's persistent counters), both written
+                      only by the server, then payloads
 
 The superblock is written once, by the creator, and sealed with a CRC32C.
 Attaching checks magic, layout version, checksum, sizes and the region table,
@@ -26,7 +31,7 @@ from beluga.coherence import LINE, crc32c
 from beluga.errors import LayoutVersionError, PoolError
 
 MAGIC = b"BELUGA\x00P"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: host grants, claim lobby, server seat, commit table
 REGION_ALIGN = 2 << 20
 SUPERBLOCK_BYTES = 4096
 LABEL_BYTES = 64
@@ -39,6 +44,19 @@ assert _FORMAT.size <= _CRC_AT
 
 def align_up(value: int, align: int = REGION_ALIGN) -> int:
     return (value + align - 1) // align * align
+
+
+def lobby_lines(max_hosts: int) -> int:
+    """Claim-request lines of the lobby: twice the hosts, so collisions stay rare."""
+    return min(1024, max(16, 2 * max_hosts))
+
+
+def host_region_lines(max_hosts: int) -> int:
+    """Lines of the host region: hosts, grants, lobby, answers, server seat."""
+    return 2 * max_hosts + 2 * lobby_lines(max_hosts) + 1
+
+
+COMMIT_BYTES = 8  # one little-endian u64 per block in the commit table
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,7 @@ class Superblock:
     hosts: Region
     rpc: Region
     headers: Region  # block header table (data area, part 1)
-    payloads: Region  # block payloads (data area, part 2)
+    payloads: Region  # block payloads (data area, part 3)
     block_size: int
     nblocks: int
     label: str = ""
@@ -92,13 +110,27 @@ class Superblock:
 
     @property
     def rpc_bytes_per_host(self) -> int:
-        return self.rpc.length // self.max_hosts
+        """Bytes of each host's ring: the RPC area shared out, in whole 4 KiB pages."""
+        return self.rpc.length // self.max_hosts // 4096 * 4096
 
     def block_header_offset(self, block: int) -> int:
         return self.headers.offset + block * LINE
 
     def block_payload_offset(self, block: int) -> int:
         return self.payloads.offset + block * self.block_size
+
+    @property
+    def commits(self) -> Region:
+        """The commit table (data area, part 2): right after the header table."""
+        return Region(self.headers.offset + self.nblocks * LINE, self.nblocks * COMMIT_BYTES)
+
+    def block_commit_offset(self, block: int) -> int:
+        return self.commits.offset + block * COMMIT_BYTES
+
+    @property
+    def service_offset(self) -> int:
+        """The service line (data area, part 2, after the commit table)."""
+        return align_up(self.commits.end, LINE)
 
     def describe(self) -> dict[str, object]:
         d = asdict(self)
@@ -142,12 +174,15 @@ def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
         raise ValueError(
             f"pool size must be a positive multiple of 2 MiB ({REGION_ALIGN}), not {pool_size}"
         )
-    hosts = Region(REGION_ALIGN, align_up(geometry.max_hosts * LINE))
+    hosts = Region(REGION_ALIGN, align_up(host_region_lines(geometry.max_hosts) * LINE))
     rpc = Region(hosts.end, align_up(geometry.max_hosts * geometry.rpc_bytes_per_host))
     data_off = rpc.end
     room = pool_size - data_off
-    nblocks = max(0, (room - REGION_ALIGN) // (geometry.block_size + LINE))
-    while nblocks and align_up(nblocks * LINE) + nblocks * geometry.block_size > room:
+    per_block = LINE + COMMIT_BYTES  # header and commit word of each block
+    nblocks = max(0, (room - REGION_ALIGN) // (geometry.block_size + per_block))
+    while (
+        nblocks and align_up(nblocks * per_block + 2 * LINE) + nblocks * geometry.block_size > room
+    ):
         nblocks -= 1
     if nblocks < 1:
         need = data_off + REGION_ALIGN + align_up(geometry.block_size)
@@ -156,7 +191,7 @@ def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
             f"{data_off} bytes of superblock, host table and RPC area; use at least "
             f"{align_up(need)} bytes, or fewer --max-hosts"
         )
-    headers = Region(data_off, align_up(nblocks * LINE))
+    headers = Region(data_off, align_up(nblocks * per_block + 2 * LINE))  # + commits, service
     payloads = Region(headers.end, nblocks * geometry.block_size)
     return Superblock(
         pool_size=pool_size,
@@ -243,9 +278,18 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
         if r.offset % REGION_ALIGN or r.offset < prev_end or r.end > pool_size:
             problems.append(f"region [{r.offset}, {r.end}) is misplaced")
         prev_end = max(prev_end, r.end)
-    if max_hosts < 1 or h_len < max_hosts * LINE or r_len % max(max_hosts, 1):
+    if (
+        max_hosts < 1
+        or h_len < host_region_lines(max_hosts) * LINE
+        or r_len < max(max_hosts, 1) * 4096
+    ):
         problems.append(f"host table does not fit {max_hosts} hosts")
-    if block_size < 4096 or nblocks < 1 or hd_len < nblocks * LINE or p_len != nblocks * block_size:
+    if (
+        block_size < 4096
+        or nblocks < 1
+        or hd_len < nblocks * (LINE + COMMIT_BYTES) + 2 * LINE
+        or p_len != nblocks * block_size
+    ):
         problems.append("data area does not match its block count")
     if problems:
         raise PoolError(

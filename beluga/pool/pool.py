@@ -48,7 +48,7 @@ class Pool:
         self.mapping = mapping
         self.superblock = superblock
         self.memory = memory
-        self.hosts = HostTable(memory, superblock.hosts, superblock.max_hosts, mapping.locked)
+        self.hosts = HostTable(memory, superblock.hosts, superblock.max_hosts)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -72,6 +72,7 @@ class Pool:
         """
         backend = parse_spec(spec)
         sb = plan(size, geometry or Geometry(), label)
+        unpack(sb.pack(), size, backend.spec)  # what attach will check, before anything is made
         if backend.exists() and not force:
             existing = None
             with contextlib.suppress(PoolError):
@@ -158,9 +159,9 @@ class Pool:
     def spec(self) -> str:
         return self.backend.spec
 
-    def claim_host(self, host_id: int | None = None) -> HostEntry:
-        """Register this process as a host of the pool (see HostTable.claim)."""
-        return self.hosts.claim(host_id)
+    def claim_host(self, host_id: int | None = None, timeout: float = 10.0) -> HostEntry:
+        """Ask the pool's server for a host id for this process (see HostTable.claim)."""
+        return self.hosts.claim(host_id, timeout=timeout)
 
     def info(self) -> dict[str, Any]:
         """Superblock, backend and host facts, for ``beluga pool info``."""
@@ -174,10 +175,17 @@ class Pool:
             }
             for e in self.hosts.entries()
         ]
+        seat = self.hosts.seat()
+        server = (
+            {"pid": seat.identity.pid, "same_machine": seat.identity.same_kernel()}
+            if seat is not None and seat.epoch
+            else None
+        )
         return {
             **self.backend.info(),
             **self.superblock.describe(),
             "coherence": self.memory.mode,
+            "server": server,
             "members": hosts,
         }
 

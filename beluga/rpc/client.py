@@ -20,7 +20,7 @@ from beluga._native import _core
 from beluga.coherence import LINE, read_line, write_line
 from beluga.errors import RpcError
 from beluga.pool import Pool
-from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, process_start_ms
+from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, Staleness, process_start_ms
 from beluga.rpc.protocol import (
     MAX_DEPTH,
     STATUS_LINE,
@@ -71,8 +71,10 @@ class RpcClient:
         self._lock = threading.Lock()
         self._fork_generation = _fork_generation
         self._pid = os.getpid()
+        self._server_beat = Staleness(stale_s)
         sb = pool.superblock
-        self.entry = pool.claim_host(host_id)
+        deadline = time.monotonic() + connect_timeout
+        self.entry = pool.claim_host(host_id, timeout=connect_timeout)
         self._ring_off = ring_offset(sb, self.entry.host_id)
         try:
             ctl = RingControl(
@@ -82,7 +84,7 @@ class RpcClient:
             self.ring = _core.RingClient(
                 pool.memory, self._ring_off, sb.rpc_bytes_per_host, depth, self.entry.generation
             )
-            self._follow(self._wait_for_server(connect_timeout))
+            self._follow(self._wait_for_server(deadline, connect_timeout))
         except BaseException:
             self._retire()
             raise
@@ -114,10 +116,9 @@ class RpcClient:
     def _alive(self, st: ServerStatus) -> bool:
         if st.boot_id == BOOT_ID:
             return process_start_ms(st.pid) == st.start_ms
-        return time.time_ns() - st.heartbeat_ns < self.stale_s * 1e9
+        return self._server_beat.fresh(st.epoch, st.heartbeat_ns)  # by our clock, not its
 
-    def _wait_for_server(self, timeout: float) -> ServerStatus:
-        deadline = time.monotonic() + timeout
+    def _wait_for_server(self, deadline: float, timeout: float) -> ServerStatus:
         while True:
             st = self._status()
             if st and st.epoch and st.acked_gen == self.entry.generation and self._alive(st):
@@ -216,9 +217,18 @@ class RpcClient:
     # -- life cycle ----------------------------------------------------------
 
     def _heartbeat(self, every: float) -> None:
+        hosts = self.pool.hosts
         while not self._stop.wait(every):
             try:
-                self.entry = self.pool.hosts.heartbeat(self.entry)
+                if not hosts.holds(self.entry):
+                    # only a host taken for dead (heartbeat stalled past stale_s, across
+                    # hosts) loses its id: it must not write the line of the next holder
+                    self._broken = (
+                        f"host id {self.host_id} was granted to another process after this "
+                        f"one's heartbeat stalled for over {self.stale_s} s"
+                    )
+                    return
+                self.entry = hosts.heartbeat(self.entry)
             except BaseException:  # the pool went away under us: stop beating
                 return
 

@@ -6,12 +6,16 @@ the client raises).  :func:`per_request` adapts a one-at-a-time function.
 
 The server's life cycle, in shared memory:
 
-- it claims a host id like any host, and writes a fresh random *epoch*;
+- it takes the pool's server seat (refused while another live server holds
+  it) with a fresh random *epoch*; it holds no host id of its own;
 - every ``refresh_s`` it reads each ring's control line and the host table:
-  a ring whose client is alive (pid + start time, or heartbeat) and whose
-  generation matches the host table is served; a dead client's ring is
-  dropped and ``on_client_gone(host_id)`` runs, so upper layers reclaim what
-  that client held; then ``tick()`` runs, for the service's own timers;
+  a ring whose generation is that of the id's grant and whose holder is alive
+  (pid + start time on this kernel, a moving heartbeat across hosts) is
+  served; a dead or departed client's ring is dropped and
+  ``on_client_gone(host_id)`` runs, so upper layers reclaim what that client
+  held; then it answers claim requests in the host table's lobby (it is the
+  one writer of grants: see beluga.pool.hosts), then ``tick()`` runs, for the
+  service's own timers;
 - it writes each ring's status line (epoch, acknowledged generation,
   heartbeat); a clean stop writes epoch 0 so that clients fail fast.
 
@@ -38,7 +42,7 @@ from beluga._native import _core
 from beluga.coherence import read_line, write_line
 from beluga.errors import BelugaError, CapacityError, RpcError
 from beluga.pool import Pool
-from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, process_start_ms
+from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, Grant, HostRegistry, process_start_ms
 from beluga.rpc.protocol import (
     STATUS_LINE,
     Message,
@@ -60,6 +64,7 @@ class Request(NamedTuple):
     host_id: int
     op: int
     payload: bytes
+    generation: int = 0  # of the sender's host id: with host_id, who exactly sent it
 
 
 Result = bytes | BaseException
@@ -90,15 +95,21 @@ def _status_of(result: BaseException) -> int:
     return Status.FAILED
 
 
+NO_HOST = 0xFFFFFFFF  # the server's "host id" in status lines: it holds none
+
+
 class RpcServer:
-    """Serve every ring of a pool.  ``serve_forever`` until ``stop``; or ``start_thread``."""
+    """Serve every ring of a pool.  ``serve_forever`` until ``stop``; or ``start_thread``.
+
+    One thread serves (``serve_forever``); ``stop`` may be called from any
+    thread.  Not fork-safe: a forked child must not serve the parent's rings.
+    """
 
     def __init__(
         self,
         pool: Pool,
         handlers: Mapping[int, BatchHandler] | None = None,
         *,
-        host_id: int | None = None,
         max_batch: int = 256,
         refresh_s: float = 0.1,
         idle_after_s: float = 50e-6,
@@ -120,7 +131,6 @@ class RpcServer:
         self.on_client_gone = on_client_gone
         self.tick = tick
         self.epoch = int.from_bytes(os.urandom(4), "little") or 1
-        self.entry = pool.claim_host(host_id)
         self.start_ms = process_start_ms(os.getpid()) or 0
         self.active: dict[int, RingControl] = {}
         self.limits: dict[int, int] = {}  # largest response per ring
@@ -130,7 +140,14 @@ class RpcServer:
         self.idle_after_s = idle_after_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.refresh()
+        self.registry = HostRegistry(pool.hosts, stale_s, before_grant=self._regrant)
+        self._lock_fd = pool.mapping.exclusive_lock(f"the server seat of {pool.spec}")
+        try:
+            self.seat = self.registry.take_seat(self.epoch, wait_s=stale_s)
+            self.refresh()
+        except BaseException:
+            self._unlock()
+            raise
 
     @property
     def idle_after_s(self) -> float:
@@ -147,7 +164,7 @@ class RpcServer:
         status = ServerStatus(
             epoch,
             acked_gen,
-            self.entry.host_id,
+            NO_HOST,
             os.getpid(),
             self.start_ms,
             BOOT_ID,
@@ -170,36 +187,49 @@ class RpcServer:
         return min(pending) if pending else (newest + 1 if newest else ctl.first_seq)
 
     def refresh(self) -> None:
-        """Adopt new clients, drop dead ones, and heartbeat every ring's status line."""
-        hosts = self.pool.hosts
+        """Adopt new clients, drop dead ones, grant host ids, heartbeat every status line."""
+        self.seat = self.registry.keep_seat(self.seat)
         for h in range(self.sb.max_hosts):
-            if h == self.entry.host_id:
-                continue
             ctl = RingControl.unpack(read_line(self.mem, ring_offset(self.sb, h)))
-            holder = hosts.read(h) if ctl else None
+            grant = self.registry.alive(h) if ctl else None
             live = (
                 ctl is not None
-                and holder is not None
-                and holder.generation == ctl.gen
+                and grant is not None
+                and grant.generation == ctl.gen
                 and ctl.host_id == h
-                and hosts.is_alive(holder, self.stale_s)
             )
             current = self.active.get(h)
             if live and current != ctl:
-                assert ctl is not None and holder is not None
+                assert ctl is not None and grant is not None
                 head = self._recover_head(h, ctl)
-                self.rings.set_ring(h, ctl.gen, ctl.depth, head, wake_ups(holder.boot_id))
+                self.rings.set_ring(h, ctl.gen, ctl.depth, head, wake_ups(grant.identity.boot_id))
                 self.active[h] = ctl
                 self.limits[h] = buf_size(self.sb, ctl.depth)
             elif not live and current is not None:
-                self.rings.clear_ring(h)
-                del self.active[h]
-                if self.on_client_gone:
-                    self.on_client_gone(h)
+                self._drop(h)
             self._write_status(h, self.epoch, ctl.gen if live and ctl else 0)
-        self.entry = hosts.heartbeat(self.entry)
+        self.registry.serve_lobby()
         if self.tick:
             self.tick()
+
+    def _drop(self, host_id: int) -> None:
+        """Stop serving a ring whose client is gone, and let upper layers reclaim."""
+        self.rings.clear_ring(host_id)
+        del self.active[host_id]
+        if self.on_client_gone:
+            self.on_client_gone(host_id)
+
+    def _regrant(self, host_id: int, old: Grant) -> None:
+        """An id is about to be granted again: whatever its old holder had goes first."""
+        if host_id in self.active:
+            self._drop(host_id)
+        elif self.on_client_gone:
+            self.on_client_gone(host_id)  # e.g. writes recovered from the pool after a restart
+
+    def holder_alive(self, host_id: int, generation: int) -> bool:
+        """Whether host id ``host_id`` is still held, alive, in ``generation``."""
+        grant = self.registry.alive(host_id)
+        return grant is not None and grant.generation == generation
 
     # -- serving -------------------------------------------------------------
 
@@ -219,7 +249,9 @@ class RpcServer:
                         f"unknown op {op}; this server knows {sorted(self.handlers)}"
                     )
                 continue
-            reqs = [Request(batch[i][0], op, batch[i][3]) for i in idx]
+            reqs = [
+                Request(batch[i][0], op, batch[i][3], self.active[batch[i][0]].gen) for i in idx
+            ]
             try:
                 out = handler(reqs)
                 if len(out) != len(reqs):
@@ -296,12 +328,19 @@ class RpcServer:
             if self._thread.is_alive():
                 raise RpcError(f"server thread did not stop within {timeout} s")
             self._thread = None
-        if self.mem.released:
-            return
-        for h in range(self.sb.max_hosts):
-            if h != self.entry.host_id:
+        try:
+            if self.mem.released:
+                return
+            for h in range(self.sb.max_hosts):
                 self._write_status(h, 0, 0)
-        self.pool.hosts.release(self.entry)
+            self.registry.leave_seat(self.seat)
+        finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def __enter__(self) -> RpcServer:
         return self

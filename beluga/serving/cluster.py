@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from beluga.errors import ServingError
+from beluga.kv.identity import ModelIdentity
 from beluga.serving.engine import Served
 from beluga.serving.model import ModelShape
 from beluga.serving.scheduler import Scheduler
@@ -47,7 +48,11 @@ _POLL_S = 0.1
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What every engine process builds: the same seeded model, so any engine may serve any."""
+    """What every engine process builds: the same seeded model, so any engine may serve any.
+
+    ``identity`` overrides the identity the engines key blocks by (by default
+    each fingerprints its weights, which agree because the seed does).
+    """
 
     shape: ModelShape
     seed: int = 0
@@ -55,6 +60,7 @@ class EngineConfig:
     threads: int = 1  # torch threads per engine: one core per emulated host
     rpc_timeout: float = 30.0
     device: str = "cpu"  # or a CUDA device: KV then moves through the GPU path
+    identity: ModelIdentity | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ def _build_engine(pool: str, config: EngineConfig) -> tuple[Any, Any]:
     model = ModelEngine(config.shape, seed=config.seed, device=config.device)
     store = KVStore(pool, coherence=config.coherence, timeout=config.rpc_timeout)
     try:
-        return store, ServingEngine(model, store)
+        return store, ServingEngine(model, store, identity=config.identity)
     except BaseException:
         store.close()
         raise

@@ -4,9 +4,10 @@ For each request :meth:`ServingEngine.serve` does what a vLLM worker with a
 KV connector does, in order, and times each step:
 
 lookup
-    block keys from the token ids (vLLM's chained hashes, with the block
-    format and the request's cache salt as extra keys), then one batched
-    ``KVStore.locate`` of the longest cached prefix, under a read lease;
+    block keys from the token ids (vLLM's chained hashes, with the request's
+    cache salt as an extra key, in the model's :class:`~beluga.kv.KVNamespace`),
+    then one batched ``KVStore.locate`` of the longest cached prefix, under a
+    read lease;
 load
     ``KVStore.check`` the blocks, scatter-read them straight from the pool
     into the model's KV cache (one C call), and check them again: a block
@@ -23,10 +24,18 @@ A model on a CUDA device moves its KV with one kernel through the pool's
 registered mapping (:class:`beluga.transfer.gpu.GpuPool`) instead of the
 C call; everything else is the same.
 
-A pool is made for one KV shape: :func:`create_kv_pool` writes the block
-format's fingerprint into the superblock label and sizes pool blocks to hold
-one engine block, and :func:`check_kv_pool` refuses any other model before
-anything is written.
+Keys name the model: a block is keyed by the model's identity (a fingerprint
+of its weights, or the revision the user gives; see :mod:`beluga.kv.identity`)
+as well as by its block format, so two models never share a block, not even a
+Qwen2 and a Llama of equal dimensions, or a model and its fine-tune.
+
+A pool is made for one block format and may hold any number of models of
+that format: :func:`create_kv_pool` writes the format's fingerprint into the
+superblock label and sizes pool blocks to hold one engine block, and
+:func:`check_kv_pool` refuses a model of another KV shape, dtype or order
+before anything is written.  Which models share blocks is the keys' business,
+not the pool's: serve models from one pool, or from one pool each, as capacity
+planning prefers.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import numpy as np
 from beluga.coherence import LINE, Memory
 from beluga.errors import KVLayoutError
 from beluga.kv.hashing import HashFn, block_keys, hash_function
+from beluga.kv.identity import KVNamespace, ModelIdentity
 from beluga.kv.store import BlockRef, KVStore
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import REGION_ALIGN, align_up, plan
@@ -97,7 +107,11 @@ def create_kv_pool(
 
 
 def check_kv_pool(pool: Pool, fmt: BlockFormat) -> None:
-    """Refuse a pool that was not made for blocks of ``fmt`` (nothing is written)."""
+    """Refuse a pool that was not made for blocks of ``fmt`` (nothing is written).
+
+    Only the block format is checked: models of one format share a pool, each
+    under its own keys (:func:`kv_namespace`).
+    """
     sb = pool.superblock
     if sb.label != fmt.fingerprint:
         made_for = f"KV blocks {sb.label!r}" if sb.label else "no KV format (its label is empty)"
@@ -115,22 +129,30 @@ def check_kv_pool(pool: Pool, fmt: BlockFormat) -> None:
         )
 
 
+def kv_namespace(model: ModelIdentity, fmt: BlockFormat) -> KVNamespace:
+    """Where the serving engine keeps one model's blocks of ``fmt``."""
+    return KVNamespace(model, fmt.fingerprint, ("beluga-engine",))
+
+
 def kv_block_keys(
     fmt: BlockFormat,
+    model: ModelIdentity,
     token_ids: Sequence[int],
     *,
     salt: str | None = None,
     hash_fn: HashFn | str = "sha256",
     seed: str | None = None,
 ) -> list[bytes]:
-    """The block keys of a prompt, with the block format, and the salt if any, as extra keys.
+    """The block keys of a prompt for ``model``'s blocks of ``fmt``, with the salt if any.
 
-    The format keeps blocks of two KV shapes or orders from ever sharing a
-    key; a salt (vLLM's ``cache_salt``) gives requests a cache namespace of
-    their own.
+    The namespace (:func:`kv_namespace`) keeps blocks of two models, KV
+    shapes or orders from ever sharing a key; a salt (vLLM's ``cache_salt``)
+    gives requests a cache namespace of their own.
     """
-    extra = (fmt.fingerprint,) if salt is None else (fmt.fingerprint, salt)
-    return block_keys(token_ids, fmt.spec.block_size, hash_fn, extra, seed)
+    extra = None if salt is None else (salt,)
+    return block_keys(
+        token_ids, kv_namespace(model, fmt), fmt.spec.block_size, hash_fn, extra, seed
+    )
 
 
 @dataclass(frozen=True)
@@ -170,13 +192,21 @@ def _leading(flags: Sequence[object]) -> int:
 
 
 class ServingEngine:
-    """A model engine whose prefix cache is a KV store on a shared pool."""
+    """A model engine whose prefix cache is a KV store on a shared pool.
+
+    ``identity`` overrides the model's own (:attr:`ModelEngine.identity`, a
+    fingerprint of its weights), e.g. with
+    ``ModelIdentity.explicit(name, revision)``: engines share blocks exactly
+    when their identities and block formats agree.  Not thread-safe: one
+    request at a time.
+    """
 
     def __init__(
         self,
         model: ModelEngine,
         store: KVStore,
         *,
+        identity: ModelIdentity | None = None,
         hash_fn: HashFn | str = "sha256",
         hash_seed: str | None = None,
     ) -> None:
@@ -184,6 +214,7 @@ class ServingEngine:
         self.store = store
         self.format = kv_format(model)
         check_kv_pool(store.pool, self.format)
+        self.identity = identity if identity is not None else model.identity
         self.block_size = self.format.spec.block_size
         self.block_bytes = store.pool.superblock.block_size
         self.hash_fn = hash_function(hash_fn) if isinstance(hash_fn, str) else hash_fn
@@ -201,7 +232,12 @@ class ServingEngine:
     def keys(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
         """The block keys of a prompt (see :func:`kv_block_keys`)."""
         return kv_block_keys(
-            self.format, token_ids, salt=salt, hash_fn=self.hash_fn, seed=self.hash_seed
+            self.format,
+            self.identity,
+            token_ids,
+            salt=salt,
+            hash_fn=self.hash_fn,
+            seed=self.hash_seed,
         )
 
     def serve(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from transformers import (
 )
 
 from beluga.coherence import Memory
+from beluga.kv.identity import ModelIdentity
 from beluga.transfer import KVLayout, KVSpec, gather_write, scatter_read
 from beluga.transfer.gpu import GpuPool
 
@@ -109,7 +111,9 @@ class ModelEngine:
 
     It runs on the CPU, or on ``device`` (a CUDA device): its KV cache then
     lives there and moves through a :class:`beluga.transfer.gpu.GpuPool`.
-    The weights are drawn on the CPU either way, so one seed is one model.
+    The weights are drawn on the CPU either way, so one seed is one model,
+    and :attr:`identity` (which keys its pool blocks) tells seeds and
+    families apart.
     """
 
     def __init__(
@@ -136,6 +140,12 @@ class ModelEngine:
             torch.manual_seed(seed)
             model: PreTrainedModel = model_cls(self.config)
         self.model = model.to(torch.float32).to(self.device).eval()
+
+    @cached_property
+    def identity(self) -> ModelIdentity:
+        """The model's identity for block keys: a fingerprint of its config and weights."""
+        with torch.no_grad():
+            return ModelIdentity.of_module(self.model, name=f"random-{self.shape.family}")
 
     @torch.no_grad()
     def prefill(self, token_ids: Sequence[int], cached_prefix_kv: KV | None = None) -> Prefill:

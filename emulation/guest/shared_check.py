@@ -6,7 +6,10 @@ creates the pool; guest 1 attaches once the superblock is there.  The check
 then runs in phases, each a pair of roles (guest 0's, guest 1's) that meet
 through the pool:
 
-``hosts``   each claims its host id; each sees the other alive in the host table
+``hosts``   guest 0 runs the RPC server (the grantor of host ids); both guests
+            claim host ids at once from several threads; every id each guest
+            believes it holds is granted to it and to no one else, and each
+            sees the other's holders alive
 ``blocks``  guest 0 publishes blocks, guest 1 reads them back validated and
             publishes an acknowledgement that guest 0 reads in turn
 ``litmus``  the block protocol's litmus pattern with the writer on guest 0
@@ -19,11 +22,14 @@ further pairs of roles.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from beluga.coherence import litmus
 from beluga.pool import HostEntry, Pool
+from beluga.pool.hosts import BOOT_ID
+from beluga.rpc import RpcServer
 from emulation.guest.blocks import (
     BLOCKS,
     GEOMETRY,
@@ -38,6 +44,7 @@ from emulation.guest.blocks import (
 
 ACK = BLOCKS  # the block guest 1 publishes once it has read the others
 LITMUS_TRIALS = 200
+CLAIMS = 2  # host ids each guest claims, from as many threads at once
 
 
 @dataclass
@@ -47,30 +54,58 @@ class Host:
     index: int
     pool: Pool
     steps: Steps
-    entry: HostEntry | None = None
+    entries: list[HostEntry] = field(default_factory=list)
+    server: RpcServer | None = None
 
     def heartbeat(self) -> None:
-        """Keep this host alive in the table while it waits for the other one."""
-        if self.entry is not None:
-            self.entry = self.pool.hosts.heartbeat(self.entry)
+        """Keep this guest's holders alive in the table while it waits for the other one."""
+        self.entries = [self.pool.hosts.heartbeat(e) for e in self.entries]
 
     def litmus_area(self) -> int:
         return self.pool.superblock.block_payload_offset(ACK + 1)
 
 
 def hosts_both(host: Host) -> None:
-    # each takes the id of its index, so what is checked is what one host sees
-    # of the other, whichever claims first
-    host.entry = host.pool.claim_host(host.index)
-    own, table = host.entry.host_id, host.pool.hosts
+    table = host.pool.hosts
+    if host.index == 0:
+        host.server = RpcServer(host.pool, refresh_s=0.05)
+        host.server.start_thread()
+    claimed: list[HostEntry | BaseException] = []
 
-    def other_alive() -> bool:
-        return any(e.host_id != own and table.is_alive(e) for e in table.entries())
+    def claim() -> None:
+        try:
+            claimed.append(table.claim(timeout=WAIT_S))
+        except BaseException as e:
+            claimed.append(e)
 
+    threads = [threading.Thread(target=claim) for _ in range(CLAIMS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S + 10)
+    host.entries = [e for e in claimed if isinstance(e, HostEntry)]
     host.steps.expect(
-        poll(other_alive, bool, WAIT_S, host.heartbeat),
-        f"guest {host.index} holds host id {own} and sees the other guest alive",
+        len(host.entries) == CLAIMS, f"guest {host.index} claimed {CLAIMS} host ids", claimed
     )
+
+    def others() -> list[HostEntry]:
+        return [e for e in table.entries() if e.boot_id != BOOT_ID and table.is_alive(e)]
+
+    theirs = poll(others, lambda got: len(got) == CLAIMS, WAIT_S, host.heartbeat)
+    mine = {e.host_id for e in host.entries}
+    host.steps.expect(
+        len(theirs) == CLAIMS and not mine & {e.host_id for e in theirs},
+        f"guest {host.index} holds ids {sorted(mine)} and sees the other guest's "
+        f"{sorted(e.host_id for e in theirs)}: no id held twice",
+    )
+    host.steps.expect(
+        all(table.holds(e) for e in host.entries),
+        f"guest {host.index}: the server's grant of each id it holds is its own",
+    )
+    # the server may go once both guests hold their ids (each sees the other's)
+    if host.server is not None:
+        host.server.close()
+        host.server = None
 
 
 def blocks_writer(host: Host) -> None:
@@ -121,8 +156,10 @@ def main() -> None:
             print(f"phase {name}")
             (first if index == 0 else second)(host)
     finally:
-        if host.entry is not None:
-            pool.hosts.release(host.entry)
+        if host.server is not None:
+            host.server.close()
+        for entry in host.entries:
+            pool.hosts.release(entry)
         pool.close()
     steps.exit()
 

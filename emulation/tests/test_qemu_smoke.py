@@ -44,6 +44,21 @@ def test_the_dax_check_passes_in_a_guest(built: Sandbox) -> None:
     assert_nothing_left_running()
 
 
+def test_two_guests_share_one_cxl_device(built: Sandbox) -> None:
+    """Host ids claimed at once from both guests (the server in guest 0), blocks and the
+    publish litmus across the guests: every step of the shared check passes."""
+    result = run("shared", timeout=2 * TIMEOUT_S, sandbox=built)
+    assert result.returncode == 0, "\n".join(explain_guest(result, g) for g in range(2))
+    assert result.output.count("all steps passed") == 2
+    assert "no id held twice" in result.output and "FAIL" not in result.output
+    assert_nothing_left_running()
+
+
+def explain_guest(result: Result, index: int) -> str:
+    guest = result.guests[index]
+    return f"guest {index}: {guest.problem}\nconsole: {guest.console}"
+
+
 def test_a_script_exit_code_comes_back(built: Sandbox) -> None:
     command = ["sh", "-c", "test -c /dev/dax0.0 && echo dax-ready; exit 7"]
     result = run("dax", command, TIMEOUT_S, sandbox=built)

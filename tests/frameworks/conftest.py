@@ -6,7 +6,9 @@ in the main environment each module skips at import, naming the install step.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +35,35 @@ def served_pool(shm_path: str) -> Iterator[str]:
     server.close()
     pool.close()
     Pool.destroy(shm_path)
+
+
+def write_model(path: Path, seed: int) -> str:
+    """A tiny model directory (config.json, model.safetensors) with seeded random weights.
+
+    Written by hand, because not every framework venv has transformers; the
+    weights are only ever fingerprinted, never run.  Two seeds stand for a
+    model and its fine-tune.
+    """
+    import torch
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        "embed_tokens.weight": torch.randn(64, 32, generator=gen),
+        "layers.0.k_proj.weight": torch.randn(32, 32, generator=gen),
+        "layers.1.k_proj.weight": torch.randn(32, 32, generator=gen),
+    }
+    header: dict[str, object] = {}
+    data = b""
+    for name, tensor in tensors.items():
+        raw = tensor.numpy().tobytes()
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(tensor.shape),
+            "data_offsets": [len(data), len(data) + len(raw)],
+        }
+        data += raw
+    encoded = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+    return str(path)

@@ -5,12 +5,16 @@ LMCache's own builder from a config that names the plugin the way a user's
 does (``storage_plugins`` and ``extra_config``).  Engine 1 stores KV through
 LMCache's store path; engine 2, whose local CPU cache is empty, retrieves it
 through LMCache's retrieve path, which can only find it in the pool, and must
-get every byte back.  The GPU connector is a small CPU stand-in (LMCache's own
-connectors need a GPU): a paged buffer ``[2, layers, tokens, hidden]``.
+get every byte back.  An engine serving other weights from the same model
+path (a fine-tune saved over the model) must find none of it.  The GPU
+connector is a small CPU stand-in (LMCache's own connectors need a GPU): a
+paged buffer ``[2, layers, tokens, hidden]``.  The models are tiny weights
+directories written by the test (LMCache's model name is vLLM's model path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -20,7 +24,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.frameworks.conftest import need
+from tests.frameworks.conftest import need, write_model
 
 need("lmcache", "lmcache")
 os.environ.setdefault("PYTHONHASHSEED", "0")  # LMCache's chunk hashes must agree across engines
@@ -31,6 +35,7 @@ from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
+from beluga.errors import KVLayoutError  # noqa: E402
 from beluga.integrations.lmcache import BelugaBackend  # noqa: E402
 from beluga.kv import KVStore  # noqa: E402
 
@@ -62,7 +67,7 @@ class CPUConnector(GPUConnectorInterface):
             self.to_gpu(obj, start, end, **kwargs)
 
 
-def config(pool: str) -> LMCacheEngineConfig:
+def config(pool: str, **extra: Any) -> LMCacheEngineConfig:
     return LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK,
         local_cpu=True,
@@ -74,13 +79,14 @@ def config(pool: str) -> LMCacheEngineConfig:
             "storage_plugin.beluga.class_name": "BelugaBackend",
             "beluga.pool": pool,
             "beluga.retry_s": 3600,
+            **extra,
         },
     )
 
 
-def metadata() -> LMCacheMetadata:
+def metadata(model: str) -> LMCacheMetadata:
     return LMCacheMetadata(
-        model_name="tiny-llama",
+        model_name=model,
         world_size=1,
         local_world_size=1,
         worker_id=0,
@@ -91,27 +97,42 @@ def metadata() -> LMCacheMetadata:
     )
 
 
-@pytest.fixture
-def engines(served_pool: str) -> Iterator[tuple[Any, Any]]:
+@contextlib.contextmanager
+def lmcache_engines(pool: str, *models: str) -> Iterator[list[Any]]:
+    """One LMCacheEngine per model path, built as LMCache builds them, destroyed after."""
     before = set(psutil.Process().children(recursive=True))
-    built = [
-        LMCacheEngineBuilder.get_or_create(
-            name,
-            config(served_pool),
-            metadata(),
-            CPUConnector(torch.bfloat16),
-            lambda tensor, rank: None,
-            lambda obj, rank: obj,
-        )
-        for name in ("engine-1", "engine-2")
-    ]
-    for engine in built:
-        engine.post_init()
-    yield tuple(built)
-    for name in ("engine-1", "engine-2"):
-        LMCacheEngineBuilder.destroy(name)
-    # LMCache runs py-cpuinfo in a subprocess at start; let those finish
-    psutil.wait_procs(set(psutil.Process().children(recursive=True)) - before, timeout=60)
+    names = [f"engine-{i}" for i in range(len(models))]
+    try:
+        built = [
+            LMCacheEngineBuilder.get_or_create(
+                name,
+                config(pool),
+                metadata(model),
+                CPUConnector(torch.bfloat16),
+                lambda tensor, rank: None,
+                lambda obj, rank: obj,
+            )
+            for name, model in zip(names, models, strict=True)
+        ]
+        for engine in built:
+            engine.post_init()
+        yield built
+    finally:
+        for name in names:
+            LMCacheEngineBuilder.destroy(name)
+        # LMCache runs py-cpuinfo in a subprocess at start; let those finish
+        psutil.wait_procs(set(psutil.Process().children(recursive=True)) - before, timeout=60)
+
+
+@pytest.fixture
+def model_path(tmp_path: Path) -> str:
+    return write_model(tmp_path / "tiny-llama", seed=0)
+
+
+@pytest.fixture
+def engines(served_pool: str, model_path: str) -> Iterator[tuple[Any, Any]]:
+    with lmcache_engines(served_pool, model_path, model_path) as built:
+        yield tuple(built)
 
 
 def plugin(engine: Any) -> BelugaBackend:
@@ -140,11 +161,36 @@ def test_kv_stored_by_one_engine_is_retrieved_bit_exact_by_another(
     assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
 
 
+def test_a_fine_tune_saved_over_the_model_never_reads_its_chunks(
+    served_pool: str, model_path: str
+) -> None:
+    tokens = torch.arange(1, 2 * CHUNK + 1)
+    kv = torch.randn(2, LAYERS, len(tokens), HIDDEN).to(torch.bfloat16)
+    with lmcache_engines(served_pool, model_path) as (base,):
+        base.store(tokens, kvcaches=kv)
+    write_model(Path(model_path), seed=1)  # the same path and name, other weights
+    with lmcache_engines(served_pool, model_path) as (tuned,), KVStore(served_pool) as store:
+        assert store.stats()["keys"] == 2
+        assert tuned.lookup(tokens) == 0
+        tuned.store(tokens, kvcaches=kv)  # its own chunks, beside the base model's
+        assert store.stats()["keys"] == 4
+
+
+def test_a_model_beluga_cannot_identify_is_refused_naming_the_setting(
+    served_pool: str,
+) -> None:
+    with pytest.raises(KVLayoutError, match=r"'beluga\.model_revision'"):
+        BelugaBackend("cpu", config(served_pool), metadata("tiny-llama"), None, None)
+    explicit = config(served_pool, **{"beluga.model_revision": "r1"})
+    BelugaBackend("cpu", explicit, metadata("tiny-llama"), None, None).close()
+
+
 def test_a_missing_pool_is_a_miss_with_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="beluga.integrations")
-    backend = BelugaBackend("cpu", config(str(tmp_path / "gone")), metadata(), None, None)
+    gone = config(str(tmp_path / "gone"), **{"beluga.model_revision": "r1"})
+    backend = BelugaBackend("cpu", gone, metadata("tiny-llama"), None, None)
     key = pytest.importorskip("lmcache.utils").CacheEngineKey("m", 1, 0, 42, torch.bfloat16)
     assert not backend.contains(key) and backend.batched_contains([key, key]) == 0
     assert backend.batched_get_blocking([key]) == [None]

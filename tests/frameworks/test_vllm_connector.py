@@ -55,13 +55,11 @@ BS, LAYERS, HEADS, DIM = 16, 2, 2, 32
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A config.json-only Llama: enough for vLLM's ModelConfig, nothing downloaded."""
-    from transformers import LlamaConfig
+def tiny_llama(path: Path, seed: int | None) -> str:
+    """A tiny random Llama in ``path`` (with ``seed`` None, its config.json alone)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("model")
-    LlamaConfig(
+    config = LlamaConfig(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
@@ -70,8 +68,31 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
         num_key_value_heads=HEADS,
         head_dim=DIM,
         max_position_embeddings=2048,
-    ).save_pretrained(path)
+    )
+    if seed is None:
+        config.save_pretrained(path)
+    else:
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A Llama at two paths (two hosts), and a fine-tune in a directory of the same name."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "base": tiny_llama(root / "host-1" / "llama", seed=0),
+        "copy": tiny_llama(root / "host-2" / "llama", seed=0),
+        "fine-tune": tiny_llama(root / "fine-tune" / "llama", seed=1),
+        "config-only": tiny_llama(root / "config-only" / "llama", seed=None),
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(models: dict[str, str]) -> str:
+    """Enough for vLLM's ModelConfig, nothing downloaded."""
+    return models["base"]
 
 
 def vllm_config(model_dir: str, pool: str, **extra: object) -> VllmConfig:
@@ -189,10 +210,38 @@ def test_setups_the_connector_cannot_serve_are_refused_at_start(model_dir: str) 
 
 def test_namespaces_keep_different_models_and_layouts_apart(model_dir: str) -> None:
     a = engine_kv(vllm_config(model_dir, "p"), kv_cache_config())
-    b = engine_kv(vllm_config(model_dir, "p", namespace="rev2"), kv_cache_config())
+    b = engine_kv(vllm_config(model_dir, "p", namespace="tenant-2"), kv_cache_config())
     c = engine_kv(vllm_config(model_dir, "p"), kv_cache_config(dtype=torch.float16))
     assert len({a.namespace, b.namespace, c.namespace}) == 3
     assert a == engine_kv(vllm_config(model_dir, "p"), kv_cache_config())
+
+
+def namespace(model: str, **extra: object) -> bytes:
+    return engine_kv(vllm_config(model, "p", **extra), kv_cache_config()).namespace.digest
+
+
+def test_a_fine_tune_under_the_same_name_is_another_model(models: dict[str, str]) -> None:
+    base = namespace(models["base"])
+    assert namespace(models["copy"]) == base  # the same files elsewhere: shared
+    assert namespace(models["fine-tune"]) != base  # other weights, same name: never shared
+    # an explicit revision names the model instead: the user vouches for the weights
+    named = namespace(models["base"], model_revision="r1")
+    assert named != base and namespace(models["fine-tune"], model_revision="r1") == named
+    assert namespace(models["base"], model_revision="r2") != named
+
+
+def test_weights_saved_over_the_model_are_another_model(tmp_path: Path) -> None:
+    """The same path and name, as vLLM sees them, but a fine-tune saved over the weights."""
+    path = tiny_llama(tmp_path / "llama", seed=0)
+    before = namespace(path)
+    tiny_llama(tmp_path / "llama", seed=1)
+    assert namespace(path) != before
+
+
+def test_a_model_whose_weights_cannot_be_read_needs_a_revision(models: dict[str, str]) -> None:
+    with pytest.raises(KVLayoutError, match=r"no weights files.*'model_revision'"):
+        namespace(models["config-only"])
+    assert namespace(models["config-only"], model_revision="r1")
 
 
 def cpu_caches(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:

@@ -6,8 +6,9 @@ cached, load them from the pool, and produce exactly the tokens that engine C
 (plain vLLM, no connector) produces for the same prompts, greedily; engine E
 does the same loading layer by layer.  Engine D
 is configured for a pool that does not exist: it must serve the same tokens
-with one warning.  The model is a tiny random-weight Llama written by the
-test: nothing is downloaded.
+with one warning.  Engine F serves a fine-tune of the model from a directory
+of the same name: it must find none of the model's blocks.  The models are
+tiny random-weight Llamas written by the test: nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def engine(tmp: Path, name: str, job: dict[str, Any]) -> tuple[dict[str, Any], s
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("engines")
     model = write_tiny_model(str(tmp / "model"))
+    fine_tune = write_tiny_model(str(tmp / "fine-tune" / "model"), seed=1)
     rng = random.Random(7)
     prefixes = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 5)] for _ in range(3)]
     served = [p + [rng.randrange(1, 500) for _ in range(9)] for p in prefixes]
@@ -83,6 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         }
         with KVStore(pool) as store:
             out["stats"] = store.stats()
+        out["F"] = engine(tmp, "F", {**job, "model": fine_tune, "prompts": sharing, "pool": path})
         yield out
     finally:
         server.stop()
@@ -114,6 +117,15 @@ def test_the_second_engine_generates_what_recomputation_generates(runs: dict[str
     assert tokens(runs["B"]) == tokens(runs["C"])
     assert tokens(runs["E"]) == tokens(runs["C"])  # loading layer by layer
     assert len({tuple(t) for t in tokens(runs["C"])}) == 3  # the prompts lead somewhere different
+
+
+def test_a_fine_tune_of_the_same_name_finds_none_of_the_models_blocks(
+    runs: dict[str, Any],
+) -> None:
+    result, _ = runs["F"]
+    assert all(r["num_cached_tokens"] == 0 and r["loaded_blocks"] == 0 for r in result["results"])
+    assert result["counters"].get("hit_blocks", 0) == 0
+    assert result["counters"]["saved_blocks"] == 3 * PREFIX_BLOCKS  # its own, beside them
 
 
 def test_a_missing_pool_serves_correct_tokens_with_one_warning(runs: dict[str, Any]) -> None:

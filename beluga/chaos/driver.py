@@ -1,0 +1,971 @@
+"""The chaos driver: one pool, a real metadata server, clients, and faults.
+
+The driver creates a scratch pool, runs ``beluga serve`` (``beluga.kv.server.serve``)
+in a child process, forks writer, in-place writer and reader processes
+(:mod:`beluga.chaos.roles`), and then, one fault at a time at random
+intervals, injects:
+
+``kill_server``         SIGKILL the server, start a new one (it rebuilds its index from the pool)
+``stop_server``         SIGSTOP the server, sometimes past the write lease, then SIGCONT
+``kill_writer``         SIGKILL a writer or in-place writer; a new process takes its slot over
+``kill_reader``         SIGKILL a reader; a new one takes over
+``stop_writer``         SIGSTOP a writer past its write lease, then SIGCONT
+``stop_reader``         SIGSTOP a reader past its read lease, then SIGCONT
+``stop_mid_payload``    an in-place writer stops itself halfway through a payload
+                        (reserve, half the payload, SIGSTOP); the driver keeps it
+                        stopped past its write lease until another writer has reused
+                        the extent (or a bound passes), then SIGCONT: it writes the
+                        rest and seals
+``corrupt_rpc_line``    random bytes into a request or response line of a client's ring
+``corrupt_rpc_buffer``  random bytes into a request or response payload buffer
+``corrupt_header``      random bytes into a block header (usually a published one)
+``corrupt_payload``     random bytes into a published block's payload
+
+Writers are frozen (SIGSTOP, for a few milliseconds) while the driver picks
+and corrupts a block, so the block it hit is the one it looked at; the key
+whose committed block it corrupted is recorded, and misses of that key are
+then excused from lost-write accounting (never wrong bytes: a corrupted block
+must read as a miss).
+
+After the last fault every process is resumed, the writers are stopped, an
+auditor reads every key through every read path, the server is killed and
+restarted once more, and the auditor reads everything again (what the
+rebuilt index serves).  Then :meth:`History.check` judges every read.
+
+A role that is neither stopped nor killed and reports nothing for
+``hang_bound_s`` is a hang: its stacks are dumped (SIGUSR1, faulthandler) to
+stderr and it is replaced.  The server hangs when its heartbeat in the host
+table stops while it is not stopped.
+
+The seed fixes the fault plan (kinds, targets, timings, hostile bytes) and
+every role's choices; the operating system's scheduling is not replayable,
+so a seed reproduces a run's faults, not its exact interleaving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import multiprocessing as mp
+import os
+import random
+import re
+import signal
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import psutil
+
+from beluga.chaos import faults
+from beluga.chaos.report import ChaosReport
+from beluga.chaos.roles import RoleSpec, role_main
+from beluga.chaos.verifier import History
+from beluga.coherence import BlockState, digest, parse_header, read_line
+from beluga.errors import BelugaError
+from beluga.kv.server import serve
+from beluga.pool import Geometry, Pool
+
+_CTX = mp.get_context("fork")
+
+KINDS = (
+    "kill_server",
+    "stop_server",
+    "kill_writer",
+    "kill_reader",
+    "stop_writer",
+    "stop_reader",
+    "stop_mid_payload",
+    "corrupt_rpc_line",
+    "corrupt_rpc_buffer",
+    "corrupt_header",
+    "corrupt_payload",
+)
+WEIGHTS = {
+    "kill_server": 4,
+    "stop_server": 5,
+    "kill_writer": 7,
+    "kill_reader": 5,
+    "stop_writer": 7,
+    "stop_reader": 5,
+    "stop_mid_payload": 9,
+    "corrupt_rpc_line": 10,
+    "corrupt_rpc_buffer": 9,
+    "corrupt_header": 8,
+    "corrupt_payload": 8,
+}
+COHERENCE = ("native", "mixed", "model")
+
+
+class ChaosError(BelugaError):
+    """The chaos run itself could not proceed (not a finding about Beluga).
+
+    Its message says what it waited for and how to rerun (seed, bounds).
+    """
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """One chaos run.  ``seed=None`` draws one (it is printed and reported).
+
+    Frozen (treat ``weights`` as read-only too): thread-safe and fork-safe.
+    """
+
+    faults: int = 200
+    seed: int | None = None
+    writers: int = 3
+    inplace_writers: int = 2
+    readers: int = 3
+    keys_per_writer: int = 12
+    coherence: str = "native"  # native | mixed (odd role slots model) | model (all)
+    write_lease_s: float = 0.75
+    read_lease_s: float = 0.5
+    fault_interval_s: float = 0.3  # mean gap between faults
+    hang_bound_s: float = 30.0
+    rpc_timeout_s: float = 4.0
+    connect_timeout_s: float = 6.0
+    server_start_timeout_s: float = 30.0
+    max_reuse_wait_s: float = 2.0  # past the lease, waiting for the extent to be reused
+    pool_path: str | None = None  # default: a unique /dev/shm/beluga-chaos-* file
+    pool_bytes: int = 24 << 20  # small enough that freed extents are reused within seconds
+    block_size: int = 16 << 10
+    max_value_blocks: int = 3
+    role_pause_s: float = 0.002
+    settle_s: float = 1.5
+    max_inject_s: float = 1200.0  # stop injecting after this long, whatever the count
+    weights: dict[str, float] = field(default_factory=lambda: dict(WEIGHTS))
+
+    def __post_init__(self) -> None:
+        if self.coherence not in COHERENCE:
+            raise ValueError(f"coherence must be one of {COHERENCE}, not {self.coherence!r}")
+        if self.writers < 1 or self.inplace_writers < 0 or self.readers < 1:
+            raise ValueError("a chaos run needs at least one writer and one reader")
+        unknown = set(self.weights) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; the kinds are {KINDS}")
+        if self.faults < 0 or self.write_lease_s <= 0 or self.hang_bound_s <= 0:
+            raise ValueError("faults, write_lease_s and hang_bound_s must be positive")
+
+
+@dataclass
+class _Mid:
+    block: int
+    nblocks: int
+    version: int
+    since: float
+    reused: bool = False
+
+
+@dataclass
+class _Role:
+    name: str
+    kind: str
+    slot: int
+    incarnation: int
+    proc: BaseProcess
+    out: Connection
+    ctl: Connection
+    coherence: str
+    last_progress: float
+    hello: bool = False
+    held: bool = False  # stopped by the driver (a stop fault or a freeze)
+    mid: _Mid | None = None  # stopped itself mid-payload, resumed by the driver
+    pause_asked: float | None = None
+    gone: bool = False
+    exitcode: int | None = None
+    audited: bool = False
+    pid: int = 0  # kept: the process object is closed once reaped
+
+    def __post_init__(self) -> None:
+        assert self.proc.pid is not None
+        self.pid = self.proc.pid
+
+
+@dataclass
+class _Server:
+    proc: BaseProcess
+    ready_conn: Connection
+    started: float
+    ready: bool = False
+    held: bool = False
+    gone: bool = False
+    host_id: int | None = None
+    beat_ns: int = 0
+    beat_seen: float = 0.0
+    pid: int = 0  # kept: the process object is closed once reaped
+
+    def __post_init__(self) -> None:
+        assert self.proc.pid is not None
+        self.pid = self.proc.pid
+
+
+class _Ready:
+    """``serve(ready=...)`` sets this; a pipe, because a killed child may not hold a lock."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def set(self) -> None:
+        self.conn.send_bytes(b"ready")
+
+
+def _server_main(spec: str, coherence: str, options: dict[str, Any], conn: Connection) -> None:
+    with open(os.devnull, "w") as quiet:  # one "beluga serve" line per restart is noise here
+        os.dup2(quiet.fileno(), 1)
+    if coherence == "model":
+        os.environ["BELUGA_MODEL_SEED"] = str(os.getpid())
+    serve(spec, coherence=coherence, ready=_Ready(conn), **options)
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
+def _wait_stopped(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not _is_stopped(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
+def _signal(pid: int, sig: int) -> None:
+    if pid <= 0:  # never a process group
+        raise ValueError(f"refusing to signal pid {pid}")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+class ChaosDriver:
+    """Runs one chaos round and returns its :class:`ChaosReport`.
+
+    Not thread-safe: one thread drives a run (it owns its child processes and
+    their pipes).  Not fork-safe: a forked copy must not drive the same run.
+    """
+
+    def __init__(self, config: ChaosConfig, log: Callable[[str], None] | None = None) -> None:
+        self.cfg = config
+        self.seed = (
+            config.seed if config.seed is not None else random.SystemRandom().getrandbits(32)
+        )
+        self.rng = random.Random(self.seed)
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.path = (
+            config.pool_path or f"/dev/shm/beluga-chaos-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        nwriters = config.writers + config.inplace_writers
+        self.keys = [
+            f"chaos/w{w}/k{i}" for w in range(nwriters) for i in range(config.keys_per_writer)
+        ]
+        self.owner = [w for w in range(nwriters) for _ in range(config.keys_per_writer)]
+        self.by_digest = {digest(k.encode()): i for i, k in enumerate(self.keys)}
+        self.start = time.monotonic()
+        self.history = History(self.keys, self.owner, origin=self.start)
+        self.roles: list[_Role] = []
+        self.stragglers: list[BaseProcess] = []  # ended by us, not yet reaped
+        self.incarnations: Counter[tuple[str, int]] = Counter()
+        self.server: _Server | None = None
+        self.timers: list[tuple[float, int, Callable[[], None]]] = []
+        self.timer_seq = 0
+        self.faults: Counter[str] = Counter()
+        self.fault_log: list[dict[str, Any]] = []
+        self.hangs: list[dict[str, Any]] = []
+        self.errors: Counter[str] = Counter()
+        self.error_samples: dict[str, Counter[str]] = {}
+        self.mid_reused = 0
+        self.injecting = True
+        self.pool: Pool | None = None
+        self.nblocks = 0
+
+    # -- set-up and tear-down ------------------------------------------------
+
+    def run(self) -> ChaosReport:
+        cfg = self.cfg
+        if os.path.exists(self.path):
+            raise ChaosError(
+                f"{self.path} already exists; a chaos run makes (and removes) a scratch pool "
+                "of its own: name a new path, or remove that one if nothing uses it"
+            )
+        self.log(
+            f"beluga chaos: seed {self.seed}, {cfg.faults} faults, coherence {cfg.coherence}, "
+            f"pool {self.path} (replay: beluga chaos --seed {self.seed} --faults {cfg.faults}"
+            f"{'' if cfg.coherence == 'native' else ' --coherence ' + cfg.coherence})"
+        )
+        geometry = Geometry(max_hosts=32, rpc_bytes_per_host=128 << 10, block_size=cfg.block_size)
+        self.pool = Pool.create(self.path, cfg.pool_bytes, geometry=geometry, coherence="native")
+        self.nblocks = self.pool.superblock.nblocks
+        try:
+            self._start_server()
+            self._await(
+                lambda: self.server is not None and self.server.ready,
+                cfg.server_start_timeout_s,
+                "the first server to start",
+            )
+            for kind, count in (
+                ("writer", cfg.writers),
+                ("inplace", cfg.inplace_writers),
+                ("reader", cfg.readers),
+            ):
+                for slot in range(count):
+                    self._spawn(kind, slot)
+            self._await(
+                lambda: all(r.hello for r in self.roles if not r.gone),
+                cfg.hang_bound_s,
+                "every role to connect",
+            )
+            self._inject_all()
+            self._finish()
+        finally:
+            self._teardown()
+        return self._report()
+
+    def _teardown(self) -> None:
+        live = [r for r in self.roles if not r.gone]
+        for r in live:
+            _signal(r.pid, signal.SIGKILL)
+        for r in live:
+            r.proc.join(10)
+            r.out.close()
+            r.ctl.close()
+        for proc in self.stragglers:
+            assert proc.pid is not None
+            _signal(proc.pid, signal.SIGKILL)
+            proc.join(10)
+        if self.server is not None and not self.server.gone:
+            self._stop_server()
+        if self.pool is not None:
+            self.pool.close()
+            Pool.destroy(self.path)
+
+    # -- the event loop ------------------------------------------------------
+
+    def _after(self, delay: float, action: Callable[[], None]) -> None:
+        self.timer_seq += 1
+        heapq.heappush(self.timers, (time.monotonic() + delay, self.timer_seq, action))
+
+    def _pump(self, seconds: float) -> None:
+        """Serve messages, timers, deaths and hang checks for ``seconds``."""
+        end = time.monotonic() + seconds
+        while True:
+            now = time.monotonic()
+            while self.timers and self.timers[0][0] <= now:
+                heapq.heappop(self.timers)[2]()
+            if now >= end:
+                return
+            nxt = min(end, self.timers[0][0] if self.timers else end)
+            live = [r for r in self.roles if not r.gone]
+            waitables: list[Any] = [r.out for r in live] + [r.proc.sentinel for r in live]
+            if self.server is not None and not self.server.gone:
+                waitables.append(self.server.proc.sentinel)
+                if not self.server.ready:
+                    waitables.append(self.server.ready_conn)
+            ready = wait(waitables, timeout=max(0.0, min(0.05, nxt - now)))
+            self._drain([r for r in live if r.out in ready])
+            self._server_events(ready)
+            for r in live:
+                if r.proc.sentinel in ready:
+                    self._role_exited(r)
+            self._check_hangs()
+
+    def _await(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                seen = "; ".join(f"{k}: {dict(v)}" for k, v in self.error_samples.items())
+                raise ChaosError(
+                    f"waited {timeout} s for {what} in vain (errors so far: {seen or 'none'}); "
+                    f"rerun with --seed {self.seed}; a loaded machine needs a larger --hang-bound"
+                )
+            self._pump(0.02)
+
+    def _drain(self, roles: list[_Role]) -> None:
+        for r in roles:
+            try:
+                while r.out.poll():
+                    self._message(r, r.out.recv())
+            except (EOFError, OSError):
+                continue
+
+    def _message(self, r: _Role, msg: tuple[Any, ...]) -> None:
+        r.last_progress = time.monotonic()
+        kind = msg[0]
+        h = self.history
+        if kind == "hello":
+            r.hello = True
+        elif kind == "try":
+            h.tried(r.name, msg[1], msg[2])
+        elif kind == "done":
+            h.done(r.name, msg[1], msg[2], msg[3])
+        elif kind == "read":
+            h.read(r.name, msg[1], msg[2], msg[3], msg[4])
+        elif kind == "error":
+            self._error(f"{msg[2]}", msg[3])
+        elif kind == "stats":
+            h.stats(msg[2], msg[3])
+        elif kind == "mid":
+            self._mid_payload(r, *msg[1:])
+        elif kind == "audited":
+            r.audited = True
+
+    def _error(self, kind: str, message: str) -> None:
+        self.errors[kind] += 1
+        samples = self.error_samples.setdefault(kind, Counter())
+        shape = re.sub(r"\d+", "N", message)  # one entry per kind of message, counted
+        if shape in samples or len(samples) < 8:
+            samples[shape] += 1
+
+    # -- processes -----------------------------------------------------------
+
+    def _coherence(self, kind: str, slot: int) -> str:
+        mode = self.cfg.coherence
+        if mode == "mixed":
+            return "model" if slot % 2 else "native"
+        return mode
+
+    def _spawn(self, kind: str, slot: int) -> _Role:
+        cfg = self.cfg
+        self.incarnations[kind, slot] += 1
+        inc = self.incarnations[kind, slot]
+        writer_id = slot + (cfg.writers if kind == "inplace" else 0)
+        own = tuple(
+            i for i, w in enumerate(self.owner) if kind in ("writer", "inplace") and w == writer_id
+        )
+        name = f"{kind}-{slot}" if kind != "auditor" else "auditor"
+        spec = RoleSpec(
+            name=f"{name}#{inc}",
+            kind=kind,
+            slot=writer_id if kind in ("writer", "inplace") else slot,
+            incarnation=inc,
+            seed=self.rng.getrandbits(63),
+            pool=self.path,
+            coherence=self._coherence(kind, slot) if kind != "auditor" else "native",
+            keys=tuple(self.keys),
+            own=own,
+            block_size=cfg.block_size,
+            max_value=cfg.block_size * cfg.max_value_blocks,
+            rpc_timeout_s=cfg.rpc_timeout_s,
+            connect_timeout_s=cfg.connect_timeout_s,
+            pause_s=cfg.role_pause_s,
+        )
+        out_r, out_w = _CTX.Pipe(duplex=False)
+        ctl_r, ctl_w = _CTX.Pipe(duplex=False)
+        proc = _CTX.Process(
+            target=role_main, args=(spec, out_w, ctl_r), name=spec.name, daemon=True
+        )
+        proc.start()
+        out_w.close()
+        ctl_r.close()
+        role = _Role(
+            spec.name, kind, slot, inc, proc, out_r, ctl_w, spec.coherence, time.monotonic()
+        )
+        self.roles.append(role)
+        return role
+
+    def _command(self, r: _Role, cmd: str) -> None:
+        with contextlib.suppress(OSError):
+            r.ctl.send(cmd)
+
+    def _reap(self, r: _Role) -> None:
+        """A role process ended: collect its last messages; its unfinished writes are unknown."""
+        r.proc.join(5)
+        self._drain([r])
+        r.gone = True
+        r.exitcode = r.proc.exitcode
+        self.history.role_died(r.name, time.monotonic())
+        r.out.close()
+        r.ctl.close()
+        if r.exitcode is not None:
+            r.proc.close()  # its sentinel fd: a long run starts hundreds of processes
+        else:
+            self.stragglers.append(r.proc)
+
+    def _role_exited(self, r: _Role) -> None:
+        if r.gone:
+            return
+        self._reap(r)
+        code = r.exitcode
+        if code != 0:
+            self._error("RoleExited", f"{r.name} exited with code {code}")
+        if self.injecting and code != 0:
+            self._spawn(r.kind, r.slot)
+
+    def _kill(self, r: _Role) -> None:
+        _signal(r.pid, signal.SIGKILL)
+        self._reap(r)
+
+    def _alive(self, kinds: tuple[str, ...], *, free: bool = True) -> list[_Role]:
+        """Live roles of these kinds (``free``: connected and not stopped by us)."""
+        return [
+            r
+            for r in self.roles
+            if r.kind in kinds
+            and not r.gone
+            and (not free or (r.hello and not r.held and not r.mid))
+        ]
+
+    # -- the server ----------------------------------------------------------
+
+    def _start_server(self) -> None:
+        if self.server is not None and not self.server.gone:
+            return  # one server at a time (a restart was already made)
+        cfg = self.cfg
+        options = {
+            "write_lease_s": cfg.write_lease_s,
+            "read_lease_s": cfg.read_lease_s,
+            "refresh_s": 0.05,
+        }
+        mode = "model" if cfg.coherence == "model" else "native"
+        ready_r, ready_w = _CTX.Pipe(duplex=False)
+        proc = _CTX.Process(
+            target=_server_main,
+            args=(self.path, mode, options, ready_w),
+            name="server",
+            daemon=True,
+        )
+        proc.start()
+        ready_w.close()
+        self.server = _Server(proc, ready_r, time.monotonic())
+
+    def _server_events(self, ready: list[Any]) -> None:
+        s = self.server
+        if s is None or s.gone:
+            return
+        if not s.ready and s.ready_conn in ready:
+            with contextlib.suppress(EOFError, OSError):
+                s.ready = s.ready_conn.recv_bytes() == b"ready"
+            if s.ready:
+                s.beat_seen = time.monotonic()
+        if s.proc.sentinel in ready:
+            s.proc.join(5)
+            self._server_gone(s)
+            self._error("ServerExited", f"the server exited with code {s.proc.exitcode}")
+            self._start_server()
+
+    def _kill_server(self) -> None:
+        s = self.server
+        assert s is not None
+        _signal(s.pid, signal.SIGKILL)
+        s.proc.join(10)
+        self._server_gone(s)
+        self.history.server_killed(time.monotonic())
+
+    def _stop_server(self) -> None:
+        s = self.server
+        assert s is not None
+        pid = s.pid
+        _signal(pid, signal.SIGCONT)
+        _signal(pid, signal.SIGTERM)
+        s.proc.join(15)
+        if s.proc.is_alive():
+            self._hang("server", "did not stop within 15 s of SIGTERM", pid)
+            _signal(pid, signal.SIGKILL)
+            s.proc.join(10)
+        self._server_gone(s)
+
+    def _server_gone(self, s: _Server) -> None:
+        s.gone = True
+        s.ready_conn.close()
+        if s.proc.exitcode is not None:
+            s.proc.close()
+
+    def _server_beat(self, s: _Server) -> None:
+        """Follow the server's heartbeat in the host table (its progress)."""
+        assert self.pool is not None
+        hosts = self.pool.hosts
+        if s.host_id is None:
+            s.host_id = next((e.host_id for e in hosts.entries() if e.pid == s.pid), None)
+            if s.host_id is None:
+                return
+        entry = hosts.read(s.host_id)
+        if entry is not None and entry.heartbeat_ns != s.beat_ns:
+            s.beat_ns, s.beat_seen = entry.heartbeat_ns, time.monotonic()
+
+    # -- hangs ---------------------------------------------------------------
+
+    def _hang(self, who: str, what: str, pid: int) -> None:
+        self.hangs.append({"t": round(time.monotonic() - self.start, 3), "role": who, "what": what})
+        self.log(f"beluga chaos: HANG {who} (pid {pid}): {what}; its stacks follow on stderr")
+        _signal(pid, signal.SIGUSR1)
+
+    def _check_hangs(self) -> None:
+        now = time.monotonic()
+        bound = self.cfg.hang_bound_s
+        for r in list(self.roles):
+            if r.gone or r.held or r.mid or now - r.last_progress <= bound:
+                continue
+            self._hang(r.name, f"no progress for {now - r.last_progress:.1f} s", r.pid)
+            time.sleep(0.2)  # let faulthandler write
+            self._kill(r)
+            if self.injecting:
+                self._spawn(r.kind, r.slot)
+        s = self.server
+        if s is None or s.gone or s.held:
+            return
+        if not s.ready:
+            if now - s.started > self.cfg.server_start_timeout_s:
+                self._hang("server", "did not start in time", s.pid)
+                self._kill_server()
+                self._start_server()
+            return
+        self._server_beat(s)
+        if now - s.beat_seen > bound:
+            self._hang("server", f"no heartbeat for {now - s.beat_seen:.1f} s", s.pid)
+            self._kill_server()
+            self._start_server()
+
+    # -- faults --------------------------------------------------------------
+
+    def _inject_all(self) -> None:
+        cfg = self.cfg
+        kinds = [k for k in KINDS if cfg.weights.get(k, 0) > 0]
+        weights = [cfg.weights[k] for k in kinds]
+        last_log = time.monotonic()
+        while sum(self.faults.values()) < cfg.faults:
+            if time.monotonic() - self.start > cfg.max_inject_s:
+                self.log(f"beluga chaos: stopped injecting after {cfg.max_inject_s} s")
+                break
+            self._pump(self.rng.expovariate(1 / cfg.fault_interval_s))
+            for _ in range(8):
+                if self._inject(self.rng.choices(kinds, weights)[0]):
+                    break
+            if time.monotonic() - last_log > 10:
+                last_log = time.monotonic()
+                self.log(
+                    f"beluga chaos: {time.monotonic() - self.start:.0f} s, "
+                    f"{sum(self.faults.values())} faults, {len(self.history.reads)} reads, "
+                    f"{self.history.live_wrong} wrong, {len(self.hangs)} hangs"
+                )
+
+    def _record(self, kind: str, target: str, **extra: Any) -> None:
+        self.faults[kind] += 1
+        self.fault_log.append(
+            {"t": round(time.monotonic() - self.start, 3), "kind": kind, "target": target, **extra}
+        )
+
+    def _inject(self, kind: str) -> bool:
+        """Inject one fault of ``kind``; False when nothing fits it right now."""
+        return bool(getattr(self, f"_fault_{kind}")())
+
+    def _server_up(self) -> _Server | None:
+        s = self.server
+        return s if s is not None and not s.gone and s.ready else None
+
+    def _fault_kill_server(self) -> bool:
+        s = self._server_up()
+        if s is None:
+            return False
+        self._kill_server()
+        self._record("kill_server", f"server pid {s.pid}", held=s.held)
+        self._after(self.rng.uniform(0, 0.3), self._start_server)
+        return True
+
+    def _fault_stop_server(self) -> bool:
+        s = self._server_up()
+        if s is None or s.held:
+            return False
+        hold = self.rng.uniform(0.3, 2 * self.cfg.write_lease_s)
+        _signal(s.pid, signal.SIGSTOP)
+        s.held = True
+        self._record("stop_server", f"server pid {s.pid}", hold_s=round(hold, 3))
+
+        def resume() -> None:
+            if not s.gone:
+                _signal(s.pid, signal.SIGCONT)
+                s.held, s.beat_seen = False, time.monotonic()
+
+        self._after(hold, resume)
+        return True
+
+    def _kill_role(self, kinds: tuple[str, ...], fault: str) -> bool:
+        victims = self._alive(kinds, free=False)
+        if not victims:
+            return False
+        r = self.rng.choice(victims)
+        state = "mid-payload" if r.mid else "stopped" if r.held else "running"
+        self._kill(r)
+        self._record(fault, r.name, state=state)
+        self._spawn(r.kind, r.slot)
+        return True
+
+    def _fault_kill_writer(self) -> bool:
+        return self._kill_role(("writer", "inplace"), "kill_writer")
+
+    def _fault_kill_reader(self) -> bool:
+        return self._kill_role(("reader",), "kill_reader")
+
+    def _stop_role(self, kinds: tuple[str, ...], fault: str, hold: float) -> bool:
+        victims = self._alive(kinds)
+        if not victims:
+            return False
+        r = self.rng.choice(victims)
+        _signal(r.pid, signal.SIGSTOP)
+        r.held = True
+        self._record(fault, r.name, hold_s=round(hold, 3))
+        self._after(hold, lambda: self._resume(r))
+        return True
+
+    def _resume(self, r: _Role) -> None:
+        if not r.gone and r.held:
+            _signal(r.pid, signal.SIGCONT)
+            r.held = False
+            r.last_progress = time.monotonic()
+
+    def _fault_stop_writer(self) -> bool:
+        hold = self.cfg.write_lease_s + self.rng.uniform(0.1, 1.0)
+        return self._stop_role(("writer", "inplace"), "stop_writer", hold)
+
+    def _fault_stop_reader(self) -> bool:
+        hold = self.cfg.read_lease_s + self.rng.uniform(0.1, 1.5)
+        return self._stop_role(("reader",), "stop_reader", hold)
+
+    # -- a writer stopped mid-payload ----------------------------------------
+
+    def _fault_stop_mid_payload(self) -> bool:
+        now = time.monotonic()
+        asked = [
+            r
+            for r in self._alive(("inplace",), free=False)
+            if r.mid or (r.pause_asked and now - r.pause_asked < self.cfg.hang_bound_s)
+        ]
+        if asked:
+            return False  # one at a time: the pattern needs the other writers running
+        candidates = self._alive(("inplace",))
+        if not candidates:
+            return False
+        r = self.rng.choice(candidates)
+        r.pause_asked = now
+        self._command(r, "pause-mid")
+        return True  # counted when the writer is actually stopped (see _mid_payload)
+
+    def _mid_payload(
+        self, r: _Role, t: float, key: int, serial: int, block: int, nblocks: int, version: int
+    ) -> None:
+        r.pause_asked = None
+        if not _wait_stopped(r.pid, 2.0):
+            self._error("ChaosMidPause", f"{r.name} announced a mid-payload stop but did not stop")
+            return
+        r.mid = _Mid(block, nblocks, version, time.monotonic())
+        self._record(
+            "stop_mid_payload",
+            r.name,
+            key=self.keys[key],
+            serial=f"{serial:#x}",
+            block=block,
+            nblocks=nblocks,
+        )
+        self._after(0.05, lambda: self._watch_mid(r))
+
+    def _extent_reused(self, m: _Mid) -> bool:
+        """Whether another write (newer version) now covers a block of the stalled extent."""
+        assert self.pool is not None
+        mem, sb = self.pool.memory, self.pool.superblock
+        first = max(0, m.block - self.cfg.max_value_blocks + 1)
+        for b in range(first, min(sb.nblocks, m.block + m.nblocks)):
+            h = parse_header(read_line(mem, sb.block_header_offset(b)))
+            if h is None or h.version <= m.version or h.state == BlockState.FREE:
+                continue
+            if b + max(1, -(-h.length // sb.block_size)) > m.block:
+                return True
+        return False
+
+    def _watch_mid(self, r: _Role) -> None:
+        m = r.mid
+        if r.gone or m is None:
+            return
+        waited = time.monotonic() - m.since
+        past_lease = waited > self.cfg.write_lease_s + 0.1
+        m.reused = m.reused or (past_lease and self._extent_reused(m))
+        if (
+            self.injecting
+            and not m.reused
+            and waited < self.cfg.write_lease_s + self.cfg.max_reuse_wait_s
+        ):
+            self._after(0.05, lambda: self._watch_mid(r))
+            return
+        if self.injecting and not past_lease:
+            self._after(0.05, lambda: self._watch_mid(r))
+            return
+        self.fault_log.append(
+            {
+                "t": round(time.monotonic() - self.start, 3),
+                "kind": "resume_mid_payload",
+                "target": r.name,
+                "stopped_s": round(waited, 3),
+                "extent_reused": m.reused,
+            }
+        )
+        self.mid_reused += m.reused
+        r.mid = None
+        r.last_progress = time.monotonic()
+        _signal(r.pid, signal.SIGCONT)
+
+    # -- hostile bytes -------------------------------------------------------
+
+    def _freeze_writers(self) -> list[_Role]:
+        """SIGSTOP every running writer, so no block changes hands while we aim.
+
+        A writer that stopped itself mid-payload sent "mid" first: draining
+        the frozen writers' pipes finds it, and it stays stopped at the thaw.
+        """
+        frozen = [
+            r
+            for r in self.roles
+            if r.kind in ("writer", "inplace") and not r.gone and not r.held and not r.mid
+        ]
+        for r in frozen:
+            _signal(r.pid, signal.SIGSTOP)
+        for r in frozen:
+            if not _wait_stopped(r.pid, 1.0) and r.proc.is_alive():
+                self._error("ChaosFreeze", f"{r.name} did not stop within 1 s")
+        self._drain(frozen)
+        return frozen
+
+    def _thaw(self, frozen: list[_Role]) -> None:
+        for r in frozen:
+            if not r.gone and not r.mid:
+                _signal(r.pid, signal.SIGCONT)
+
+    def _fault_corrupt_rpc_line(self) -> bool:
+        return self._corrupt_rpc("corrupt_rpc_line", ("request-line", "response-line"))
+
+    def _fault_corrupt_rpc_buffer(self) -> bool:
+        return self._corrupt_rpc("corrupt_rpc_buffer", ("request-buffer", "response-buffer"))
+
+    def _corrupt_rpc(self, fault: str, parts: tuple[str, ...]) -> bool:
+        assert self.pool is not None
+        hit = faults.corrupt_rpc(
+            self.pool.memory,
+            self.pool.superblock,
+            self.pool.hosts,
+            self.rng,
+            self.rng.choice(parts),
+        )
+        if hit is None:
+            return False
+        self._record(fault, hit.target, bytes=hit.length)
+        return True
+
+    def _corrupt_block(self, fault: str, injector: Callable[..., faults.Hit | None]) -> bool:
+        assert self.pool is not None
+        frozen = self._freeze_writers()
+        try:
+            hit = injector(self.pool.memory, self.pool.superblock, self.rng)
+            if hit is None:
+                return False
+            key = None
+            if hit.header is not None:
+                key = self.by_digest.get(hit.header.digest)
+                if key is not None:
+                    self.history.corrupted(key, time.monotonic())
+            self._record(
+                fault,
+                hit.target,
+                bytes=hit.length,
+                key=None if key is None else self.keys[key],
+                version=None if hit.header is None else hit.header.version,
+            )
+            return True
+        finally:
+            self._thaw(frozen)
+
+    def _fault_corrupt_header(self) -> bool:
+        return self._corrupt_block("corrupt_header", faults.corrupt_header)
+
+    def _fault_corrupt_payload(self) -> bool:
+        return self._corrupt_block("corrupt_payload", faults.corrupt_payload)
+
+    # -- the end: quiesce, audit, restart, audit -----------------------------
+
+    def _finish(self) -> None:
+        cfg = self.cfg
+        self.injecting = False
+        for r in self.roles:
+            if r.kind == "inplace" and not r.gone:
+                self._command(r, "no-pause")
+        for _ in range(len(self.timers)):  # every pending SIGCONT and restart, now
+            heapq.heappop(self.timers)[2]()
+        for r in self.roles:
+            self._resume(r)
+            if r.mid is not None:
+                self._watch_mid(r)
+        self._await(
+            lambda: self._server_up() is not None and not self.server.held,  # type: ignore[union-attr]
+            cfg.server_start_timeout_s + cfg.hang_bound_s,
+            "the server to come back",
+        )
+        self._pump(cfg.settle_s)
+        self._stop_roles(("writer", "inplace"))
+        self._audit("audit")
+        self._kill_server()
+        self._start_server()
+        self._await(
+            lambda: self._server_up() is not None,
+            cfg.server_start_timeout_s,
+            "the server to restart for the final audit",
+        )
+        self._audit("audit after restart")
+        self._stop_roles(("reader",))
+
+    def _stop_roles(self, kinds: tuple[str, ...]) -> None:
+        targets = [r for r in self.roles if r.kind in kinds and not r.gone]
+        for r in targets:
+            self._command(r, "stop")
+        deadline = time.monotonic() + self.cfg.hang_bound_s
+        while any(not r.gone for r in targets) and time.monotonic() < deadline:
+            self._pump(0.05)
+        for r in targets:
+            if not r.gone:
+                self._hang(r.name, f"did not stop within {self.cfg.hang_bound_s} s", r.pid)
+                time.sleep(0.2)
+                self._kill(r)
+
+    def _audit(self, label: str) -> None:
+        started = time.monotonic()
+        r = self._spawn("auditor", 0)
+        self.history.phases[r.name] = label
+        deadline = started + 2 * self.cfg.hang_bound_s
+        while not r.audited and not r.gone and time.monotonic() < deadline:
+            self._pump(0.05)
+        if not r.audited:
+            if not r.gone:
+                self._hang(r.name, f"{label}: not done within {2 * self.cfg.hang_bound_s} s", r.pid)
+                time.sleep(0.2)
+            self._error("AuditIncomplete", f"{label} did not read every key")
+        self._stop_roles(("auditor",))
+        self.log(f"beluga chaos: {label} done in {time.monotonic() - started:.1f} s")
+
+    # -- the report ----------------------------------------------------------
+
+    def _report(self) -> ChaosReport:
+        findings = self.history.check()
+        return ChaosReport(
+            seed=self.seed,
+            config=self.cfg,
+            wall_s=round(time.monotonic() - self.start, 2),
+            faults=dict(self.faults),
+            fault_log=self.fault_log,
+            mid_payload_reused=self.mid_reused,
+            findings=findings,
+            hangs=self.hangs,
+            errors=dict(self.errors),
+            error_samples=self.error_samples,
+            corrupted_keys=sorted(self.keys[k] for k in self.history.corruptions),
+            evictions_seen=self.history.evictions_seen,
+            server_peaks={**self.history.peaks, "blocks_total": self.nblocks},
+            server_restarts=len(self.history.server_kills),
+        )
+
+
+def run_chaos(config: ChaosConfig, log: Callable[[str], None] | None = None) -> ChaosReport:
+    """Run one chaos round (see :class:`ChaosDriver`)."""
+    return ChaosDriver(config, log).run()

@@ -1,0 +1,142 @@
+"""The outcome of a chaos run: figures, findings, and the seed that replays it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from beluga.chaos.verifier import Findings
+
+if TYPE_CHECKING:
+    from beluga.chaos.driver import ChaosConfig
+
+
+@dataclass
+class ChaosReport:
+    """Everything a run measured.  A plain value: thread-safe to read, picklable."""
+
+    seed: int
+    config: ChaosConfig
+    wall_s: float
+    faults: dict[str, int]
+    fault_log: list[dict[str, Any]]
+    mid_payload_reused: int
+    findings: Findings
+    hangs: list[dict[str, Any]]
+    errors: dict[str, int]
+    error_samples: dict[str, Counter[str]]
+    corrupted_keys: list[str]
+    evictions_seen: int
+    server_peaks: dict[str, int]
+    server_restarts: int
+
+    @property
+    def faults_total(self) -> int:
+        return sum(self.faults.values())
+
+    @property
+    def wrong_bytes(self) -> int:
+        return self.findings.wrong_count
+
+    @property
+    def lost_acked_writes(self) -> int:
+        return self.findings.lost_count
+
+    @property
+    def uncommitted_reads(self) -> int:
+        return self.findings.uncommitted_count
+
+    @property
+    def reads_verified(self) -> int:
+        """Reads judged: values checked byte by byte, plus misses checked against the acks."""
+        return self.findings.values_verified + self.findings.misses
+
+    @property
+    def ok(self) -> bool:
+        """Whether Beluga kept every promise in this run."""
+        return not (
+            self.wrong_bytes or self.lost_acked_writes or self.uncommitted_reads or self.hangs
+        )
+
+    def replay_command(self) -> str:
+        c = self.config
+        extra = "" if c.coherence == "native" else f" --coherence {c.coherence}"
+        return f"beluga chaos --seed {self.seed} --faults {c.faults}{extra}"
+
+    def to_json(self) -> dict[str, Any]:
+        f = self.findings
+        config = dataclasses.asdict(self.config)
+        return {
+            "seed": self.seed,
+            "replay": self.replay_command(),
+            "ok": self.ok,
+            "wall_s": self.wall_s,
+            "config": config,
+            "faults_total": self.faults_total,
+            "faults": dict(sorted(self.faults.items())),
+            "mid_payload_extent_reused": self.mid_payload_reused,
+            "server_restarts": self.server_restarts,
+            "reads_verified": self.reads_verified,
+            "values_verified": f.values_verified,
+            "bytes_verified": f.bytes_verified,
+            "misses": f.misses,
+            "reads_by_path": dict(sorted(f.reads_by_path.items())),
+            "writes": dict(sorted(f.writes.items())),
+            "wrong_bytes": self.wrong_bytes,
+            "lost_acked_writes": self.lost_acked_writes,
+            "uncommitted_reads": self.uncommitted_reads,
+            "hangs": len(self.hangs),
+            "excused_misses": dict(f.excused),
+            "findings_by_phase": dict(sorted(f.by_phase.items())),
+            "wrong_bytes_by_cause": dict(sorted(f.wrong_by_cause.items())),
+            "corrupted_keys": self.corrupted_keys,
+            "evictions_seen": self.evictions_seen,
+            "server_peaks": self.server_peaks,
+            "errors": dict(sorted(self.errors.items())),
+            "error_messages": {k: dict(v.most_common()) for k, v in self.error_samples.items()},
+            "details": {
+                "wrong_bytes": f.wrong,
+                "lost_acked_writes": f.lost,
+                "uncommitted_reads": f.uncommitted,
+                "hangs": self.hangs,
+            },
+            "fault_log": self.fault_log,
+        }
+
+    def summary(self) -> str:
+        """A few lines for a terminal."""
+        f = self.findings
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
+        paths = ", ".join(f"{k} {v}" for k, v in sorted(f.reads_by_path.items()))
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
+        phases = ", ".join(f"{k} {v}" for k, v in sorted(f.by_phase.items())) or "none"
+        causes = ", ".join(f"{k} {v}" for k, v in sorted(f.wrong_by_cause.items())) or "none"
+        excused = ", ".join(f"{k} {v}" for k, v in sorted(f.excused.items())) or "none"
+        lines = [
+            f"seed {self.seed}: {'OK' if self.ok else 'PROMISES BROKEN'} in {self.wall_s:.1f} s "
+            f"(replay: {self.replay_command()})",
+            f"faults injected: {self.faults_total} ({faults}); mid-payload stops whose extent "
+            f"was reused: {self.mid_payload_reused}",
+            f"reads verified: {self.reads_verified} ({f.values_verified} values, "
+            f"{f.bytes_verified} bytes, {f.misses} misses; {paths})",
+            f"wrong bytes: {self.wrong_bytes}; lost acknowledged writes: "
+            f"{self.lost_acked_writes}; uncommitted values read: {self.uncommitted_reads}; "
+            f"hangs: {len(self.hangs)}",
+            f"misses excused: {excused}; keys deliberately corrupted: "
+            f"{len(self.corrupted_keys)}; evictions seen: {self.evictions_seen}; server peaks: "
+            f"{self.server_peaks}",
+            f"findings by phase: {phases}",
+            f"wrong bytes by path/reason/key: {causes}",
+            f"errors by type: {errors}",
+        ]
+        for kind, items in (
+            ("wrong bytes", f.wrong),
+            ("lost acknowledged write", f.lost),
+            ("uncommitted value", f.uncommitted),
+            ("hang", self.hangs),
+        ):
+            for item in items[:5]:
+                lines.append(f"  {kind}: {item}")
+        return "\n".join(lines)

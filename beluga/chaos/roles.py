@@ -1,0 +1,417 @@
+"""The client processes of a chaos run: writers, in-place writers, readers, the auditor.
+
+Each role is a forked process and one host of the pool (its own ``KVStore``).
+It reports every step to the driver over a pipe of its own and takes commands
+from a second one.  A pipe per role, not a shared queue: a role may be
+SIGKILLed at any instant, and a shared queue's lock could die with it, while a
+pipe loses only the killed role's unsent message.  Messages are small tuples
+(a few hundred bytes pickled, below PIPE_BUF, so a kill never leaves half of
+one).  Timestamps are ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for
+every process of the machine), so the driver can order a reader's read
+against a writer's acknowledgement.
+
+Messages to the driver (``t`` is the sender's monotonic clock):
+
+``("hello", t, pid)``                        connected, working
+``("try", t, [(key, serial, kind)])``        about to put (kind "put") or remove
+``("done", t, [(key, serial)], outcome)``    "ack", "lease" (the server refused the
+                                             commit: lost write lease) or "error:Type"
+``("mid", t, key, serial, block, nblocks, version)``
+                                             an in-place writer has written half a
+                                             payload and stops itself (SIGSTOP)
+``("read", t0, t1, path, [(key, result)])``  result: None (a miss), ``(writer,
+                                             serial, nbytes)``, or ``("wrong", reason,
+                                             detail, writer, serial)``
+``("error", t, type, message)``              a call failed (the role carries on)
+``("stats", t, epoch, counters)``            the server's counters (evictions, use)
+``("audited", t)``                           the auditor read every key by every path
+
+Commands from the driver: ``"stop"`` (finish the current step and exit),
+``"pause-mid"`` (stop yourself halfway through the next in-place payload; see
+:class:`~beluga.chaos.driver.ChaosDriver` for who resumes it and when) and
+``"no-pause"`` (forget a pause asked for and not yet taken).
+
+A writer's serials are ``incarnation << 32 | counter``: a key belongs to one
+writer slot, and a replacement writer of that slot starts a new incarnation,
+so serials of a key only grow.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from beluga.chaos.values import HEADER_BYTES, make_value, verify
+from beluga.coherence import digest
+from beluga.errors import RpcError
+from beluga.kv.store import BlockRef, KVStore
+
+READ_PATHS = ("get", "get_into", "batch_get_into", "get_batch", "inplace")
+_COUNTERS = ("evictions", "blocks_used", "keys", "writes_in_flight", "retiring_extents")
+_MAX_REPORT = 8  # read results per message: keeps a message below PIPE_BUF (4 KiB)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """What one role process does; built by the driver, inherited through fork.
+
+    Immutable: thread-safe and fork-safe (that is how it reaches the role).
+    """
+
+    name: str
+    kind: str  # "writer" | "inplace" | "reader" | "auditor"
+    slot: int
+    incarnation: int
+    seed: int
+    pool: str
+    coherence: str
+    keys: tuple[str, ...]  # every key of the run, by id
+    own: tuple[int, ...]  # ids of the keys this writer slot owns
+    block_size: int
+    max_value: int
+    rpc_timeout_s: float
+    connect_timeout_s: float
+    pause_s: float
+
+
+def value_size(rng: random.Random, block_size: int, max_value: int) -> int:
+    """A value length: small, one block, exact block multiples, or several blocks."""
+    r = rng.random()
+    if r < 0.25:
+        n = rng.randrange(HEADER_BYTES, 1024)
+    elif r < 0.6:
+        n = rng.randrange(1024, block_size + 1)
+    elif r < 0.8:
+        n = block_size * rng.randrange(1, max(2, max_value // block_size + 1))
+    else:
+        n = rng.randrange(block_size + 1, max_value + 1)
+    return min(max(n, HEADER_BYTES), max_value)
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class _Role:
+    """The common loop of every role: a store that reconnects, reports, commands."""
+
+    def __init__(self, spec: RoleSpec, out: Connection, ctl: Connection) -> None:
+        self.spec = spec
+        self.out = out
+        self.ctl = ctl
+        self.rng = random.Random(spec.seed)
+        self.digests = [digest(k.encode()) for k in spec.keys]
+        self.store: KVStore | None = None
+        self.stopping = False
+        self.pause_requested = False
+        self.said_hello = False
+
+    def send(self, *msg: Any) -> None:
+        self.out.send(msg)
+
+    def error(self, e: BaseException) -> None:
+        self.send("error", _now(), type(e).__name__, str(e)[:240])
+
+    def commands(self) -> None:
+        while self.ctl.poll():
+            try:
+                cmd = self.ctl.recv()
+            except EOFError:  # the driver is gone: nothing left to do
+                self.stopping = True
+                return
+            if cmd == "stop":
+                self.stopping = True
+            elif cmd == "pause-mid":
+                self.pause_requested = True
+            elif cmd == "no-pause":
+                self.pause_requested = False
+
+    def connect(self) -> KVStore | None:
+        if self.store is None:
+            s = self.spec
+            try:
+                self.store = KVStore(
+                    s.pool,
+                    coherence=s.coherence,
+                    depth=8,
+                    timeout=s.rpc_timeout_s,
+                    connect_timeout=s.connect_timeout_s,
+                )
+            except Exception as e:  # no server right now: report, and try again
+                self.error(e)
+                time.sleep(0.05)
+                return None
+            if not self.said_hello:
+                self.send("hello", _now(), os.getpid())
+                self.said_hello = True
+        return self.store
+
+    def disconnect(self) -> None:
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception as e:
+                self.error(e)
+            self.store = None
+
+    def failed(self, e: BaseException) -> None:
+        """A call raised: report it; a broken connection is replaced."""
+        self.error(e)
+        if isinstance(e, RpcError) and not _lost_lease(e):
+            self.disconnect()
+
+    def run(self) -> None:
+        try:
+            while not self.stopping:
+                self.commands()
+                if self.stopping:
+                    break
+                store = self.connect()
+                if store is None:
+                    continue
+                try:
+                    self.step(store)
+                except Exception as e:
+                    self.failed(e)
+                if self.spec.pause_s:
+                    time.sleep(self.spec.pause_s)
+        finally:
+            self.disconnect()
+
+    def step(self, store: KVStore) -> None:
+        raise NotImplementedError
+
+
+def _lost_lease(e: BaseException) -> bool:
+    """Whether the server answered that a commit lost its write lease (a definite no)."""
+    return isinstance(e, RpcError) and "lost their write lease" in str(e)
+
+
+def _outcome(e: BaseException) -> str:
+    return "lease" if _lost_lease(e) else f"error:{type(e).__name__}"
+
+
+class _Writer(_Role):
+    """Puts (single and batched) and removes of the keys of its slot, out of place."""
+
+    def __init__(self, spec: RoleSpec, out: Connection, ctl: Connection) -> None:
+        super().__init__(spec, out, ctl)
+        self.counter = 0
+        self.next_stats = 0.0
+
+    def serial(self) -> int:
+        self.counter += 1
+        return self.spec.incarnation << 32 | self.counter
+
+    def value(self, key: int, serial: int) -> bytes:
+        n = value_size(self.rng, self.spec.block_size, self.spec.max_value)
+        return make_value(self.digests[key], self.spec.slot, serial, n)
+
+    def stats(self, store: KVStore) -> None:
+        if _now() >= self.next_stats:
+            self.next_stats = _now() + 0.25
+            st = store.stats()
+            self.send("stats", _now(), store.rpc.server.epoch, {k: st[k] for k in _COUNTERS})
+
+    def step(self, store: KVStore) -> None:
+        self.stats(store)
+        r = self.rng.random()
+        if r < 0.06:
+            key = self.rng.choice(self.spec.own)
+            self.write([key], "remove", lambda ks, vs: store.remove(self.spec.keys[ks[0]]))
+        elif r < 0.3:
+            keys = self.rng.sample(self.spec.own, self.rng.randint(2, 4))
+            self.write(
+                keys, "put", lambda ks, vs: store.put_batch([self.spec.keys[k] for k in ks], vs)
+            )
+        else:
+            key = self.rng.choice(self.spec.own)
+            self.write([key], "put", lambda ks, vs: store.put(self.spec.keys[ks[0]], vs[0]))
+
+    def write(
+        self, keys: Sequence[int], kind: str, call: Callable[[Sequence[int], list[bytes]], object]
+    ) -> None:
+        serials = [self.serial() for _ in keys]
+        values = [self.value(k, s) for k, s in zip(keys, serials, strict=True)]
+        self.send("try", _now(), [(k, s, kind) for k, s in zip(keys, serials, strict=True)])
+        done = list(zip(keys, serials, strict=True))
+        try:
+            call(keys, values)
+        except Exception as e:
+            self.send("done", _now(), done, _outcome(e))
+            raise
+        self.send("done", _now(), done, "ack")
+
+
+class _InPlaceWriter(_Writer):
+    """The engine's write path: reserve, fill payloads in place (gather-write), seal."""
+
+    def step(self, store: KVStore) -> None:
+        self.stats(store)
+        keys = self.rng.sample(self.spec.own, self.rng.randint(1, 3))
+        serials = [self.serial() for _ in keys]
+        values = [self.value(k, s) for k, s in zip(keys, serials, strict=True)]
+        self.send("try", _now(), [(k, s, "put") for k, s in zip(keys, serials, strict=True)])
+        done = list(zip(keys, serials, strict=True))
+        refs: list[BlockRef] = []
+        try:
+            refs = store.reserve([self.spec.keys[k] for k in keys], [len(v) for v in values])
+            for i, (ref, value) in enumerate(zip(refs, values, strict=True)):
+                self.fill(store, ref, value, keys[i], serials[i], pause=i == 0)
+            store.seal(refs)
+        except Exception as e:
+            self.send("done", _now(), done, _outcome(e))
+            if refs:
+                try:
+                    store.abort(refs)  # as the serving engine does on a failed save
+                except Exception as abort_error:
+                    self.error(abort_error)
+            raise
+        self.send("done", _now(), done, "ack")
+
+    def fill(
+        self, store: KVStore, ref: BlockRef, value: bytes, key: int, serial: int, pause: bool
+    ) -> None:
+        """Write one payload in pieces; when asked, stop halfway (a stalled writer)."""
+        half = len(value) // 2
+        put_piece(store, ref, value, 0, half)
+        stalled = pause and self.pause_requested
+        if stalled:
+            self.pause_requested = False
+            nblocks = ref.capacity // self.spec.block_size
+            self.send("mid", _now(), key, serial, ref.block, nblocks, ref.version)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        # after a stall the rest goes slowly, as an engine writes layer by layer
+        pieces = 4 if stalled else 1
+        step = -(-(len(value) - half) // pieces)
+        for start in range(half, len(value), step):
+            put_piece(store, ref, value, start, min(len(value), start + step))
+            if stalled:
+                time.sleep(0.005)
+
+
+def put_piece(store: KVStore, ref: BlockRef, value: bytes, start: int, end: int) -> None:
+    """Gather-write value[start:end] into its place in the block (one C call)."""
+    if end <= start:
+        return
+    table = np.array([[0, start, ref.payload_offset + start, end - start]], dtype=np.uint64)
+    store.mem.gather_write([value], table)
+
+
+def read_in_place(store: KVStore, keys: Sequence[str]) -> list[bytes | None]:
+    """The serving engine's read path: locate, check, copy from the pool, check again."""
+    refs = store.locate(keys, prefix=False)
+    out: list[bytes | None] = [None] * len(keys)
+    present = [(i, r) for i, r in enumerate(refs) if r is not None]
+    if not present:
+        return out
+    first = store.check([r for _, r in present])
+    chosen = [(i, r) for (i, r), ok in zip(present, first, strict=True) if ok]
+    if not chosen:
+        return out
+    offsets = np.cumsum([0] + [r.length for _, r in chosen])
+    buf = bytearray(int(offsets[-1]))
+    table = np.array(
+        [[0, offsets[j], r.payload_offset, r.length] for j, (_, r) in enumerate(chosen)],
+        dtype=np.uint64,
+    )
+    store.mem.scatter_read([buf], table)
+    second = store.check([r for _, r in chosen])
+    for j, ((i, _), ok) in enumerate(zip(chosen, second, strict=True)):
+        if ok:
+            out[i] = bytes(buf[offsets[j] : offsets[j + 1]])
+    return out
+
+
+class _Reader(_Role):
+    """Reads random keys through every read path and judges every byte."""
+
+    def __init__(self, spec: RoleSpec, out: Connection, ctl: Connection) -> None:
+        super().__init__(spec, out, ctl)
+        self.bufs = [bytearray(spec.max_value) for _ in range(8)]
+
+    def step(self, store: KVStore) -> None:
+        path = self.rng.choice(READ_PATHS)
+        n = 1 if path in ("get", "get_into") else self.rng.randint(2, 6)
+        keys = self.rng.sample(range(len(self.spec.keys)), n)
+        self.read(store, path, keys)
+
+    def read(self, store: KVStore, path: str, keys: Sequence[int]) -> None:
+        names = [self.spec.keys[k] for k in keys]
+        t0 = _now()
+        values = self.fetch(store, path, names)
+        t1 = _now()
+        results = [(k, self.judge(k, v)) for k, v in zip(keys, values, strict=True)]
+        for start in range(0, len(results), _MAX_REPORT):
+            self.send("read", t0, t1, path, results[start : start + _MAX_REPORT])
+
+    def fetch(self, store: KVStore, path: str, names: list[str]) -> list[bytes | None]:
+        if path == "get":
+            return [store.get(names[0])]
+        if path == "get_batch":
+            return store.get_batch(names)
+        if path == "inplace":
+            return read_in_place(store, names)
+        bufs = self.bufs[: len(names)]
+        if path == "get_into":
+            lengths = [store.get_into(names[0], bufs[0])]
+        else:
+            lengths = store.batch_get_into(names, bufs)
+        return [None if n < 0 else bytes(b[:n]) for b, n in zip(bufs, lengths, strict=True)]
+
+    def judge(self, key: int, value: bytes | None) -> Any:
+        if value is None:
+            return None
+        v = verify(self.digests[key], value)
+        if v.ok:
+            return (v.writer, v.serial, len(value))
+        return ("wrong", v.reason, v.detail, v.writer, v.serial)
+
+
+class _Auditor(_Reader):
+    """After the writers stop: every key, once through every read path, then exit."""
+
+    def step(self, store: KVStore) -> None:
+        every = list(range(len(self.spec.keys)))
+        for path in READ_PATHS:
+            batch = 1 if path in ("get", "get_into") else 6
+            for start in range(0, len(every), batch):
+                self.read(store, path, every[start : start + batch])
+        self.send("audited", _now())
+        self.stopping = True
+
+
+_ROLES: dict[str, type[_Role]] = {
+    "writer": _Writer,
+    "inplace": _InPlaceWriter,
+    "reader": _Reader,
+    "auditor": _Auditor,
+}
+
+
+def _stacks_on_sigusr1() -> None:
+    """Dump every thread's stack on SIGUSR1 (the driver's hang report) to a real stderr."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+            return
+        except (AttributeError, OSError, ValueError):  # a captured stream has no descriptor
+            continue
+
+
+def role_main(spec: RoleSpec, out: Connection, ctl: Connection) -> None:
+    """Entry point of a role process (the target of a forked ``Process``)."""
+    _stacks_on_sigusr1()
+    if spec.coherence == "model":
+        os.environ["BELUGA_MODEL_SEED"] = str(spec.seed & 0xFFFFFFFF)
+    _ROLES[spec.kind](spec, out, ctl).run()

@@ -1,0 +1,319 @@
+"""The chaos tier's own checks, and the defects it found, as short deterministic tests.
+
+A harness that cannot fail proves nothing, so these tests show each check
+firing on a made-up history or a sabotaged run: self-describing values
+catch other keys, tears and mixtures; the history catches lost, stale,
+phantom and uncommitted reads and excuses only what it documents; a role
+that stops making progress is reported as a hang.
+
+The last tests replay, without randomness, two defects the chaos rounds
+found (see the README's chaos section): a payload corrupted in the pool
+reaches the in-place read path as data, and a writer stalled past its write
+lease lands its payload and its seal on an extent another writer reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from beluga import KVStore
+from beluga.chaos import ChaosConfig, ChaosDriver, faults
+from beluga.chaos.roles import put_piece, read_in_place
+from beluga.chaos.values import HEADER_BYTES, make_value, verify
+from beluga.chaos.verifier import History
+from beluga.child import server_process
+from beluga.cli import main
+from beluga.coherence import BlockState, digest, parse_header, read_line
+from beluga.errors import RpcError
+from beluga.kv.server import serve
+from beluga.pool import Geometry, Pool
+
+GEOMETRY = Geometry(max_hosts=8, rpc_bytes_per_host=128 << 10, block_size=16 << 10)
+A, B = digest(b"a"), digest(b"b")
+
+
+# -- values ----------------------------------------------------------------
+
+
+def test_a_value_names_its_key_writer_and_serial() -> None:
+    v = make_value(A, 3, 7 << 32 | 5, 40_000)
+    assert len(v) == 40_000
+    got = verify(A, v)
+    assert got.ok and (got.writer, got.serial) == (3, 7 << 32 | 5)
+    assert verify(A, make_value(A, 0, 1, HEADER_BYTES)).ok
+    with pytest.raises(ValueError, match="at least 48"):
+        make_value(A, 0, 1, 47)
+
+
+def test_values_betray_other_keys_tears_mixtures_and_garbage() -> None:
+    v, w = make_value(A, 1, 5, 5000), make_value(A, 1, 6, 5000)
+    assert verify(B, v).reason == "other-key"
+    assert verify(A, v[:4000]).reason == "length"
+    assert verify(A, v[:20]).reason == "short"
+    flipped = bytearray(v)
+    flipped[4321] ^= 1
+    assert verify(A, flipped).reason == "torn"
+    assert verify(A, v[:2500] + w[2500:]).reason == "torn"  # two extents mixed
+    assert verify(A, os.urandom(5000)).reason == "garbage"
+    assert verify(A, bytes(5000)).reason == "garbage"
+
+
+# -- the history -----------------------------------------------------------
+
+
+def history() -> History:
+    return History(["k0", "k1"], owner=[0, 0])
+
+
+def put(h: History, key: int, serial: int, t_try: float, t_done: float, outcome: str = "ack"):
+    h.tried("w", t_try, [(key, serial, "put")])
+    h.done("w", t_done, [(key, serial)], outcome)
+
+
+def test_a_miss_after_an_acknowledged_put_is_a_lost_write() -> None:
+    h = history()
+    put(h, 0, 1, 1.0, 1.1)
+    h.read("r", 0.5, 0.6, "get", [(0, None)])  # before the put: fine
+    h.read("r", 1.05, 1.2, "get", [(0, None)])  # overlaps the ack: fine
+    h.read("r", 2.0, 2.1, "get", [(0, None)])  # after it: lost
+    f = h.check()
+    assert f.lost_count == 1 and f.lost[0]["reason"] == "miss" and f.misses == 3
+
+
+def test_misses_are_excused_only_by_a_concurrent_write_a_remove_or_a_corruption() -> None:
+    h = history()
+    put(h, 0, 1, 1.0, 1.1)
+    put(h, 0, 2, 2.0, 3.0)  # in flight during the read below
+    h.read("r", 2.5, 2.6, "get", [(0, None)])
+    put(h, 1, 1, 1.0, 1.1)
+    h.tried("w", 4.0, [(1, 2, "remove")])  # a remove that may have landed
+    h.read("r", 4.5, 4.6, "get", [(1, None)])
+    put(h, 1, 3, 5.0, 5.1)
+    h.corrupted(1, 5.5)  # its block was deliberately corrupted
+    h.read("r", 6.0, 6.1, "inplace", [(1, None)])
+    put(h, 1, 4, 7.0, 7.1)  # a new write after the corruption: checked again
+    h.read("r", 8.0, 8.1, "inplace", [(1, None)])
+    f = h.check()
+    assert f.excused == {"concurrent write": 1, "corrupted": 1}
+    assert f.lost_count == 1 and f.lost[0]["t0"] == 8.0
+
+
+def test_stale_phantom_future_and_uncommitted_values_are_caught() -> None:
+    h = history()
+    put(h, 0, 1, 1.0, 1.1)
+    put(h, 0, 2, 2.0, 2.1)
+    put(h, 0, 3, 3.0, 3.1, outcome="lease")  # the server refused its commit
+    h.tried("w", 4.0, [(0, 4, "remove")])
+    h.done("w", 4.1, [(0, 4)], "ack")
+    h.read("r", 2.5, 2.6, "get", [(0, (0, 1, 100))])  # older than the ack of 2
+    h.read("r", 2.5, 2.6, "get", [(0, (0, 9, 100))])  # never written
+    h.read("r", 2.5, 2.6, "get", [(0, (1, 2, 100))])  # another writer's serial
+    h.read("r", 0.1, 0.2, "get", [(0, (0, 2, 100))])  # before its write began
+    h.read("r", 3.5, 3.6, "get", [(0, (0, 3, 100))])  # refused, yet visible
+    h.read("r", 5.0, 5.1, "get", [(0, (0, 2, 100))])  # the acknowledged remove undone
+    h.read("r", 5.0, 5.1, "get", [(0, None)])  # removed: a miss is right
+    h.read("r", 2.5, 2.6, "get", [(0, ("wrong", "torn", "7 bytes differ", 0, 2))])
+    f = h.check()
+    assert [w["reason"] for w in f.wrong] == ["phantom", "phantom", "future", "torn"]
+    assert [x["reason"] for x in f.lost] == ["stale", "stale"]
+    assert "remove was undone" in f.lost[1]["detail"]
+    assert f.uncommitted_count == 1 and f.values_verified == 3
+
+
+def test_a_refused_commit_replayed_across_a_restart_is_not_called_uncommitted() -> None:
+    h = history()
+    put(h, 0, 1, 1.0, 2.0, outcome="lease")
+    h.server_killed(1.5)  # the old server may have committed it before dying
+    h.read("r", 3.0, 3.1, "get", [(0, (0, 1, 100))])
+    put(h, 0, 2, 4.0, 4.1)
+    h.role_died("w", 4.2)
+    assert h.check().uncommitted_count == 0
+
+
+# -- hostile bytes and the defects the rounds found --------------------------
+
+
+def _serve(spec: str, options: dict[str, Any], ready: Any) -> None:
+    serve(spec, ready=ready, **options)
+
+
+@pytest.fixture
+def chaos_pool(shm_path: str) -> Iterator[Pool]:
+    p = Pool.create(shm_path, 14 << 20, geometry=GEOMETRY)
+    yield p
+    p.close()
+    Pool.destroy(shm_path)
+
+
+def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -> None:
+    import random
+
+    rng = random.Random(1)
+    with server_process(_serve, chaos_pool.spec, {"refresh_s": 0.02}), KVStore(chaos_pool) as s:
+        for name in ("h", "p"):
+            s.put(name, make_value(digest(name.encode()), 0, 1, 20_000))
+        for block, header in faults.published_blocks(chaos_pool.memory, chaos_pool.superblock):
+            target = "h" if header.digest == digest(b"h") else "p"
+            offset = (
+                chaos_pool.superblock.block_header_offset(block)
+                if target == "h"
+                else chaos_pool.superblock.block_payload_offset(block) + 10_000
+            )
+            chaos_pool.memory.nt_store(offset, rng.randbytes(16))
+            chaos_pool.memory.sfence()
+        buf = bytearray(40_000)
+        for name in ("h", "p"):
+            assert s.get(name) is None and s.get_batch([name]) == [None]
+            assert s.get_into(name, buf) == -1 and s.batch_get_into([name], [buf]) == [-1]
+        assert read_in_place(s, ["h"]) == [None]
+
+
+def test_in_place_read_of_a_corrupted_payload_is_a_miss(chaos_pool: Pool) -> None:
+    """Defect: KVStore.check validates the header only, so the engine's read path
+    (locate, check, copy, check) returns a payload that hostile bytes changed."""
+    with server_process(_serve, chaos_pool.spec, {"refresh_s": 0.02}), KVStore(chaos_pool) as s:
+        value = make_value(digest(b"k"), 0, 1, 20_000)
+        s.put("k", value)
+        ((block, _),) = faults.published_blocks(chaos_pool.memory, chaos_pool.superblock)
+        chaos_pool.memory.nt_store(chaos_pool.superblock.block_payload_offset(block) + 64, b"!")
+        chaos_pool.memory.sfence()
+        assert s.get("k") is None  # the checksum catches it on the store's paths
+        (got,) = read_in_place(s, ["k"])
+        verdict = None if got is None else verify(digest(b"k"), got)
+        intact = verdict is None or verdict.ok
+        assert intact, f"the in-place read path returned other bytes: {verdict}"
+
+
+def _serial(key: bytes, value: bytes | None) -> Any:
+    """What a read returned, in short: None, the serial of a value of ``key``, or why not."""
+    if value is None:
+        return None
+    v = verify(digest(key), value)
+    return v.serial if v.ok else f"other bytes ({v.reason})"
+
+
+def _header_at(pool: Pool, block: int) -> Any:
+    return parse_header(read_line(pool.memory, pool.superblock.block_header_offset(block)))
+
+
+def test_a_writer_stalled_past_its_lease_never_lands_on_a_reused_extent(chaos_pool: Pool) -> None:
+    """Defect: an in-place writer that stalls mid-payload past its write lease, then
+    resumes after another writer reused its extent, overwrites that writer's
+    acknowledged value, and its late seal publishes a header over it."""
+    problems = []
+    options = {"refresh_s": 0.02, "write_lease_s": 1.0}
+    with server_process(_serve, chaos_pool.spec, options) as first:
+        with KVStore(chaos_pool) as stalled, KVStore(chaos_pool) as other:
+            mine = make_value(digest(b"stalled"), 9, 1, 8_000)
+            (ref,) = stalled.reserve(["stalled"], [len(mine)])
+            put_piece(stalled, ref, mine, 0, len(mine) // 2)
+            time.sleep(2.0)  # a stalled writer: past the lease, the server takes the extent back
+            victim, value = None, b""
+            for i in range(4 * chaos_pool.superblock.nblocks):  # until the extent is reused
+                victim = f"victim-{i % 4}"
+                value = make_value(digest(victim.encode()), 1, i + 1, 8_000)
+                other.put(victim, value)
+                h = _header_at(chaos_pool, ref.block)
+                if h and h.state == BlockState.PUBLISHED and h.digest == digest(victim.encode()):
+                    break
+            else:
+                pytest.fail("the stalled writer's extent was never reused")
+            assert victim is not None
+            put_piece(stalled, ref, mine, len(mine) // 2, len(mine))  # it resumes ...
+            (got,) = read_in_place(other, [victim])
+            if got is not None and not verify(digest(victim.encode()), got).ok:
+                problems.append(
+                    f"in-place read of {victim}: {verify(digest(victim.encode()), got)}"
+                )
+            with pytest.raises(RpcError, match="lost their write lease"):
+                stalled.seal([ref])  # ... and seals: the server refuses the commit
+            if other.get(victim) != value:
+                problems.append(f"acknowledged {victim} lost after the stalled writer's seal")
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(10)
+    with server_process(_serve, chaos_pool.spec, {"refresh_s": 0.02}), KVStore(chaos_pool) as s:
+        if s.get(victim) != value:
+            problems.append(f"acknowledged {victim} lost after a server restart")
+        stale = _serial(b"stalled", s.get("stalled"))
+        if stale is not None:
+            problems.append(f"after a restart 'stalled', whose commit was refused, reads {stale}")
+    assert not problems, problems
+
+
+def test_a_refused_write_is_never_served_not_even_after_a_restart(chaos_pool: Pool) -> None:
+    """Defect: a seal after the write lease expired leaves a published header that the
+    server does not know; a restarted server recovers it as the key's newest value,
+    over the acknowledged one, and brings back a key whose removal was acknowledged."""
+    problems = []
+    acked = {k: make_value(digest(k.encode()), 1, 1, 5_000) for k in ("kept", "gone")}
+    options = {"refresh_s": 0.02, "write_lease_s": 1.0}
+    with server_process(_serve, chaos_pool.spec, options) as first:
+        with KVStore(chaos_pool) as s:
+            for key, value in acked.items():
+                s.put(key, value)
+                late = make_value(digest(key.encode()), 1, 2, 5_000)
+                (ref,) = s.reserve([key], [len(late)])
+                time.sleep(2.0)  # stalled past the write lease
+                put_piece(s, ref, late, 0, len(late))
+                with pytest.raises(RpcError, match="lost their write lease"):
+                    s.seal([ref])
+            assert s.remove("gone")
+            assert s.get("kept") == acked["kept"] and s.get("gone") is None
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(10)
+    with server_process(_serve, chaos_pool.spec, {"refresh_s": 0.02}), KVStore(chaos_pool) as s:
+        kept, gone = _serial(b"kept", s.get("kept")), _serial(b"gone", s.get("gone"))
+    if kept != 1:
+        problems.append(f"after a restart 'kept' reads serial {kept}, not the acknowledged 1")
+    if gone is not None:
+        problems.append(f"after a restart the removed 'gone' is back with serial {gone}")
+    assert not problems, problems
+
+
+# -- hangs and the command ---------------------------------------------------
+
+
+class _ForgetfulDriver(ChaosDriver):
+    """Stops a reader and forgets it did: to the hang check, a reader that hangs."""
+
+    def _fault_stop_reader(self) -> bool:
+        victim = self._alive(("reader",))[0]
+        os.kill(victim.pid, signal.SIGSTOP)
+        self._record("stop_reader", victim.name)
+        return True
+
+
+def test_a_role_without_progress_is_reported_as_a_hang(shm_path: str) -> None:
+    config = ChaosConfig(
+        faults=1,
+        seed=1,
+        writers=1,
+        inplace_writers=0,
+        readers=1,
+        hang_bound_s=3.0,
+        settle_s=4.0,
+        pool_path=shm_path,
+        weights={"stop_reader": 1},
+    )
+    report = _ForgetfulDriver(config, log=print).run()
+    assert [h["role"] for h in report.hangs] == ["reader-0#1"], report.summary()
+    assert not report.ok
+
+
+def test_beluga_chaos_command(shm_path: str, tmp_path: Any, capsys: Any) -> None:
+    out = tmp_path / "chaos.json"
+    args = ["chaos", "--faults", "12", "--seed", "3", "--only", "kill_reader,stop_reader"]
+    code = main([*args, "--pool", shm_path, "--json", str(out), "--hang-bound", "60"])
+    report = json.loads(out.read_text())
+    assert code == (0 if report["ok"] else 1)
+    assert report["seed"] == 3 and report["faults_total"] == 12
+    assert set(report["faults"]) == {"kill_reader", "stop_reader"}
+    assert "seed 3" in capsys.readouterr().out
+    assert main(["chaos", "--only", "kill_everything"]) == 2

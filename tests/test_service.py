@@ -1,0 +1,254 @@
+"""The metadata service in-process, with time and writer liveness as inputs.
+
+No RPC and no sleeping: requests are built by hand, the clock is a number
+the test moves, and "is this writer alive" is a set the test edits.  This is
+where the reuse rule is pinned down to the millisecond: a write whose lease
+ran out is cancelled but its extent is not reused while its writer lives; a
+late seal never becomes a committed value, before or after a restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from beluga.coherence import digest
+from beluga.errors import CapacityError
+from beluga.kv import protocol as p
+from beluga.kv.service import MetadataService
+from beluga.pool import Geometry, Pool
+from beluga.rpc import Request
+
+GEOMETRY = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=16 << 10)
+WRITER = (1, 7)  # host id 1 in its 7th generation
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def small(shm_path: str) -> Iterator[Pool]:
+    pool = Pool.create(shm_path, 10 << 20, geometry=GEOMETRY)
+    yield pool
+    pool.close()
+    Pool.destroy(shm_path)
+
+
+class Harness:
+    """A service over a pool, and a writer that talks to it the way KVStore does."""
+
+    def __init__(self, pool: Pool, clock: Clock, alive: set[tuple[int, int]], **opts: float):
+        self.pool, self.clock, self.alive = pool, clock, alive
+        self.opts = opts
+        self.svc = self.start()
+
+    def start(self) -> MetadataService:
+        return MetadataService(
+            self.pool,
+            clock=self.clock,
+            writer_alive=lambda h, g: (h, g) in self.alive,
+            **self.opts,
+        )
+
+    def request(self, op: p.StoreOp, payload: bytes, who: tuple[int, int] = WRITER) -> Request:
+        return Request(who[0], int(op), payload, who[1])
+
+    def alloc(self, key: str, length: int, who: tuple[int, int] = WRITER) -> p.Grant:
+        raw = self.svc.op_alloc(
+            self.request(p.StoreOp.ALLOC, p.encode_alloc([(digest(key.encode()), length, 1)]), who)
+        )
+        (grant,) = p.decode_grants(raw)
+        return grant
+
+    def write(self, key: str, grant: p.Grant, data: bytes, who: tuple[int, int] = WRITER) -> None:
+        """What a writer does in the pool: WRITING header, payload, PUBLISHED header."""
+        sb, mem = self.pool.superblock, self.pool.memory
+        mem.publish(
+            sb.block_header_offset(grant.block),
+            sb.block_payload_offset(grant.block),
+            digest(key.encode()),
+            grant.version,
+            data,
+            writer=who[0],
+            writer_gen=who[1],
+        )
+
+    def begin(self, key: str, grant: p.Grant, n: int, who: tuple[int, int] = WRITER) -> None:
+        """A writer's first store: its WRITING header (then it stalls or dies)."""
+        sb = self.pool.superblock
+        self.pool.memory.begin_write(
+            sb.block_header_offset(grant.block),
+            sb.block_payload_offset(grant.block),
+            digest(key.encode()),
+            grant.version,
+            n,
+            writer=who[0],
+            writer_gen=who[1],
+        )
+
+    def commit(self, key: str, grant: p.Grant, who: tuple[int, int] = WRITER) -> bool:
+        payload = p.encode_commit([(digest(key.encode()), grant.block, grant.version)])
+        (ok,) = p.decode_flags(self.svc.op_commit(self.request(p.StoreOp.COMMIT, payload, who)))
+        return ok
+
+    def put(self, key: str, data: bytes, who: tuple[int, int] = WRITER) -> p.Grant:
+        grant = self.alloc(key, len(data), who)
+        self.write(key, grant, data, who)
+        assert self.commit(key, grant, who)
+        return grant
+
+    def lookup(self, key: str) -> p.Location | None:
+        raw = self.svc.op_lookup(
+            self.request(p.StoreOp.LOOKUP, p.encode_digests([digest(key.encode())]))
+        )
+        return p.decode_locations(raw)[0]
+
+    def read(self, key: str) -> bytes | None:
+        loc = self.lookup(key)
+        if loc is None:
+            return None
+        sb = self.pool.superblock
+        r = self.pool.memory.read_bytes(
+            sb.block_header_offset(loc.block),
+            sb.block_payload_offset(loc.block),
+            sb.block_size * 4,
+            digest(key.encode()),
+            loc.version,
+        )
+        return None if isinstance(r, int) else r
+
+
+@pytest.fixture
+def h(small: Pool) -> Harness:
+    return Harness(small, Clock(), {WRITER}, write_lease_s=1.0, read_lease_s=2.0)
+
+
+def test_an_expired_lease_cancels_the_write_but_quarantines_its_extent(h: Harness) -> None:
+    stalled = h.alloc("a", 5000)
+    h.clock.now += 1.001
+    h.svc.tick()
+    s = h.svc.stats()
+    assert s["lease_expiries"] == 1 and s["quarantined_extents"] == 1
+    assert s["blocks_used"] == 1  # not reusable while its writer may still store into it
+    other = h.put("b", b"B" * 5000)
+    assert other.block != stalled.block
+    h.write("a", stalled, b"A" * 5000)  # the stalled writer resumes and seals late
+    assert not h.commit("a", stalled)  # refused: the write was cancelled ...
+    s = h.svc.stats()
+    assert s["late_commits_refused"] == 1 and s["quarantined_extents"] == 0
+    assert s["blocks_used"] == 1  # ... and its extent is free now that its writer is done
+    assert h.read("a") is None and h.read("b") == b"B" * 5000
+
+
+def test_a_quarantined_extent_is_freed_when_its_writer_dies(h: Harness) -> None:
+    h.alloc("a", 100)
+    h.clock.now += 5
+    h.svc.tick()
+    assert h.svc.stats()["blocks_used"] == 1
+    h.alive.clear()  # the writer's host id is no longer held, alive, in generation 7
+    h.svc.tick()
+    s = h.svc.stats()
+    assert s["blocks_used"] == 0 and s["dead_writer_reclaims"] == 1
+
+
+def test_a_dead_writer_within_its_lease_is_reclaimed_at_once(h: Harness) -> None:
+    h.alloc("a", 100)
+    h.alive.clear()
+    h.svc.tick()
+    assert h.svc.stats()["blocks_used"] == 0 and h.svc.stats()["lease_expiries"] == 0
+
+
+def test_a_client_gone_frees_its_writes_only(h: Harness) -> None:
+    h.alloc("mine", 100)
+    h.alloc("theirs", 100, who=(2, 1))
+    h.alive.add((2, 1))
+    h.svc.client_gone(1)
+    assert h.svc.stats()["blocks_used"] == 1 and h.svc.stats()["writes_in_flight"] == 1
+
+
+def test_a_late_seal_is_not_a_committed_value_after_a_restart(h: Harness) -> None:
+    """The writer's lease ran out, it sealed late, the server died before its COMMIT:
+    the pool holds a PUBLISHED header that was never committed."""
+    h.put("a", b"old")
+    late = h.alloc("a", 3)
+    h.clock.now += 2
+    h.svc.tick()
+    h.write("a", late, b"new")  # sealed after its lease ran out, never committed
+    h.svc = h.start()  # a new server recovers from the pool
+    assert h.read("a") == b"old"  # the committed value, not the late one
+    s = h.svc.stats()
+    assert s["recovered_keys"] == 1 and s["writes_in_flight"] == 1  # the late one is a write
+    # A new server does not remember the cancellation; the write's COMMIT may still
+    # land.  That is safe: quarantine kept anyone else out of its extent, so these
+    # bytes are exactly what the writer wrote for "a", and now it is acknowledged.
+    assert h.commit("a", late) and h.read("a") == b"new"
+
+
+def test_recovery_never_resurrects_a_removed_key(h: Harness) -> None:
+    g = h.put("gone", b"x" * 100)
+    payload = p.encode_digests([digest(b"gone")])
+    assert p.decode_flags(h.svc.op_remove(h.request(p.StoreOp.REMOVE, payload))) == [True]
+    h.svc = h.start()
+    assert h.lookup("gone") is None and h.svc.stats()["blocks_used"] == 0
+    assert h.alloc("gone", 1).version > g.version  # versions never repeat after a restart
+
+
+def test_a_write_in_flight_at_a_restart_can_still_commit(h: Harness) -> None:
+    g = h.alloc("a", 10)
+    h.write("a", g, b"0123456789")
+    h.svc = h.start()  # the server restarts before the COMMIT arrives
+    assert h.commit("a", g)
+    assert h.read("a") == b"0123456789"
+    assert h.commit("a", g)  # the same COMMIT again (at-least-once RPC) is still a success
+
+
+def test_recovered_writes_of_a_dead_writer_are_freed(h: Harness) -> None:
+    h.begin("a", h.alloc("a", 10), 10)
+    h.alive.clear()
+    h.svc = h.start()
+    assert h.svc.stats()["writes_in_flight"] == 1
+    h.svc.tick()  # its writer (host 1, generation 7, from the header) is gone
+    assert h.svc.stats()["writes_in_flight"] == 0 and h.svc.stats()["blocks_used"] == 0
+
+
+def test_eviction_is_lru_and_waits_for_read_leases(small: Pool) -> None:
+    h = Harness(small, Clock(), {WRITER}, read_lease_s=2.0, high_watermark=1.0, low_watermark=1.0)
+    n = h.pool.superblock.nblocks
+    for i in range(n):
+        h.put(f"k{i}", bytes(100))
+    assert h.lookup("k0") is not None  # k0 becomes the most recently used
+    h.put("one-more", bytes(100))
+    assert h.lookup("k1") is None and h.lookup("k0") is not None  # the oldest went
+    assert h.svc.stats()["evictions"] >= 1
+    raw = h.svc.op_lookup(
+        h.request(
+            p.StoreOp.LOOKUP,
+            p.encode_digests([digest(f"k{i}".encode()) for i in range(n)], p.LOOKUP_LEASE),
+        )
+    )
+    assert sum(loc is not None for loc in p.decode_locations(raw)) > 0
+    with pytest.raises(CapacityError, match="nothing can be evicted"):
+        for i in range(n):  # everything is leased: nothing may be evicted
+            h.alloc(f"new{i}", 100)
+    h.clock.now += 2.001  # the read leases run out
+    h.svc.tick()
+    h.alloc("fits now", 100)
+
+
+def test_retired_extents_wait_out_their_read_leases(h: Harness) -> None:
+    h.put("a", b"1")
+    h.svc.op_lookup(h.request(p.StoreOp.LOOKUP, p.encode_digests([digest(b"a")], p.LOOKUP_LEASE)))
+    h.put("a", b"2")  # replaced: the old extent is retired under the read lease
+    assert h.svc.stats()["retiring_extents"] == 1 and h.svc.stats()["blocks_used"] == 2
+    h.clock.now += 1.999
+    h.svc.tick()
+    assert h.svc.stats()["blocks_used"] == 2
+    h.clock.now += 0.002
+    h.svc.tick()
+    assert h.svc.stats()["blocks_used"] == 1 and h.read("a") == b"2"

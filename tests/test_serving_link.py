@@ -1,0 +1,167 @@
+"""StoreLink, the integrations' pool connection, under threads and fork.
+
+The stores it makes are wrapped to record when they are made and closed, so
+the tests can say: one connection for any number of threads connecting at
+once; a store is never closed while a thread still uses it, even when
+another thread's failure drops it; every store is closed in the end; a
+forked child connects its own and leaves the parent's alone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from beluga.errors import RpcError
+from beluga.integrations import _link
+from beluga.integrations._link import StoreLink
+from beluga.kv import KVStore, MetadataServer
+from beluga.pool import Geometry, Pool
+
+THREADS = 6
+JOIN_S = 60
+
+
+class TrackedStore(KVStore):
+    """A KVStore that remembers every instance and whether it was closed."""
+
+    made: list[TrackedStore] = []
+    guard = threading.Lock()
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.closes = 0
+        with TrackedStore.guard:
+            TrackedStore.made.append(self)
+
+    def close(self) -> None:
+        self.closes += 1
+        super().close()
+
+
+@pytest.fixture
+def served(shm_path: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    monkeypatch.setattr(_link, "KVStore", TrackedStore)
+    TrackedStore.made = []
+    pool = Pool.create(shm_path, 32 << 20, geometry=Geometry(max_hosts=16, block_size=4096))
+    server = MetadataServer(pool)
+    thread = server.start_thread()
+    yield shm_path
+    server.stop()
+    thread.join(timeout=10)
+    server.close()
+    pool.close()
+    Pool.destroy(shm_path)
+
+
+def run_threads(target: object, n: int = THREADS) -> list[BaseException]:
+    """Run ``target(i, barrier)`` on ``n`` threads at once; the errors they raised."""
+    barrier = threading.Barrier(n, timeout=JOIN_S)
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            target(i, barrier)  # type: ignore[operator]
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    return errors
+
+
+def test_threads_connecting_at_once_share_one_connection(served: str) -> None:
+    link = StoreLink(served, who="test", retry_s=0)
+    got: list[KVStore | None] = [None] * THREADS
+
+    def connect(i: int, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        with link.connected() as store:
+            got[i] = store
+
+    assert run_threads(connect) == []
+    assert len(TrackedStore.made) == 1 and all(s is TrackedStore.made[0] for s in got)
+    link.close()
+    link.close()
+    assert TrackedStore.made[0].closes == 1
+    with link.connected() as store:
+        assert store is None  # closed links stay closed
+
+
+def test_a_store_dropped_by_one_thread_stays_open_for_the_others(served: str) -> None:
+    link = StoreLink(served, who="test", retry_s=0)
+    rounds = 20
+
+    def work(i: int, barrier: threading.Barrier) -> None:
+        for r in range(rounds):
+            barrier.wait()  # every thread holds a store when one of them drops it
+            with link.connected() as store:
+                assert store is not None
+                barrier.wait()
+                if r % THREADS == i:
+                    link.lost(RpcError("injected"), store)
+                key = f"k{i}-{r}"
+                store.put(key, key.encode() * 100)
+                assert store.get(key) == key.encode() * 100
+                assert store.closes == 0  # still open while borrowed
+                barrier.wait()
+
+    assert run_threads(work) == []
+    # one store per round (each round drops one), each closed by its last borrower
+    assert [s.closes for s in TrackedStore.made] == [1] * rounds
+    link.close()
+
+
+def test_a_late_report_of_a_dropped_store_keeps_the_new_one(served: str) -> None:
+    link = StoreLink(served, who="test", retry_s=0)
+    old = link.acquire()
+    link.lost(RpcError("first"), old)
+    new = link.acquire()
+    assert new is not None and new is not old and old.closes == 0  # old is still borrowed
+    link.lost(RpcError("the same outage, seen late"), old)
+    with link.connected() as store:
+        assert store is new
+    link.release(old)
+    assert old.closes == 1 and new.closes == 0
+    link.release(new)
+    link.close()
+    assert new.closes == 1
+
+
+def test_close_waits_for_borrowers(served: str) -> None:
+    link = StoreLink(served, who="test")
+    store = link.acquire()
+    link.close()
+    assert store is not None and store.closes == 0 and store.get("x") is None
+    link.release(store)
+    assert store.closes == 1
+
+
+def _child(link: StoreLink, parent_host: int, answer: mp.Queue) -> None:
+    with link.connected() as store:
+        assert store is not None and store.rpc.host_id != parent_host
+        store.put("from-child", b"child")
+        answer.put(store.rpc.host_id)
+    link.close()
+
+
+def test_a_forked_child_connects_its_own(served: str) -> None:
+    link = StoreLink(served, who="test")
+    with link.connected() as parent:
+        assert parent is not None
+        ctx = mp.get_context("fork")
+        answer = ctx.Queue()
+        child = ctx.Process(target=_child, args=(link, parent.rpc.host_id, answer))
+        child.start()
+        child.join(JOIN_S)
+        assert child.exitcode == 0
+        assert answer.get(timeout=JOIN_S) != parent.rpc.host_id
+        assert parent.get("from-child") == b"child"  # the parent's connection is untouched
+    link.close()
