@@ -100,6 +100,22 @@ int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
                           const uint8_t digest[16], uint64_t version, size_t block_cap,
                           void *out, size_t cap, bl_header *seen);
 
+/* blockio.c: many whole blocks read or written in one call, checksummed as they move. */
+typedef struct {
+    size_t hdr_off, payload_off, cap; /* cap: bytes of the block's extent */
+    const uint8_t *digest;            /* 16 bytes */
+    uint64_t version;
+    uint64_t length;  /* write: the value's length; read: set from the header */
+    bl_header proto;  /* write: the header fields to seal with */
+    int64_t result;   /* read: the length, or a BL_MISS_* code */
+} bl_blockio;
+
+uint32_t bl_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+int bl_read_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
+                   size_t nrows, uint8_t *const *bufs, const char **why);
+int bl_write_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
+                    size_t nrows, const uint8_t *const *bufs, const char **why);
+
 /* rpc.c: slot rings; the geometry both sides derive from (bytes per ring, depth).
  *
  * A ring opens with four lines, one writer each:

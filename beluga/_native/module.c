@@ -666,6 +666,129 @@ static PyObject *sg_common(MemoryObject *self, PyObject *args, int write)
     return PyLong_FromUnsignedLongLong(job.total);
 }
 
+/* Parse read_blocks' block tuples (hdr_off, payload_off, cap, digest, version); 0 or -1. */
+static int parse_read_blocks(MemoryObject *self, PyObject *seq, bl_blockio *out, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long hdr, payload, cap, version;
+        const char *digest;
+        Py_ssize_t dlen;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKKy#K;a block is (hdr_off, "
+                              "payload_off, cap, digest, version)", &hdr, &payload, &cap, &digest,
+                              &dlen, &version))
+            return -1;
+        if (dlen != 16)
+            return !!fail("a block key digest is 16 bytes, got %zd", dlen) - 1;
+        if (hdr % BL_LINE || !in_range(self, hdr, BL_LINE) || !in_range(self, payload, cap))
+            return !!fail("block %zd: header %llu or extent [%llu, +%llu) is not a place in "
+                          "this pool", i, hdr, payload, cap) - 1;
+        out[i] = (bl_blockio){.hdr_off = hdr, .payload_off = payload, .cap = cap,
+                              .digest = (const uint8_t *)digest, .version = version};
+    }
+    return 0;
+}
+
+/* Parse write_blocks' block tuples (hdr_off, payload_off, digest, version, length, key_len,
+ * writer, writer_gen); 0 or -1. */
+static int parse_write_blocks(MemoryObject *self, PyObject *seq, bl_blockio *out, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long hdr, payload, version, length;
+        unsigned int key_len, writer, writer_gen;
+        Py_buffer digest;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKy*KKIII;a block is (hdr_off, "
+                              "payload_off, digest, version, length, key_len, writer, writer_gen)",
+                              &hdr, &payload, &digest, &version, &length, &key_len, &writer,
+                              &writer_gen))
+            return -1;
+        bl_blockio *b = &out[i];
+        *b = (bl_blockio){.hdr_off = hdr, .payload_off = payload, .cap = length,
+                          .version = version, .length = length};
+        int ok = block_proto(self, hdr, payload, &digest, version, length, key_len, writer,
+                             writer_gen, 0, &b->proto);
+        PyBuffer_Release(&digest);
+        if (!ok)
+            return -1;
+        b->digest = b->proto.digest;
+    }
+    return 0;
+}
+
+/* Shared body of read_blocks() and write_blocks(): buffers, table and blocks in, C core run. */
+static PyObject *blocks_common(MemoryObject *self, PyObject *args, int write)
+{
+    PyObject *bufs, *table, *blocks;
+    if (!PyArg_ParseTuple(args, "OOO", &bufs, &table, &blocks))
+        return NULL;
+    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence of tuples");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    bl_blockio *bio = PyMem_Calloc(n ? (size_t)n : 1, sizeof(bl_blockio));
+    uint8_t **ptrs = NULL;
+    PyObject *out = NULL;
+    sg_job job;
+    memset(&job, 0, sizeof(job));
+    if (!bio) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if ((write ? parse_write_blocks(self, seq, bio, n) : parse_read_blocks(self, seq, bio, n)) < 0)
+        goto done;
+    if (sg_prepare(self, bufs, table, !write, &job) < 0)
+        goto done;
+    ptrs = PyMem_Calloc(job.nbufs ? (size_t)job.nbufs : 1, sizeof(uint8_t *));
+    if (!ptrs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < job.nbufs; i++)
+        ptrs[i] = job.bufs[i].buf;
+    bl_section s;
+    if (bl_section_enter(&s, self, job.total >= NOGIL_BYTES || job.nrows >= 256, NULL, NULL) < 0)
+        goto done;
+    const char *why = NULL;
+    int rc = write ? bl_write_blocks(&self->mem, bio, (size_t)n, job.rows, (size_t)job.nrows,
+                                     (const uint8_t *const *)ptrs, &why)
+                   : bl_read_blocks(&self->mem, bio, (size_t)n, job.rows, (size_t)job.nrows,
+                                    ptrs, &why);
+    bl_section_leave(&s);
+    if (rc < 0) {
+        fail("%s", why);
+        goto done;
+    }
+    if (write) {
+        out = PyLong_FromUnsignedLongLong(job.total);
+        goto done;
+    }
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *r = PyLong_FromLongLong(bio[i].result);
+        if (!r)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, r);
+    }
+done:
+    sg_release(&job);
+    PyMem_Free(ptrs);
+    PyMem_Free(bio);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* read_blocks(buffers, table, blocks) -> [length or Miss code per block], validated. */
+static PyObject *Memory_read_blocks(MemoryObject *self, PyObject *args)
+{
+    return blocks_common(self, args, 0);
+}
+
+/* write_blocks(buffers, table, blocks) -> bytes moved; every block sealed with its CRC. */
+static PyObject *Memory_write_blocks(MemoryObject *self, PyObject *args)
+{
+    return blocks_common(self, args, 1);
+}
+
 /* gather_write(buffers, table) -> bytes moved: pieces of local buffers into the pool. */
 static PyObject *Memory_gather_write(MemoryObject *self, PyObject *args)
 {
@@ -754,6 +877,12 @@ static PyMethodDef Memory_methods[] = {
      "read_validated(hdr_off, payload_off, block_cap, digest, version, out) -> int"},
     {"gather_write", (PyCFunction)Memory_gather_write, METH_VARARGS,
      "gather_write(buffers, table) -> bytes moved"},
+    {"read_blocks", (PyCFunction)Memory_read_blocks, METH_VARARGS,
+     "read_blocks(buffers, table, blocks) -> [length or Miss code]: whole blocks, each "
+     "validated (header, CRC32C of the bytes as copied, header again)"},
+    {"write_blocks", (PyCFunction)Memory_write_blocks, METH_VARARGS,
+     "write_blocks(buffers, table, blocks) -> bytes moved: whole blocks, each sealed with "
+     "the CRC32C of what was written"},
     {"scatter_read", (PyCFunction)Memory_scatter_read, METH_VARARGS,
      "scatter_read(buffers, table) -> bytes moved"},
     {"discard", (PyCFunction)Memory_discard, METH_NOARGS, "model: drop unflushed lines"},
@@ -793,6 +922,16 @@ static PyObject *mod_crc32c(PyObject *mod, PyObject *args)
     uint32_t r = ~bl_crc32c(~crc, b.buf, (size_t)b.len);
     PyBuffer_Release(&b);
     return PyLong_FromUnsignedLong(r);
+}
+
+/* crc32c_combine(crc_a, crc_b, len_b) -> the CRC32C of A || B. */
+static PyObject *mod_crc32c_combine(PyObject *mod, PyObject *args)
+{
+    unsigned int a, b;
+    unsigned long long len_b;
+    if (!PyArg_ParseTuple(args, "IIK", &a, &b, &len_b))
+        return NULL;
+    return PyLong_FromUnsignedLong(bl_crc32c_combine(a, b, len_b));
 }
 
 /* parse_header(line) -> tuple of fields, or None when not a valid header. */
@@ -848,6 +987,8 @@ static PyObject *mod_register_errors(PyObject *mod, PyObject *args)
 static PyMethodDef module_methods[] = {
     {"crc32c", mod_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int"},
     {"parse_header", mod_parse_header, METH_VARARGS, "parse_header(line) -> tuple | None"},
+    {"crc32c_combine", mod_crc32c_combine, METH_VARARGS,
+     "crc32c_combine(crc_a, crc_b, len_b) -> CRC32C of A || B"},
     {"selected", mod_selected, METH_NOARGS, "instructions in use"},
     {"cpu_features", mod_cpu_features, METH_NOARGS, "CPUID features"},
     {"_register_errors", mod_register_errors, METH_VARARGS, "set the error classes"},

@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from beluga.coherence import Miss, digest
 from beluga.errors import RpcError
 from beluga.kv import protocol as p
@@ -290,6 +292,79 @@ class KVStore:
             None if loc is None else self._ref(d, loc.block, loc.version, loc.length)
             for d, loc in zip(digests, locs, strict=False)
         ]
+
+    def write_blocks(
+        self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any = None
+    ) -> None:
+        """Fill reserved blocks through one scatter-gather table, seal them, commit them.
+
+        The one write call of the block protocol for payloads moved in place:
+        ``refs`` from :meth:`reserve`, ``table`` rows of (buffer index, buffer
+        offset, pool offset, length) covering each block's payload, e.g. from
+        ``beluga.transfer.block_moves``.  Each block's CRC32C is taken from the
+        source bytes as they are stored, so bytes in an extent that this
+        writer did not put there can never be sealed in.  ``mover``: a
+        ``GpuPool`` for a KV cache on its GPU (its kernel moves the bytes and
+        the checksum is taken from the pool afterwards).  Raises ``RpcError``
+        when a write lease ran out first: put those values again.
+        """
+        host, gen = self.rpc.host_id, self.rpc.entry.generation
+        try:
+            if mover is not None and mover is not self.mem:
+                mover.gather_write(buffers, table)
+                for r in refs:
+                    self.mem.seal(
+                        r.header_offset,
+                        r.payload_offset,
+                        r.digest,
+                        r.version,
+                        r.length,
+                        writer=host,
+                        writer_gen=gen,
+                    )
+            else:
+                blocks = [
+                    (r.header_offset, r.payload_offset, r.digest, r.version, r.length, 0, host, gen)
+                    for r in refs
+                ]
+                self.mem.write_blocks(buffers, table, blocks)
+        except BaseException:
+            self.abort(refs)  # nothing was sealed: give the extents back
+            raise
+        for s in self._batches(p.StoreOp.COMMIT, len(refs)):
+            self._commit(list(refs[s]))
+
+    def read_blocks(
+        self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any = None
+    ) -> list[bool]:
+        """Copy whole blocks out of the pool through one table, each one validated.
+
+        The one read call of the block protocol for payloads moved in place:
+        ``refs`` from :meth:`locate`, ``table`` as for :meth:`write_blocks`.
+        Per block: its header is checked (this key, this version, published),
+        the CRC32C of its bytes *as copied* must be the header's, and the
+        header must not have changed meanwhile.  True where the destination
+        holds the committed value; False where the block was replaced,
+        evicted, torn or corrupted: those destination bytes are garbage.
+        ``mover``: a ``GpuPool`` for a KV cache on its GPU; its kernel copies,
+        then the pool's bytes are checksummed by the CPU (one more read).
+        """
+        blocks = [
+            (r.header_offset, r.payload_offset, r.capacity, r.digest, r.version) for r in refs
+        ]
+        if mover is None or mover is self.mem:
+            got = self.mem.read_blocks(buffers, table, blocks)
+        else:
+            before = self.check(refs)
+            mover.scatter_read(buffers, table)
+            whole = bytearray(sum(r.length for r in refs))
+            rows, at = [], 0
+            for r in refs:
+                rows.append((0, at, r.payload_offset, r.length))
+                at += r.length
+            got = self.mem.read_blocks([whole], np.array(rows, dtype=np.uint64), blocks)
+            got = [g if ok else -1 for g, ok in zip(got, before, strict=True)]
+        return [g == r.length for g, r in zip(got, refs, strict=True)]
 
     def check(self, refs: Sequence[BlockRef]) -> list[bool]:
         """Whether each block is still the published version (call before and after a copy)."""

@@ -5,13 +5,16 @@
 - :mod:`beluga.transfer.layouts`: :class:`KVLayout`, built from an engine's
   registered KV tensors (vLLM FlashAttention NHD/HND, vLLM CPU_ATTN, Hugging
   Face); needs torch.
-- :mod:`beluga.transfer.datapath`: :func:`gather_write`, :func:`scatter_read`
-  and :func:`sparse_fetch`, each one C call through a coherence ``Memory``.
+- :mod:`beluga.transfer.datapath`: :func:`block_moves` (the checked table that
+  ``KVStore.read_blocks`` / ``write_blocks`` move and checksum whole blocks
+  with), the raw :func:`gather_write` / :func:`scatter_read`, and
+  :func:`sparse_fetch`, each one C call through a coherence ``Memory``.
 - :mod:`beluga.transfer.gpu`: :class:`GpuPool`, the pool registered with CUDA,
   which moves a GPU cache's blocks with one kernel instead.
 """
 
 from beluga.transfer.datapath import (
+    block_moves,
     block_table,
     coalesce,
     gather_write,
@@ -33,6 +36,7 @@ __all__ = [
     "KVLayout",
     "KVSpec",
     "V",
+    "block_moves",
     "block_table",
     "coalesce",
     "gather_write",

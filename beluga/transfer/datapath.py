@@ -18,9 +18,12 @@ engine block, as the store's allocator hands them out: line-aligned, each
 ``block_bytes`` long.  Everything (block ids, offsets, sizes, overlaps) is
 checked before the C call, so bad input raises and nothing is written.
 
-``gather_write`` makes the payload reach memory but publishes nothing: the
-caller seals each block with its header afterwards, and readers trust a block
-only through that header (see beluga.coherence).
+``gather_write`` makes the payload reach memory but publishes nothing, and
+``scatter_read`` trusts what the pool holds: they are the raw moves.  Values
+go through the store's one block API, ``KVStore.write_blocks`` (the CRC32C of
+each block taken from the source as it is stored, then sealed into its
+header) and ``KVStore.read_blocks`` (header, CRC32C of the bytes as copied,
+header again), with the tables :func:`block_moves` builds.
 
 The mover is the pool's ``Memory`` for a KV cache in host memory, or a
 :class:`beluga.transfer.gpu.GpuPool` for one on its GPU (one kernel instead
@@ -109,6 +112,36 @@ def block_table(layout: KVLayout, block_ids: np.ndarray, pool_offsets: np.ndarra
     return coalesce(table.reshape(-1, 4))
 
 
+def block_moves(
+    mem: Memory | Any,
+    layout: KVLayout,
+    block_ids: Sequence[int] | np.ndarray,
+    pool_offsets: Sequence[int] | np.ndarray,
+    *,
+    block_bytes: int,
+    write: bool,
+) -> tuple[list[Any], np.ndarray]:
+    """The buffers and table that move whole engine blocks to (``write``) or from pool blocks.
+
+    Everything is checked first (the mover's device, block ids, offsets, sizes,
+    overlaps), so what comes back moves only what was asked.  Hand them to
+    ``KVStore.write_blocks`` / ``KVStore.read_blocks``, which checksum each
+    block as it moves, or to ``gather_write`` / ``scatter_read`` below.
+    """
+    _check_mover(mem, layout)
+    ids = layout.check_blocks(block_ids)
+    offs = _pool_offsets(pool_offsets, len(ids), layout.format, mem.size, block_bytes)
+    if write:
+        ordered = np.sort(offs)
+        if np.any(np.diff(ordered) < layout.format.nbytes):
+            raise ValueError(
+                "two pool blocks of this write overlap; each engine block needs its own pool block"
+            )
+    elif len(np.unique(ids)) != len(ids):
+        raise ValueError("an engine block id appears twice; each read needs its own engine block")
+    return layout.buffers, block_table(layout, ids, offs)
+
+
 def gather_write(
     mem: Memory | Any,
     layout: KVLayout,
@@ -117,16 +150,12 @@ def gather_write(
     *,
     block_bytes: int,
 ) -> int:
-    """Copy engine blocks into pool blocks (non-temporal, fenced); returns bytes moved."""
-    _check_mover(mem, layout)
-    ids = layout.check_blocks(block_ids)
-    offs = _pool_offsets(pool_offsets, len(ids), layout.format, mem.size, block_bytes)
-    ordered = np.sort(offs)
-    if np.any(np.diff(ordered) < layout.format.nbytes):
-        raise ValueError(
-            "two pool blocks of this write overlap; each engine block needs its own pool block"
-        )
-    return mem.gather_write(layout.buffers, block_table(layout, ids, offs))
+    """Copy engine blocks into pool blocks (non-temporal, fenced), unsealed; bytes moved.
+
+    The raw move: a value is written and sealed with ``KVStore.write_blocks``.
+    """
+    moves = block_moves(mem, layout, block_ids, pool_offsets, block_bytes=block_bytes, write=True)
+    return mem.gather_write(*moves)
 
 
 def scatter_read(
@@ -137,13 +166,12 @@ def scatter_read(
     *,
     block_bytes: int,
 ) -> int:
-    """Copy pool blocks into engine blocks (invalidating first); returns bytes moved."""
-    _check_mover(mem, layout)
-    ids = layout.check_blocks(block_ids)
-    offs = _pool_offsets(pool_offsets, len(ids), layout.format, mem.size, block_bytes)
-    if len(np.unique(ids)) != len(ids):
-        raise ValueError("an engine block id appears twice; each read needs its own engine block")
-    return mem.scatter_read(layout.buffers, block_table(layout, ids, offs))
+    """Copy pool blocks into engine blocks (invalidating first), unchecked; bytes moved.
+
+    The raw move: a value is read, validated, with ``KVStore.read_blocks``.
+    """
+    moves = block_moves(mem, layout, block_ids, pool_offsets, block_bytes=block_bytes, write=False)
+    return mem.scatter_read(*moves)
 
 
 def sparse_shape(fmt: BlockFormat, positions: np.ndarray) -> tuple[int, int, int, int, int]:
