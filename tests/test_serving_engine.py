@@ -118,26 +118,43 @@ def test_a_salt_is_a_cache_of_its_own(hosts: Hosts) -> None:
     assert hosts.b.serve(tokens).cached_tokens == 0
 
 
-def test_a_block_that_changes_during_the_load_ends_the_prefix(
+def test_a_block_removed_after_the_lookup_ends_the_prefix(
     hosts: Hosts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The seqlock: a block replaced while it is copied is dropped, never used."""
+    """The index said the block was there; by the time it is read it is not: the
+    validated read drops it and everything after, and never uses its bytes."""
     tokens = prompt(7, 4 * BS + 2)
     hosts.a.serve(tokens)
-    load = hosts.b.model.load_prefix
+    read = hosts.b.store.read_blocks
     third = hosts.b.keys(tokens)[2]
 
-    def load_while_evicted(*args: object, **kwargs: object) -> object:
-        prefix = load(*args, **kwargs)
+    def read_after_removal(*args: object, **kwargs: object) -> list[bool]:
         assert hosts.a.store.remove(third)  # the server clears its header
-        return prefix
+        got = read(*args, **kwargs)  # type: ignore[arg-type]
+        assert got == [True, True, False, True]
+        return got
 
-    monkeypatch.setattr(hosts.b.model, "load_prefix", load_while_evicted)
+    monkeypatch.setattr(hosts.b.store, "read_blocks", read_after_removal)
     served = hosts.b.serve(tokens, want_logits=True)
     assert served.cached_tokens == 2 * BS
     assert served.saved_blocks == 2  # blocks 2 and 3 are computed and saved again
     full = hosts.b.model.prefill(tokens).logits.numpy()
     assert served.logits is not None and max_diff(served.logits, full[2 * BS :]) <= TOLERANCE
+
+
+def test_a_corrupted_block_is_recomputed_never_used(hosts: Hosts) -> None:
+    """Hostile bytes in a committed block's payload: the load's checksum drops it."""
+    tokens = prompt(9, 4 * BS + 2)
+    hosts.a.serve(tokens)
+    (ref,) = hosts.b.store.locate([hosts.b.keys(tokens)[1]], prefix=False)
+    assert ref is not None
+    with Pool.attach(hosts.b.store.pool.spec) as rogue:
+        rogue.memory.nt_store(ref.payload_offset + 100, b"\x7f\x7f\x7f\x7f")
+        rogue.memory.sfence()
+    served = hosts.b.serve(tokens, want_logits=True)
+    assert served.cached_tokens == BS  # block 0 only: block 1 fails its checksum
+    full = hosts.b.model.prefill(tokens).logits.numpy()
+    assert served.logits is not None and max_diff(served.logits, full[BS:]) <= TOLERANCE
 
 
 def test_block_keys_carry_the_model_the_kv_format_and_the_salt(hosts: Hosts) -> None:

@@ -301,7 +301,7 @@ def test_a_server_refuses_a_pool_of_another_layout(pool: Pool, shm_path: str) ->
 
 def read_every_path(s: KVStore, key: str, size: int) -> dict[str, bytes | None]:
     """One key through every read path: get, get_into, batch_get_into, get_batch, and the
-    in-place path of the data path (locate, check, copy out of the pool, check)."""
+    in-place path of the data path (locate, then one validated read_blocks)."""
     out: dict[str, bytes | None] = {"get": s.get(key), "get_batch": s.get_batch([key])[0]}
     buf = bytearray(size)
     n = s.get_into(key, buf)
@@ -311,11 +311,10 @@ def read_every_path(s: KVStore, key: str, size: int) -> dict[str, bytes | None]:
     out["batch_get_into"] = None if n < 0 else bytes(buf[:n])
     (ref,) = s.locate([key], prefix=False)
     copy = None
-    if ref is not None and s.check([ref]) == [True]:
-        s.mem.invalidate(ref.payload_offset, ref.length)
-        s.mem.mfence()
-        data = s.mem.load(ref.payload_offset, ref.length)
-        copy = data if s.check([ref]) == [True] else None
+    if ref is not None:
+        buf = bytearray(ref.length)
+        table = np.array([[0, 0, ref.payload_offset, ref.length]], dtype=np.uint64)
+        copy = bytes(buf) if s.read_blocks([ref], [buf], table) == [True] else None
     out["in_place"] = copy
     return out
 
@@ -326,13 +325,12 @@ def _stalled_writer(spec: str, size: int, ready: Any, go: Any, out: Any) -> None
         with KVStore(spec) as s:
             (ref,) = s.reserve(["stalled"], [size])
             data = value_of("stalled", size)
-            s.mem.nt_store(ref.payload_offset, data[: size // 2])
+            s.mem.nt_store(ref.payload_offset, data[: size // 2])  # half its copy landed ...
             ready.set()
-            go.wait(60)  # stopped here, past its lease, while others reuse the pool
-            s.mem.nt_store(ref.payload_offset + size // 2, data[size // 2 :])
-            s.mem.sfence()
+            go.wait(60)  # ... then it stopped, past its lease, while others reuse the pool
+            table = np.array([[0, 0, ref.payload_offset, size]], dtype=np.uint64)
             try:
-                s.seal([ref])
+                s.write_blocks([ref], [data], table)  # the copy goes on, seal, commit
                 out.put("sealed")
             except RpcError as e:
                 out.put(f"refused: {e}")

@@ -34,8 +34,8 @@ rebuilt index serves).  Then :meth:`History.check` judges every read.
 
 A role that is neither stopped nor killed and reports nothing for
 ``hang_bound_s`` is a hang: its stacks are dumped (SIGUSR1, faulthandler) to
-stderr and it is replaced.  The server hangs when its heartbeat in the host
-table stops while it is not stopped.
+stderr and it is replaced.  The server hangs when its heartbeat in the pool's
+server seat stops while it is not stopped.
 
 The seed fixes the fault plan (kinds, targets, timings, hostile bytes) and
 every role's choices; the operating system's scheduling is not replayable,
@@ -133,7 +133,7 @@ class ChaosConfig:
     server_start_timeout_s: float = 30.0
     max_reuse_wait_s: float = 2.0  # past the lease, waiting for the extent to be reused
     pool_path: str | None = None  # default: a unique /dev/shm/beluga-chaos-* file
-    pool_bytes: int = 24 << 20  # small enough that freed extents are reused within seconds
+    pool_bytes: int = 64 << 20  # freed extents are reused within seconds; nothing is evicted
     block_size: int = 16 << 10
     max_value_blocks: int = 3
     role_pause_s: float = 0.002
@@ -195,7 +195,6 @@ class _Server:
     ready: bool = False
     held: bool = False
     gone: bool = False
-    host_id: int | None = None
     beat_ns: int = 0
     beat_seen: float = 0.0
     pid: int = 0  # kept: the process object is closed once reaped
@@ -579,16 +578,13 @@ class ChaosDriver:
             s.proc.close()
 
     def _server_beat(self, s: _Server) -> None:
-        """Follow the server's heartbeat in the host table (its progress)."""
+        """Follow the server's heartbeat in the pool's server seat (its progress)."""
         assert self.pool is not None
-        hosts = self.pool.hosts
-        if s.host_id is None:
-            s.host_id = next((e.host_id for e in hosts.entries() if e.pid == s.pid), None)
-            if s.host_id is None:
-                return
-        entry = hosts.read(s.host_id)
-        if entry is not None and entry.heartbeat_ns != s.beat_ns:
-            s.beat_ns, s.beat_seen = entry.heartbeat_ns, time.monotonic()
+        seat = self.pool.hosts.seat()
+        if seat is None or not seat.epoch or seat.identity.pid != s.pid:
+            return  # not (yet) this server's seat
+        if seat.heartbeat_ns != s.beat_ns:
+            s.beat_ns, s.beat_seen = seat.heartbeat_ns, time.monotonic()
 
     # -- hangs ---------------------------------------------------------------
 

@@ -254,7 +254,8 @@ class _Writer(_Role):
 
 
 class _InPlaceWriter(_Writer):
-    """The engine's write path: reserve, fill payloads in place (gather-write), seal."""
+    """The engine's write path: reserve, then ``KVStore.write_blocks`` (move, checksum,
+    seal, commit) through one table."""
 
     def step(self, store: KVStore) -> None:
         self.stats(store)
@@ -266,68 +267,48 @@ class _InPlaceWriter(_Writer):
         refs: list[BlockRef] = []
         try:
             refs = store.reserve([self.spec.keys[k] for k in keys], [len(v) for v in values])
-            for i, (ref, value) in enumerate(zip(refs, values, strict=True)):
-                self.fill(store, ref, value, keys[i], serials[i], pause=i == 0)
-            store.seal(refs)
+            if self.pause_requested:
+                self.stall_midway(store, refs[0], values[0], keys[0], serials[0])
+            rows, at = [], 0
+            for ref, value in zip(refs, values, strict=True):
+                rows.append((0, at, ref.payload_offset, len(value)))
+                at += len(value)
+            table = np.array(rows, dtype=np.uint64)
+            store.write_blocks(refs, [b"".join(values)], table)
         except Exception as e:
             self.send("done", _now(), done, _outcome(e))
-            if refs:
-                try:
-                    store.abort(refs)  # as the serving engine does on a failed save
-                except Exception as abort_error:
-                    self.error(abort_error)
             raise
         self.send("done", _now(), done, "ack")
 
-    def fill(
-        self, store: KVStore, ref: BlockRef, value: bytes, key: int, serial: int, pause: bool
+    def stall_midway(
+        self, store: KVStore, ref: BlockRef, value: bytes, key: int, serial: int
     ) -> None:
-        """Write one payload in pieces; when asked, stop halfway (a stalled writer)."""
+        """Stop with half a payload stored, as a writer stopped inside its copy would be."""
+        self.pause_requested = False
         half = len(value) // 2
-        put_piece(store, ref, value, 0, half)
-        stalled = pause and self.pause_requested
-        if stalled:
-            self.pause_requested = False
-            nblocks = ref.capacity // self.spec.block_size
-            self.send("mid", _now(), key, serial, ref.block, nblocks, ref.version)
-            os.kill(os.getpid(), signal.SIGSTOP)
-        # after a stall the rest goes slowly, as an engine writes layer by layer
-        pieces = 4 if stalled else 1
-        step = -(-(len(value) - half) // pieces)
-        for start in range(half, len(value), step):
-            put_piece(store, ref, value, start, min(len(value), start + step))
-            if stalled:
-                time.sleep(0.005)
-
-
-def put_piece(store: KVStore, ref: BlockRef, value: bytes, start: int, end: int) -> None:
-    """Gather-write value[start:end] into its place in the block (one C call)."""
-    if end <= start:
-        return
-    table = np.array([[0, start, ref.payload_offset + start, end - start]], dtype=np.uint64)
-    store.mem.gather_write([value], table)
+        table = np.array([[0, 0, ref.payload_offset, half]], dtype=np.uint64)
+        store.mem.gather_write([value], table)  # the stores that landed before the stop
+        nblocks = ref.capacity // self.spec.block_size
+        self.send("mid", _now(), key, serial, ref.block, nblocks, ref.version)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(0.005)  # resumed: the copy goes on (write_blocks stores it all again)
 
 
 def read_in_place(store: KVStore, keys: Sequence[str]) -> list[bytes | None]:
-    """The serving engine's read path: locate, check, copy from the pool, check again."""
+    """The serving engine's read path: locate, then one validated ``read_blocks``."""
     refs = store.locate(keys, prefix=False)
     out: list[bytes | None] = [None] * len(keys)
     present = [(i, r) for i, r in enumerate(refs) if r is not None]
     if not present:
         return out
-    first = store.check([r for _, r in present])
-    chosen = [(i, r) for (i, r), ok in zip(present, first, strict=True) if ok]
-    if not chosen:
-        return out
-    offsets = np.cumsum([0] + [r.length for _, r in chosen])
+    offsets = np.cumsum([0] + [r.length for _, r in present])
     buf = bytearray(int(offsets[-1]))
     table = np.array(
-        [[0, offsets[j], r.payload_offset, r.length] for j, (_, r) in enumerate(chosen)],
+        [[0, offsets[j], r.payload_offset, r.length] for j, (_, r) in enumerate(present)],
         dtype=np.uint64,
     )
-    store.mem.scatter_read([buf], table)
-    second = store.check([r for _, r in chosen])
-    for j, ((i, _), ok) in enumerate(zip(chosen, second, strict=True)):
+    intact = store.read_blocks([r for _, r in present], [buf], table)
+    for j, ((i, _), ok) in enumerate(zip(present, intact, strict=True)):
         if ok:
             out[i] = bytes(buf[offsets[j] : offsets[j + 1]])
     return out

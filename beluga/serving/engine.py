@@ -9,16 +9,18 @@ lookup
     then one batched ``KVStore.locate`` of the longest cached prefix, under a
     read lease;
 load
-    ``KVStore.check`` the blocks, scatter-read them straight from the pool
-    into the model's KV cache (one C call), and check them again: a block
-    that changed meanwhile (evicted, replaced) ends the usable prefix there,
-    so a race costs recomputation, never wrong KV;
+    ``KVStore.read_blocks``: the blocks go straight from the pool into the
+    model's KV cache in one C call, each validated as it moves (header,
+    CRC32C of the bytes as copied, header again); a block that changed or
+    was corrupted meanwhile ends the usable prefix there, so a race costs
+    recomputation, never wrong KV;
 compute
     prefill only the tokens after the prefix; the first token is ready here,
     so time to first token is lookup + load + compute;
 save
-    reserve pool blocks for the new full blocks, gather-write them (one C
-    call), seal (checksum, publish, commit).
+    reserve pool blocks for the new full blocks, then ``KVStore.write_blocks``:
+    one C call moves them, checksums what it stores and seals each header;
+    then one commit.
 
 A model on a CUDA device moves its KV with one kernel through the pool's
 registered mapping (:class:`beluga.transfer.gpu.GpuPool`) instead of the
@@ -54,7 +56,7 @@ from beluga.kv.store import BlockRef, KVStore
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import REGION_ALIGN, align_up, plan
 from beluga.serving.model import KV, ModelEngine
-from beluga.transfer import BlockFormat
+from beluga.transfer import BlockFormat, block_moves
 from beluga.transfer.gpu import GpuPool
 
 KV_ORDER = "HND"  # Hugging Face caches are [batch, heads, tokens, dim]: HND blocks
@@ -276,13 +278,19 @@ class ServingEngine:
         return [r for r in found[: _leading(found)] if r is not None]
 
     def _load(self, refs: list[BlockRef]) -> tuple[KV | None, list[BlockRef]]:
-        """Scatter-read the blocks into a fresh prefix; keep only those unchanged throughout."""
-        refs = refs[: _leading(self.store.check(refs))]
+        """Read the blocks into a fresh prefix, each validated; keep the intact leading run."""
         if not refs:
             return None, []
-        offsets = [r.payload_offset for r in refs]
-        prefix = self.model.load_prefix(self.mover, offsets, block_bytes=self.block_bytes)
-        intact = _leading(self.store.check(refs))
+        prefix = self.model.empty_prefix(len(refs))
+        buffers, table = block_moves(
+            self.mover,
+            self.model.kv_layout(prefix),
+            np.arange(len(refs)),
+            [r.payload_offset for r in refs],
+            block_bytes=self.block_bytes,
+            write=False,
+        )
+        intact = _leading(self.store.read_blocks(refs, buffers, table, mover=self.mover))
         if intact == len(refs):
             return prefix, refs
         if intact == 0:
@@ -292,20 +300,21 @@ class ServingEngine:
         return cut, refs[:intact]
 
     def _save(self, kv: KV, keys: list[bytes], first: int, end: int) -> int:
-        """Gather-write blocks ``first .. end`` of a prefill's KV into new pool blocks."""
+        """Write blocks ``first .. end`` of a prefill's KV into new pool blocks, sealed."""
         if end <= first:
             return 0
         refs = self.store.reserve(keys[first:end], [self.format.nbytes] * (end - first))
         try:
-            self.model.save_blocks(
+            buffers, table = block_moves(
                 self.mover,
-                kv,
+                self.model.kv_layout(kv),
+                np.arange(first, end),
                 [r.payload_offset for r in refs],
-                first_block=first,
                 block_bytes=self.block_bytes,
+                write=True,
             )
-            self.store.seal(refs)
         except BaseException:
             self.store.abort(refs)
             raise
+        self.store.write_blocks(refs, buffers, table, mover=self.mover)
         return len(refs)

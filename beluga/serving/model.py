@@ -9,13 +9,14 @@ implementation (grouped-query attention, RoPE, RMSNorm) with seeded random
 weights built from a config, so nothing is downloaded; what matters here is
 that the logits with a cached prefix equal full recomputation, not the text.
 
-KV moves between the engine and the pool through :mod:`beluga.transfer` in
-the Hugging Face layout (``[1, kv_heads, tokens, head_dim]`` per layer, HND
-pool blocks):
+KV moves between the engine and the pool in the Hugging Face layout
+(``[1, kv_heads, tokens, head_dim]`` per layer, HND pool blocks):
 
-- :meth:`ModelEngine.save_blocks` gather-writes full blocks of a prefill's KV;
-- :meth:`ModelEngine.load_prefix` scatter-reads pool blocks into a fresh
-  cached prefix for :meth:`ModelEngine.prefill`.
+- :meth:`ModelEngine.kv_layout` describes a prefill's KV (or a prefix) for
+  :func:`beluga.transfer.block_moves`, whose tables the store's block calls
+  (``KVStore.write_blocks`` / ``read_blocks``) move and checksum;
+- :meth:`ModelEngine.empty_prefix` is a fresh cached prefix of whole blocks
+  to read pool blocks into, for :meth:`ModelEngine.prefill`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
 import torch
 from transformers import (
     DynamicCache,
@@ -35,10 +35,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from beluga.coherence import Memory
 from beluga.kv.identity import ModelIdentity
-from beluga.transfer import KVLayout, KVSpec, gather_write, scatter_read
-from beluga.transfer.gpu import GpuPool
+from beluga.transfer import KVLayout, KVSpec
 
 FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -166,37 +164,21 @@ class ModelEngine:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return Prefill(out.logits[0], kv, cached, self.shape.block_size)
 
-    def save_blocks(
-        self,
-        mem: Memory | GpuPool,
-        kv: KV,
-        pool_offsets: Sequence[int] | np.ndarray,
-        *,
-        first_block: int = 0,
-        block_bytes: int,
-    ) -> int:
-        """Gather-write the KV of blocks ``first_block ..`` (one per pool offset); bytes moved."""
-        layout = KVLayout.hugging_face(self.kv_spec, kv)
-        blocks = np.arange(first_block, first_block + len(pool_offsets))
-        return gather_write(mem, layout, blocks, pool_offsets, block_bytes=block_bytes)
+    def kv_layout(self, kv: KV) -> KVLayout:
+        """The layout of a prefill's KV, or of a prefix, for moving whole blocks."""
+        return KVLayout.hugging_face(self.kv_spec, kv)
 
-    def load_prefix(
-        self, mem: Memory | GpuPool, pool_offsets: Sequence[int] | np.ndarray, *, block_bytes: int
-    ) -> KV:
-        """A cached prefix for :meth:`prefill`, scatter-read from a prompt's first pool blocks."""
+    def empty_prefix(self, blocks: int) -> KV:
+        """A cached prefix of ``blocks`` whole blocks to read pool blocks into."""
         s = self.kv_spec
-        shape = (1, s.num_kv_heads, len(pool_offsets) * s.block_size, s.head_dim)
-        kv = [
+        shape = (1, s.num_kv_heads, blocks * s.block_size, s.head_dim)
+        return [
             (
                 torch.empty(shape, dtype=torch.float32, device=self.device),
                 torch.empty(shape, dtype=torch.float32, device=self.device),
             )
             for _ in range(s.num_layers)
         ]
-        layout = KVLayout.hugging_face(s, kv)
-        blocks = np.arange(len(pool_offsets))
-        scatter_read(mem, layout, blocks, pool_offsets, block_bytes=block_bytes)
-        return kv
 
     def _check_tokens(self, token_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.as_tensor(token_ids)

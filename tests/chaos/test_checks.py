@@ -21,16 +21,17 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from beluga import KVStore
 from beluga.chaos import ChaosConfig, ChaosDriver, faults
-from beluga.chaos.roles import put_piece, read_in_place
+from beluga.chaos.roles import read_in_place
 from beluga.chaos.values import HEADER_BYTES, make_value, verify
 from beluga.chaos.verifier import History
 from beluga.child import server_process
 from beluga.cli import main
-from beluga.coherence import BlockState, digest, parse_header, read_line
+from beluga.coherence import digest, parse_header, read_line
 from beluga.errors import RpcError
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
@@ -176,8 +177,8 @@ def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -
 
 
 def test_in_place_read_of_a_corrupted_payload_is_a_miss(chaos_pool: Pool) -> None:
-    """Defect: KVStore.check validates the header only, so the engine's read path
-    (locate, check, copy, check) returns a payload that hostile bytes changed."""
+    """Once a defect: the engine's read path checked headers only and returned a payload
+    that hostile bytes changed; read_blocks checksums what it copies."""
     with server_process(_serve, chaos_pool.spec, {"refresh_s": 0.02}), KVStore(chaos_pool) as s:
         value = make_value(digest(b"k"), 0, 1, 20_000)
         s.put("k", value)
@@ -203,44 +204,61 @@ def _header_at(pool: Pool, block: int) -> Any:
     return parse_header(read_line(pool.memory, pool.superblock.block_header_offset(block)))
 
 
+def _land(store: KVStore, ref: Any, value: bytes, end: int) -> None:
+    """The first ``end`` bytes of a copy into the block: stores that landed before a stall."""
+    table = np.array([[0, 0, ref.payload_offset, end]], dtype=np.uint64)
+    store.mem.gather_write([value], table)
+
+
+def _write_all(store: KVStore, ref: Any, value: bytes) -> None:
+    """The whole copy, its checksum, seal and commit: the one write call."""
+    table = np.array([[0, 0, ref.payload_offset, len(value)]], dtype=np.uint64)
+    store.write_blocks([ref], [value], table)
+
+
+def _wait_expired(store: KVStore, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while store.stats()["lease_expiries"] < count:
+        assert time.monotonic() < deadline, "the write lease never ran out"
+        time.sleep(0.02)
+
+
 def test_a_writer_stalled_past_its_lease_never_lands_on_a_reused_extent(chaos_pool: Pool) -> None:
-    """Defect: an in-place writer that stalls mid-payload past its write lease, then
-    resumes after another writer reused its extent, overwrites that writer's
-    acknowledged value, and its late seal publishes a header over it."""
+    """An in-place writer stalls mid-payload past its write lease while others write;
+    its extent is not reused while it lives, so when it resumes, finishes its copy and
+    seals, nothing acknowledged is touched, its commit is refused, and a restarted
+    server serves neither its bytes nor anything else's mixed with them."""
     problems = []
     options = {"refresh_s": 0.02, "write_lease_s": 1.0}
     with server_process(_serve, chaos_pool.spec, options) as first:
         with KVStore(chaos_pool) as stalled, KVStore(chaos_pool) as other:
             mine = make_value(digest(b"stalled"), 9, 1, 8_000)
             (ref,) = stalled.reserve(["stalled"], [len(mine)])
-            put_piece(stalled, ref, mine, 0, len(mine) // 2)
-            time.sleep(2.0)  # a stalled writer: past the lease, the server takes the extent back
-            victim, value = None, b""
-            for i in range(4 * chaos_pool.superblock.nblocks):  # until the extent is reused
-                victim = f"victim-{i % 4}"
-                value = make_value(digest(victim.encode()), 1, i + 1, 8_000)
-                other.put(victim, value)
+            _land(stalled, ref, mine, len(mine) // 2)
+            _wait_expired(other, 1)  # past the lease: the write is cancelled, not reusable
+            victims = {}
+            for i in range(chaos_pool.superblock.nblocks // 2):
+                victim = f"victim-{i}"
+                victims[victim] = make_value(digest(victim.encode()), 1, i + 1, 8_000)
+                other.put(victim, victims[victim])
                 h = _header_at(chaos_pool, ref.block)
-                if h and h.state == BlockState.PUBLISHED and h.digest == digest(victim.encode()):
+                if h is not None and h.digest != digest(b"stalled"):
+                    problems.append(f"the stalled writer's extent was reused by {victim}")
                     break
-            else:
-                pytest.fail("the stalled writer's extent was never reused")
-            assert victim is not None
-            put_piece(stalled, ref, mine, len(mine) // 2, len(mine))  # it resumes ...
-            (got,) = read_in_place(other, [victim])
-            if got is not None and not verify(digest(victim.encode()), got).ok:
-                problems.append(
-                    f"in-place read of {victim}: {verify(digest(victim.encode()), got)}"
-                )
+            assert other.stats()["quarantined_extents"] == 1
             with pytest.raises(RpcError, match="lost their write lease"):
-                stalled.seal([ref])  # ... and seals: the server refuses the commit
-            if other.get(victim) != value:
-                problems.append(f"acknowledged {victim} lost after the stalled writer's seal")
+                _write_all(stalled, ref, mine)  # it resumes, copies, seals: refused
+            for victim, value in victims.items():
+                (got,) = read_in_place(other, [victim])
+                if got != value or other.get(victim) != value:
+                    problems.append(f"acknowledged {victim} changed by the stalled writer")
+            assert other.stats()["quarantined_extents"] == 0  # refused: free for reuse now
         os.kill(first.pid, signal.SIGKILL)
         first.join(10)
     with server_process(_serve, chaos_pool.spec, {"refresh_s": 0.02}), KVStore(chaos_pool) as s:
-        if s.get(victim) != value:
-            problems.append(f"acknowledged {victim} lost after a server restart")
+        for victim, value in victims.items():
+            if s.get(victim) != value:
+                problems.append(f"acknowledged {victim} lost after a server restart")
         stale = _serial(b"stalled", s.get("stalled"))
         if stale is not None:
             problems.append(f"after a restart 'stalled', whose commit was refused, reads {stale}")
@@ -260,10 +278,9 @@ def test_a_refused_write_is_never_served_not_even_after_a_restart(chaos_pool: Po
                 s.put(key, value)
                 late = make_value(digest(key.encode()), 1, 2, 5_000)
                 (ref,) = s.reserve([key], [len(late)])
-                time.sleep(2.0)  # stalled past the write lease
-                put_piece(s, ref, late, 0, len(late))
+                _wait_expired(s, 1 if key == "kept" else 2)  # stalled past the write lease
                 with pytest.raises(RpcError, match="lost their write lease"):
-                    s.seal([ref])
+                    _write_all(s, ref, late)
             assert s.remove("gone")
             assert s.get("kept") == acked["kept"] and s.get("gone") is None
         os.kill(first.pid, signal.SIGKILL)
