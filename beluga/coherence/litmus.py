@@ -534,9 +534,10 @@ def run_role(
 ) -> LitmusResult:
     """Play one role ("writer", "writer_b" or "observer") of a pattern on this host.
 
-    The observer paces the trials (or, for a concurrent pattern, observes
-    until the writer is done) and reports the violations it saw; writers
-    return a result with zero violations.
+    The observer paces the trials, stopping at the first violation when
+    ``stop_on_violation`` (or, for a concurrent pattern, observes until the
+    writer is done) and reports what it saw; writers return a result with
+    zero violations.
     """
     if pattern not in PATTERNS:
         raise ValueError(f"unknown litmus pattern {pattern!r}; choose from {sorted(PATTERNS)}")
@@ -545,9 +546,9 @@ def run_role(
     p = PATTERNS[pattern]
     ch = Channel(mem, base, timeout, pause)
     if role == "observer":
-        return (_observe_concurrent if p.concurrent else _observe_stepped)(
-            mem, base, pattern, p, ch, trials, stop_on_violation
-        )
+        if p.concurrent:
+            return _observe_concurrent(mem, base, pattern, p, ch, trials)
+        return _observe_stepped(mem, base, pattern, p, ch, trials, stop_on_violation)
     write = {"writer": p.writer, "writer_b": p.writer_b}.get(role)
     if write is None:
         raise ValueError(f"pattern {pattern!r} has no role {role!r}")
@@ -617,15 +618,14 @@ def _observe_concurrent(
     p: Pattern,
     ch: Channel,
     trials: int,
-    stop_on_violation: bool,
 ) -> LitmusResult:
+    """Observe for the writer's whole run (so it always writes its trials), then once more."""
     tally = _Tally(pattern)
     ch.post(CTRL_OBSERVER, 1)
     deadline = time.monotonic() + ch.timeout
     while True:
         done = ch.peek(CTRL_WRITER)[0] >= trials
-        if tally.add(p.observer(mem, base, tally.looks, ch)) and stop_on_violation:
-            break
+        tally.add(p.observer(mem, base, tally.looks, ch))
         if done:
             break
         if time.monotonic() > deadline:
