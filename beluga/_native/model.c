@@ -8,8 +8,8 @@
  * mapping stands for the CXL memory behind them.  It lets through only what
  * x86 promises and reorders what x86 allows.  Each rule names the hardware
  * behaviour it stands for (Intel SDM = Intel 64 and IA-32 Architectures
- * Software Developer's Manual, AMD APM = AMD64 Architecture Programmer's
- * Manual; section titles, with their numbers in the 2016-2022 editions).
+ * Software Developer's Manual, numbered as in its 2016-2022 editions; AMD
+ * APM = AMD64 Architecture Programmer's Manual; section titles are quoted).
  *
  *   cache        A load hits a cached line, however stale; a miss fills the
  *                whole line.  A store is write-allocate: the line changes
@@ -34,8 +34,8 @@
  *                a fence between them reach memory in any order.  (SDM Vol.
  *                3A 11.3.1 "Buffering of write combining memory locations";
  *                Vol. 1 10.4.6.2 "Caching of temporal vs. non-temporal data";
- *                AMD APM Vol. 2 7.4.2 "Memory barrier interaction with memory
- *                types".)
+ *                AMD APM Vol. 2 "Memory barrier interaction with memory
+ *                types", in chapter 7 "Memory system".)
  *   weak         flush (CLFLUSHOPT) and writeback (CLWB) of a dirty line put
  *   flushes      the whole line in the same queue: other hosts may see the
  *                old contents until the host's next fence.  (SDM Vol. 2
@@ -62,8 +62,8 @@
  *                later stores must not pass it, including stores the model
  *                cannot see (a system call that tells another process).
  *                (SDM Vol. 3A 8.2.3.4 "Loads may be reordered with earlier
- *                stores to different locations"; AMD APM Vol. 1 3.9.2
- *                "Forcing memory order".)
+ *                stores to different locations"; AMD APM Vol. 1 chapter 3,
+ *                "Forcing memory order": loads may pass an SFENCE.)
  *   own order    A host sees its own stores: a fill overlays the host's
  *                queued bytes of the line, and a line is never written back
  *                ahead of its own queued bytes.  (SDM Vol. 3A 8.2.3.5
@@ -78,6 +78,13 @@
  *                never written back: they are the parent's) with its own
  *                random stream; pthread_atfork holds every model's mutex
  *                across fork(), so no child inherits one locked mid-update.
+ *
+ * Limits, all on the lenient side: a load of a line the host neither holds
+ * nor has invalidated since its last MFENCE sees memory as it is at the load
+ * (a real store buffer could still hold the host's earlier stores back from
+ * it); queued bytes drain in 8-byte pieces at the smallest, never torn below
+ * that; and time is counted in this host's operations, so a host that does
+ * nothing keeps its lines as they are.
  *
  * All randomness comes from a seeded xorshift and all timing is counted in
  * operations, never in seconds, so a failing trial replays exactly.

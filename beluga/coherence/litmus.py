@@ -82,6 +82,10 @@ CTRL_OBSERVER, CTRL_WRITER, CTRL_WRITER_B, FLAG, DATA, FLAG_B, SEEN_A, SEEN_B = 
     i * LINE for i in range(8)
 )
 BLOCK_HDR, BLOCK_PAYLOAD = 8 * LINE, 16 * LINE
+# Handshakes of the concurrent patterns, so that a racy window is always hit:
+LOOKS = 12 * LINE  # observer: how many looks it has finished
+WINDOW = 13 * LINE  # observer: the last window it opened and waits in
+WINDOW_DONE = 14 * LINE  # writer: the last window it has written in
 BLOCK_BYTES = 4096
 AREA_BYTES = BLOCK_PAYLOAD + 4 * BLOCK_BYTES
 STOP = 1
@@ -110,8 +114,11 @@ def _judge(ok: bool) -> Seen:
 class Channel:
     """The control lines of one litmus area, seen from one role."""
 
-    def __init__(self, mem: Memory, base: int, timeout: float, pause: float = 0.0005) -> None:
+    def __init__(
+        self, mem: Memory, base: int, timeout: float, pause: float = 0.0005, trials: int = 0
+    ) -> None:
         self.mem, self.base, self.timeout, self.pause = mem, base, timeout, pause
+        self.trials = trials
 
     def post(self, line: int, trial: int, flags: int = 0) -> None:
         write_line(self.mem, self.base + line, _CTRL.pack(trial, flags).ljust(LINE, b"\0"))
@@ -133,6 +140,19 @@ class Channel:
                     f"(control line {line // LINE} at trial {seen}); is the other host running?"
                 )
 
+    def hold_window(self) -> None:
+        """Writer: keep the current state until the observer has made a whole look at it."""
+        start = self.peek(LOOKS)[0]
+        self.wait(LOOKS, start + 2)
+
+    def written_in(self, window: int) -> None:
+        """Observer: open a window and wait until the writer wrote in it (or has finished)."""
+        self.post(WINDOW, window)
+        deadline = time.monotonic() + self.timeout
+        while self.peek(WINDOW_DONE)[0] < window and self.peek(CTRL_WRITER)[0] < self.trials:
+            if time.monotonic() > deadline:
+                raise CoherenceError(f"litmus writer never wrote in window {window}")
+
 
 def _store_word(mem: Memory, off: int, v: int) -> None:
     mem.store(off, _U64.pack(v))
@@ -152,61 +172,61 @@ def _word_line(v: int) -> bytes:
     return _U64.pack(v).ljust(LINE, b"\0")
 
 
-# --- writers: (mem, base, trial, pause) ------------------------------------
+# --- writers: (mem, base, trial, channel) ----------------------------------
 
 
-def _w_no_flush(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_no_flush(mem: Memory, b: int, t: int, ch: Channel) -> None:
     _store_word(mem, b + DATA, value(t))
     mem.sfence()
     write_line(mem, b + FLAG, _word_line(t + 1))
 
 
-def _w_flush(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_flush(mem: Memory, b: int, t: int, ch: Channel) -> None:
     _store_word(mem, b + DATA, value(t))
     mem.flush(b + DATA, 8)
     mem.sfence()
-    time.sleep(pause)
+    time.sleep(ch.pause)
     write_line(mem, b + FLAG, _word_line(t + 1))
 
 
-def _w_nt(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_nt(mem: Memory, b: int, t: int, ch: Channel) -> None:
     mem.nt_store(b + DATA, _U64.pack(value(t)))
     mem.sfence()
     write_line(mem, b + FLAG, _word_line(t + 1))
 
 
-def _w_nt_late(mem: Memory, b: int, t: int, pause: float) -> None:
-    time.sleep(pause)  # the reader gets ahead of the data
-    _w_nt(mem, b, t, pause)
+def _w_nt_late(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    time.sleep(ch.pause)  # the reader gets ahead of the data
+    _w_nt(mem, b, t, ch)
 
 
-def _w_flag_first(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_flag_first(mem: Memory, b: int, t: int, ch: Channel) -> None:
     _store_word(mem, b + DATA, value(t))
     write_line(mem, b + FLAG, _word_line(t + 1))
-    time.sleep(pause)
+    time.sleep(ch.pause)
     mem.flush(b + DATA, 8)
     mem.sfence()
 
 
-def _w_nt_no_fence(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_nt_no_fence(mem: Memory, b: int, t: int, ch: Channel) -> None:
     mem.nt_store(b + DATA, _U64.pack(value(t)))
     mem.nt_store(b + FLAG, _word_line(t + 1))  # no SFENCE between data and flag
-    time.sleep(pause)
+    time.sleep(ch.pause)
     mem.sfence()
 
 
-def _w_flush_no_fence(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_flush_no_fence(mem: Memory, b: int, t: int, ch: Channel) -> None:
     _store_word(mem, b + DATA, value(t))
     mem.flush(b + DATA, 8)
     mem.nt_store(b + FLAG, _word_line(t + 1))  # the flush has not completed: no SFENCE
-    time.sleep(pause)
+    time.sleep(ch.pause)
     mem.sfence()
 
 
-def _half_writer(offset: int, salt: int) -> Callable[[Memory, int, int, float], None]:
-    def write(mem: Memory, b: int, t: int, pause: float) -> None:
+def _half_writer(offset: int, salt: int) -> Callable[[Memory, int, int, Channel], None]:
+    def write(mem: Memory, b: int, t: int, ch: Channel) -> None:
         _store_word(mem, b + offset, value(t, salt))
-        time.sleep(pause)
+        time.sleep(ch.pause)
         mem.flush(b + offset, 8)
         mem.sfence()
 
@@ -215,12 +235,12 @@ def _half_writer(offset: int, salt: int) -> Callable[[Memory, int, int, float], 
 
 def _dekker_host(
     mine: int, theirs: int, seen: int, fence: Callable[[Memory], None]
-) -> Callable[[Memory, int, int, float], None]:
+) -> Callable[[Memory, int, int, Channel], None]:
     """One side of a Dekker handshake: raise my flag, then look at the other's."""
 
-    def write(mem: Memory, b: int, t: int, pause: float) -> None:
+    def write(mem: Memory, b: int, t: int, ch: Channel) -> None:
         write_line(mem, b + mine, _word_line(t + 1))
-        time.sleep(pause)  # let the other host raise its flag meanwhile
+        time.sleep(ch.pause)  # let the other host raise its flag meanwhile
         mem.invalidate(b + theirs, 8)
         fence(mem)
         write_line(mem, b + seen, _word_line(_load_word(mem, b + theirs)))
@@ -307,7 +327,7 @@ def _block_bytes(t: int) -> bytes:
     return random.Random(t).randbytes(random.Random(~t).randrange(1, BLOCK_BYTES))
 
 
-def _w_publish(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_publish(mem: Memory, b: int, t: int, ch: Channel) -> None:
     slot = t % 2  # two blocks, republished in turn while the reader races
     mem.publish(
         b + BLOCK_HDR + slot * LINE,
@@ -378,29 +398,41 @@ def _twin_block(b: int) -> tuple[int, int]:
     return b + BLOCK_HDR, b + BLOCK_PAYLOAD
 
 
-def _w_twins(mem: Memory, b: int, t: int, pause: float) -> None:
-    mem.publish(*_twin_block(b), _TWIN_KEY, t + 1, _twin(t + 1))
+def _w_twins_in_place(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    """The in-place recipe (WRITING, payload, PUBLISHED), each state held for a look."""
+    hdr, payload = _twin_block(b)
+    mem.begin_write(hdr, payload, _TWIN_KEY, t + 1, BLOCK_BYTES)
+    mem.nt_store(payload, _twin(t + 1))
+    mem.sfence()
+    ch.hold_window()
+    mem.seal(hdr, payload, _TWIN_KEY, t + 1, BLOCK_BYTES)
+    ch.hold_window()
 
 
-def _w_twins_paced(mem: Memory, b: int, t: int, pause: float) -> None:
-    _w_twins(mem, b, t, pause)
-    time.sleep(pause)  # about one new version per slowed-down reader's look
-
-
-def _w_twins_header_first(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_twins_header_first(mem: Memory, b: int, t: int, ch: Channel) -> None:
     hdr, payload = _twin_block(b)
     mem.seal(hdr, payload, _TWIN_KEY, t + 1, BLOCK_BYTES)  # PUBLISHED, over the old payload
-    time.sleep(pause)
+    ch.hold_window()
     mem.nt_store(payload, _twin(t + 1))
     mem.sfence()
 
 
-def _w_twins_no_writing(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_twins_no_writing(mem: Memory, b: int, t: int, ch: Channel) -> None:
     hdr, payload = _twin_block(b)
     mem.nt_store(payload, _twin(t + 1))  # over a published payload, with no WRITING first
     mem.sfence()
-    time.sleep(pause)
+    ch.hold_window()
     mem.seal(hdr, payload, _TWIN_KEY, t + 1, BLOCK_BYTES)
+
+
+def _w_twins_in_window(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    """Publish the first version at once, each later one inside a window the reader opened."""
+    if t:
+        ch.wait(WINDOW, ch.peek(WINDOW_DONE)[0] + 1)
+    window = ch.peek(WINDOW)[0]
+    mem.publish(*_twin_block(b), _TWIN_KEY, t + 1, _twin(t + 1))
+    if t:
+        ch.post(WINDOW_DONE, window)
 
 
 def _published(mem: Memory, b: int) -> tuple[bytes, int] | Seen:
@@ -425,14 +457,15 @@ def _o_twins(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
 
 
 def _o_twins_python(recheck: bool) -> Callable[[Memory, int, int, Channel], Seen]:
-    """read_validated spelled out step by step, slowed down, with or without its re-check."""
+    """read_validated spelled out step by step, with or without its re-check."""
 
     def observe(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
         found = _published(mem, b)
         if isinstance(found, Seen):
             return found
         line, version = found
-        time.sleep(ch.pause / 4)  # a reader descheduled between its header check and its copy
+        if t % 2:  # every other look, a new version is published between check and copy
+            ch.written_in(t)
         payload = b + BLOCK_PAYLOAD
         mem.invalidate(payload, BLOCK_BYTES)
         mem.mfence()
@@ -450,10 +483,10 @@ def _o_twins_python(recheck: bool) -> Callable[[Memory, int, int, Channel], Seen
 
 @dataclass(frozen=True)
 class Pattern:
-    writer: Callable[[Memory, int, int, float], None]
+    writer: Callable[[Memory, int, int, Channel], None]
     observer: Callable[[Memory, int, int, Channel], Seen]
     is_bug: bool
-    writer_b: Callable[[Memory, int, int, float], None] | None = None
+    writer_b: Callable[[Memory, int, int, Channel], None] | None = None
     #: writer and observer race freely instead of stepping trial by trial
     concurrent: bool = False
 
@@ -487,7 +520,7 @@ PATTERNS: dict[str, Pattern] = {
     "twins_header_first": Pattern(_w_twins_header_first, _o_twins, True, concurrent=True),
     "twins_no_writing": Pattern(_w_twins_no_writing, _o_twins, True, concurrent=True),
     "twins_no_recheck": Pattern(
-        _w_twins_paced, _o_twins_python(recheck=False), True, concurrent=True
+        _w_twins_in_window, _o_twins_python(recheck=False), True, concurrent=True
     ),
     "flush": Pattern(_w_flush, _o_invalidate, False),
     "invalidate": Pattern(_w_nt, _o_invalidate, False),
@@ -502,8 +535,10 @@ PATTERNS: dict[str, Pattern] = {
         _dekker_host(FLAG_B, FLAG, SEEN_B, _mfence),
     ),
     "publish": Pattern(_w_publish, _o_publish, False, concurrent=True),
-    "crc_twins": Pattern(_w_twins_paced, _o_twins, False, concurrent=True),
-    "twins_recheck": Pattern(_w_twins_paced, _o_twins_python(recheck=True), False, concurrent=True),
+    "crc_twins": Pattern(_w_twins_in_place, _o_twins, False, concurrent=True),
+    "twins_recheck": Pattern(
+        _w_twins_in_window, _o_twins_python(recheck=True), False, concurrent=True
+    ),
 }
 
 
@@ -544,7 +579,7 @@ def run_role(
     if base % LINE or base < 0 or base + AREA_BYTES > mem.size:
         raise ValueError(f"a litmus area needs {AREA_BYTES} line-aligned bytes at {base}")
     p = PATTERNS[pattern]
-    ch = Channel(mem, base, timeout, pause)
+    ch = Channel(mem, base, timeout, pause, trials)
     if role == "observer":
         if p.concurrent:
             return _observe_concurrent(mem, base, pattern, p, ch, trials)
@@ -556,7 +591,7 @@ def run_role(
     for t in range(trials):
         if (t == 0 or not p.concurrent) and ch.wait(CTRL_OBSERVER, t + 1) & STOP:
             return LitmusResult(pattern, t, 0, None)
-        write(mem, base, t, pause)
+        write(mem, base, t, ch)
         if not p.concurrent:
             ch.post(own, t + 1)
         elif t % 64 == 0 and ch.peek(CTRL_OBSERVER)[1] & STOP:
@@ -626,6 +661,7 @@ def _observe_concurrent(
     while True:
         done = ch.peek(CTRL_WRITER)[0] >= trials
         tally.add(p.observer(mem, base, tally.looks, ch))
+        ch.post(LOOKS, tally.looks)
         if done:
             break
         if time.monotonic() > deadline:
