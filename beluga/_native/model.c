@@ -220,12 +220,19 @@ static void queue_write(bl_model *m, bl_mem *mem, uint32_t q, uint64_t mask)
     qline *e = &m->queue[q];
     uint8_t *dst = mem->base + e->line * BL_LINE;
     mask &= e->mask;
-    if (mask == ~0ull)
+    if (mask == ~0ull) {
         memcpy(dst, e->data, BL_LINE);
-    else
-        for (int i = 0; i < (int)BL_LINE; i++)
-            if (mask >> i & 1)
-                dst[i] = e->data[i];
+    } else {
+        for (int piece = 0; piece < (int)BL_LINE; piece += 8) {
+            uint8_t bits = (uint8_t)(mask >> piece);
+            if (bits == 0xff)
+                memcpy(dst + piece, e->data + piece, 8);
+            else
+                for (int i = piece; bits; i++, bits >>= 1)
+                    if (bits & 1)
+                        dst[i] = e->data[i];
+        }
+    }
     e->mask &= ~mask;
     if (!e->mask)
         m->queue[q] = m->queue[--m->queued];
