@@ -85,6 +85,21 @@ def test_a_reader_without_invalidation_would_be_stale_but_protocol_is_not() -> N
     assert bytes(out[:1000]) == b"B" * 1000  # ... the protocol is not
 
 
+def test_a_payload_written_in_place_is_sealed_and_read_whole(
+    hosts: tuple[bytearray, Memory, Memory],
+) -> None:
+    _, w, r = hosts
+    out = bytearray(CAP)
+    data = os.urandom(3000)
+    w.begin_write(HDR, PAYLOAD, KEY, 3, len(data))
+    assert r.read_validated(HDR, PAYLOAD, CAP, KEY, 3, out) == Miss.STATE
+    w.nt_store(PAYLOAD, data[:1000])  # the caller's own stores, in pieces, unfenced
+    w.nt_store(PAYLOAD + 1000, data[1000:])
+    w.seal(HDR, PAYLOAD, KEY, 3, len(data))  # fences them, checksums the pool's bytes
+    assert r.read_validated(HDR, PAYLOAD, CAP, KEY, 3, out) == 3000
+    assert bytes(out[:3000]) == data
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=LINE, max_size=LINE))
 def test_header_parser_rejects_garbage(line: bytes) -> None:

@@ -49,12 +49,24 @@ void bl_flush_lines(const void *addr, size_t n);
 const char *bl_selected(const char *what);
 int bl_cpu_has(const char *feature);
 
-/* model.c: the simulated non-coherent cache. */
-bl_model *bl_model_new(uint32_t cache_lines, double evict_rate, uint64_t seed);
+/* model.c: the simulated non-coherent host; its counters, in model_stats() order. */
+enum {
+    BL_MS_HITS,
+    BL_MS_MISSES,
+    BL_MS_WRITEBACKS,
+    BL_MS_EVICTIONS,
+    BL_MS_DISCARDED,
+    BL_MS_EARLY_DRAINS,
+    BL_MS_REFILLS,
+    BL_MS_DIRTY_DROPPED,
+    BL_MODEL_NSTATS
+};
+bl_model *bl_model_new(uint32_t cache_lines, double evict_rate, double drain_rate,
+                       double refill_rate, uint64_t seed);
 void bl_model_free(bl_model *model);
 const bl_memops *bl_model_ops(void);
 void bl_model_discard(bl_model *model);
-void bl_model_stats(bl_model *model, uint64_t out[5]);
+void bl_model_stats(bl_model *model, uint64_t out[BL_MODEL_NSTATS]);
 
 /* block.c: the block header and the publish / read_validated protocol. */
 #define BL_HDR_MAGIC 0x484b4c42u /* "BLKH" */

@@ -124,17 +124,19 @@ static int wait_idle(MemoryObject *self, double timeout_s)
     return 1;
 }
 
-/* Memory(buffer, mode="native", *, cache_lines=4096, evict_rate=0.0, seed=0) */
+/* Memory(buffer, mode="native", *, cache_lines=4096, evict_rate=0.0, drain_rate=0.25,
+ *        refill_rate=0.5, seed=0): the keywords tune the model (model.c) */
 static int Memory_init(MemoryObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"buffer", "mode", "cache_lines", "evict_rate", "seed", NULL};
+    static char *kwlist[] = {"buffer",      "mode", "cache_lines", "evict_rate", "drain_rate",
+                             "refill_rate", "seed", NULL};
     PyObject *buffer;
     const char *mode = "native";
     unsigned int cache_lines = 4096;
-    double evict_rate = 0.0;
+    double evict_rate = 0.0, drain_rate = 0.25, refill_rate = 0.5;
     unsigned long long seed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|s$IdK", kwlist, &buffer, &mode, &cache_lines,
-                                     &evict_rate, &seed))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|s$IdddK", kwlist, &buffer, &mode, &cache_lines,
+                                     &evict_rate, &drain_rate, &refill_rate, &seed))
         return -1;
     if (self->has_view) {
         fail("Memory is already initialised");
@@ -145,8 +147,11 @@ static int Memory_init(MemoryObject *self, PyObject *args, PyObject *kw)
         PyErr_Format(PyExc_ValueError, "mode must be 'native' or 'model', not '%s'", mode);
         return -1;
     }
-    if (model && (cache_lines < 1 || !(evict_rate >= 0.0 && evict_rate <= 1.0))) {
-        PyErr_SetString(PyExc_ValueError, "model needs cache_lines >= 1 and 0 <= evict_rate <= 1");
+    if (model && (cache_lines < 1 || !(evict_rate >= 0.0 && evict_rate <= 1.0) ||
+                  !(drain_rate >= 0.0 && drain_rate <= 1.0) ||
+                  !(refill_rate >= 0.0 && refill_rate <= 1.0))) {
+        PyErr_SetString(PyExc_ValueError, "model needs cache_lines >= 1 and evict_rate, "
+                                          "drain_rate and refill_rate in [0, 1]");
         return -1;
     }
     if (PyObject_GetBuffer(buffer, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
@@ -155,8 +160,15 @@ static int Memory_init(MemoryObject *self, PyObject *args, PyObject *kw)
     self->mem.base = self->view.buf;
     self->mem.size = (size_t)self->view.len;
     self->mem.ops = model ? bl_model_ops() : bl_native_ops();
+    if (model && self->mem.size % BL_LINE) {
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+        PyErr_Format(PyExc_ValueError, "model mode needs whole %u-byte lines, got %zu bytes",
+                     BL_LINE, self->mem.size);
+        return -1;
+    }
     if (model) {
-        self->mem.model = bl_model_new(cache_lines, evict_rate, seed);
+        self->mem.model = bl_model_new(cache_lines, evict_rate, drain_rate, refill_rate, seed);
         if (!self->mem.model) {
             PyBuffer_Release(&self->view);
             self->has_view = 0;
@@ -818,10 +830,12 @@ static PyObject *Memory_model_stats(MemoryObject *self, PyObject *unused)
         return NULL;
     if (!self->mem.model)
         Py_RETURN_NONE;
-    uint64_t s[5];
+    uint64_t s[BL_MODEL_NSTATS];
     bl_model_stats(self->mem.model, s);
-    return Py_BuildValue("{sKsKsKsKsK}", "hits", s[0], "misses", s[1], "writebacks", s[2],
-                         "evictions", s[3], "discarded", s[4]);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "hits", s[BL_MS_HITS], "misses", s[BL_MS_MISSES],
+                         "writebacks", s[BL_MS_WRITEBACKS], "evictions", s[BL_MS_EVICTIONS],
+                         "discarded", s[BL_MS_DISCARDED], "early_drains", s[BL_MS_EARLY_DRAINS],
+                         "refills", s[BL_MS_REFILLS], "dirty_dropped", s[BL_MS_DIRTY_DROPPED]);
 }
 
 /* mode: "native" or "model". */

@@ -7,14 +7,20 @@ once, when it is attached, and never tested again on a hot path:
     real instructions (CLFLUSHOPT/CLFLUSH, CLWB, non-temporal stores,
     SFENCE/MFENCE), picked once per process from CPUID.
 ``model``
-    a seeded, deterministic, simulated non-coherent cache per attachment in
-    front of the real mapping: stores stay private until flushed, written
-    non-temporally or evicted at random; loads see stale lines until
-    invalidated; lines are written back whole.  Protocol code runs unchanged.
+    a seeded, deterministic, simulated non-coherent host per attachment in
+    front of the real mapping (``beluga/_native/model.c`` states each rule
+    and the hardware behaviour behind it): stores stay private until flushed
+    and fenced; non-temporal stores wait in write-combining buffers and
+    reach memory in any order until a fence; flushes complete at the next
+    fence; loads see stale lines until invalidated *and* MFENCEd, and an
+    invalidated line may come back before that MFENCE; only MFENCE orders
+    loads after earlier stores; eviction spares recently used lines; lines
+    are written back whole.  Protocol code runs unchanged.
 
 The chicken bit ``BELUGA_COHERENCE=native|model`` forces the mode for every
-attach that does not name one; ``BELUGA_MODEL_SEED``, ``BELUGA_MODEL_LINES``
-and ``BELUGA_MODEL_EVICT`` tune the model.
+attach that does not name one; ``BELUGA_MODEL_SEED``, ``BELUGA_MODEL_LINES``,
+``BELUGA_MODEL_EVICT``, ``BELUGA_MODEL_DRAIN`` and ``BELUGA_MODEL_REFILL``
+tune the model.
 
 Memory methods (all offsets are bytes from the start of the mapping; misuse
 raises :class:`~beluga.errors.CoherenceError`):
@@ -51,10 +57,19 @@ MODES = ("native", "model")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Parameters of the simulated non-coherent cache."""
+    """Parameters of the simulated non-coherent host (each rate is a probability).
+
+    ``evict_rate``: per line touched, that a cold line is evicted;
+    ``drain_rate``: per line queued for memory (non-temporal store or
+    write-back), that a random queued line drains before the next fence;
+    ``refill_rate``: per invalidation completed at MFENCE, that the line is
+    speculatively refilled at once.
+    """
 
     cache_lines: int = 4096
     evict_rate: float = 0.002
+    drain_rate: float = 0.25
+    refill_rate: float = 0.5
     seed: int = 0
 
     @classmethod
@@ -64,6 +79,8 @@ class ModelConfig:
         return cls(
             cache_lines=int(env.get("BELUGA_MODEL_LINES", cls.cache_lines)),
             evict_rate=float(env.get("BELUGA_MODEL_EVICT", cls.evict_rate)),
+            drain_rate=float(env.get("BELUGA_MODEL_DRAIN", cls.drain_rate)),
+            refill_rate=float(env.get("BELUGA_MODEL_REFILL", cls.refill_rate)),
             seed=seed if seed is not None else int(env.get("BELUGA_MODEL_SEED", cls.seed)),
         )
 
@@ -86,7 +103,13 @@ def attach(buffer: object, mode: str | None = None, model: ModelConfig | None = 
         return Memory(buffer, "native")
     cfg = model or ModelConfig.from_env()
     return Memory(
-        buffer, "model", cache_lines=cfg.cache_lines, evict_rate=cfg.evict_rate, seed=cfg.seed
+        buffer,
+        "model",
+        cache_lines=cfg.cache_lines,
+        evict_rate=cfg.evict_rate,
+        drain_rate=cfg.drain_rate,
+        refill_rate=cfg.refill_rate,
+        seed=cfg.seed,
     )
 
 

@@ -2,31 +2,58 @@
 
 Each pattern is a writer and an observer running on different hosts (processes
 here; machines in the lab) over a few lines of one pool.  The *buggy* patterns
-each leave out one step of the recipe and must be caught (a stale or lost
-value observed) within a bounded number of trials whenever the hosts are not
-hardware-coherent: always under the ``model`` coherence mode, and on real CXL.
-The *correct* patterns must never be caught.  On one coherent machine in
-``native`` mode nothing is ever caught, which is exactly why CI runs these
-under the model.
+each leave out one step of the recipe and must be caught (a stale, lost or
+foreign value observed) within a bounded number of trials whenever the hosts
+are not hardware-coherent: always under the ``model`` coherence mode, and on
+real CXL.  The *correct* patterns must never be caught.  On one coherent
+machine in ``native`` mode nothing is ever caught, which is exactly why CI runs
+these under the model.
 
-Patterns (``bug`` ones first):
+Patterns (``bug`` ones first), by what the writer and the observer do:
 
 ``no_flush``            writer stores the data and never flushes it
 ``no_invalidate``       reader loads the data without invalidating its copy
 ``flag_before_data``    writer publishes the flag, then flushes the data
 ``shared_line``         two writers each own half of one cache line
+``nt_no_fence``         writer streams data and flag with no SFENCE between
+``flush_no_fence``      writer flushes the data, no SFENCE before the flag
+``poll_no_invalidate``  reader polls the flag with plain loads: a hot line
+                        stays cached, so it never sees the flag
+``invalidate_no_fence`` reader invalidates the data and loads it, no MFENCE
+``invalidate_early``    reader invalidates the data before the flag says it
+                        is there (a speculative refill brings back old data)
+``dekker_no_mfence``    two hosts each raise a flag, then read the other's
+                        with SFENCE where MFENCE belongs: both get in
+``twins_header_first``  block with two payloads of one CRC32C: header
+                        PUBLISHED before the payload is written
+``twins_no_writing``    ... payload rewritten in place without the WRITING header
+``twins_no_recheck``    ... reader does not re-check the header after its copy
 ``flush``               store + flush + fence, then the flag          (correct)
-``invalidate``          reader invalidates before loading             (correct)
+``invalidate``          reader invalidates and MFENCEs before loading (correct)
 ``separate_lines``      two writers, each in its own line             (correct)
+``poll_invalidate``     reader polls with invalidate + MFENCE         (correct)
+``dekker``              raise own flag, MFENCE, read the other's      (correct)
 ``publish``             the block protocol: publish / read_validated  (correct)
+``crc_twins``           the block protocol over two equal-CRC payloads (correct)
+``twins_recheck``       a reader that re-checks the header             (correct)
+
+The equal-CRC ("twins") payloads differ only inside one cache line, so any
+mixture of the two that a reader could copy is one of them and its checksum
+matches: there only the seqlock of the block header stands between a reader
+and another version's bytes.
 
 The harness synchronises trials through control lines, each written by one
 role only, with the correct recipe (``write_line`` / ``read_line``), so the
 harness itself is immune to the bugs it tests for.  Every wait has a timeout.
+An observation says whether it saw a wrong value, a right one, and whether it
+hit the racy window (the writer caught mid-way), so a test can check that the
+window it is about really occurred.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import multiprocessing as mp
 import random
 import struct
@@ -34,18 +61,45 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from beluga.coherence import LINE, Memory, ModelConfig, digest, read_line, write_line
+from beluga.coherence import (
+    LINE,
+    BlockState,
+    Memory,
+    ModelConfig,
+    crc32c,
+    digest,
+    parse_header,
+    read_line,
+    write_line,
+)
 from beluga.errors import CoherenceError
 
 _U64 = struct.Struct("<Q")
 _CTRL = struct.Struct("<QQ")  # trial, flags
 
 # Line offsets inside the litmus area (relative to its base).
-CTRL_OBSERVER, CTRL_WRITER, CTRL_WRITER_B, FLAG, DATA = (i * LINE for i in range(5))
+CTRL_OBSERVER, CTRL_WRITER, CTRL_WRITER_B, FLAG, DATA, FLAG_B, SEEN_A, SEEN_B = (
+    i * LINE for i in range(8)
+)
 BLOCK_HDR, BLOCK_PAYLOAD = 8 * LINE, 16 * LINE
+# Handshakes of the concurrent patterns, so that a racy window is always hit:
+LOOKS = 12 * LINE  # observer: how many looks it has finished
+WINDOW = 13 * LINE  # observer: the last window it opened and waits in
+WINDOW_DONE = 14 * LINE  # writer: the last window it has written in
 BLOCK_BYTES = 4096
 AREA_BYTES = BLOCK_PAYLOAD + 4 * BLOCK_BYTES
 STOP = 1
+#: plain polls of a flag after its writer said it is out, before the reader is judged stale
+POLL_BOUND = 2000
+
+
+class Seen(enum.IntFlag):
+    """What one observation found."""
+
+    NOTHING = 0
+    WRONG = 1  # a stale, lost or foreign value: the violation a bug pattern must show
+    RIGHT = 2  # a value observed and correct
+    RACED = 4  # the writer was caught mid-way (a reader refusing a torn block, two flags crossing)
 
 
 def value(trial: int, salt: int = 0) -> int:
@@ -53,11 +107,18 @@ def value(trial: int, salt: int = 0) -> int:
     return ((trial + 1) * 0x9E3779B97F4A7C15 + salt * 0xC2B2AE3D27D4EB4F) & (2**64 - 1) | 1
 
 
+def _judge(ok: bool) -> Seen:
+    return Seen.RIGHT if ok else Seen.WRONG
+
+
 class Channel:
     """The control lines of one litmus area, seen from one role."""
 
-    def __init__(self, mem: Memory, base: int, timeout: float) -> None:
-        self.mem, self.base, self.timeout = mem, base, timeout
+    def __init__(
+        self, mem: Memory, base: int, timeout: float, pause: float = 0.0005, trials: int = 0
+    ) -> None:
+        self.mem, self.base, self.timeout, self.pause = mem, base, timeout, pause
+        self.trials = trials
 
     def post(self, line: int, trial: int, flags: int = 0) -> None:
         write_line(self.mem, self.base + line, _CTRL.pack(trial, flags).ljust(LINE, b"\0"))
@@ -79,6 +140,19 @@ class Channel:
                     f"(control line {line // LINE} at trial {seen}); is the other host running?"
                 )
 
+    def hold_window(self) -> None:
+        """Writer: keep the current state until the observer has made a whole look at it."""
+        start = self.peek(LOOKS)[0]
+        self.wait(LOOKS, start + 2)
+
+    def written_in(self, window: int) -> None:
+        """Observer: open a window and wait until the writer wrote in it (or has finished)."""
+        self.post(WINDOW, window)
+        deadline = time.monotonic() + self.timeout
+        while self.peek(WINDOW_DONE)[0] < window and self.peek(CTRL_WRITER)[0] < self.trials:
+            if time.monotonic() > deadline:
+                raise CoherenceError(f"litmus writer never wrote in window {window}")
+
 
 def _store_word(mem: Memory, off: int, v: int) -> None:
     mem.store(off, _U64.pack(v))
@@ -94,48 +168,87 @@ def _fresh_word(mem: Memory, off: int) -> int:
     return _load_word(mem, off)
 
 
-# --- writers: (mem, base, trial, pause) ------------------------------------
+def _word_line(v: int) -> bytes:
+    return _U64.pack(v).ljust(LINE, b"\0")
 
 
-def _w_no_flush(mem: Memory, b: int, t: int, pause: float) -> None:
+# --- writers: (mem, base, trial, channel) ----------------------------------
+
+
+def _w_no_flush(mem: Memory, b: int, t: int, ch: Channel) -> None:
     _store_word(mem, b + DATA, value(t))
     mem.sfence()
-    write_line(mem, b + FLAG, _U64.pack(t + 1).ljust(LINE, b"\0"))
+    write_line(mem, b + FLAG, _word_line(t + 1))
 
 
-def _w_flush(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_flush(mem: Memory, b: int, t: int, ch: Channel) -> None:
     _store_word(mem, b + DATA, value(t))
     mem.flush(b + DATA, 8)
     mem.sfence()
-    time.sleep(pause)
-    write_line(mem, b + FLAG, _U64.pack(t + 1).ljust(LINE, b"\0"))
+    time.sleep(ch.pause)
+    write_line(mem, b + FLAG, _word_line(t + 1))
 
 
-def _w_nt(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_nt(mem: Memory, b: int, t: int, ch: Channel) -> None:
     mem.nt_store(b + DATA, _U64.pack(value(t)))
     mem.sfence()
-    write_line(mem, b + FLAG, _U64.pack(t + 1).ljust(LINE, b"\0"))
+    write_line(mem, b + FLAG, _word_line(t + 1))
 
 
-def _w_flag_first(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_nt_late(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    time.sleep(ch.pause)  # the reader gets ahead of the data
+    _w_nt(mem, b, t, ch)
+
+
+def _w_flag_first(mem: Memory, b: int, t: int, ch: Channel) -> None:
     _store_word(mem, b + DATA, value(t))
-    write_line(mem, b + FLAG, _U64.pack(t + 1).ljust(LINE, b"\0"))
-    time.sleep(pause)
+    write_line(mem, b + FLAG, _word_line(t + 1))
+    time.sleep(ch.pause)
     mem.flush(b + DATA, 8)
     mem.sfence()
 
 
-def _half_writer(offset: int, salt: int) -> Callable[[Memory, int, int, float], None]:
-    def write(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_nt_no_fence(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    mem.nt_store(b + DATA, _U64.pack(value(t)))
+    mem.nt_store(b + FLAG, _word_line(t + 1))  # no SFENCE between data and flag
+    time.sleep(ch.pause)
+    mem.sfence()
+
+
+def _w_flush_no_fence(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    _store_word(mem, b + DATA, value(t))
+    mem.flush(b + DATA, 8)
+    mem.nt_store(b + FLAG, _word_line(t + 1))  # the flush has not completed: no SFENCE
+    time.sleep(ch.pause)
+    mem.sfence()
+
+
+def _half_writer(offset: int, salt: int) -> Callable[[Memory, int, int, Channel], None]:
+    def write(mem: Memory, b: int, t: int, ch: Channel) -> None:
         _store_word(mem, b + offset, value(t, salt))
-        time.sleep(pause)
+        time.sleep(ch.pause)
         mem.flush(b + offset, 8)
         mem.sfence()
 
     return write
 
 
-# --- observers: (mem, base, trial, channel) -> violation? ------------------
+def _dekker_host(
+    mine: int, theirs: int, seen: int, fence: Callable[[Memory], None]
+) -> Callable[[Memory, int, int, Channel], None]:
+    """One side of a Dekker handshake: raise my flag, then look at the other's."""
+
+    def write(mem: Memory, b: int, t: int, ch: Channel) -> None:
+        write_line(mem, b + mine, _word_line(t + 1))
+        time.sleep(ch.pause)  # let the other host raise its flag meanwhile
+        mem.invalidate(b + theirs, 8)
+        fence(mem)
+        write_line(mem, b + seen, _word_line(_load_word(mem, b + theirs)))
+
+    return write
+
+
+# --- observers: (mem, base, trial, channel) -> Seen -------------------------
 
 
 def _wait_flag(mem: Memory, b: int, t: int, ch: Channel) -> None:
@@ -145,32 +258,76 @@ def _wait_flag(mem: Memory, b: int, t: int, ch: Channel) -> None:
             raise CoherenceError(f"litmus writer never raised the flag for trial {t}")
 
 
-def _o_invalidate(mem: Memory, b: int, t: int, ch: Channel) -> bool:
+def _o_invalidate(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
     _wait_flag(mem, b, t, ch)
-    return _fresh_word(mem, b + DATA) != value(t)
+    return _judge(_fresh_word(mem, b + DATA) == value(t))
 
 
-def _o_no_invalidate(mem: Memory, b: int, t: int, ch: Channel) -> bool:
+def _o_no_invalidate(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
     _wait_flag(mem, b, t, ch)
-    return _load_word(mem, b + DATA) != value(t)
+    return _judge(_load_word(mem, b + DATA) == value(t))
 
 
-def _line_checker(off_a: int, off_b: int) -> Callable[[Memory, int, int, Channel], bool]:
-    def check(mem: Memory, b: int, t: int, ch: Channel) -> bool:
+def _o_invalidate_no_fence(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
+    _wait_flag(mem, b, t, ch)
+    mem.invalidate(b + DATA, 8)  # no MFENCE: the load may pass the invalidation
+    return _judge(_load_word(mem, b + DATA) == value(t))
+
+
+def _o_invalidate_early(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
+    mem.invalidate(b + DATA, 8)  # before the flag says the data is there
+    mem.mfence()
+    _wait_flag(mem, b, t, ch)
+    return _judge(_load_word(mem, b + DATA) == value(t))
+
+
+def _o_poll(fresh: bool) -> Callable[[Memory, int, int, Channel], Seen]:
+    """Poll the flag; once its writer said it is out, POLL_BOUND more polls must see it."""
+
+    def observe(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
+        deadline = time.monotonic() + ch.timeout
+        polls_since_out: int | None = None
+        while True:
+            line = read_line(mem, b + FLAG) if fresh else mem.load(b + FLAG, LINE)
+            if _U64.unpack_from(line)[0] >= t + 1:
+                return Seen.RIGHT
+            if polls_since_out is not None:
+                polls_since_out += 1
+                if polls_since_out >= POLL_BOUND:
+                    return Seen.WRONG  # stale for as long as it was polled
+            elif ch.peek(CTRL_WRITER)[0] >= t + 1:
+                polls_since_out = 0
+            if time.monotonic() > deadline:
+                raise CoherenceError(f"litmus writer never raised the flag for trial {t}")
+
+    return observe
+
+
+def _line_checker(off_a: int, off_b: int) -> Callable[[Memory, int, int, Channel], Seen]:
+    def check(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
         ch.wait(CTRL_WRITER, t + 1)
         ch.wait(CTRL_WRITER_B, t + 1)
-        return _fresh_word(mem, b + off_a) != value(t, 1) or _fresh_word(mem, b + off_b) != value(
-            t, 2
-        )
+        first = _fresh_word(mem, b + off_a) == value(t, 1)
+        return _judge(first and _fresh_word(mem, b + off_b) == value(t, 2))
 
     return check
+
+
+def _o_dekker(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
+    ch.wait(CTRL_WRITER, t + 1)
+    ch.wait(CTRL_WRITER_B, t + 1)
+    a_saw_b = _fresh_word(mem, b + SEEN_A) >= t + 1
+    b_saw_a = _fresh_word(mem, b + SEEN_B) >= t + 1
+    if not (a_saw_b or b_saw_a):
+        return Seen.WRONG  # both went in
+    return Seen.RIGHT | Seen.RACED if a_saw_b and b_saw_a else Seen.RIGHT
 
 
 def _block_bytes(t: int) -> bytes:
     return random.Random(t).randbytes(random.Random(~t).randrange(1, BLOCK_BYTES))
 
 
-def _w_publish(mem: Memory, b: int, t: int, pause: float) -> None:
+def _w_publish(mem: Memory, b: int, t: int, ch: Channel) -> None:
     slot = t % 2  # two blocks, republished in turn while the reader races
     mem.publish(
         b + BLOCK_HDR + slot * LINE,
@@ -179,13 +336,13 @@ def _w_publish(mem: Memory, b: int, t: int, pause: float) -> None:
         t + 1,
         _block_bytes(t),
     )
-    write_line(mem, b + FLAG, _U64.pack(t + 1).ljust(LINE, b"\0"))
+    write_line(mem, b + FLAG, _word_line(t + 1))
 
 
-def _o_publish(mem: Memory, b: int, t: int, ch: Channel) -> bool | None:
+def _o_publish(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
     latest = _U64.unpack_from(read_line(mem, b + FLAG))[0]
     out = bytearray(BLOCK_BYTES)
-    bad: bool | None = None
+    seen = Seen.NOTHING
     # the newest block, and the older one that the writer is overwriting right now
     for trial in (latest - 1, latest - 2):
         if trial < 0:
@@ -200,19 +357,146 @@ def _o_publish(mem: Memory, b: int, t: int, ch: Channel) -> bool | None:
             out,
         )
         if n >= 0:
-            bad = bool(bad) or bytes(out[:n]) != _block_bytes(trial)
-    return bad
+            seen |= _judge(bytes(out[:n]) == _block_bytes(trial))
+        elif trial == latest - 2:
+            seen |= Seen.RACED
+    return seen
+
+
+# --- twins: one block, two payloads with one CRC32C -------------------------
+
+
+def _crc_twins() -> tuple[bytes, bytes]:
+    """Two BLOCK_BYTES payloads with the same CRC32C that differ in one cache line only.
+
+    Each is a common head, then LINE - 4 bytes of its own followed by the
+    CRC32C of everything before them (little-endian), then a common tail.  A
+    CRC register that has just taken in a message and its own CRC holds a
+    constant, whatever the message, so the common tail ends both at the same
+    checksum.
+    """
+    rng = random.Random(0xB1061A)
+    line = BLOCK_BYTES // LINE // 2
+    head, tail = rng.randbytes(line * LINE), rng.randbytes(BLOCK_BYTES - (line + 1) * LINE)
+
+    def twin() -> bytes:
+        body = head + rng.randbytes(LINE - 4)
+        return body + struct.pack("<I", crc32c(body)) + tail
+
+    return twin(), twin()
+
+
+TWINS = _crc_twins()
+_TWIN_KEY = digest(b"litmus twins")
+
+
+def _twin(version: int) -> bytes:
+    return TWINS[version % 2]
+
+
+def _twin_block(b: int) -> tuple[int, int]:
+    return b + BLOCK_HDR, b + BLOCK_PAYLOAD
+
+
+def _w_twins_in_place(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    """The in-place recipe (WRITING, payload, PUBLISHED), each state held for a look."""
+    hdr, payload = _twin_block(b)
+    mem.begin_write(hdr, payload, _TWIN_KEY, t + 1, BLOCK_BYTES)
+    mem.nt_store(payload, _twin(t + 1))
+    mem.sfence()
+    ch.hold_window()
+    mem.seal(hdr, payload, _TWIN_KEY, t + 1, BLOCK_BYTES)
+    ch.hold_window()
+
+
+def _w_twins_header_first(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    hdr, payload = _twin_block(b)
+    mem.seal(hdr, payload, _TWIN_KEY, t + 1, BLOCK_BYTES)  # PUBLISHED, over the old payload
+    ch.hold_window()
+    mem.nt_store(payload, _twin(t + 1))
+    mem.sfence()
+
+
+def _w_twins_no_writing(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    hdr, payload = _twin_block(b)
+    mem.nt_store(payload, _twin(t + 1))  # over a published payload, with no WRITING first
+    mem.sfence()
+    ch.hold_window()
+    mem.seal(hdr, payload, _TWIN_KEY, t + 1, BLOCK_BYTES)
+
+
+def _w_twins_in_window(mem: Memory, b: int, t: int, ch: Channel) -> None:
+    """Publish the first version at once, each later one inside a window the reader opened."""
+    if t:
+        ch.wait(WINDOW, ch.peek(WINDOW_DONE)[0] + 1)
+    window = ch.peek(WINDOW)[0]
+    mem.publish(*_twin_block(b), _TWIN_KEY, t + 1, _twin(t + 1))
+    if t:
+        ch.post(WINDOW_DONE, window)
+
+
+def _published(mem: Memory, b: int) -> tuple[bytes, int] | Seen:
+    """The header line and version of the published twin block, or what was seen instead."""
+    line = read_line(mem, b + BLOCK_HDR)
+    h = parse_header(line)
+    if h is not None and h.state == BlockState.PUBLISHED and h.length == BLOCK_BYTES:
+        return line, h.version
+    return Seen.NOTHING if line == bytes(LINE) else Seen.RACED  # not yet written / mid-write
+
+
+def _o_twins(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
+    found = _published(mem, b)
+    if isinstance(found, Seen):
+        return found
+    version = found[1]
+    out = bytearray(BLOCK_BYTES)
+    n = mem.read_validated(*_twin_block(b), BLOCK_BYTES, _TWIN_KEY, version, out)
+    if n < 0:
+        return Seen.RACED
+    return _judge(bytes(out[:n]) == _twin(version))
+
+
+def _o_twins_python(recheck: bool) -> Callable[[Memory, int, int, Channel], Seen]:
+    """read_validated spelled out step by step, with or without its re-check."""
+
+    def observe(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
+        found = _published(mem, b)
+        if isinstance(found, Seen):
+            return found
+        line, version = found
+        if t % 2:  # every other look, a new version is published between check and copy
+            ch.written_in(t)
+        payload = b + BLOCK_PAYLOAD
+        mem.invalidate(payload, BLOCK_BYTES)
+        mem.mfence()
+        data = mem.load(payload, BLOCK_BYTES)
+        h = parse_header(line)
+        assert h is not None
+        if crc32c(data) != h.payload_crc:
+            return Seen.RACED
+        if recheck and read_line(mem, b + BLOCK_HDR) != line:
+            return Seen.RACED
+        return _judge(data == _twin(version))
+
+    return observe
 
 
 @dataclass(frozen=True)
 class Pattern:
-    writer: Callable[[Memory, int, int, float], None]
-    #: True: a violation; False: a value observed and correct; None: nothing to judge
-    observer: Callable[[Memory, int, int, Channel], bool | None]
+    writer: Callable[[Memory, int, int, Channel], None]
+    observer: Callable[[Memory, int, int, Channel], Seen]
     is_bug: bool
-    writer_b: Callable[[Memory, int, int, float], None] | None = None
+    writer_b: Callable[[Memory, int, int, Channel], None] | None = None
     #: writer and observer race freely instead of stepping trial by trial
     concurrent: bool = False
+
+
+def _sfence(mem: Memory) -> None:
+    mem.sfence()
+
+
+def _mfence(mem: Memory) -> None:
+    mem.mfence()
 
 
 PATTERNS: dict[str, Pattern] = {
@@ -222,12 +506,39 @@ PATTERNS: dict[str, Pattern] = {
     "shared_line": Pattern(
         _half_writer(DATA, 1), _line_checker(DATA, DATA + 8), True, _half_writer(DATA + 8, 2)
     ),
+    "nt_no_fence": Pattern(_w_nt_no_fence, _o_invalidate, True),
+    "flush_no_fence": Pattern(_w_flush_no_fence, _o_invalidate, True),
+    "poll_no_invalidate": Pattern(_w_nt_late, _o_poll(fresh=False), True),
+    "invalidate_no_fence": Pattern(_w_nt, _o_invalidate_no_fence, True),
+    "invalidate_early": Pattern(_w_nt_late, _o_invalidate_early, True),
+    "dekker_no_mfence": Pattern(
+        _dekker_host(FLAG, FLAG_B, SEEN_A, _sfence),
+        _o_dekker,
+        True,
+        _dekker_host(FLAG_B, FLAG, SEEN_B, _sfence),
+    ),
+    "twins_header_first": Pattern(_w_twins_header_first, _o_twins, True, concurrent=True),
+    "twins_no_writing": Pattern(_w_twins_no_writing, _o_twins, True, concurrent=True),
+    "twins_no_recheck": Pattern(
+        _w_twins_in_window, _o_twins_python(recheck=False), True, concurrent=True
+    ),
     "flush": Pattern(_w_flush, _o_invalidate, False),
     "invalidate": Pattern(_w_nt, _o_invalidate, False),
     "separate_lines": Pattern(
         _half_writer(DATA, 1), _line_checker(DATA, DATA + LINE), False, _half_writer(DATA + LINE, 2)
     ),
+    "poll_invalidate": Pattern(_w_nt_late, _o_poll(fresh=True), False),
+    "dekker": Pattern(
+        _dekker_host(FLAG, FLAG_B, SEEN_A, _mfence),
+        _o_dekker,
+        False,
+        _dekker_host(FLAG_B, FLAG, SEEN_B, _mfence),
+    ),
     "publish": Pattern(_w_publish, _o_publish, False, concurrent=True),
+    "crc_twins": Pattern(_w_twins_in_place, _o_twins, False, concurrent=True),
+    "twins_recheck": Pattern(
+        _w_twins_in_window, _o_twins_python(recheck=True), False, concurrent=True
+    ),
 }
 
 
@@ -238,6 +549,7 @@ class LitmusResult:
     violations: int
     first_violation: int | None
     confirmed: int = 0  # observations that saw a value and found it right
+    raced: int = 0  # observations that caught the writer mid-way (the racy window occurred)
 
     @property
     def caught(self) -> bool:
@@ -257,20 +569,21 @@ def run_role(
 ) -> LitmusResult:
     """Play one role ("writer", "writer_b" or "observer") of a pattern on this host.
 
-    The observer paces the trials (or, for a concurrent pattern, observes
-    until the writer is done) and reports the violations it saw; writers
-    return a result with zero violations.
+    The observer paces the trials, stopping at the first violation when
+    ``stop_on_violation`` (or, for a concurrent pattern, observes until the
+    writer is done) and reports what it saw; writers return a result with
+    zero violations.
     """
     if pattern not in PATTERNS:
         raise ValueError(f"unknown litmus pattern {pattern!r}; choose from {sorted(PATTERNS)}")
     if base % LINE or base < 0 or base + AREA_BYTES > mem.size:
         raise ValueError(f"a litmus area needs {AREA_BYTES} line-aligned bytes at {base}")
     p = PATTERNS[pattern]
-    ch = Channel(mem, base, timeout)
+    ch = Channel(mem, base, timeout, pause, trials)
     if role == "observer":
-        return (_observe_concurrent if p.concurrent else _observe_stepped)(
-            mem, base, pattern, p, ch, trials, stop_on_violation
-        )
+        if p.concurrent:
+            return _observe_concurrent(mem, base, pattern, p, ch, trials)
+        return _observe_stepped(mem, base, pattern, p, ch, trials, stop_on_violation)
     write = {"writer": p.writer, "writer_b": p.writer_b}.get(role)
     if write is None:
         raise ValueError(f"pattern {pattern!r} has no role {role!r}")
@@ -278,13 +591,37 @@ def run_role(
     for t in range(trials):
         if (t == 0 or not p.concurrent) and ch.wait(CTRL_OBSERVER, t + 1) & STOP:
             return LitmusResult(pattern, t, 0, None)
-        write(mem, base, t, pause)
+        write(mem, base, t, ch)
         if not p.concurrent:
             ch.post(own, t + 1)
         elif t % 64 == 0 and ch.peek(CTRL_OBSERVER)[1] & STOP:
             return LitmusResult(pattern, t, 0, None)
     ch.post(own, trials)
     return LitmusResult(pattern, trials, 0, None)
+
+
+class _Tally:
+    """Counts observations as a LitmusResult."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern, self.looks, self.violations, self.confirmed, self.raced = pattern, 0, 0, 0, 0
+        self.first: int | None = None
+
+    def add(self, seen: Seen) -> bool:
+        """Count one observation; True when it was a violation."""
+        self.confirmed += bool(seen & Seen.RIGHT)
+        self.raced += bool(seen & Seen.RACED)
+        wrong = bool(seen & Seen.WRONG)
+        if wrong:
+            self.violations += 1
+            self.first = self.looks if self.first is None else self.first
+        self.looks += 1
+        return wrong
+
+    def result(self) -> LitmusResult:
+        return LitmusResult(
+            self.pattern, self.looks, self.violations, self.first, self.confirmed, self.raced
+        )
 
 
 def _observe_stepped(
@@ -296,22 +633,17 @@ def _observe_stepped(
     trials: int,
     stop_on_violation: bool,
 ) -> LitmusResult:
-    violations, first, confirmed = 0, None, 0
+    tally = _Tally(pattern)
     for t in range(trials):
         ch.post(CTRL_OBSERVER, t + 1)
-        verdict = p.observer(mem, base, t, ch)
-        confirmed += verdict is False
-        if verdict:
-            violations += 1
-            first = t if first is None else first
-            if stop_on_violation:
-                ch.post(CTRL_OBSERVER, t + 1, STOP)
-                return LitmusResult(pattern, t + 1, violations, first, confirmed)
+        if tally.add(p.observer(mem, base, t, ch)) and stop_on_violation:
+            ch.post(CTRL_OBSERVER, t + 1, STOP)
+            return tally.result()
         ch.wait(CTRL_WRITER, t + 1)
         if p.writer_b is not None:
             ch.wait(CTRL_WRITER_B, t + 1)
     ch.post(CTRL_OBSERVER, trials, STOP)
-    return LitmusResult(pattern, trials, violations, first, confirmed)
+    return tally.result()
 
 
 def _observe_concurrent(
@@ -321,27 +653,21 @@ def _observe_concurrent(
     p: Pattern,
     ch: Channel,
     trials: int,
-    stop_on_violation: bool,
 ) -> LitmusResult:
-    violations, first, looks, confirmed = 0, None, 0, 0
+    """Observe for the writer's whole run (so it always writes its trials), then once more."""
+    tally = _Tally(pattern)
     ch.post(CTRL_OBSERVER, 1)
     deadline = time.monotonic() + ch.timeout
     while True:
         done = ch.peek(CTRL_WRITER)[0] >= trials
-        verdict = p.observer(mem, base, looks, ch)
-        confirmed += verdict is False
-        if verdict:
-            violations += 1
-            first = looks if first is None else first
-            if stop_on_violation:
-                break
-        looks += 1
+        tally.add(p.observer(mem, base, tally.looks, ch))
+        ch.post(LOOKS, tally.looks)
         if done:
             break
         if time.monotonic() > deadline:
             raise CoherenceError(f"litmus writer of {pattern!r} did not finish in {ch.timeout} s")
     ch.post(CTRL_OBSERVER, 1, STOP)
-    return LitmusResult(pattern, looks, violations, first, confirmed)
+    return tally.result()
 
 
 def reset_area(mem: Memory, base: int) -> None:
@@ -357,7 +683,7 @@ def _role_process(
     role: str,
     trials: int,
     mode: str,
-    seed: int,
+    model: ModelConfig,
     pause: float,
     timeout: float,
     out: mp.Queue,
@@ -365,7 +691,7 @@ def _role_process(
     from beluga.pool import Pool
 
     try:
-        with Pool.attach(spec, coherence=mode, model=ModelConfig.from_env(seed)) as pool:
+        with Pool.attach(spec, coherence=mode, model=model) as pool:
             out.put(
                 (
                     role,
@@ -386,10 +712,16 @@ def run_local(
     *,
     mode: str = "model",
     seed: int = 1,
+    model: ModelConfig | None = None,
     pause: float = 0.0005,
     timeout: float = 60.0,
 ) -> LitmusResult:
-    """Run a pattern with each role in its own process (its own emulated host)."""
+    """Run a pattern with each role in its own process (its own emulated host).
+
+    Each role's model is ``model`` (default: from the environment) with a
+    seed of its own derived from ``seed``.
+    """
+    base_model = model or ModelConfig.from_env()
     from beluga.pool import Pool
 
     with Pool.attach(spec, coherence="native") as pool:
@@ -402,7 +734,18 @@ def run_local(
         ctx.Process(
             target=_role_process,
             daemon=True,
-            args=(spec, base, pattern, role, trials, mode, seed * 7 + i, pause, timeout, out),
+            args=(
+                spec,
+                base,
+                pattern,
+                role,
+                trials,
+                mode,
+                dataclasses.replace(base_model, seed=seed * 7 + i),
+                pause,
+                timeout,
+                out,
+            ),
         )
         for i, role in enumerate(roles)
     ]
