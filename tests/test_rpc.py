@@ -155,26 +155,29 @@ def test_no_server_is_a_clear_error(pool: Pool) -> None:
 
 
 def test_server_stop_and_death_are_detected(pool: Pool) -> None:
+    """A call fails once its server has been gone for the restart grace, not at its timeout."""
     with rpc_server(pool.spec) as (proc, _):
-        c = RpcClient(pool)
+        c = RpcClient(pool, restart_grace_s=0.3)
         assert add(c, 1, 1) == 2
     with pytest.raises(RpcError, match="stopped"):
-        c.call(1, b"x", timeout=5)
+        c.call(1, b"x", timeout=60)
     c.close()
     with rpc_server(pool.spec) as (proc, _):
-        c = RpcClient(pool)
+        c = RpcClient(pool, restart_grace_s=0.3)
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
         with pytest.raises(RpcError, match="died"):
-            c.call(1, b"x", timeout=5)
+            c.call(1, b"x", timeout=60)
         with pytest.raises(RpcError, match="unusable"):
             c.call(1, b"x")
         c.close()
 
 
 def test_restarted_server_serves_the_request_in_flight(pool: Pool) -> None:
+    """A call waiting while its server is dead is served by the next server, however
+    long that takes to start within the client's restart grace."""
     with rpc_server(pool.spec) as (proc, _):
-        c = RpcClient(pool)
+        c = RpcClient(pool, restart_grace_s=60)
         assert add(c, 1, 2) == 3
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)

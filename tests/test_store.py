@@ -218,8 +218,10 @@ def _reader(spec: str, mode: str, prefixes: list[str], n: int, seconds: float, o
         rng = random.Random(os.getpid())
         hits = misses = 0
         with KVStore(spec, coherence=mode) as s:
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
+            # at least `seconds` of racing, and enough hits to mean something (a busy
+            # machine reads slower): the hard deadline only bounds a broken run
+            end, hard = time.monotonic() + seconds, time.monotonic() + 120
+            while time.monotonic() < end or (hits < 100 and time.monotonic() < hard):
                 keys = [f"{rng.choice(prefixes)}{rng.randrange(n)}" for _ in range(8)]
                 for key, got in zip(keys, s.get_batch(keys), strict=True):
                     if got is None:

@@ -34,6 +34,7 @@ from beluga.rpc.protocol import (
 )
 
 SLICE_S = 0.05  # how often a waiting call looks at the server's health
+RESTART_GRACE_S = 3.0  # how long a call waits for a new server once its server is gone
 
 # Bumped in every forked child: a client remembers the value it was made under,
 # so a child notices an inherited client with one integer comparison per call.
@@ -61,12 +62,16 @@ class RpcClient:
         timeout: float = 30.0,
         heartbeat_s: float = 1.0,
         stale_s: float = DEFAULT_STALE_S,
+        restart_grace_s: float = RESTART_GRACE_S,
     ) -> None:
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"depth must be 1..{MAX_DEPTH}, not {depth}")
+        if restart_grace_s < 0:
+            raise ValueError(f"restart_grace_s must be >= 0, not {restart_grace_s}")
         self.pool = pool
         self.timeout = timeout
         self.stale_s = stale_s
+        self.restart_grace_s = restart_grace_s
         self._broken: str | None = None
         self._lock = threading.Lock()
         self._fork_generation = _fork_generation
@@ -130,21 +135,22 @@ class RpcClient:
                 )
             time.sleep(0.001)
 
-    def _check_server(self) -> None:
-        """Raise if the server is gone; follow it transparently if it restarted."""
+    def _server_gone(self) -> str | None:
+        """Why the server cannot answer (stopped, died), or None; follows a restarted one."""
         st = self._status()
         if st is None or st.epoch == 0:
-            raise RpcError(
+            return (
                 f"the Beluga server of {self.pool.spec} stopped; start it again "
                 "with 'beluga serve' and reconnect"
             )
+        if st.epoch != self.server.epoch and st.acked_gen == self.entry.generation:
+            self._follow(st)  # a new server adopted our ring and serves what is in flight
         if not self._alive(st):
-            raise RpcError(
+            return (
                 f"the Beluga server (pid {st.pid}) of {self.pool.spec} died; "
                 "restart it with 'beluga serve'"
             )
-        if st.epoch != self.server.epoch and st.acked_gen == self.entry.generation:
-            self._follow(st)  # a new server adopted our ring and serves what is in flight
+        return None
 
     # -- calls ---------------------------------------------------------------
 
@@ -166,16 +172,23 @@ class RpcClient:
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         out: list[tuple[int, bytes]] = []
+        gone_since: float | None = None
         while len(out) < n:
             out += self.ring.complete(n - len(out), SLICE_S)
             if len(out) == n:
                 break
-            try:
-                self._check_server()
-            except RpcError as e:
-                self._broken = str(e)
-                raise
-            if time.monotonic() > deadline:
+            # A server that is gone may be restarting: a new one adopts the ring and
+            # serves what is in flight.  Wait for that a bounded grace, then give up.
+            gone = self._server_gone()
+            now = time.monotonic()
+            if gone is None:
+                gone_since = None
+            elif gone_since is None:
+                gone_since = now
+            if gone is not None and (now - gone_since >= self.restart_grace_s or now > deadline):
+                self._broken = gone
+                raise RpcError(gone)
+            if now > deadline:
                 self._broken = f"no answer within {limit} s"
                 raise RpcError(
                     f"the server did not answer within {limit} s; "
