@@ -52,7 +52,6 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from beluga.errors import CapacityError
-from beluga.integrations._blocks import read_blocks
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
 from beluga.transfer import host_bytes
@@ -311,7 +310,7 @@ class BelugaBackend(StoragePluginInterface):
         headers = np.zeros(len(wanted) * _HEADER.size, dtype=np.uint8)
         chosen = [refs[j] for j in wanted]
         table = _table(chosen, [p.size for p in payloads])
-        valid = read_blocks(store, chosen, [headers, *payloads], table)
+        valid = store.read_blocks(chosen, [headers, *payloads], table)
         for n, j in enumerate(wanted):
             if not valid[n] or _header_at(headers, n) != _header_at(peeked, j):
                 objs[j].ref_count_down()  # type: ignore[union-attr]

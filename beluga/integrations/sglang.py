@@ -40,7 +40,6 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from beluga.errors import CapacityError
-from beluga.integrations._blocks import read_blocks
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.kv import KVNamespace, KVStore, ModelIdentity, resolve_model
 from beluga.kv.store import as_buffer
@@ -230,7 +229,7 @@ class BelugaHiCacheStorage(HiCacheStorage):
                 buffers, table = self._table(
                     [pages[i] for i, _ in found], [r.payload_offset for _, r in found]
                 )
-                valid = read_blocks(store, [r for _, r in found], buffers, table)
+                valid = store.read_blocks([r for _, r in found], buffers, table)
                 for (i, _), good in zip(found, valid, strict=True):
                     ok[i] = good
         except UNAVAILABLE as e:

@@ -70,7 +70,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from beluga.errors import CapacityError, KVLayoutError
-from beluga.integrations._blocks import read_blocks
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
 from beluga.transfer import KVLayout, KVSpec, block_moves
@@ -459,7 +458,7 @@ class BelugaConnector(KVConnectorBase_V1):
             store.mem, layout, engine, offsets, block_bytes=nbytes, write=False
         )
         # the store checks each block's header and the checksum of what was copied
-        valid = np.array(read_blocks(store, refs, buffers, table), dtype=bool)
+        valid = np.array(store.read_blocks(refs, buffers, table), dtype=bool)
         _COUNTERS["load_bytes"] += int(valid.sum()) * nbytes
         return valid
 

@@ -1,8 +1,8 @@
-"""The integrations' validated read when a batch names one pool block more than once.
+"""The store's validated read when a batch names one pool block more than once.
 
-Two vLLM requests of one step can load one pool block into two engine blocks;
-the store reads each block once per call, so the integrations hand it each
-block once with every row, and every copy is still checked.
+Two vLLM requests of one step can load one pool block into two engine blocks:
+``KVStore.read_blocks`` validates each block once for all its rows, and every
+copy is still checked.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from beluga.errors import CoherenceError
-from beluga.integrations._blocks import read_blocks
 from beluga.kv import BlockRef, KVStore, MetadataServer
 from beluga.pool import Geometry, Pool
 
@@ -55,9 +53,7 @@ def test_a_block_named_twice_is_read_into_both_places(store: KVStore) -> None:
     ra, rb = store.locate([b"a", b"b"])
     refs = [ra, rb, ra]
     out = np.zeros(3 * SIZE, dtype=np.uint8)
-    with pytest.raises(CoherenceError, match="overlap"):  # what the store alone says
-        store.read_blocks(refs, [out], rows(refs))
-    assert read_blocks(store, refs, [out], rows(refs)) == [True, True, True]
+    assert store.read_blocks(refs, [out], rows(refs)) == [True, True, True]
     assert out.tobytes() == a + b + a
 
 
@@ -66,7 +62,7 @@ def test_another_version_of_a_block_named_twice_is_a_miss(store: KVStore) -> Non
     (ra,) = store.locate([b"a"])
     stale = dataclasses.replace(ra, version=ra.version + 1)  # as if located at another time
     out = np.zeros(2 * SIZE, dtype=np.uint8)
-    assert read_blocks(store, [ra, stale], [out], rows([ra, stale])) == [True, False]
+    assert store.read_blocks([ra, stale], [out], rows([ra, stale])) == [True, False]
     assert out[:SIZE].tobytes() == a
 
 
@@ -80,4 +76,4 @@ def test_a_corrupted_block_named_twice_is_a_miss_in_both_places(store: KVStore) 
         hostile.memory.sfence()
     refs = [ra, rb, ra]
     out = np.zeros(3 * SIZE, dtype=np.uint8)
-    assert read_blocks(store, refs, [out], rows(refs)) == [False, True, False]
+    assert store.read_blocks(refs, [out], rows(refs)) == [False, True, False]
