@@ -76,7 +76,7 @@ quiet() {
 # any line of this file rebuilds it from nothing, and a half-finished install has no
 # stamp.  So the venvs can live outside the checkout and outlive it (CI reuses them).
 SCRIPT_HASH=$(sha256sum "$0" | cut -c1-16)
-BASE_PYTHON=$("$PYTHON" -c 'import sys; print(getattr(sys, "_base_executable", sys.executable), sys.version.split()[0])')
+BASE_PYTHON=$("$PYTHON" -c 'import os, sys; print(os.path.realpath(getattr(sys, "_base_executable", sys.executable)), sys.version.split()[0])')
 stamp_of() {  # NAME
   local pins
   case $1 in
