@@ -45,7 +45,9 @@
  *   invalidation host's next MFENCE, so loads before it may hit the old copy,
  *                as a load that passes a CLFLUSHOPT does.  A store to such a
  *                line completes the flush first.  At most DOOM_LINES wait;
- *                beyond that an invalidation completes at once.
+ *                beyond that the oldest completes to make room (a host that
+ *                never fences still has its old flushes done, its latest
+ *                ones in flight).
  *   speculative  When an invalidation completes, the line may come straight
  *   refill       back (probability refill_rate) with the memory contents of
  *                that moment, as prefetchers and speculative loads bring
@@ -422,10 +424,13 @@ static void doom(bl_model *m, bl_mem *mem, uint64_t line)
     int64_t s = find(m, line);
     if (s >= 0 && m->lines[s].doomed)
         return;
-    if (m->ndoomed == DOOM_LINES) { /* too many in flight: this one completes at once */
-        if (s >= 0)
-            drop(m, mem, (uint32_t)s, 1);
-        return;
+    if (m->ndoomed == DOOM_LINES) { /* too many in flight: the oldest completes */
+        int64_t old = find(m, m->doomed[0]);
+        if (old >= 0 && m->lines[old].doomed)
+            drop(m, mem, (uint32_t)old, 1);
+        memmove(m->doomed, m->doomed + 1, (DOOM_LINES - 1) * sizeof(m->doomed[0]));
+        m->ndoomed--;
+        s = find(m, line); /* the drop may have moved this line's slot */
     }
     if (s >= 0)
         m->lines[s].doomed = 1;
