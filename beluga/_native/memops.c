@@ -452,14 +452,14 @@ static const bl_memops native_ops = {
 /* The table of real instructions. */
 const bl_memops *bl_native_ops(void) { return &native_ops; }
 
-/* Append a problem (NUL-terminated) to out; returns the new count. */
+/* Append a problem (NUL-terminated) to out if it fits; returns the new count. */
 static int problem(char *out, size_t cap, size_t *used, int count, const char *text)
 {
     size_t n = strlen(text) + 1;
-    if (*used + n <= cap) {
-        memcpy(out + *used, text, n);
-        *used += n;
-    }
+    if (*used + n > cap)
+        return count;
+    memcpy(out + *used, text, n);
+    *used += n;
     return count + 1;
 }
 
@@ -504,9 +504,9 @@ int bl_memops_selfcheck(char *out, size_t cap)
     flush_fn = flush_watched, writeback_fn = writeback_watched;
     static const size_t offsets[] = {0, 1, 5, 16, 37, 63}, lengths[] = {1, 15, 64, 100, 300, 777};
     char text[160];
-    for (int c = 0; c < ncopies; c++)
-        for (size_t i = 0; i < sizeof(offsets) / sizeof(offsets[0]); i++)
-            for (size_t j = 0; j < sizeof(lengths) / sizeof(lengths[0]); j++) {
+    for (int c = 0, bad = 0; c < ncopies; c++, bad = 0) /* one problem per copy at most */
+        for (size_t i = 0; i < sizeof(offsets) / sizeof(offsets[0]) && !bad; i++)
+            for (size_t j = 0; j < sizeof(lengths) / sizeof(lengths[0]) && !bad; j++) {
                 uint8_t *d = area + offsets[i];
                 size_t n = lengths[j], g = copies[c].granule;
                 uintptr_t lo = (uintptr_t)d, hi = lo + n;
@@ -518,6 +518,7 @@ int bl_memops_selfcheck(char *out, size_t cap)
                 watching = 0;
                 fence_store();
                 if (!flushed(lo, body_lo) || !flushed(body_hi, hi)) {
+                    bad = 1;
                     snprintf(text, sizeof(text),
                              "the %s non-temporal copy of %zu bytes at offset %zu leaves plain "
                              "stores of its head or tail unflushed",
