@@ -423,6 +423,6 @@ class MetadataService:
         for block in np.flatnonzero(committed).tolist():  # commit words of nothing indexed
             if block not in indexed:
                 self._set_commit(block, 0)
-        self.mem.sfence()
+        self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
         self.counters["recovered_keys"] = len(self.index)
         self.counters["recovered_writes"] = len(self.pending)

@@ -143,6 +143,8 @@ class Pool:
         memory = None
         try:
             memory = attach(mapping.buffer, mode, model)
+            # needed on hardware (a CPU cache outlives the process that filled it), but no
+            # sabotage point: a new attachment's model starts empty, so it can show no stale line
             memory.invalidate(0, SUPERBLOCK_BYTES)
             memory.mfence()
             sb = unpack(memory.load(0, SUPERBLOCK_BYTES), mapping.size, backend.spec)
