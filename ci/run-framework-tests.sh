@@ -10,7 +10,7 @@
 # any venv's tests fail.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VENVS=${BELUGA_FRAMEWORK_VENVS:-$ROOT/.venvs}
+VENVS=${BELUGA_FRAMEWORK_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/beluga/framework-venvs}
 cd "$ROOT"
 
 declare -A TESTS=(

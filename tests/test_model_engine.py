@@ -16,7 +16,7 @@ import torch
 from beluga.coherence import Memory, attach
 from beluga.errors import KVLayoutError
 from beluga.serving.model import QWEN2_7B, ModelEngine, ModelShape
-from beluga.transfer import BlockFormat
+from beluga.transfer import BlockFormat, gather_write, scatter_read
 
 TOLERANCE = 1e-4
 PROMPT_TOKENS = 75  # four full blocks and a partial one
@@ -47,6 +47,22 @@ def hosts(
     reader.release()
 
 
+def save_blocks(
+    engine: ModelEngine, mem: Memory, kv: object, offsets: list[int], *, first: int = 0, stride: int
+) -> None:
+    """The raw move of a prefill's blocks ``first ..`` to pool offsets (no store here)."""
+    blocks = np.arange(first, first + len(offsets))
+    gather_write(mem, engine.kv_layout(kv), blocks, offsets, block_bytes=stride)
+
+
+def load_prefix(engine: ModelEngine, mem: Memory, offsets: list[int], *, stride: int) -> object:
+    """A fresh prefix of whole blocks read raw from pool offsets."""
+    prefix = engine.empty_prefix(len(offsets))
+    blocks = np.arange(len(offsets))
+    scatter_read(mem, engine.kv_layout(prefix), blocks, offsets, block_bytes=stride)
+    return prefix
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
@@ -63,11 +79,11 @@ def test_cached_prefix_logits_equal_full_recomputation(
     assert full.num_full_blocks == 4
     offsets = [stride * s for s in (6, 1, 4, 0)]
     reader.load(0, len(pool))  # stale lines: only an invalidating read sees the blocks
-    a.save_blocks(writer, full.kv, offsets, block_bytes=stride)
+    save_blocks(a, writer, full.kv, offsets, stride=stride)
     reference = b.prefill(tokens)  # host B's own full recomputation
     for blocks in (1, 2, 3, 4):
         cached = blocks * 16
-        prefix = b.load_prefix(reader, offsets[:blocks], block_bytes=stride)
+        prefix = load_prefix(b, reader, offsets[:blocks], stride=stride)
         for (pk, pv), (fk, fv) in zip(prefix, full.kv, strict=True):
             assert torch.equal(pk, fk[:, :, :cached]) and torch.equal(pv, fv[:, :, :cached])
         out = b.prefill(tokens, prefix)
@@ -87,8 +103,8 @@ def test_a_shared_prefix_serves_a_different_continuation(
     second = first[:48] + prompt(3, 30)
     saved = a.prefill(first)
     offsets = [stride * s for s in (3, 5, 2)]
-    a.save_blocks(writer, saved.kv, offsets, block_bytes=stride)
-    out = b.prefill(second, b.load_prefix(reader, offsets, block_bytes=stride))
+    save_blocks(a, writer, saved.kv, offsets, stride=stride)
+    out = b.prefill(second, load_prefix(b, reader, offsets, stride=stride))
     assert max_diff(out.logits, b.prefill(second).logits[48:]) <= TOLERANCE
 
 
@@ -100,9 +116,9 @@ def test_blocks_saved_from_later_in_the_prompt_land_where_asked(
     stride = slot_bytes(a)
     tokens = prompt(4)
     full = a.prefill(tokens)
-    a.save_blocks(writer, full.kv, [0, stride], block_bytes=stride)
-    a.save_blocks(writer, full.kv, [2 * stride], first_block=2, block_bytes=stride)
-    out = b.prefill(tokens, b.load_prefix(reader, [0, stride, 2 * stride], block_bytes=stride))
+    save_blocks(a, writer, full.kv, [0, stride], stride=stride)
+    save_blocks(a, writer, full.kv, [2 * stride], first=2, stride=stride)
+    out = b.prefill(tokens, load_prefix(b, reader, [0, stride, 2 * stride], stride=stride))
     assert max_diff(out.logits, full.logits[48:]) <= TOLERANCE
 
 

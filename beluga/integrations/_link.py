@@ -8,7 +8,7 @@ policy in one place for every integration:
 - :meth:`StoreLink.connected` lends the connected :class:`KVStore` for a
   block of work (``None`` while the pool is unavailable);
   :meth:`StoreLink.acquire` / :meth:`StoreLink.release` do the same across
-  calls (vLLM's saves span several hooks);
+  calls;
 - :meth:`StoreLink.lost` drops a connection after an error; the store is
   closed once nobody is using it any more, so a thread never has the pool
   unmapped under its copy by another thread's failure;

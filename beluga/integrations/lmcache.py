@@ -19,12 +19,16 @@ chunks.
 
 A stored value is a 64-byte header (shape, dtype and memory format of the
 MemoryObj, so a reader can allocate before copying) followed by the chunk's
-bytes.  Both directions are one C call per batch: a put reserves the batch's
-pool blocks (one RPC), gather-writes every header and payload straight from
-the MemoryObjs, and seals; a get locates the batch (one RPC), scatter-reads
-the headers, allocates MemoryObjs from LMCache's CPU backend, scatter-reads
-the payloads into them, and keeps only chunks whose pool block stayed the same
-version throughout (a replaced or evicted block is a miss, never data).
+bytes.  Both directions go through the store's one block API: a put
+reserves the batch's pool blocks (one RPC), then one ``KVStore.write_blocks``
+moves every header and payload straight from the MemoryObjs, sealing each
+block with the CRC32C of the bytes it stored, and commits.  A get locates the
+batch (one RPC), peeks at the headers (unchecked, only to size the reads),
+allocates MemoryObjs from LMCache's CPU backend, and reads header and payload
+into them with one ``KVStore.read_blocks``: a chunk is kept only if its block
+validated (this key and version, its checksum over the bytes as copied) and
+its header is the one peeked at.  A replaced, evicted or corrupted block is a
+miss, never data.
 
 When the pool or its server is unavailable the backend answers "not here" and
 drops puts, with one warning per outage (:mod:`beluga.integrations._link`).
@@ -93,11 +97,41 @@ def _header(obj: MemoryObj) -> bytes:
 
 
 def _parse(header: bytes) -> tuple[torch.Size, torch.dtype, MemoryFormat] | None:
+    """Shape, dtype and format from a header; None for anything that is not one."""
     magic, fmt, ndim, dtype, *shape = _HEADER.unpack(header)
-    if magic != _MAGIC or ndim > _MAX_DIMS:
+    if magic != _MAGIC or ndim > _MAX_DIMS or any(n < 0 for n in shape):
         return None
-    name = dtype.rstrip(b"\0").decode()
-    return torch.Size(shape[:ndim]), getattr(torch, name), MemoryFormat(fmt)
+    try:
+        kind = getattr(torch, dtype.rstrip(b"\0").decode())
+        memory_format = MemoryFormat(fmt)
+    except (AttributeError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(kind, torch.dtype):
+        return None
+    return torch.Size(shape[:ndim]), kind, memory_format
+
+
+def _header_at(headers: np.ndarray, j: int) -> bytes:
+    """The ``j``-th header of a buffer of headers."""
+    return headers[j * _HEADER.size : (j + 1) * _HEADER.size].tobytes()
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return shape.numel() * dtype.itemsize
+
+
+def _table(refs: Sequence[BlockRef], sizes: Sequence[int]) -> np.ndarray:
+    """Rows that move each block's header (buffer 0, one after another) and its payload.
+
+    Buffer 0 holds the headers; buffer ``i + 1`` is chunk ``i``'s payload.
+    Together the rows cover each block's value exactly once, so the store
+    checksums the bytes as they move.
+    """
+    h = _HEADER.size
+    rows = [(0, i * h, r.payload_offset, h) for i, r in enumerate(refs)]
+    for i, (r, n) in enumerate(zip(refs, sizes, strict=True)):
+        rows.append((i + 1, 0, r.payload_offset + h, n))
+    return np.array(rows, dtype=np.uint64)
 
 
 class BelugaBackend(StoragePluginInterface):
@@ -186,7 +220,7 @@ class BelugaBackend(StoragePluginInterface):
         transfer_spec: Any = None,
         on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> list[Future] | None:
-        """Store the chunks now (one reserve, one gather-write, one seal) and report each."""
+        """Store the chunks now (one reserve, one validated write) and report each."""
         if len(keys) != len(objs):
             raise ValueError(f"{len(keys)} keys but {len(objs)} memory objects")
         batch = [(k, o) for k, o in zip(keys, objs, strict=True) if len(o.get_shapes()) == 1]
@@ -215,19 +249,11 @@ class BelugaBackend(StoragePluginInterface):
             [self.pool_key(k) for k, _ in batch], [_HEADER.size + p.size for p in payloads]
         )
         try:
-            table = np.array(
-                [(0, i * _HEADER.size, r.payload_offset, _HEADER.size) for i, r in enumerate(refs)]
-                + [
-                    (i + 1, 0, r.payload_offset + _HEADER.size, p.size)
-                    for i, (r, p) in enumerate(zip(refs, payloads, strict=True))
-                ],
-                dtype=np.uint64,
-            )
-            store.mem.gather_write([headers, *payloads], table)
+            table = _table(refs, [p.size for p in payloads])
         except BaseException:
             store.abort(refs)
             raise
-        store.seal(refs)
+        store.write_blocks(refs, [headers, *payloads], table)
 
     # -- gets ----------------------------------------------------------------
 
@@ -250,31 +276,19 @@ class BelugaBackend(StoragePluginInterface):
 
     def _get(self, store: KVStore, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         located = store.locate([self.pool_key(k) for k in keys], prefix=False)
-        found = [(i, r) for i, r in enumerate(located) if r is not None]
+        found = [(i, r) for i, r in enumerate(located) if r is not None and r.length > _HEADER.size]
         out: list[MemoryObj | None] = [None] * len(keys)
         if not found:
             return out
         refs = [r for _, r in found]
-        headers = np.zeros(len(refs) * _HEADER.size, dtype=np.uint8)
+        # An unchecked peek at the headers, only to size the memory objects: the
+        # validated read below copies each header again, and it must be this one.
+        peeked = np.zeros(len(refs) * _HEADER.size, dtype=np.uint8)
         rows = [(0, j * _HEADER.size, r.payload_offset, _HEADER.size) for j, r in enumerate(refs)]
-        store.mem.scatter_read([headers], np.array(rows, dtype=np.uint64))
-        objs = self._allocate(refs, headers)
+        store.mem.scatter_read([peeked], np.array(rows, dtype=np.uint64))
+        objs = self._allocate(refs, peeked)
         try:
-            wanted = [j for j, obj in enumerate(objs) if obj is not None]
-            if wanted:
-                buffers = [host_bytes(objs[j].tensor) for j in wanted]  # type: ignore[union-attr]
-                table = np.array(
-                    [
-                        (n, 0, refs[j].payload_offset + _HEADER.size, buffers[n].size)
-                        for n, j in enumerate(wanted)
-                    ],
-                    dtype=np.uint64,
-                )
-                store.mem.scatter_read(buffers, table)
-            for j, ok in enumerate(store.check(refs)):
-                if objs[j] is not None and not ok:  # replaced or evicted meanwhile
-                    objs[j].ref_count_down()  # type: ignore[union-attr]
-                    objs[j] = None
+            self._read(store, refs, objs, peeked)
         except BaseException:
             for obj in objs:
                 if obj is not None:
@@ -284,13 +298,31 @@ class BelugaBackend(StoragePluginInterface):
             out[i] = obj
         return out
 
+    @staticmethod
+    def _read(
+        store: KVStore, refs: list[BlockRef], objs: list[MemoryObj | None], peeked: np.ndarray
+    ) -> None:
+        """Read whole chunks into their memory objects; drop each one that is not valid."""
+        wanted = [j for j, obj in enumerate(objs) if obj is not None]
+        if not wanted:
+            return
+        payloads = [host_bytes(objs[j].tensor) for j in wanted]  # type: ignore[union-attr]
+        headers = np.zeros(len(wanted) * _HEADER.size, dtype=np.uint8)
+        chosen = [refs[j] for j in wanted]
+        table = _table(chosen, [p.size for p in payloads])
+        valid = store.read_blocks(chosen, [headers, *payloads], table)
+        for n, j in enumerate(wanted):
+            if not valid[n] or _header_at(headers, n) != _header_at(peeked, j):
+                objs[j].ref_count_down()  # type: ignore[union-attr]
+                objs[j] = None
+
     def _allocate(self, refs: list[BlockRef], headers: np.ndarray) -> list[MemoryObj | None]:
         """A MemoryObj for each block whose header parses and matches its length."""
         objs: list[MemoryObj | None] = []
         for j, ref in enumerate(refs):
-            parsed = _parse(headers[j * _HEADER.size : (j + 1) * _HEADER.size].tobytes())
+            parsed = _parse(_header_at(headers, j))
             obj = None
-            if parsed is not None:
+            if parsed is not None and _HEADER.size + _nbytes(*parsed[:2]) == ref.length:
                 obj = self.local_cpu_backend.allocate(*parsed)
             if obj is not None and _HEADER.size + obj.get_size() != ref.length:
                 obj.ref_count_down()

@@ -10,12 +10,15 @@ SGLang loads it through its ``dynamic`` storage backend::
 With ``interface_v1`` SGLang calls the zero-copy batch methods:
 ``batch_set_v1`` / ``batch_get_v1`` name pages of its host KV pool by index,
 the host pool says where their bytes are (``get_page_buffer_meta``), and each
-batch moves as one gather-write (after one reserve RPC, then one seal) or one
-scatter-read (after one lookup RPC) straight between those bytes and the pool:
-no staging copy on either side.  A page whose pool block is replaced or
-evicted during a read is reported as not read.  ``batch_exists`` is one
-prefix lookup.  The older per-key methods (get/set/batch_get/batch_set/exists)
-work too, through the store's buffer API.
+batch moves straight between those bytes and the pool, with no staging copy
+on either side, through the store's one block API: one
+``KVStore.write_blocks`` after one reserve RPC (each block sealed with the
+CRC32C of the bytes it stored, then committed), or one ``KVStore.read_blocks``
+after one lookup RPC (each block's header and the checksum of the bytes as
+copied checked).  A page whose pool block is replaced, evicted or corrupted
+is reported as not read.  ``batch_exists`` is one prefix lookup.  The older
+per-key methods (get/set/batch_get/batch_set/exists) work too, through the
+store's buffer API.
 
 Keys are SGLang's page hashes in a :class:`beluga.kv.KVNamespace`: the
 model's identity (see :func:`model_identity`: its Hugging Face commit or a
@@ -187,11 +190,10 @@ class BelugaHiCacheStorage(HiCacheStorage):
                     buffers, table = self._table(
                         [pages[i] for i in new], [r.payload_offset for r in refs]
                     )
-                    store.mem.gather_write(buffers, table)
                 except BaseException:
                     store.abort(refs)
                     raise
-                store.seal(refs)
+                store.write_blocks(refs, buffers, table)
         except CapacityError as e:
             log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(pages), e)
             return [False] * len(pages)
@@ -216,22 +218,20 @@ class BelugaHiCacheStorage(HiCacheStorage):
         self, store: KVStore, pool_keys: list[bytes], pages: list[list[tuple[int, int]]]
     ) -> list[bool]:
         try:
-            refs = store.locate(pool_keys, prefix=False)
+            located = store.locate(pool_keys, prefix=False)
             found = [
-                i
-                for i, r in enumerate(refs)
+                (i, r)
+                for i, r in enumerate(located)
                 if r is not None and r.length == sum(s for _, s in pages[i])
             ]
             ok = [False] * len(pool_keys)
             if found:
                 buffers, table = self._table(
-                    [pages[i] for i in found],
-                    [refs[i].payload_offset for i in found],  # type: ignore[union-attr]
+                    [pages[i] for i, _ in found], [r.payload_offset for _, r in found]
                 )
-                store.mem.scatter_read(buffers, table)
-                # sealed blocks are immutable: unchanged afterwards means read whole
-                for i, same in zip(found, store.check([refs[i] for i in found]), strict=True):
-                    ok[i] = same
+                valid = store.read_blocks([r for _, r in found], buffers, table)
+                for (i, _), good in zip(found, valid, strict=True):
+                    ok[i] = good
         except UNAVAILABLE as e:
             self.link.lost(e, store)
             return [False] * len(pool_keys)

@@ -29,14 +29,16 @@ Scheduler side (the engine core):
 Worker side (the model runner):
     ``register_kv_caches``  detects the layout through :class:`beluga.transfer.KVLayout`;
         a layout, dtype or shape that cannot be moved is refused here, at start.
-    ``start_load_kv``       scatter-reads every block of the step in one call
-        (``"transfer": "layerwise"``: one call per layer, in ``wait_for_layer_load``).
-    ``save_kv_layer``       layer-wise only: gather-writes that layer's part.
-    ``wait_for_save``       reserve, one gather-write, seal: the step's blocks are
-        published (checksummed) before any other engine can find them.
-    ``get_block_ids_with_load_errors``  engine blocks whose pool block vanished or
-        changed during the read; vLLM recomputes them, so a race costs time, never
-        tokens.
+    ``start_load_kv``       reads every block of the step with one validated
+        ``KVStore.read_blocks`` (``"transfer": "layerwise"``: one per layer, in
+        ``wait_for_layer_load``; each of those checksums the whole block from the pool).
+    ``save_kv_layer``       nothing: a block is sealed with the checksum of the bytes
+        its writer stored, so it moves whole, in ``wait_for_save``.
+    ``wait_for_save``       reserve, then one ``KVStore.write_blocks``: the step's
+        blocks are moved, sealed and committed before any other engine can find them.
+    ``get_block_ids_with_load_errors``  engine blocks whose pool block vanished,
+        changed or failed its checksum during the read; vLLM recomputes them, so a
+        race or a corrupted block costs time, never tokens.
     ``get_finished``        nothing is asynchronous.
 
 Options (``kv_connector_extra_config``): ``pool`` (spec; default $BELUGA_POOL),
@@ -44,14 +46,14 @@ Options (``kv_connector_extra_config``): ``pool`` (spec; default $BELUGA_POOL),
 fingerprint: engines with the same model name and revision share blocks;
 required when the weights are not files Beluga can read, e.g. a remote
 loader), ``namespace`` (one more partition of the keys, e.g. per tenant),
-``transfer`` (``"whole"`` or ``"layerwise"``), ``timeout_s``, ``retry_s``.
+``transfer`` (``"whole"`` or ``"layerwise"``: how loads are split; saves are
+whole), ``timeout_s``, ``retry_s``.
 When the pool or its server is unavailable the engine serves on, recomputing
 prefixes, with one warning per outage (see :mod:`beluga.integrations._link`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -70,7 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from beluga.errors import CapacityError, KVLayoutError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
-from beluga.transfer import KVLayout, KVSpec, gather_write, scatter_read
+from beluga.transfer import KVLayout, KVSpec, block_moves
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -223,16 +225,6 @@ class _Tracked:
     saved: int  # leading blocks that are in the pool (or were computed before it was asked)
 
 
-@dataclass
-class _Saving:
-    """One step's saves: reserved pool blocks (WRITING) and the engine blocks to fill them."""
-
-    store: KVStore
-    refs: list[BlockRef]
-    blocks: np.ndarray
-    layers_written: set[str] = field(default_factory=set)
-
-
 class BelugaConnector(KVConnectorBase_V1):
     """vLLM KV connector over a Beluga pool; see the module docstring for the duties.
 
@@ -282,7 +274,6 @@ class BelugaConnector(KVConnectorBase_V1):
         self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
         self._load_errors: set[int] = set()
         self._layer_loads: tuple[np.ndarray, list[BlockRef], list[str]] | None = None
-        self._saving: _Saving | None = None
 
     # ==============================
     # Scheduler side
@@ -440,8 +431,9 @@ class BelugaConnector(KVConnectorBase_V1):
     ) -> np.ndarray:
         """Read pool blocks (their bytes from ``at`` on) into engine blocks; which stayed valid.
 
-        A block that was not valid before and after the copy is reported as a
-        load error, so vLLM recomputes it instead of using what was copied.
+        A block that the store does not validate (replaced, evicted, torn or
+        corrupted) is reported as a load error, so vLLM recomputes it instead
+        of using what was copied.
         """
         valid = np.zeros(len(refs), dtype=bool)
         with self.link.connected() as store:
@@ -460,15 +452,14 @@ class BelugaConnector(KVConnectorBase_V1):
     def _read_from(
         store: KVStore, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
     ) -> np.ndarray:
-        valid = np.array(store.check(refs), dtype=bool)
-        if valid.any():
-            offsets = np.array([r.payload_offset + at for r in refs], dtype=np.int64)
-            nbytes = layout.format.nbytes
-            scatter_read(store.mem, layout, engine[valid], offsets[valid], block_bytes=nbytes)
-            # sealed blocks are immutable: unchanged after the copy means the bytes
-            # copied are the sealed ones
-            valid &= np.array(store.check(refs), dtype=bool)
-            _COUNTERS["load_bytes"] += int(valid.sum()) * nbytes
+        offsets = np.array([r.payload_offset + at for r in refs], dtype=np.int64)
+        nbytes = layout.format.nbytes
+        buffers, table = block_moves(
+            store.mem, layout, engine, offsets, block_bytes=nbytes, write=False
+        )
+        # the store checks each block's header and the checksum of what was copied
+        valid = np.array(store.read_blocks(refs, buffers, table), dtype=bool)
+        _COUNTERS["load_bytes"] += int(valid.sum()) * nbytes
         return valid
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -487,82 +478,49 @@ class BelugaConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        if self._transfer != "layerwise" or layer_name not in self._layer_layouts:
-            return
-        if self._saving is None:
-            self._saving = self._reserve_saves()
-        if self._saving is not None and layer_name not in self._saving.layers_written:
-            at, layout = self._layer_layouts[layer_name]
-            self._write(self._saving, layout, at)
-            self._saving.layers_written.add(layer_name)
+        """Nothing: a block is saved whole in :meth:`wait_for_save`.
 
-    def _reserve_saves(self) -> _Saving | None:
-        """Reserve pool blocks for this step's saves (one RPC); None if there is nothing to do.
-
-        The saving borrows the store from the link until the seal (or a failure) gives it back.
+        A pool block is sealed with the checksum of the bytes its writer
+        stored, taken as they are stored, so every layer of it moves in one
+        write; the step's blocks hold their final KV until the step ends.
         """
-        meta = self._connector_metadata
-        if not isinstance(meta, BelugaMetadata) or not meta.saves.keys:
-            return None
-        store = self.link.acquire()
-        if store is None:
-            return None
-        try:
-            refs = store.reserve(meta.saves.keys, [self.kv.block_bytes] * len(meta.saves.keys))
-        except CapacityError as e:
-            log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.keys), e)
-            self.link.release(store)
-            return None
-        except UNAVAILABLE as e:
-            self.link.lost(e, store)
-            self.link.release(store)
-            return None
-        except BaseException:
-            self.link.release(store)
-            raise
-        return _Saving(store, refs, np.array(meta.saves.engine_blocks, dtype=np.int64))
-
-    def _write(self, saving: _Saving, layout: KVLayout, at: int) -> None:
-        """Gather-write the engine blocks' bytes from ``at`` on; a failure gives the blocks back."""
-        offsets = np.array([r.payload_offset + at for r in saving.refs], dtype=np.int64)
-        start = time.perf_counter()
-        try:
-            gather_write(
-                saving.store.mem, layout, saving.blocks, offsets, block_bytes=layout.format.nbytes
-            )
-        except BaseException:
-            self._saving = None
-            try:
-                saving.store.abort(saving.refs)
-            finally:
-                self.link.release(saving.store)
-            raise
-        _COUNTERS["save_seconds"] += time.perf_counter() - start
-        _COUNTERS["save_bytes"] += len(offsets) * layout.format.nbytes
 
     def wait_for_save(self) -> None:
         self._layer_loads = None
-        saving, self._saving = self._saving, None
-        if saving is None and self._transfer == "whole":
-            saving = self._reserve_saves()
-            if saving is not None:
-                assert self._layout is not None
-                self._write(saving, self._layout, 0)
-        if saving is None:
+        meta = self._connector_metadata
+        if not isinstance(meta, BelugaMetadata) or not meta.saves.keys or self._layout is None:
             return
-        # layer-wise: a layer that vLLM did not hand to save_kv_layer is written now, so
-        # a sealed block is always whole
-        for name, (at, layout) in self._layer_layouts.items():
-            if name not in saving.layers_written:
-                self._write(saving, layout, at)
+        with self.link.connected() as store:
+            if store is None:
+                return
+            try:
+                self._save(store, meta.saves, self._layout)
+            except CapacityError as e:
+                log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.keys), e)
+            except UNAVAILABLE as e:
+                self.link.lost(e, store)
+
+    def _save(self, store: KVStore, saves: SaveSpec, layout: KVLayout) -> None:
+        """Reserve pool blocks for the step's saves, fill them, seal and commit them."""
+        refs = store.reserve(saves.keys, [self.kv.block_bytes] * len(saves.keys))
+        nbytes = layout.format.nbytes
         try:
-            saving.store.seal(saving.refs)
-        except UNAVAILABLE as e:
-            self.link.lost(e, saving.store)
-            return
-        finally:
-            self.link.release(saving.store)
-        _COUNTERS["saved_blocks"] += len(saving.refs)
+            buffers, table = block_moves(
+                store.mem,
+                layout,
+                saves.engine_blocks,
+                [r.payload_offset for r in refs],
+                block_bytes=nbytes,
+                write=True,
+            )
+        except BaseException:
+            store.abort(refs)
+            raise
+        start = time.perf_counter()
+        store.write_blocks(refs, buffers, table)
+        _COUNTERS["save_seconds"] += time.perf_counter() - start
+        _COUNTERS["save_bytes"] += len(refs) * nbytes
+        _COUNTERS["saved_blocks"] += len(refs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -573,9 +531,4 @@ class BelugaConnector(KVConnectorBase_V1):
         return None, None
 
     def shutdown(self) -> None:
-        saving, self._saving = self._saving, None
-        if saving is not None:  # a step that never reached wait_for_save
-            with contextlib.suppress(*UNAVAILABLE):
-                saving.store.abort(saving.refs)
-            self.link.release(saving.store)
         self.link.close()

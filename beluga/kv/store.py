@@ -348,23 +348,34 @@ class KVStore:
         evicted, torn or corrupted: those destination bytes are garbage.
         ``mover``: a ``GpuPool`` for a KV cache on its GPU; its kernel copies,
         then the pool's bytes are checksummed by the CPU (one more read).
+
+        ``refs`` may name one pool block twice (two requests of one batch that
+        share a prefix block): the block is validated once for all its rows,
+        and a ref of another version than the first is a miss.
         """
+        first: dict[int, int] = {}
+        unique: list[BlockRef] = []
+        for r in refs:
+            if r.block not in first:
+                first[r.block] = len(unique)
+                unique.append(r)
         blocks = [
-            (r.header_offset, r.payload_offset, r.capacity, r.digest, r.version) for r in refs
+            (r.header_offset, r.payload_offset, r.capacity, r.digest, r.version) for r in unique
         ]
         if mover is None or mover is self.mem:
             got = self.mem.read_blocks(buffers, table, blocks)
         else:
-            before = self.check(refs)
+            before = self.check(unique)
             mover.scatter_read(buffers, table)
-            whole = bytearray(sum(r.length for r in refs))
+            whole = bytearray(sum(r.length for r in unique))
             rows, at = [], 0
-            for r in refs:
+            for r in unique:
                 rows.append((0, at, r.payload_offset, r.length))
                 at += r.length
             got = self.mem.read_blocks([whole], np.array(rows, dtype=np.uint64), blocks)
             got = [g if ok else -1 for g, ok in zip(got, before, strict=True)]
-        return [g == r.length for g, r in zip(got, refs, strict=True)]
+        valid = [g == r.length for g, r in zip(got, unique, strict=True)]
+        return [valid[first[r.block]] and unique[first[r.block]] == r for r in refs]
 
     def check(self, refs: Sequence[BlockRef]) -> list[bool]:
         """Whether each block is still the published version (call before and after a copy)."""

