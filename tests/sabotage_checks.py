@@ -116,6 +116,12 @@ def _sweep(name: str) -> Callable[[ModelConfig], None]:
     return check
 
 
+def _window_seen(r: litmus.LitmusResult) -> None:
+    """A sweep must have seen states before and after the write: else it proved nothing."""
+    if not r.confirmed or r.trials == r.confirmed:
+        raise RuntimeError(f"the {r.pattern} sweep never crossed its write ({r})")
+
+
 def block_visible_at_return(model: ModelConfig) -> None:
     """A block published (whole, in place, or through write_blocks) is readable at return."""
     shared = bytearray(1 << 16)
@@ -260,7 +266,9 @@ def rpc_payload_sweep(model: ModelConfig) -> None:
         landed = writer.model_stats()["landed"] - before
         if side == "response":
             done = client.complete(1, 0.0)
-            return (Seen.WRONG if done not in ([], [(0, reply)]) else Seen.RIGHT), landed
+            if done not in ([], [(0, reply)]):
+                return Seen.WRONG, landed
+            return (Seen.RIGHT if done else Seen.NOTHING), landed
         fresh = _core.RingServer(_host(shared, model, seed + 2), AREA, RING, 1)
         fresh.set_ring(0, GEN, DEPTH, 1)
         got = fresh.poll(4, 0.0)
@@ -275,6 +283,7 @@ def rpc_payload_sweep(model: ModelConfig) -> None:
                 raise Violation(
                     f"a {side} line landed before its out-of-line payload (seed {seed})"
                 )
+            _window_seen(r)
 
 
 # -- host table (pool/hosts.py) ---------------------------------------------------
@@ -372,6 +381,7 @@ def hosts_grant_sweep(model: ModelConfig) -> None:
         r = litmus.sweep_crashes(lambda k, s=seed: attempt(k, s), name="grant")
         if r.caught:
             raise Violation(f"a claim's answer landed before its grant (seed {seed})")
+        _window_seen(r)
 
 
 # -- pool format (pool/pool.py) ----------------------------------------------------
@@ -410,8 +420,7 @@ def format_sweep(model: ModelConfig) -> None:
         r = litmus.sweep_crashes(lambda k, s=seed: attempt(k, s), last=30, name="format")
         if r.caught:
             raise Violation(f"a new superblock landed over the old pool's regions (seed {seed})")
-        if not r.confirmed:
-            raise Violation("the format sweep never saw the new pool")
+        _window_seen(r)
 
 
 def format_visible_at_return(model: ModelConfig) -> None:
