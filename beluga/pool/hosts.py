@@ -59,7 +59,7 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from beluga._native import step
+from beluga import _native
 from beluga.coherence import LINE, Memory, crc32c, line_reader, line_writer, write_line
 from beluga.errors import PoolError, RpcError
 from beluga.pool.layout import Region, lobby_lines
@@ -67,8 +67,8 @@ from beluga.pool.layout import Region, lobby_lines
 # Every line read here is written by another host: invalidate, MFENCE, load.  The
 # steps are sabotage points (beluga_native.h), the server's and the claimants' apart.
 _server_read = line_reader("HOSTS_SERVER_READ_INVALIDATE", "HOSTS_SERVER_READ_MFENCE")
-_server_invalidate = step("HOSTS_SERVER_READ_INVALIDATE", Memory.invalidate)
-_server_mfence = step("HOSTS_SERVER_READ_MFENCE", Memory.mfence)
+_server_invalidate = _native.step("HOSTS_SERVER_READ_INVALIDATE", Memory.invalidate)
+_server_mfence = _native.step("HOSTS_SERVER_READ_MFENCE", Memory.mfence)
 _holder_read = line_reader("HOSTS_HOLDER_READ_INVALIDATE", "HOSTS_HOLDER_READ_MFENCE")
 # The grant is fenced before the answer that announces it is written.  The other
 # writes here need no point: the writer's next read (an MFENCE) drains them within
