@@ -63,6 +63,19 @@ def no_leaks() -> Iterator[None]:
     assert _leftovers() <= files, f"test left files in /dev/shm: {_leftovers() - files}"
 
 
+@pytest.fixture(params=[0.0, 0.002], ids=["evict-off", "evict-on"])
+def model_eviction(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> float:
+    """Run a protocol test with the model's random eviction off, then on.
+
+    Off, a stale line stays stale for as long as a host holds it (the harshest
+    case for a missing invalidate); on, lines also leave at random, written
+    back whole (the case for a missing flush and for two writers of a line).
+    Set through BELUGA_MODEL_EVICT, so forked hosts inherit it.
+    """
+    monkeypatch.setenv("BELUGA_MODEL_EVICT", str(request.param))
+    return float(request.param)
+
+
 @contextmanager
 def serving(pool: Pool, **options: object) -> Iterator[RpcServer]:
     """An RPC server (the grantor of host ids) in a thread of this process."""

@@ -3,7 +3,8 @@
 Each process attaches the pool on its own (one emulated host, one private
 cache).  Bugs must be caught within a bounded number of seeded trials; the
 correct recipes must never be caught, over hundreds of randomized trials in
-which the racy window is seen to occur.
+which the racy window is seen to occur, with the model's eviction off and on.
+Crash sweeps look inside one write call: every state it passes through.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ BUG_TRIAL_BOUND = 200
 def model(**kw: float) -> ModelConfig:
     """The default model the bounds below assume, with the environment's eviction rate.
 
-    (CI runs these with eviction on and off; the reordering rates stay the
-    defaults, since a drain or refill rate of 0 or 1 removes the reordering
-    a pattern is there to catch.)
+    (The ``model_eviction`` fixture runs the correct recipes with eviction on
+    and off; the reordering rates stay the defaults, since a drain or refill
+    rate of 0 or 1 removes the reordering a pattern is there to catch.)
     """
     return dataclasses.replace(ModelConfig(evict_rate=ModelConfig.from_env().evict_rate), **kw)
 
@@ -46,6 +47,7 @@ def test_each_bug_is_caught_under_the_model(area: tuple[str, int], pattern: str,
 
 
 @pytest.mark.parametrize("pattern", STEPPED_CORRECT)
+@pytest.mark.usefixtures("model_eviction")
 def test_correct_recipes_are_never_caught(area: tuple[str, int], pattern: str) -> None:
     spec, base = area
     result = litmus.run_local(spec, base, pattern, 300, seed=3, model=model())
@@ -71,6 +73,7 @@ def test_a_polled_line_stays_stale_however_often_eviction_runs(area: tuple[str, 
 
 
 @pytest.mark.parametrize("seed", [4, 5, 6])
+@pytest.mark.usefixtures("model_eviction")
 def test_publish_and_read_validated_never_return_wrong_data(
     area: tuple[str, int], seed: int
 ) -> None:
@@ -90,6 +93,7 @@ def test_the_twins_share_a_crc_and_differ_in_one_line_only() -> None:
 
 
 @pytest.mark.parametrize("pattern", ["crc_twins", "twins_recheck"])
+@pytest.mark.usefixtures("model_eviction")
 def test_the_seqlock_alone_keeps_equal_crc_versions_apart(
     area: tuple[str, int], pattern: str
 ) -> None:
@@ -98,6 +102,21 @@ def test_the_seqlock_alone_keeps_equal_crc_versions_apart(
     result = litmus.run_local(spec, base, pattern, 300, seed=7, model=model())
     assert not result.caught, f"another version's bytes at observation {result.first_violation}"
     assert result.confirmed > 100 and result.raced > 100  # about one of each per trial
+
+
+@pytest.mark.parametrize("sweep", list(litmus.SWEEPS))
+@pytest.mark.usefixtures("model_eviction")
+def test_every_state_inside_a_block_write_reads_as_a_miss_or_a_whole_version(sweep: str) -> None:
+    """A crash sweep: the writer's host dies after each of its writes in turn, and another
+    host reads equal-CRC twins: only the seqlock keeps the versions apart."""
+    result = litmus.run_sweep(sweep, model(), seeds=range(8))
+    assert not result.caught, f"another version's bytes in crash state {result.first_violation}"
+    assert result.raced > 50 and result.confirmed >= 16  # misses mid-write, whole versions
+
+
+def test_the_sweep_twins_share_a_crc_and_fit_the_write_combining_queue() -> None:
+    a, b = litmus.SWEEP_TWINS
+    assert len(a) == len(b) == 1024 and a != b and crc32c(a) == crc32c(b)
 
 
 def test_native_mode_on_a_coherent_host_cannot_catch_the_bug(area: tuple[str, int]) -> None:

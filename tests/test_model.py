@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import threading
@@ -281,6 +282,47 @@ def test_discard_forgets_unflushed_lines_like_a_crash() -> None:
     a.mfence()
     assert bytes(shared[: 2 * LINE]) == bytes(2 * LINE)
     assert a.model_stats()["discarded"] == 2
+
+
+def test_a_crashed_host_lands_exactly_k_writes_and_nothing_after() -> None:
+    shared, a, _ = two_hosts(**QUIET)
+    a.nt_store(0, b"\x01" * (4 * LINE))  # four lines queued
+    a.crash_after(2)
+    a.sfence()  # two land, then the host dies mid-fence
+    stats = a.model_stats()
+    assert stats["landed"] == 2 and stats["crashed"]
+    assert sum(shared[i * LINE] for i in range(4)) == 2
+    a.store(8 * LINE, b"late")
+    a.flush(8 * LINE, LINE)
+    a.nt_store(9 * LINE, b"later")
+    a.mfence()
+    assert bytes(shared[8 * LINE : 10 * LINE]) == bytes(2 * LINE)  # a dead host writes nothing
+    assert a.model_stats()["landed"] == 2
+
+
+def test_the_same_seed_crashes_through_the_same_states() -> None:
+    """State k + 1 extends state k: a sweep over k sees every state a write passes through."""
+    states = []
+    for k in range(9):
+        shared = bytearray(1 << 12)
+        m = Memory(shared, "model", seed=7, **QUIET)
+        m.crash_after(k)
+        m.nt_store(0, bytes(range(1, 256)) * 2)  # eight lines, drained in a seeded order
+        m.sfence()
+        states.append({i for i in range(8) if shared[i * LINE]})
+    assert [len(s) for s in states] == list(range(9))
+    assert all(a < b for a, b in itertools.pairwise(states))
+
+
+def test_a_host_that_never_fences_keeps_its_latest_invalidations_in_flight() -> None:
+    _, a, b = two_hosts(**QUIET)
+    for line in range(100):
+        b.load(line * LINE, 8)  # b caches 100 lines
+    a.nt_store(0, b"\x07" * (100 * LINE))
+    a.sfence()
+    b.invalidate(0, 100 * LINE)  # never fenced: only the oldest 36 complete
+    seen = [b.load(line * LINE, 1) for line in range(100)]
+    assert seen == [b"\x07"] * 36 + [b"\0"] * 64
 
 
 def _wait_child(pid: int, timeout: float = 30.0) -> int:

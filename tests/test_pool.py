@@ -7,15 +7,21 @@ import os
 import pickle
 import stat
 import struct
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from beluga.coherence import crc32c
+from beluga.coherence import ModelConfig, crc32c, digest, write_line
 from beluga.errors import BackendUnavailableError, LayoutVersionError, PoolError
-from beluga.pool import Geometry, Pool, parse_spec
+from beluga.kv import protocol as p
+from beluga.kv.service import MetadataService
+from beluga.pool import Geometry, HostState, Pool, parse_spec
+from beluga.pool.hosts import HostEntry, Identity
 from beluga.pool.layout import LAYOUT_VERSION, MAGIC, SUPERBLOCK_BYTES, plan, unpack
+from beluga.rpc import Request
 
 from .conftest import SMALL
 
@@ -213,3 +219,51 @@ def test_a_geometry_whose_rpc_area_does_not_divide_evenly_still_attaches(shm_pat
     with Pool.attach(shm_path) as again:
         assert again.superblock == sb
     Pool.destroy(shm_path)
+
+
+def test_a_device_formatted_under_the_model_keeps_no_ghosts_for_a_host_with_stale_lines(
+    tmp_path: Path,
+) -> None:
+    """Format a device (a stand-in file) that holds a pool in use, through a model host.
+
+    A host that had the old pool attached still caches its host table, block
+    headers and commit table; after the format its own reads (invalidate,
+    MFENCE, load) must find the new, empty pool: no host, and a metadata server
+    restarted on it recovers no key.
+    """
+    model = ModelConfig(evict_rate=0.0)
+    (tmp_path / "dax0.0").write_bytes(bytes(SIZE))
+    spec = f"dax:{tmp_path / 'dax0.0'}"
+    old = Pool.create(spec, SIZE, geometry=SMALL, coherence="model", model=replace(model, seed=1))
+    stale = Pool.attach(spec, coherence="model", model=replace(model, seed=2))
+    try:
+        me = Identity.mine()
+        holder = HostEntry(0, HostState.ALIVE, me.pid, me.start_ms, me.boot_id, 1, 1, 1)
+        write_line(old.memory, old.superblock.hosts.offset, holder.pack())
+        svc = MetadataService(old)
+        for key in (b"a", b"b"):
+            raw = p.encode_alloc([(digest(key), 100, 1)])
+            (g,) = p.decode_grants(svc.op_alloc(Request(1, int(p.StoreOp.ALLOC), raw, 1)))
+            sb = old.superblock
+            old.memory.publish(
+                sb.block_header_offset(g.block),
+                sb.block_payload_offset(g.block),
+                digest(key),
+                g.version,
+                key * 100,
+            )
+            raw = p.encode_commit([(digest(key), g.block, g.version)])
+            assert p.decode_flags(svc.op_commit(Request(1, int(p.StoreOp.COMMIT), raw, 1)))[0]
+        assert len(MetadataService(stale).index) == 2  # the stale host now caches the tables
+        assert stale.hosts.entries() == [holder]
+        old.close()
+        with Pool.create(
+            spec, SIZE, geometry=SMALL, force=True, coherence="model", model=replace(model, seed=3)
+        ) as new:
+            assert new.superblock.uuid != stale.superblock.uuid
+            assert new.superblock.hosts == stale.superblock.hosts  # one geometry: same lines
+            assert MetadataService(stale).index == {}  # recovered on the stale host: no ghost
+            assert stale.hosts.entries() == [] and stale.hosts.seat() is None
+    finally:
+        old.close()
+        stale.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import signal
 import struct
 import threading
@@ -24,7 +25,7 @@ from beluga.coherence import LINE, attach, read_line, write_line
 from beluga.errors import CapacityError, RpcError
 from beluga.pool import Pool
 from beluga.rpc import RemoteValueError, Request, RpcClient, RpcServer, Status, per_request
-from beluga.rpc.protocol import Message, buf_size, request_line, response_line, ring_offset
+from beluga.rpc.protocol import Message, Op, buf_size, request_line, response_line, ring_offset
 
 OP_ADD, OP_FAIL, OP_FULL, OP_BIG, OP_SLOW, OP_CRASH = range(16, 22)
 CTX = mp.get_context("fork")
@@ -132,6 +133,7 @@ def _client_main(spec: str, mode: str, seed: int, n: int, out: mp.Queue) -> None
 
 
 @pytest.mark.parametrize("mode", ["model", "native"])
+@pytest.mark.usefixtures("model_eviction")
 def test_three_processes_server_and_two_clients(pool: Pool, mode: str) -> None:
     with rpc_server(pool.spec, mode):
         out = CTX.Queue()
@@ -146,6 +148,26 @@ def test_three_processes_server_and_two_clients(pool: Pool, mode: str) -> None:
         out.close()
         out.join_thread()
     assert results == ["ok", "ok"]
+
+
+@pytest.mark.usefixtures("model_eviction")
+def test_a_model_server_reusing_slots_reads_every_out_of_line_payload_fresh(pool: Pool) -> None:
+    """Two slots, so every slot carries a new out-of-line payload every other call, both ways.
+
+    A server (or client) that loaded a slot's buffer without invalidating it,
+    or without the MFENCE after, would read the payload the slot held before:
+    a CORRUPT status (its CRC fails) or a wrong echo.
+    """
+    rng = random.Random(11)
+    with (
+        rpc_server(pool.spec, "model"),
+        Pool.attach(pool.spec, coherence="model") as host,
+        RpcClient(host, depth=2) as c,
+    ):
+        sizes = [41, 300, 1999, c.max_payload]
+        for i in range(200):
+            data = rng.randbytes(sizes[i % len(sizes)])
+            assert c.call(Op.ECHO, data) == data, f"call {i}: a stale payload came back"
 
 
 def test_no_server_is_a_clear_error(pool: Pool) -> None:

@@ -17,6 +17,176 @@
 
 #define BL_LINE 64u
 
+/*
+ * Sabotage points (sabotage.c): every fence, flush, invalidate and ordering
+ * step a protocol needs on non-coherent hardware, named once here.  Each is
+ * X(NAME, where, step, why): the step the point removes and why hardware
+ * needs it.  The C core guards a step with BL_STEP(NAME); the Python layers
+ * guard theirs through beluga._native.step("NAME", op).  In the production
+ * build BL_STEP is the constant 1 (no branch, no table lookup); only a
+ * separate build with -DBL_SABOTAGE (beluga._native._core_sabotage, made by
+ * the mutation harness, never installed) can skip one.
+ */
+#define BL_SABOTAGE_POINTS(X)                                                                     \
+    X(BLOCK_WRITING_FENCE, "block.c bl_begin_write",                                              \
+      "SFENCE after the WRITING header, before any payload store",                                \
+      "payload stores can land before WRITING: a reader that checked the old PUBLISHED header "   \
+      "copies new bytes and finds the header unchanged")                                          \
+    X(BLOCK_PAYLOAD_FENCE, "block.c bl_publish",                                                  \
+      "SFENCE between the payload's non-temporal stores and the PUBLISHED header",                \
+      "write-combining buffers drain in any order: PUBLISHED can land over a payload still in "   \
+      "flight, and a reader takes the old bytes for the new version")                             \
+    X(BLOCK_PUBLISHED_FENCE, "block.c bl_seal",                                                   \
+      "SFENCE after the PUBLISHED header",                                                        \
+      "the header stays in a write-combining buffer after publish returns: a host told by other " \
+      "means (a reply, a system call) finds no block")                                            \
+    X(BLOCK_HEADER_INVALIDATE, "block.c bl_get_header",                                           \
+      "invalidate the header line before each look (check and re-check)",                         \
+      "a cached header stays stale: the reader checks a version that is gone")                    \
+    X(BLOCK_HEADER_MFENCE, "block.c bl_get_header",                                               \
+      "MFENCE between invalidating the header and loading it",                                    \
+      "the load can pass the invalidation and hit the old line")                                  \
+    X(BLOCK_PAYLOAD_INVALIDATE, "block.c bl_read_validated",                                      \
+      "invalidate the payload before copying it",                                                 \
+      "cached lines of an older version are copied")                                              \
+    X(BLOCK_PAYLOAD_MFENCE, "block.c bl_read_validated",                                          \
+      "MFENCE between invalidating the payload and copying it",                                   \
+      "the copy's loads can pass the invalidation and hit old lines")                             \
+    X(BLOCK_CHECKSUM_INVALIDATE, "block.c bl_payload_crc (seal)",                                 \
+      "invalidate a payload before checksumming it from the pool",                                \
+      "a payload another agent wrote (the GPU's kernel) is checksummed from this host's stale "   \
+      "lines: the sealed CRC matches nothing and the block never reads back")                     \
+    X(BLOCK_CHECKSUM_MFENCE, "block.c bl_payload_crc (seal)",                                     \
+      "MFENCE before checksumming the payload from the pool",                                     \
+      "loads can pass the invalidation; and it drains this host's own payload stores before "     \
+      "PUBLISHED is queued behind them")                                                          \
+    X(BLOCKIO_WRITE_FENCE, "blockio.c bl_write_blocks",                                           \
+      "SFENCE between the rows' non-temporal stores and the PUBLISHED headers",                   \
+      "a header can land over rows still in flight: a reader takes old bytes for the new "        \
+      "version")                                                                                  \
+    X(BLOCKIO_HEADER_INVALIDATE, "blockio.c load_headers",                                        \
+      "invalidate every header before each look", "a cached header stays stale")                  \
+    X(BLOCKIO_HEADER_MFENCE, "blockio.c load_headers",                                            \
+      "MFENCE between invalidating the headers and loading them",                                 \
+      "the loads can pass the invalidations")                                                     \
+    X(BLOCKIO_PAYLOAD_INVALIDATE, "blockio.c bl_read_blocks",                                     \
+      "invalidate every row's pool range before copying", "cached lines of an older version "     \
+      "are copied")                                                                               \
+    X(BLOCKIO_PAYLOAD_MFENCE, "blockio.c bl_read_blocks",                                         \
+      "MFENCE between invalidating the rows and copying them",                                    \
+      "the copy's loads can pass the invalidations")                                              \
+    X(GATHER_FENCE, "module.c sg_run (gather_write)", "SFENCE after the rows",                    \
+      "the rows stay in write-combining buffers after gather_write returns: the host that is "    \
+      "told next reads old bytes")                                                                \
+    X(SCATTER_INVALIDATE, "module.c sg_run (scatter_read)",                                       \
+      "invalidate every row's pool range before copying", "cached lines are copied")              \
+    X(SCATTER_MFENCE, "module.c sg_run (scatter_read)",                                           \
+      "MFENCE between invalidating the rows and copying them",                                    \
+      "the copy's loads can pass the invalidations")                                              \
+    X(RPC_REQUEST_PAYLOAD_FENCE, "rpc.c emit (client)",                                           \
+      "SFENCE between an out-of-line request payload and the request lines",                      \
+      "the request line can land before its payload: the server reads a torn payload")            \
+    X(RPC_RESPONSE_PAYLOAD_FENCE, "rpc.c emit (server)",                                          \
+      "SFENCE between an out-of-line response payload and the response lines",                    \
+      "the response line can land before its payload: the client reads a torn payload")           \
+    X(RPC_REQUEST_INVALIDATE, "rpc.c scan_window (server)",                                       \
+      "invalidate the window of request lines before each scan",                                  \
+      "the server polls its cached copy of a request line and never sees the request")            \
+    X(RPC_REQUEST_MFENCE, "rpc.c scan_window (server)",                                           \
+      "MFENCE between invalidating the request lines and loading them",                           \
+      "the loads can pass the invalidations and hit old lines")                                   \
+    X(RPC_REQUEST_BUFFER_INVALIDATE, "rpc.c payload_in (server)",                                 \
+      "invalidate a slot's request buffer before loading it",                                     \
+      "a reused slot's buffer is cached from the request before: the server reads a stale "       \
+      "payload")                                                                                  \
+    X(RPC_REQUEST_BUFFER_MFENCE, "rpc.c payload_in (server)",                                     \
+      "MFENCE between invalidating a request buffer and loading it",                              \
+      "the loads can pass the invalidation and hit the old payload")                              \
+    X(RPC_RESPONSE_INVALIDATE, "rpc.c fetch_responses (client)",                                  \
+      "invalidate the response lines before each look",                                           \
+      "the client polls its cached copy of a response line and never sees the answer")            \
+    X(RPC_RESPONSE_MFENCE, "rpc.c fetch_responses (client)",                                      \
+      "MFENCE between invalidating the response lines and loading them",                          \
+      "the loads can pass the invalidations and hit old lines")                                   \
+    X(RPC_RESPONSE_BUFFER_INVALIDATE, "rpc.c payload_in (client)",                                \
+      "invalidate a slot's response buffer before loading it",                                    \
+      "a reused slot's buffer is cached from the response before: the client reads a stale "      \
+      "payload")                                                                                  \
+    X(RPC_RESPONSE_BUFFER_MFENCE, "rpc.c payload_in (client)",                                    \
+      "MFENCE between invalidating a response buffer and loading it",                             \
+      "the loads can pass the invalidation and hit the old payload")                              \
+    X(MEMOPS_NT_EDGE_FLUSH, "memops.c nt_copy_avx512 / nt_copy_sse2",                             \
+      "flush the unaligned head and tail that a non-temporal copy writes with plain stores",      \
+      "those bytes stay in this CPU's cache: other hosts never see them")                         \
+    X(MEMOPS_INVALIDATE_FLUSHES, "memops.c native table",                                         \
+      "invalidate with CLFLUSHOPT or CLFLUSH, never CLWB",                                        \
+      "CLWB keeps the (possibly stale) line cached: the next load hits it")                       \
+    X(HOSTS_SERVER_READ_INVALIDATE, "pool/hosts.py (host lines, lobby, seat)",                    \
+      "invalidate a host-table line another host writes before the server reads it",             \
+      "the server judges a remote holder by its cached heartbeat, which never moves: a live "     \
+      "host is taken for dead and its id given away")                                             \
+    X(HOSTS_SERVER_READ_MFENCE, "pool/hosts.py (host lines, lobby, seat)",                        \
+      "MFENCE between invalidating those lines and loading them",                                 \
+      "the loads can pass the invalidations and hit old lines")                                   \
+    X(HOSTS_HOLDER_READ_INVALIDATE, "pool/hosts.py (answers, grants)",                            \
+      "invalidate the answer and grant lines the server writes before a claimant reads them",     \
+      "a holder taken for dead reads its cached grant and keeps writing a line that is now "      \
+      "another holder's")                                                                         \
+    X(HOSTS_HOLDER_READ_MFENCE, "pool/hosts.py (answers, grants)",                                \
+      "MFENCE between invalidating those lines and loading them",                                 \
+      "the loads can pass the invalidations and hit old lines")                                   \
+    X(HOSTS_GRANT_FENCE, "pool/hosts.py HostRegistry._answer",                                    \
+      "SFENCE between the grant line and the answer line",                                        \
+      "the answer can land first: a claimant confirms an id whose grant is not there")            \
+    X(FORMAT_CLEAR_FENCE, "pool/pool.py format_pool",                                             \
+      "SFENCE between clearing the old superblock and regions and writing the new superblock",    \
+      "the new superblock can land over the old pool's host table, rings and block headers: "     \
+      "ghost hosts and blocks in a new pool")                                                     \
+    X(FORMAT_FENCE, "pool/pool.py format_pool", "SFENCE after the new superblock",                \
+      "create returns while the superblock is in flight: another host finds no pool")             \
+    X(SERVICE_RECOVER_INVALIDATE, "kv/service.py recover",                                        \
+      "invalidate the header table, commit table and service line before the recovery scan",     \
+      "a server restarted on a host that cached them rebuilds its index from stale lines: "       \
+      "acknowledged values are lost")                                                             \
+    X(SERVICE_RECOVER_MFENCE, "kv/service.py recover",                                            \
+      "MFENCE between invalidating those tables and loading them",                                \
+      "the loads can pass the invalidations and hit old lines")                                   \
+    X(SERVICE_FLOOR_FENCE, "kv/service.py _next_version",                                         \
+      "SFENCE after raising the version floor, before a version above it is handed out",          \
+      "after a crash a new server hands out versions again: a late seal of the old grant passes " \
+      "for the new write")                                                                        \
+    X(SERVICE_COMMIT_FENCE, "kv/service.py op_commit",                                            \
+      "SFENCE after the commit words, before the answer",                                         \
+      "the answer can land before a commit word: a crash then loses an acknowledged value")       \
+    X(SERVICE_CLEAR_FENCE, "kv/service.py _clear_header",                                         \
+      "SFENCE after clearing a retired or freed block's header (and its commit word)",            \
+      "a REMOVE is answered while the clears are in flight: a crash brings the removed key back")
+
+#define BL_POINT_ENUM(name, where, step, why) BL_P_##name,
+enum { BL_SABOTAGE_POINTS(BL_POINT_ENUM) BL_NPOINTS };
+#undef BL_POINT_ENUM
+
+typedef struct {
+    const char *name, *where, *step, *why;
+} bl_point;
+extern const bl_point bl_points[BL_NPOINTS];
+
+#ifdef BL_SABOTAGE
+#define BL_SABOTAGE_BUILD 1
+#define BL_TYPE_PREFIX "beluga._native._core_sabotage."
+int bl_step_runs(int point); /* 0 when `point` is armed (and records that it fired) */
+#define BL_STEP(name) bl_step_runs(BL_P_##name)
+#define BL_STEP_ID(id) bl_step_runs(id)
+#else
+#define BL_SABOTAGE_BUILD 0
+#define BL_TYPE_PREFIX "beluga._native._core."
+#define BL_STEP(name) 1
+#define BL_STEP_ID(id) 1
+#endif
+int bl_sabotage_arm(const char *name); /* sabotage build only: 0, or -1 for an unknown name */
+int bl_sabotage_armed(void);           /* the armed point, or -1 */
+void bl_sabotage_fired(int point);     /* record that a point skipped its step */
+
 typedef struct bl_mem bl_mem;
 typedef struct bl_model bl_model;
 
@@ -47,6 +217,8 @@ uint32_t bl_crc32c(uint32_t crc, const void *buf, size_t n);
 void bl_nt_copy(void *dst, const void *src, size_t n);
 void bl_flush_lines(const void *addr, size_t n);
 const char *bl_selected(const char *what);
+#define BL_SELFCHECK_BYTES 4096
+int bl_memops_selfcheck(char *out, size_t cap);
 int bl_cpu_has(const char *feature);
 
 /* model.c: the simulated non-coherent host; its counters, in model_stats() order. */
@@ -59,6 +231,7 @@ enum {
     BL_MS_EARLY_DRAINS,
     BL_MS_REFILLS,
     BL_MS_DIRTY_DROPPED,
+    BL_MS_LANDED, /* writes (lines or pieces of lines) that reached memory */
     BL_MODEL_NSTATS
 };
 bl_model *bl_model_new(uint32_t cache_lines, double evict_rate, double drain_rate,
@@ -67,6 +240,8 @@ void bl_model_free(bl_model *model);
 const bl_memops *bl_model_ops(void);
 void bl_model_discard(bl_model *model);
 void bl_model_stats(bl_model *model, uint64_t out[BL_MODEL_NSTATS]);
+void bl_model_crash_after(bl_model *model, uint64_t lines);
+int bl_model_crashed(bl_model *model);
 
 /* block.c: the block header and the publish / read_validated protocol. */
 #define BL_HDR_MAGIC 0x484b4c42u /* "BLKH" */

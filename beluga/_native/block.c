@@ -20,6 +20,14 @@
  * that scatters a payload itself brackets its copy with check_header.  The checksum
  * catches a torn payload even without that ordering.  Every failure is a
  * miss (a negative code), never data.
+ *
+ * Seal checksums the payload from the pool (invalidate, MFENCE, load): the
+ * payload may come from another agent (the GPU's kernel) while this host
+ * holds stale lines of the extent, and the MFENCE also drains this host's
+ * own payload stores before PUBLISHED is queued behind them, so seal needs
+ * no SFENCE of its own before the header.
+ *
+ * Every step above is a named sabotage point (BL_STEP, beluga_native.h).
  */
 #include <string.h>
 
@@ -40,12 +48,13 @@ int bl_header_check(const bl_header *h)
            h->header_crc == ~bl_crc32c(~0u, h, offsetof(bl_header, header_crc));
 }
 
-/* Write one header line so that it reaches memory whole. */
-static void put_header(bl_mem *m, size_t hdr_off, bl_header *h)
+/* Write one header line so that it reaches memory whole; `fenced`: SFENCE after it. */
+static void put_header(bl_mem *m, size_t hdr_off, bl_header *h, int fenced)
 {
     bl_header_seal(h);
     m->ops->nt_store(m, hdr_off, h, sizeof(*h));
-    m->ops->sfence(m);
+    if (fenced)
+        m->ops->sfence(m);
 }
 
 /* Announce a write: header := WRITING(version, length), fenced, before any payload store. */
@@ -56,7 +65,7 @@ void bl_begin_write(bl_mem *m, size_t hdr_off, const bl_header *proto, size_t n)
     h.state = BL_WRITING;
     h.length = n; /* so that recovery knows the extent a dead writer held */
     h.payload_crc = 0;
-    put_header(m, hdr_off, &h);
+    put_header(m, hdr_off, &h, BL_STEP(BLOCK_WRITING_FENCE));
 }
 
 /* Finish a write whose payload (fenced) has the given CRC: header := PUBLISHED. */
@@ -67,7 +76,7 @@ void bl_seal(bl_mem *m, size_t hdr_off, const bl_header *proto, size_t n, uint32
     h.state = BL_PUBLISHED;
     h.length = n;
     h.payload_crc = crc;
-    put_header(m, hdr_off, &h);
+    put_header(m, hdr_off, &h, BL_STEP(BLOCK_PUBLISHED_FENCE));
 }
 
 /* Publish `n` bytes of data as block (hdr_off, payload_off). */
@@ -76,7 +85,8 @@ void bl_publish(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *
 {
     bl_begin_write(m, hdr_off, proto, n);
     m->ops->nt_store(m, payload_off, data, n);
-    m->ops->sfence(m);
+    if (BL_STEP(BLOCK_PAYLOAD_FENCE))
+        m->ops->sfence(m);
     bl_seal(m, hdr_off, proto, n, ~bl_crc32c(~0u, data, n));
 }
 
@@ -85,8 +95,10 @@ uint32_t bl_payload_crc(bl_mem *m, size_t payload_off, size_t n)
 {
     uint8_t chunk[4096];
     uint32_t c = ~0u;
-    m->ops->invalidate(m, payload_off, n);
-    m->ops->mfence(m);
+    if (BL_STEP(BLOCK_CHECKSUM_INVALIDATE))
+        m->ops->invalidate(m, payload_off, n);
+    if (BL_STEP(BLOCK_CHECKSUM_MFENCE))
+        m->ops->mfence(m);
     for (size_t done = 0; done < n; done += sizeof(chunk)) {
         size_t k = n - done < sizeof(chunk) ? n - done : sizeof(chunk);
         m->ops->load(m, payload_off + done, chunk, k);
@@ -98,8 +110,10 @@ uint32_t bl_payload_crc(bl_mem *m, size_t payload_off, size_t n)
 /* Load a header after dropping any cached copy of it. */
 void bl_get_header(bl_mem *m, size_t hdr_off, bl_header *h)
 {
-    m->ops->invalidate(m, hdr_off, sizeof(*h));
-    m->ops->mfence(m);
+    if (BL_STEP(BLOCK_HEADER_INVALIDATE))
+        m->ops->invalidate(m, hdr_off, sizeof(*h));
+    if (BL_STEP(BLOCK_HEADER_MFENCE))
+        m->ops->mfence(m);
     m->ops->load(m, hdr_off, h, sizeof(*h));
 }
 
@@ -141,8 +155,10 @@ int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
         return r;
     if (h.length > cap)
         return BL_TOO_SMALL;
-    m->ops->invalidate(m, payload_off, h.length);
-    m->ops->mfence(m);
+    if (BL_STEP(BLOCK_PAYLOAD_INVALIDATE))
+        m->ops->invalidate(m, payload_off, h.length);
+    if (BL_STEP(BLOCK_PAYLOAD_MFENCE))
+        m->ops->mfence(m);
     /* copy and checksum a chunk at a time, so the CRC reads what is still in L1 */
     uint32_t crc = ~0u;
     for (size_t done = 0; done < h.length; done += READ_CHUNK) {

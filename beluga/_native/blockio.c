@@ -256,9 +256,11 @@ static void move_row(job *j, bl_mem *m, const uint64_t *row, uint8_t *buf, int w
 /* Load every block's header after one invalidate pass and one fence. */
 static void load_headers(bl_mem *m, const bl_blockio *blocks, size_t nblocks, bl_header *out)
 {
-    for (size_t i = 0; i < nblocks; i++)
-        m->ops->invalidate(m, blocks[i].hdr_off, BL_LINE);
-    m->ops->mfence(m);
+    if (BL_STEP(BLOCKIO_HEADER_INVALIDATE))
+        for (size_t i = 0; i < nblocks; i++)
+            m->ops->invalidate(m, blocks[i].hdr_off, BL_LINE);
+    if (BL_STEP(BLOCKIO_HEADER_MFENCE))
+        m->ops->mfence(m);
     for (size_t i = 0; i < nblocks; i++)
         m->ops->load(m, blocks[i].hdr_off, &out[i], BL_LINE);
 }
@@ -318,10 +320,12 @@ int bl_read_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t
             off = in_extent;
         }
     }
-    for (size_t r = 0; r < nrows; r++)
-        if (rows[4 * r + 3])
-            m->ops->invalidate(m, rows[4 * r + 2], rows[4 * r + 3]);
-    m->ops->mfence(m);
+    if (BL_STEP(BLOCKIO_PAYLOAD_INVALIDATE))
+        for (size_t r = 0; r < nrows; r++)
+            if (rows[4 * r + 3])
+                m->ops->invalidate(m, rows[4 * r + 2], rows[4 * r + 3]);
+    if (BL_STEP(BLOCKIO_PAYLOAD_MFENCE))
+        m->ops->mfence(m);
     for (size_t r = 0; r < nrows; r++)
         move_row(&j, m, &rows[4 * r], bufs[rows[4 * r]], 0);
     finish_segments(&j);
@@ -370,7 +374,8 @@ int bl_write_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_
     }
     for (size_t r = 0; r < nrows; r++)
         move_row(&j, m, &rows[4 * r], (uint8_t *)bufs[rows[4 * r]], 1);
-    m->ops->sfence(m);
+    if (BL_STEP(BLOCKIO_WRITE_FENCE))
+        m->ops->sfence(m);
     finish_segments(&j);
     size_t cursor = 0;
     for (size_t k = 0; k < nblocks; k++) {

@@ -31,8 +31,19 @@
  * Other architectures get a portable build: plain copies, compiler fences and
  * a table CRC.  That is only correct on a coherent machine, which is exactly
  * where such a build runs today (CI, laptops).
+ *
+ * SELF-CHECK
+ * The model replaces this table, so it cannot see a mistake here.
+ * bl_memops_selfcheck() watches the table itself instead: flush_fn and
+ * writeback_fn are swapped for recorders (costing nothing outside a check)
+ * while it runs each non-temporal copy the CPU can do
+ * into unaligned destinations (every byte outside a whole streaming granule
+ * is a plain store and must be flushed) and an invalidate (it must flush,
+ * never CLWB, which keeps a stale line).  Both steps are sabotage points.
  */
 #define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -61,6 +72,39 @@ static void (*flush_fn)(const void *, size_t);
 static void (*writeback_fn)(const void *, size_t);
 static void (*nt_copy_fn)(void *, const void *, size_t);
 static uint32_t (*crc_fn)(uint32_t, const void *, size_t);
+
+/* The self-check's recorder: stands in for flush_fn / writeback_fn while a check runs. */
+#define WATCH_MAX 64
+static pthread_mutex_t selfcheck_lock = PTHREAD_MUTEX_INITIALIZER;
+static void (*real_flush)(const void *, size_t), (*real_writeback)(const void *, size_t);
+static __thread int watching, nwatched; /* only the checking thread records */
+static __thread struct {
+    uintptr_t lo, hi;
+    int writeback;
+} watched[WATCH_MAX];
+
+/* Record [addr, addr + n) if this thread is checking. */
+static void watch(const void *addr, size_t n, int writeback)
+{
+    if (watching && nwatched < WATCH_MAX) {
+        watched[nwatched].lo = (uintptr_t)addr, watched[nwatched].hi = (uintptr_t)addr + n;
+        watched[nwatched++].writeback = writeback;
+    }
+}
+
+/* flush_fn during a self-check: record, then flush. */
+static void flush_watched(const void *addr, size_t n)
+{
+    watch(addr, n, 0);
+    real_flush(addr, n);
+}
+
+/* writeback_fn during a self-check: record, then write back. */
+static void writeback_watched(const void *addr, size_t n)
+{
+    watch(addr, n, 1);
+    real_writeback(addr, n);
+}
 
 /* Multiply two polynomials modulo P in the reflected domain (bit 31 is x^0). */
 static uint32_t gf_mul(uint32_t a, uint32_t b)
@@ -118,6 +162,15 @@ static void store_flush(void *dst, const void *src, size_t n)
         return;
     memcpy(dst, src, n);
     flush_fn(dst, n);
+}
+
+/* The unaligned head or tail of a streaming copy: plain stores, flushed. */
+static void edge_copy(void *dst, const void *src, size_t n)
+{
+    if (BL_STEP(MEMOPS_NT_EDGE_FLUSH))
+        store_flush(dst, src, n);
+    else
+        memcpy(dst, src, n);
 }
 
 #if BL_X86
@@ -199,7 +252,7 @@ __attribute__((target("avx512f"))) static void nt_copy_avx512(void *dst, const v
     size_t head = (size_t)(-(uintptr_t)d & (BL_LINE - 1));
     if (head > n)
         head = n;
-    store_flush(d, s, head);
+    edge_copy(d, s, head);
     d += head, s += head, n -= head;
     for (; n >= 256; n -= 256, d += 256, s += 256) {
         __m512i a = _mm512_loadu_si512(s), b = _mm512_loadu_si512(s + 64);
@@ -211,7 +264,7 @@ __attribute__((target("avx512f"))) static void nt_copy_avx512(void *dst, const v
     }
     for (; n >= 64; n -= 64, d += 64, s += 64)
         _mm512_stream_si512((void *)d, _mm512_loadu_si512(s));
-    store_flush(d, s, n);
+    edge_copy(d, s, n);
 }
 
 /* Streaming copy with SSE2 (16 B per store). */
@@ -222,7 +275,7 @@ static void nt_copy_sse2(void *dst, const void *src, size_t n)
     size_t head = (size_t)(-(uintptr_t)d & 15);
     if (head > n)
         head = n;
-    store_flush(d, s, head);
+    edge_copy(d, s, head);
     d += head, s += head, n -= head;
     for (; n >= 64; n -= 64, d += 64, s += 64) {
         __m128i a = _mm_loadu_si128((const void *)s), b = _mm_loadu_si128((const void *)(s + 16));
@@ -235,7 +288,7 @@ static void nt_copy_sse2(void *dst, const void *src, size_t n)
     }
     for (; n >= 16; n -= 16, d += 16, s += 16)
         _mm_stream_si128((void *)d, _mm_loadu_si128((const void *)s));
-    store_flush(d, s, n);
+    edge_copy(d, s, n);
 }
 
 /* Store fence: earlier stores (non-temporal ones too) complete before later ones. */
@@ -318,6 +371,8 @@ const char *bl_selected(const char *what)
 #else
         return sel_flush;
 #endif
+    if (!strcmp(what, "invalidate"))
+        return BL_STEP(MEMOPS_INVALIDATE_FLUSHES) ? sel_flush : bl_selected("writeback");
     if (!strcmp(what, "nt"))
         return sel_nt;
     if (!strcmp(what, "crc"))
@@ -369,6 +424,13 @@ static void native_flush(bl_mem *m, size_t off, size_t n) { flush_fn(m->base + o
 /* Native table: write back, keep the line. */
 static void native_writeback(bl_mem *m, size_t off, size_t n) { writeback_fn(m->base + off, n); }
 
+/* Native table: drop lines before a read.  x86 has no user-mode drop without write-back,
+ * so this is a flush; never CLWB, which would keep the stale line. */
+static void native_invalidate(bl_mem *m, size_t off, size_t n)
+{
+    (BL_STEP(MEMOPS_INVALIDATE_FLUSHES) ? flush_fn : writeback_fn)(m->base + off, n);
+}
+
 /* Native table: store fence. */
 static void native_sfence(bl_mem *m) { fence_store(); }
 
@@ -382,10 +444,99 @@ static const bl_memops native_ops = {
     .nt_store = native_nt_store,
     .flush = native_flush,
     .writeback = native_writeback,
-    .invalidate = native_flush, /* x86 has no user-mode drop without write-back */
+    .invalidate = native_invalidate,
     .sfence = native_sfence,
     .mfence = native_mfence,
 };
 
 /* The table of real instructions. */
 const bl_memops *bl_native_ops(void) { return &native_ops; }
+
+/* Append a problem (NUL-terminated) to out if it fits; returns the new count. */
+static int problem(char *out, size_t cap, size_t *used, int count, const char *text)
+{
+    size_t n = strlen(text) + 1;
+    if (*used + n > cap)
+        return count;
+    memcpy(out + *used, text, n);
+    *used += n;
+    return count + 1;
+}
+
+/* Whether the watched flushes (not write-backs) cover every byte of [lo, hi). */
+static int flushed(uintptr_t lo, uintptr_t hi)
+{
+    for (uintptr_t p = lo; p < hi; p++) {
+        int hit = 0;
+        for (int i = 0; i < nwatched && !hit; i++)
+            hit = !watched[i].writeback && watched[i].lo <= p && p < watched[i].hi;
+        if (!hit)
+            return 0;
+    }
+    return 1;
+}
+
+/*
+ * Run the native table's copy and invalidate with the recorder on and say what is
+ * wrong: problems are NUL-separated in out; returns how many.  Watches this thread
+ * only, so other threads may copy meanwhile.
+ */
+int bl_memops_selfcheck(char *out, size_t cap)
+{
+    static uint8_t src[1024], area[1024 + 2 * BL_LINE] __attribute__((aligned(64)));
+    size_t used = 0;
+    int count = 0;
+    typedef struct {
+        const char *name;
+        void (*copy)(void *, const void *, size_t);
+        size_t granule; /* bytes a streaming store writes; 0: every byte is a plain store */
+    } copier;
+    copier copies[3];
+    int ncopies = 0;
+#if BL_X86
+    if (has_avx512f)
+        copies[ncopies++] = (copier){"avx512", nt_copy_avx512, 64};
+    copies[ncopies++] = (copier){"sse2", nt_copy_sse2, 16};
+#endif
+    copies[ncopies++] = (copier){"store-flush", store_flush, 0};
+    pthread_mutex_lock(&selfcheck_lock);
+    real_flush = flush_fn, real_writeback = writeback_fn;
+    flush_fn = flush_watched, writeback_fn = writeback_watched;
+    static const size_t offsets[] = {0, 1, 5, 16, 37, 63}, lengths[] = {1, 15, 64, 100, 300, 777};
+    char text[160];
+    for (int c = 0, bad = 0; c < ncopies; c++, bad = 0) /* one problem per copy at most */
+        for (size_t i = 0; i < sizeof(offsets) / sizeof(offsets[0]) && !bad; i++)
+            for (size_t j = 0; j < sizeof(lengths) / sizeof(lengths[0]) && !bad; j++) {
+                uint8_t *d = area + offsets[i];
+                size_t n = lengths[j], g = copies[c].granule;
+                uintptr_t lo = (uintptr_t)d, hi = lo + n;
+                uintptr_t body_lo = g ? (lo + g - 1) / g * g : hi, body_hi = g ? hi / g * g : hi;
+                if (body_hi < body_lo)
+                    body_lo = body_hi = hi;
+                nwatched = 0, watching = 1;
+                copies[c].copy(d, src, n);
+                watching = 0;
+                fence_store();
+                if (!flushed(lo, body_lo) || !flushed(body_hi, hi)) {
+                    bad = 1;
+                    snprintf(text, sizeof(text),
+                             "the %s non-temporal copy of %zu bytes at offset %zu leaves plain "
+                             "stores of its head or tail unflushed",
+                             copies[c].name, n, offsets[i]);
+                    count = problem(out, cap, &used, count, text);
+                }
+            }
+    bl_mem m = {.base = area, .size = sizeof(area), .ops = &native_ops, .model = NULL};
+    nwatched = 0, watching = 1;
+    native_ops.invalidate(&m, 3, 200);
+    watching = 0;
+    int clwb = 0;
+    for (int i = 0; i < nwatched; i++)
+        clwb |= watched[i].writeback;
+    flush_fn = real_flush, writeback_fn = real_writeback;
+    pthread_mutex_unlock(&selfcheck_lock);
+    if (clwb || !flushed((uintptr_t)area + 3, (uintptr_t)area + 203))
+        count = problem(out, cap, &used, count,
+                        "invalidate does not flush every line (CLWB keeps a stale line cached)");
+    return count;
+}

@@ -45,7 +45,9 @@
  *   invalidation host's next MFENCE, so loads before it may hit the old copy,
  *                as a load that passes a CLFLUSHOPT does.  A store to such a
  *                line completes the flush first.  At most DOOM_LINES wait;
- *                beyond that an invalidation completes at once.
+ *                beyond that the oldest completes to make room (a host that
+ *                never fences still has its old flushes done, its latest
+ *                ones in flight).
  *   speculative  When an invalidation completes, the line may come straight
  *   refill       back (probability refill_rate) with the memory contents of
  *                that moment, as prefetchers and speculative loads bring
@@ -73,6 +75,15 @@
  *                but the operation promises only the drop: a host that needs
  *                its stores in memory flushes them, and a verify-read of a
  *                line written without a flush must not publish that write.
+ *   crash        crash_after(k) kills the host once k more lines (or pieces
+ *                of lines) of its own have reached memory: the one that would
+ *                be the k+1-th, and everything it holds, queues or stores
+ *                later, never lands.  Sweeping k over an operation freezes
+ *                every state memory passes through on the way, so a test can
+ *                look at each at leisure: a missing SFENCE between two stores
+ *                shows as the second landed without the first, whatever the
+ *                timing (a concurrent reader could be looking at any of those
+ *                states; a power cut could leave any of them behind).
  *   fork         A forked child inherits a copy of every model.  Its copy
  *                starts empty (lines, queue and invalidations forgotten,
  *                never written back: they are the parent's) with its own
@@ -134,6 +145,8 @@ struct bl_model {
     uint64_t rng;
     uint64_t evict_threshold, drain_threshold, refill_threshold;
     uint64_t stats[BL_MODEL_NSTATS];
+    int64_t crash_budget; /* landings left before the host dies; -1: never */
+    int dead;             /* crashed: nothing of this host reaches memory any more */
 };
 
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -205,6 +218,21 @@ static uint64_t span_mask(size_t in, size_t k)
     return k >= BL_LINE ? ~0ull : ((1ull << k) - 1) << in;
 }
 
+/* Whether a write of this host reaches memory now: counts it, or kills the host (crash_after). */
+static int lands(bl_model *m)
+{
+    if (m->dead)
+        return 0;
+    if (m->crash_budget == 0) {
+        m->dead = 1;
+        return 0;
+    }
+    if (m->crash_budget > 0)
+        m->crash_budget--;
+    m->stats[BL_MS_LANDED]++;
+    return 1;
+}
+
 /* Queue slot of a line, or -1. */
 static int queued_at(const bl_model *m, uint64_t line)
 {
@@ -220,7 +248,9 @@ static void queue_write(bl_model *m, bl_mem *mem, uint32_t q, uint64_t mask)
     qline *e = &m->queue[q];
     uint8_t *dst = mem->base + e->line * BL_LINE;
     mask &= e->mask;
-    if (mask == ~0ull) {
+    if (!lands(m)) {
+        /* a dead host's bytes leave the queue without reaching memory */
+    } else if (mask == ~0ull) {
         memcpy(dst, e->data, BL_LINE);
     } else {
         for (int piece = 0; piece < (int)BL_LINE; piece += 8) {
@@ -295,7 +325,8 @@ static void drop(bl_model *m, bl_mem *mem, uint32_t slot, int write_back)
     cline *c = &m->lines[slot];
     if (c->dirty && write_back) {
         drain_line(m, mem, c->line);
-        memcpy(mem->base + c->line * BL_LINE, c->data, BL_LINE);
+        if (lands(m))
+            memcpy(mem->base + c->line * BL_LINE, c->data, BL_LINE);
         m->stats[BL_MS_WRITEBACKS]++;
     }
     index_delete(m, bucket_of_slot(m, slot));
@@ -393,10 +424,13 @@ static void doom(bl_model *m, bl_mem *mem, uint64_t line)
     int64_t s = find(m, line);
     if (s >= 0 && m->lines[s].doomed)
         return;
-    if (m->ndoomed == DOOM_LINES) { /* too many in flight: this one completes at once */
-        if (s >= 0)
-            drop(m, mem, (uint32_t)s, 1);
-        return;
+    if (m->ndoomed == DOOM_LINES) { /* too many in flight: the oldest completes */
+        int64_t old = find(m, m->doomed[0]);
+        if (old >= 0 && m->lines[old].doomed)
+            drop(m, mem, (uint32_t)old, 1);
+        memmove(m->doomed, m->doomed + 1, (DOOM_LINES - 1) * sizeof(m->doomed[0]));
+        m->ndoomed--;
+        s = find(m, line); /* the drop may have moved this line's slot */
     }
     if (s >= 0)
         m->lines[s].doomed = 1;
@@ -595,6 +629,7 @@ static void after_fork_child(void)
 {
     for (bl_model *m = registry; m; m = m->next) {
         forget(m);
+        m->crash_budget = -1, m->dead = 0;
         m->rng = (m->rng ^ 0xd1b54a32d192ed03ull) * 0x9e3779b97f4a7c15ull | 1;
         pthread_mutex_unlock(&m->lock);
     }
@@ -635,6 +670,7 @@ bl_model *bl_model_new(uint32_t cache_lines, double evict_rate, double drain_rat
     m->evict_threshold = threshold(evict_rate);
     m->drain_threshold = threshold(drain_rate);
     m->refill_threshold = threshold(refill_rate);
+    m->crash_budget = -1;
     pthread_mutex_lock(&registry_lock);
     m->next = registry;
     if (registry)
@@ -670,6 +706,23 @@ void bl_model_discard(bl_model *m)
     m->stats[BL_MS_DISCARDED] += m->count + m->queued;
     forget(m);
     pthread_mutex_unlock(&m->lock);
+}
+
+/* Kill the host once `lines` more of its writes have reached memory (see "crash"). */
+void bl_model_crash_after(bl_model *m, uint64_t lines)
+{
+    pthread_mutex_lock(&m->lock);
+    m->crash_budget = lines > INT64_MAX ? INT64_MAX : (int64_t)lines;
+    pthread_mutex_unlock(&m->lock);
+}
+
+/* Whether the host has crashed (crash_after). */
+int bl_model_crashed(bl_model *m)
+{
+    pthread_mutex_lock(&m->lock);
+    int dead = m->dead;
+    pthread_mutex_unlock(&m->lock);
+    return dead;
 }
 
 /* The counters, indexed by BL_MS_*. */

@@ -147,6 +147,11 @@ static int Memory_init(MemoryObject *self, PyObject *args, PyObject *kw)
         PyErr_Format(PyExc_ValueError, "mode must be 'native' or 'model', not '%s'", mode);
         return -1;
     }
+    if (!model && bl_sabotage_armed() >= 0) { /* see sabotage.c: never a real mapping */
+        fail("this is a sabotaged C core (point %s armed): it runs under the model only",
+             bl_points[bl_sabotage_armed()].name);
+        return -1;
+    }
     if (model && (cache_lines < 1 || !(evict_rate >= 0.0 && evict_rate <= 1.0) ||
                   !(drain_rate >= 0.0 && drain_rate <= 1.0) ||
                   !(refill_rate >= 0.0 && refill_rate <= 1.0))) {
@@ -462,7 +467,7 @@ static PyObject *in_place(MemoryObject *self, PyObject *args, PyObject *kw, int 
         if (!sealing) {
             bl_begin_write(m, hdr_off, &h, length);
         } else if (bl_section_enter(&s, self, 1, NULL, NULL) == 0) {
-            m->ops->sfence(m); /* the payload's own stores first */
+            /* the checksum's MFENCE drains the caller's own payload stores first */
             bl_seal(m, hdr_off, &h, length, bl_payload_crc(m, payload_off, length));
             bl_section_leave(&s);
         }
@@ -648,12 +653,15 @@ static void sg_run(bl_mem *m, sg_job *job, int write)
     if (write) {
         for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
             m->ops->nt_store(m, row[2], (uint8_t *)job->bufs[row[0]].buf + row[1], row[3]);
-        m->ops->sfence(m);
+        if (BL_STEP(GATHER_FENCE))
+            m->ops->sfence(m);
         return;
     }
-    for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
-        m->ops->invalidate(m, row[2], row[3]);
-    m->ops->mfence(m);
+    if (BL_STEP(SCATTER_INVALIDATE))
+        for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
+            m->ops->invalidate(m, row[2], row[3]);
+    if (BL_STEP(SCATTER_MFENCE))
+        m->ops->mfence(m);
     row = job->rows;
     for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
         m->ops->load(m, row[2], (uint8_t *)job->bufs[row[0]].buf + row[1], row[3]);
@@ -823,6 +831,18 @@ static PyObject *Memory_discard(MemoryObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* crash_after(lines): model mode only: the host dies once `lines` more writes land. */
+static PyObject *Memory_crash_after(MemoryObject *self, PyObject *args)
+{
+    unsigned long long lines;
+    if (!PyArg_ParseTuple(args, "K", &lines) || !attached(self))
+        return NULL;
+    if (!self->mem.model)
+        return fail("crash_after() needs a model-mode Memory (a real host cannot be told to die)");
+    bl_model_crash_after(self->mem.model, lines);
+    Py_RETURN_NONE;
+}
+
 /* model_stats() -> dict, or None in native mode. */
 static PyObject *Memory_model_stats(MemoryObject *self, PyObject *unused)
 {
@@ -832,10 +852,12 @@ static PyObject *Memory_model_stats(MemoryObject *self, PyObject *unused)
         Py_RETURN_NONE;
     uint64_t s[BL_MODEL_NSTATS];
     bl_model_stats(self->mem.model, s);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "hits", s[BL_MS_HITS], "misses", s[BL_MS_MISSES],
-                         "writebacks", s[BL_MS_WRITEBACKS], "evictions", s[BL_MS_EVICTIONS],
-                         "discarded", s[BL_MS_DISCARDED], "early_drains", s[BL_MS_EARLY_DRAINS],
-                         "refills", s[BL_MS_REFILLS], "dirty_dropped", s[BL_MS_DIRTY_DROPPED]);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsO}", "hits", s[BL_MS_HITS], "misses",
+                         s[BL_MS_MISSES], "writebacks", s[BL_MS_WRITEBACKS], "evictions",
+                         s[BL_MS_EVICTIONS], "discarded", s[BL_MS_DISCARDED], "early_drains",
+                         s[BL_MS_EARLY_DRAINS], "refills", s[BL_MS_REFILLS], "dirty_dropped",
+                         s[BL_MS_DIRTY_DROPPED], "landed", s[BL_MS_LANDED], "crashed",
+                         bl_model_crashed(self->mem.model) ? Py_True : Py_False);
 }
 
 /* mode: "native" or "model". */
@@ -900,6 +922,8 @@ static PyMethodDef Memory_methods[] = {
     {"scatter_read", (PyCFunction)Memory_scatter_read, METH_VARARGS,
      "scatter_read(buffers, table) -> bytes moved"},
     {"discard", (PyCFunction)Memory_discard, METH_NOARGS, "model: drop unflushed lines"},
+    {"crash_after", (PyCFunction)Memory_crash_after, METH_VARARGS,
+     "crash_after(lines): model: the host dies once `lines` more of its writes reach memory"},
     {"model_stats", (PyCFunction)Memory_model_stats, METH_NOARGS, "model cache counters"},
     {"release", (PyCFunction)(void (*)(void))Memory_release, METH_VARARGS | METH_KEYWORDS,
      "release(timeout_s=2.0): wait for running sections, then detach from the buffer"},
@@ -915,7 +939,7 @@ static PyGetSetDef Memory_getset[] = {
 };
 
 PyTypeObject BlMemoryType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "beluga._native._core.Memory",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = BL_TYPE_PREFIX "Memory",
     .tp_basicsize = sizeof(MemoryObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One host's coherent-or-not view of a shared mapping.",
@@ -971,9 +995,76 @@ static PyObject *mod_parse_header(PyObject *mod, PyObject *args)
 /* selected() -> dict: the instruction chosen for each operation. */
 static PyObject *mod_selected(PyObject *mod, PyObject *unused)
 {
-    return Py_BuildValue("{ssssssss}", "flush", bl_selected("flush"), "writeback",
-                         bl_selected("writeback"), "nt", bl_selected("nt"), "crc",
-                         bl_selected("crc"));
+    return Py_BuildValue("{ssssssssss}", "flush", bl_selected("flush"), "writeback",
+                         bl_selected("writeback"), "invalidate", bl_selected("invalidate"), "nt",
+                         bl_selected("nt"), "crc", bl_selected("crc"));
+}
+
+/* memops_selfcheck() -> [problem, ...]: what the native table does, watched (memops.c). */
+static PyObject *mod_memops_selfcheck(PyObject *mod, PyObject *unused)
+{
+    char problems[BL_SELFCHECK_BYTES];
+    int n;
+    Py_BEGIN_ALLOW_THREADS
+    n = bl_memops_selfcheck(problems, sizeof(problems));
+    Py_END_ALLOW_THREADS
+    PyObject *out = PyList_New(0);
+    for (const char *p = problems; out && n-- > 0; p += strlen(p) + 1) {
+        PyObject *text = PyUnicode_FromString(p);
+        if (!text || PyList_Append(out, text) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(text);
+    }
+    return out;
+}
+
+/* The sabotage table as a tuple of (name, where, step, why). */
+static PyObject *points_table(void)
+{
+    PyObject *t = PyTuple_New(BL_NPOINTS);
+    for (int i = 0; t && i < BL_NPOINTS; i++) {
+        const bl_point *p = &bl_points[i];
+        PyObject *row = Py_BuildValue("(ssss)", p->name, p->where, p->step, p->why);
+        if (!row)
+            Py_CLEAR(t);
+        else
+            PyTuple_SET_ITEM(t, i, row);
+    }
+    return t;
+}
+
+/* _arm(name): sabotage build only: skip the named step from now on. */
+static PyObject *mod_arm(PyObject *mod, PyObject *args)
+{
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name))
+        return NULL;
+    if (bl_sabotage_arm(name) < 0)
+        return bl_fail(PyExc_ValueError, "cannot arm %s: %s", name,
+                       BL_SABOTAGE_BUILD ? "no such sabotage point"
+                                         : "the production core has no sabotage points");
+    Py_RETURN_NONE;
+}
+
+/* armed() -> the armed point's name, or None. */
+static PyObject *mod_armed(PyObject *mod, PyObject *unused)
+{
+    int p = bl_sabotage_armed();
+    if (p < 0)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(bl_points[p].name);
+}
+
+/* _fired(name): a Python point skipped its step (recorded as for C points). */
+static PyObject *mod_fired(PyObject *mod, PyObject *args)
+{
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name))
+        return NULL;
+    for (int i = 0; i < BL_NPOINTS; i++)
+        if (!strcmp(bl_points[i].name, name))
+            bl_sabotage_fired(i);
+    Py_RETURN_NONE;
 }
 
 /* cpu_features() -> dict of the CPUID bits the core looks at. */
@@ -1005,20 +1096,35 @@ static PyMethodDef module_methods[] = {
      "crc32c_combine(crc_a, crc_b, len_b) -> CRC32C of A || B"},
     {"selected", mod_selected, METH_NOARGS, "instructions in use"},
     {"cpu_features", mod_cpu_features, METH_NOARGS, "CPUID features"},
+    {"memops_selfcheck", mod_memops_selfcheck, METH_NOARGS,
+     "memops_selfcheck() -> [problem, ...]: the native table's flushes, watched"},
+    {"_arm", mod_arm, METH_VARARGS, "_arm(name): sabotage build only"},
+    {"armed", mod_armed, METH_NOARGS, "armed() -> the armed sabotage point, or None"},
+    {"_fired", mod_fired, METH_VARARGS, "_fired(name): record that a point skipped its step"},
     {"_register_errors", mod_register_errors, METH_VARARGS, "set the error classes"},
     {NULL, NULL, 0, NULL},
 };
 
+#if BL_SABOTAGE_BUILD
+#define BL_MODULE_NAME "_core_sabotage"
+#define BL_MODULE_DOC "Beluga's C core, sabotage build (tests only: see sabotage.c)."
+#define BL_MODULE_INIT PyInit__core_sabotage
+#else
+#define BL_MODULE_NAME "_core"
+#define BL_MODULE_DOC "Beluga's C core."
+#define BL_MODULE_INIT PyInit__core
+#endif
+
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "_core",
-    .m_doc = "Beluga's C core.",
+    .m_name = BL_MODULE_NAME,
+    .m_doc = BL_MODULE_DOC,
     .m_size = -1,
     .m_methods = module_methods,
 };
 
-/* Module init: pick instructions once, then publish the types. */
-PyMODINIT_FUNC PyInit__core(void)
+/* Module init: pick instructions once, then publish the types and the sabotage table. */
+PyMODINIT_FUNC BL_MODULE_INIT(void)
 {
     bl_cpu_init();
     if (PyType_Ready(&BlMemoryType) < 0)
@@ -1029,7 +1135,9 @@ PyMODINIT_FUNC PyInit__core(void)
     Py_INCREF(&BlMemoryType);
     if (PyModule_AddObject(m, "Memory", (PyObject *)&BlMemoryType) < 0 || bl_rpc_init(m) < 0 ||
         PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
-        PyModule_AddIntConstant(m, "HEADER_MAGIC", BL_HDR_MAGIC) < 0) {
+        PyModule_AddIntConstant(m, "HEADER_MAGIC", BL_HDR_MAGIC) < 0 ||
+        PyModule_AddObject(m, "SABOTAGE_POINTS", points_table()) < 0 ||
+        PyModule_AddIntConstant(m, "SABOTAGE_BUILD", BL_SABOTAGE_BUILD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

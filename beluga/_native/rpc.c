@@ -29,6 +29,13 @@
  * of lines, MFENCE once, then load.  All of it goes through the Memory's
  * memops table, so the model mode exercises exactly this code.
  *
+ * Each of those steps is a named sabotage point (BL_STEP, beluga_native.h),
+ * but one: the SFENCE after a batch's lines.  Nothing is ordered after it; it
+ * only bounds how long the lines wait in write-combining buffers, and every
+ * writer's next step drains them anyway (a client polls its responses, the
+ * server its requests, with an MFENCE).  Without it a message arrives one
+ * poll later: latency, never a wrong or lost message.
+ *
  * The server loop (poll) runs without the GIL and returns a batch to Python;
  * serve_echo answers every request in C, to measure the transport alone.
  * Every loop that runs without the GIL does so inside a section of the
@@ -421,31 +428,38 @@ static int stage(bl_mem *m, rpc_line *ln, size_t buf_off, size_t buf_size, uint3
     return ln->flags & RPC_OOL;
 }
 
-/* Store staged lines with non-temporal stores, fencing out-of-line payloads first. */
-static void emit(bl_mem *m, const rpc_line *lines, const size_t *offs, size_t n, int any_ool)
+/* Store staged lines with non-temporal stores, fencing out-of-line payloads first
+ * (payload_point: that fence's sabotage point, the client's or the server's). */
+static void emit(bl_mem *m, const rpc_line *lines, const size_t *offs, size_t n, int any_ool,
+                 int payload_point)
 {
-    if (any_ool)
+    if (any_ool && BL_STEP_ID(payload_point))
         m->ops->sfence(m);
     for (size_t i = 0; i < n; i++)
         m->ops->nt_store(m, offs[i], &lines[i], BL_LINE);
     m->ops->sfence(m);
 }
 
+/* Load an out-of-line payload into out; 0, or -1 when it fails its CRC.  `server`: the
+ * server reads a request buffer, else the client a response buffer (separate points). */
+static int payload_in(bl_mem *m, const rpc_line *ln, size_t buf_off, void *out, int server)
+{
+    if (BL_STEP_ID(server ? BL_P_RPC_REQUEST_BUFFER_INVALIDATE : BL_P_RPC_RESPONSE_BUFFER_INVALIDATE))
+        m->ops->invalidate(m, buf_off, ln->len);
+    if (BL_STEP_ID(server ? BL_P_RPC_REQUEST_BUFFER_MFENCE : BL_P_RPC_RESPONSE_BUFFER_MFENCE))
+        m->ops->mfence(m);
+    m->ops->load(m, buf_off, out, ln->len);
+    return ~bl_crc32c(~0u, out, ln->len) == ln->payload_crc ? 0 : -1;
+}
+
 /* Load a message's payload into a new bytes object; NULL with no error set if corrupt. */
-static PyObject *payload_of(bl_mem *m, const rpc_line *ln, size_t buf_off)
+static PyObject *payload_of(bl_mem *m, const rpc_line *ln, size_t buf_off, int server)
 {
     if (!(ln->flags & RPC_OOL))
         return PyBytes_FromStringAndSize((const char *)ln->data, ln->len);
     PyObject *b = PyBytes_FromStringAndSize(NULL, ln->len);
-    if (!b)
-        return NULL;
-    m->ops->invalidate(m, buf_off, ln->len);
-    m->ops->mfence(m);
-    m->ops->load(m, buf_off, PyBytes_AS_STRING(b), ln->len);
-    if (~bl_crc32c(~0u, PyBytes_AS_STRING(b), ln->len) != ln->payload_crc) {
-        Py_DECREF(b);
-        return NULL;
-    }
+    if (b && payload_in(m, ln, buf_off, PyBytes_AS_STRING(b), server) < 0)
+        Py_CLEAR(b);
     return b;
 }
 
@@ -577,7 +591,7 @@ static PyObject *Client_submit_many(ClientObject *self, PyObject *list)
         any_ool |= r;
         offs[i] = req_line(&self->g, slot);
     }
-    emit(m, lines, offs, (size_t)n, any_ool);
+    emit(m, lines, offs, (size_t)n, any_ool, BL_P_RPC_REQUEST_PAYLOAD_FENCE);
     if (n)
         wake_server(self);
     result = PyLong_FromUnsignedLong(self->next_seq);
@@ -600,10 +614,13 @@ static void fetch_responses(ClientObject *self, uint32_t s, uint32_t n, rpc_line
 {
     bl_mem *m = &self->mem->mem;
     uint32_t first = (s - 1) % self->g.depth, run = self->g.depth - first < n ? self->g.depth - first : n;
-    m->ops->invalidate(m, resp_line(&self->g, first), (size_t)run * BL_LINE);
-    if (n > run)
-        m->ops->invalidate(m, resp_line(&self->g, 0), (size_t)(n - run) * BL_LINE);
-    m->ops->mfence(m);
+    if (BL_STEP(RPC_RESPONSE_INVALIDATE)) {
+        m->ops->invalidate(m, resp_line(&self->g, first), (size_t)run * BL_LINE);
+        if (n > run)
+            m->ops->invalidate(m, resp_line(&self->g, 0), (size_t)(n - run) * BL_LINE);
+    }
+    if (BL_STEP(RPC_RESPONSE_MFENCE))
+        m->ops->mfence(m);
     for (uint32_t i = 0; i < n; i++)
         m->ops->load(m, resp_line(&self->g, (first + i) % self->g.depth), &out[i], BL_LINE);
 }
@@ -654,7 +671,7 @@ static void client_wait_step(ClientObject *self, bl_section *sec, backoff *b, ui
 static int take_response(ClientObject *self, const rpc_line *ln, PyObject *out)
 {
     PyObject *payload =
-        payload_of(&self->mem->mem, ln, resp_buf(&self->g, (self->done_seq - 1) % self->g.depth));
+        payload_of(&self->mem->mem, ln, resp_buf(&self->g, (self->done_seq - 1) % self->g.depth), 0);
     if (!payload && PyErr_Occurred())
         return -1;
     PyObject *item = payload ? Py_BuildValue("(IN)", (unsigned)ln->code, payload)
@@ -753,7 +770,7 @@ static PyObject *Client_pump(ClientObject *self, PyObject *args)
             offs[k] = req_line(&self->g, (s - 1) % self->g.depth);
         }
         if (k) {
-            emit(m, lines, offs, k, 0);
+            emit(m, lines, offs, k, 0, BL_P_RPC_REQUEST_PAYLOAD_FENCE);
             wake_server(self);
         }
         self->next_seq += k;
@@ -881,7 +898,7 @@ static PyGetSetDef Client_getset[] = {
 };
 
 static PyTypeObject ClientType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "beluga._native._core.RingClient",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = BL_TYPE_PREFIX "RingClient",
     .tp_basicsize = sizeof(ClientObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The client end of one RPC ring.",
@@ -1049,7 +1066,7 @@ static void reject(ServerObject *self, ring_state *r, uint32_t seq, uint16_t sta
     uint32_t slot = (seq - 1) % r->g.depth;
     stage(m, &ln, resp_buf(&r->g, slot), r->g.buf, seq, r->gen, status, why, strlen(why));
     size_t off = resp_line(&r->g, slot);
-    emit(m, &ln, &off, 1, 0);
+    emit(m, &ln, &off, 1, 0, BL_P_RPC_RESPONSE_PAYLOAD_FENCE);
     wake_client(self, r);
     self->rejected++;
 }
@@ -1063,10 +1080,13 @@ static int scan_window(ServerObject *self, uint32_t idx, request *out, int room)
     if (window > (uint32_t)room)
         window = (uint32_t)room;
     uint32_t first = (r->head - 1) % depth, run = depth - first < window ? depth - first : window;
-    m->ops->invalidate(m, req_line(&r->g, first), (size_t)run * BL_LINE);
-    if (window > run)
-        m->ops->invalidate(m, req_line(&r->g, 0), (size_t)(window - run) * BL_LINE);
-    m->ops->mfence(m);
+    if (BL_STEP(RPC_REQUEST_INVALIDATE)) {
+        m->ops->invalidate(m, req_line(&r->g, first), (size_t)run * BL_LINE);
+        if (window > run)
+            m->ops->invalidate(m, req_line(&r->g, 0), (size_t)(window - run) * BL_LINE);
+    }
+    if (BL_STEP(RPC_REQUEST_MFENCE))
+        m->ops->mfence(m);
     int got = 0;
     for (uint32_t i = 0; i < window; i++) {
         request *q = &out[got];
@@ -1217,7 +1237,8 @@ static PyObject *Server_poll(ServerObject *self, PyObject *args)
     for (int i = 0; out && i < got; i++) {
         request *q = &batch[i];
         ring_state *r = &self->rings[q->ring];
-        PyObject *payload = payload_of(&self->mem->mem, &q->line, req_buf(&r->g, (q->seq - 1) % r->g.depth));
+        PyObject *payload =
+            payload_of(&self->mem->mem, &q->line, req_buf(&r->g, (q->seq - 1) % r->g.depth), 1);
         if (!payload) {
             if (PyErr_Occurred()) {
                 Py_CLEAR(out);
@@ -1276,7 +1297,7 @@ static PyObject *Server_respond(ServerObject *self, PyObject *list)
         PyBuffer_Release(&p);
     }
     if (ok) {
-        emit(&self->mem->mem, lines, offs, (size_t)n, any_ool);
+        emit(&self->mem->mem, lines, offs, (size_t)n, any_ool, BL_P_RPC_RESPONSE_PAYLOAD_FENCE);
         wake_clients(self, rings, (size_t)n, sizeof(uint32_t));
         self->served += (uint64_t)n;
     }
@@ -1321,9 +1342,10 @@ static PyObject *Server_serve_echo(ServerObject *self, PyObject *args)
             uint32_t slot = (q->seq - 1) % r->g.depth;
             const void *p = q->line.data;
             if (q->line.flags & RPC_OOL) {
-                m->ops->invalidate(m, req_buf(&r->g, slot), q->line.len);
-                m->ops->mfence(m);
-                m->ops->load(m, req_buf(&r->g, slot), tmp, q->line.len);
+                if (payload_in(m, &q->line, req_buf(&r->g, slot), tmp, 1) < 0) {
+                    reject(self, r, q->seq, ST_CORRUPT, "request payload corrupt");
+                    continue;
+                }
                 p = tmp;
             }
             any_ool |= stage(m, &lines[k], resp_buf(&r->g, slot), r->g.buf, q->seq, r->gen, 0, p,
@@ -1331,7 +1353,7 @@ static PyObject *Server_serve_echo(ServerObject *self, PyObject *args)
             offs[k++] = resp_line(&r->g, slot);
         }
         if (k) {
-            emit(m, lines, offs, (size_t)k, any_ool);
+            emit(m, lines, offs, (size_t)k, any_ool, BL_P_RPC_RESPONSE_PAYLOAD_FENCE);
             wake_clients(self, &batch[0].ring, (size_t)k, sizeof(request));
         }
         answered += (uint64_t)k;
@@ -1399,7 +1421,7 @@ static PyGetSetDef Server_getset[] = {
 };
 
 static PyTypeObject ServerType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "beluga._native._core.RingServer",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = BL_TYPE_PREFIX "RingServer",
     .tp_basicsize = sizeof(ServerObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The server end of every RPC ring of a pool.",

@@ -37,7 +37,7 @@ raises :class:`~beluga.errors.CoherenceError`):
 - ``gather_write(buffers, table)`` / ``scatter_read(buffers, table)``: one call
   for a whole scatter-gather list of ``(buffer index, buffer offset, pool
   offset, length)`` uint64 rows, checked before any byte moves
-- ``discard()``, ``model_stats()``, ``release()``
+- ``discard()``, ``crash_after(lines)``, ``model_stats()``, ``release()``
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from beluga._native import _core
+from beluga._native import _core, step
 
 Memory = _core.Memory
 LINE = _core.LINE
@@ -128,6 +129,39 @@ def write_line(mem: Memory, off: int, data: bytes) -> None:
     mem.sfence()
 
 
+def line_reader(invalidate_point: str, mfence_point: str) -> Callable[[Memory, int], bytes]:
+    """``read_line``, its two steps named after sabotage points (``beluga._native.step``).
+
+    It is ``read_line`` itself unless a mutation run armed one of the points.
+    """
+    invalidate = step(invalidate_point, Memory.invalidate)
+    mfence = step(mfence_point, Memory.mfence)
+    if invalidate is Memory.invalidate and mfence is Memory.mfence:
+        return read_line
+
+    def read(mem: Memory, off: int) -> bytes:
+        invalidate(mem, off, LINE)
+        mfence(mem)
+        return mem.load(off, LINE)
+
+    return read
+
+
+def line_writer(sfence_point: str) -> Callable[[Memory, int, bytes], None]:
+    """``write_line``, its SFENCE named after a sabotage point (``write_line`` itself but there)."""
+    sfence = step(sfence_point, Memory.sfence)
+    if sfence is Memory.sfence:
+        return write_line
+
+    def write(mem: Memory, off: int, data: bytes) -> None:
+        if len(data) != LINE or off % LINE:
+            raise ValueError(f"write_line takes one aligned {LINE}-byte line")
+        mem.nt_store(off, data)
+        sfence(mem)
+
+    return write
+
+
 def digest(key: bytes) -> bytes:
     """The 16-byte identity of a key as stored in block headers."""
     return hashlib.blake2b(key, digest_size=16).digest()
@@ -187,6 +221,8 @@ __all__ = [
     "attach",
     "crc32c",
     "digest",
+    "line_reader",
+    "line_writer",
     "parse_header",
     "read_line",
     "resolve_mode",

@@ -42,6 +42,20 @@ mixture of the two that a reader could copy is one of them and its checksum
 matches: there only the seqlock of the block header stands between a reader
 and another version's bytes.
 
+Crash sweeps (``SWEEPS``, :func:`run_sweep`) look at the states *inside* one
+call instead, which no handshake can hold open: a writer replaces one
+published twin by the other while its host is set to crash (the model's
+``crash_after``) once k of its writes have landed, for every k, and a second
+host reads the block left behind.  Any state a concurrent reader could catch
+is one of those, so a write whose payload can land after its PUBLISHED
+header is caught by the seqlock alone, whatever the timing:
+
+``publish``        ``Memory.publish`` (WRITING, payload, PUBLISHED)
+``in_place``       ``begin_write``, the payload's own unfenced stores, ``seal``
+``write_blocks``   ``begin_write``, then ``write_blocks`` (payload and seal in one call)
+
+:func:`sweep_crashes` is the same loop for any write and any look.
+
 The harness synchronises trials through control lines, each written by one
 role only, with the correct recipe (``write_line`` / ``read_line``), so the
 harness itself is immune to the bugs it tests for.  Every wait has a timeout.
@@ -66,6 +80,7 @@ from beluga.coherence import (
     BlockState,
     Memory,
     ModelConfig,
+    attach,
     crc32c,
     digest,
     parse_header,
@@ -366,8 +381,8 @@ def _o_publish(mem: Memory, b: int, t: int, ch: Channel) -> Seen:
 # --- twins: one block, two payloads with one CRC32C -------------------------
 
 
-def _crc_twins() -> tuple[bytes, bytes]:
-    """Two BLOCK_BYTES payloads with the same CRC32C that differ in one cache line only.
+def _crc_twins(size: int = BLOCK_BYTES) -> tuple[bytes, bytes]:
+    """Two ``size``-byte payloads with the same CRC32C that differ in one cache line only.
 
     Each is a common head, then LINE - 4 bytes of its own followed by the
     CRC32C of everything before them (little-endian), then a common tail.  A
@@ -376,8 +391,8 @@ def _crc_twins() -> tuple[bytes, bytes]:
     checksum.
     """
     rng = random.Random(0xB1061A)
-    line = BLOCK_BYTES // LINE // 2
-    head, tail = rng.randbytes(line * LINE), rng.randbytes(BLOCK_BYTES - (line + 1) * LINE)
+    line = size // LINE // 2
+    head, tail = rng.randbytes(line * LINE), rng.randbytes(size - (line + 1) * LINE)
 
     def twin() -> bytes:
         body = head + rng.randbytes(LINE - 4)
@@ -479,6 +494,99 @@ def _o_twins_python(recheck: bool) -> Callable[[Memory, int, int, Channel], Seen
         return _judge(data == _twin(version))
 
     return observe
+
+
+# --- crash sweeps: every state inside one write ------------------------------
+
+#: twins that fit the model's write-combining queue, so that every order of their lines can land
+SWEEP_TWINS = _crc_twins(1024)
+
+
+def _sweep_version(version: int) -> bytes:
+    return SWEEP_TWINS[version % 2]
+
+
+def _sw_publish(mem: Memory, b: int, version: int) -> None:
+    mem.publish(*_twin_block(b), _TWIN_KEY, version, _sweep_version(version))
+
+
+def _sw_in_place(mem: Memory, b: int, version: int) -> None:
+    hdr, payload = _twin_block(b)
+    data = _sweep_version(version)
+    mem.begin_write(hdr, payload, _TWIN_KEY, version, len(data))
+    mem.nt_store(payload, data)  # the caller's own stores, unfenced: seal orders them
+    mem.seal(hdr, payload, _TWIN_KEY, version, len(data))
+
+
+def _sw_write_blocks(mem: Memory, b: int, version: int) -> None:
+    hdr, payload = _twin_block(b)
+    data = _sweep_version(version)
+    mem.begin_write(hdr, payload, _TWIN_KEY, version, len(data))
+    rows = memoryview(struct.pack("<4Q", 0, 0, payload, len(data))).cast("Q")
+    mem.write_blocks([data], rows, [(hdr, payload, _TWIN_KEY, version, len(data), 0, 0, 0)])
+
+
+SWEEPS: dict[str, Callable[[Memory, int, int], None]] = {
+    "publish": _sw_publish,
+    "in_place": _sw_in_place,
+    "write_blocks": _sw_write_blocks,
+}
+
+
+def sweep_crashes(
+    attempt: Callable[[int | None], tuple[Seen, int]], *, last: int | None = None, name: str = ""
+) -> LitmusResult:
+    """Look at every state a write passes through: ``attempt(k)`` rebuilds the scene,
+    lets the writer's host crash once ``k`` of its writes landed (``None``: never),
+    looks from another host and returns what it saw and how many writes landed.
+
+    The same seed replays the same write, so state k is a prefix of state k + 1;
+    ``last`` limits the sweep to the final states of a long write.
+    """
+    tally = _Tally(name)
+    _sweep_into(tally, attempt, last)
+    return tally.result()
+
+
+def _sweep_into(
+    tally: _Tally, attempt: Callable[[int | None], tuple[Seen, int]], last: int | None
+) -> None:
+    seen, total = attempt(None)
+    tally.add(seen)
+    for k in range(0 if last is None else max(0, total - last), total):
+        tally.add(attempt(k)[0])
+
+
+def run_sweep(name: str, model: ModelConfig, seeds: range = range(8)) -> LitmusResult:
+    """Sweep ``SWEEPS[name]`` over every crash point, for each writer seed.
+
+    Every state must read as a miss (``raced``) or as the whole twin of the
+    version its header names (``confirmed``); anything else is a violation.
+    """
+    if name not in SWEEPS:
+        raise ValueError(f"unknown sweep {name!r}; choose from {sorted(SWEEPS)}")
+    write, tally = SWEEPS[name], _Tally(name)
+    for seed in seeds:
+
+        def attempt(k: int | None, seed: int = seed) -> tuple[Seen, int]:
+            shared = bytearray(AREA_BYTES)
+            writer = attach(shared, "model", dataclasses.replace(model, seed=seed))
+            write(writer, 0, 1)  # the published version the next write replaces
+            landed = writer.model_stats()["landed"]
+            if k is not None:
+                writer.crash_after(k)
+            write(writer, 0, 2)
+            landed = writer.model_stats()["landed"] - landed
+            reader = attach(shared, "model", dataclasses.replace(model, seed=seed + 1000))
+            h = parse_header(read_line(reader, BLOCK_HDR))
+            out = bytearray(BLOCK_BYTES)
+            n = reader.read_validated(*_twin_block(0), BLOCK_BYTES, _TWIN_KEY, 0, out)
+            if n < 0 or h is None:
+                return Seen.RACED, landed
+            return _judge(bytes(out[:n]) == _sweep_version(h.version)), landed
+
+        _sweep_into(tally, attempt, None)
+    return tally.result()
 
 
 @dataclass(frozen=True)

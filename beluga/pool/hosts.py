@@ -59,9 +59,21 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from beluga.coherence import LINE, Memory, crc32c, read_line, write_line
+from beluga import _native
+from beluga.coherence import LINE, Memory, crc32c, line_reader, line_writer, write_line
 from beluga.errors import PoolError, RpcError
 from beluga.pool.layout import Region, lobby_lines
+
+# Every line read here is written by another host: invalidate, MFENCE, load.  The
+# steps are sabotage points (beluga_native.h), the server's and the claimants' apart.
+_server_read = line_reader("HOSTS_SERVER_READ_INVALIDATE", "HOSTS_SERVER_READ_MFENCE")
+_server_invalidate = _native.step("HOSTS_SERVER_READ_INVALIDATE", Memory.invalidate)
+_server_mfence = _native.step("HOSTS_SERVER_READ_MFENCE", Memory.mfence)
+_holder_read = line_reader("HOSTS_HOLDER_READ_INVALIDATE", "HOSTS_HOLDER_READ_MFENCE")
+# The grant is fenced before the answer that announces it is written.  The other
+# writes here need no point: the writer's next read (an MFENCE) drains them within
+# a poll, and nothing is ordered after them.
+_write_grant = line_writer("HOSTS_GRANT_FENCE")
 
 HOST_MAGIC = 0x54534F48  # "HOST"
 GRANT_MAGIC = 0x544E5247  # "GRNT"
@@ -358,12 +370,12 @@ class HostTable:
 
     def read(self, host_id: int) -> HostEntry | None:
         """The current host line of an id, or None when the line is free or garbage."""
-        entry = HostEntry.unpack(read_line(self.mem, self._host_off(host_id)))
+        entry = HostEntry.unpack(_server_read(self.mem, self._host_off(host_id)))
         return entry if entry and entry.host_id == host_id else None
 
     def grant(self, host_id: int) -> Grant | None:
         """Who the server granted an id to (None: never granted)."""
-        g = Grant.unpack(read_line(self.mem, self._grant_off(host_id)))
+        g = Grant.unpack(_holder_read(self.mem, self._grant_off(host_id)))
         return g if g and g.host_id == host_id else None
 
     def entries(self) -> list[HostEntry]:
@@ -373,7 +385,7 @@ class HostTable:
         ]
 
     def seat(self) -> Seat | None:
-        return Seat.unpack(read_line(self.mem, self._seat_off))
+        return Seat.unpack(_server_read(self.mem, self._seat_off))
 
     def is_alive(self, entry: HostEntry | None, stale_s: float = DEFAULT_STALE_S) -> bool:
         """A quick judgement of one host line, for display (``beluga pool info``).
@@ -415,7 +427,7 @@ class HostTable:
         line = self._post(request, rng, step)
         next_check = time.monotonic() + REPOST_S
         while True:
-            answer = ClaimAnswer.unpack(read_line(self.mem, self._answer_off(line)))
+            answer = ClaimAnswer.unpack(_holder_read(self.mem, self._answer_off(line)))
             if answer is not None and answer.nonce == request.nonce:
                 break
             now = time.monotonic()
@@ -426,7 +438,7 @@ class HostTable:
                     "with 'beluga serve --pool SPEC' (one serves each pool)"
                 )
             if now >= next_check:  # torn or overwritten by another claimant: post again
-                if ClaimRequest.unpack(read_line(self.mem, self._lobby_off(line))) != request:
+                if ClaimRequest.unpack(_holder_read(self.mem, self._lobby_off(line))) != request:
                     line = self._post(request, rng, step)
                 next_check = now + REPOST_S
             time.sleep(CLAIM_POLL_S)
@@ -459,7 +471,7 @@ class HostTable:
 
     def _withdraw(self, line: int, request: ClaimRequest) -> None:
         """Take back a request nobody answered, so a server started later does not grant it."""
-        if ClaimRequest.unpack(read_line(self.mem, self._lobby_off(line))) == request:
+        if ClaimRequest.unpack(_holder_read(self.mem, self._lobby_off(line))) == request:
             write_line(self.mem, self._lobby_off(line), bytes(LINE))
 
     def _lobby_line(self, rng: random.Random) -> int:
@@ -555,8 +567,8 @@ class HostRegistry:
         t = self.table
         n = t.lobby_lines
         first = t._lobby_off(0)  # the lobby, then the answers: one read of both
-        t.mem.invalidate(first, 2 * n * LINE)
-        t.mem.mfence()
+        _server_invalidate(t.mem, first, 2 * n * LINE)
+        _server_mfence(t.mem)
         raw = t.mem.load(first, 2 * n * LINE)
         granted = 0
         for line in range(n):
@@ -588,7 +600,7 @@ class HostRegistry:
         if old is not None and self.before_grant is not None:
             self.before_grant(result, old)
         g = Grant(result, (old.generation if old else 0) + 1, req.identity, req.nonce)
-        write_line(t.mem, t._grant_off(result), g.pack())  # the grant first, then the answer
+        _write_grant(t.mem, t._grant_off(result), g.pack())  # the grant first, then the answer
         self.stale.forget((result, g.generation))
         self.granted += 1
         return ClaimAnswer(result, g.generation, 0, req.nonce)

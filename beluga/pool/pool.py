@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from beluga.coherence import Memory, ModelConfig, attach, resolve_mode
+from beluga._native import step
+from beluga.coherence import LINE, Memory, ModelConfig, attach, resolve_mode
 from beluga.errors import PoolError
 from beluga.pool.backends import Backend, Mapping, parse_spec
 from beluga.pool.hosts import HostEntry, HostTable
@@ -25,6 +26,8 @@ from beluga.pool.layout import (
 )
 
 _ZERO_CHUNK = bytes(REGION_ALIGN)
+_clear_fence = step("FORMAT_CLEAR_FENCE", Memory.sfence)
+_format_fence = step("FORMAT_FENCE", Memory.sfence)
 
 
 def _has_superblock(mapping: Mapping) -> bool:
@@ -32,10 +35,33 @@ def _has_superblock(mapping: Mapping) -> bool:
 
 
 def _zero(mem: Memory, offset: int, length: int) -> None:
-    """Clear a region with stores that reach memory."""
+    """Clear a region with non-temporal stores (the caller fences)."""
     for off in range(offset, offset + length, len(_ZERO_CHUNK)):
         mem.nt_store(off, _ZERO_CHUNK[: min(len(_ZERO_CHUNK), offset + length - off)])
-    mem.sfence()
+
+
+def format_pool(mem: Memory, sb: Superblock, *, clear: bool) -> None:
+    """Write a new pool's format through one host's view of its mapping.
+
+    The old superblock goes first, and with ``clear`` (a device keeps old
+    bytes) the host table, the RPC area and the block header and commit
+    tables; one SFENCE, so that none of the old pool's lines can outlive the
+    new superblock; then the new superblock, fenced, so that the pool is
+    there for every host when this returns.  Only the superblock's lines
+    that hold data are written (the clear zeroed the rest): its checksum
+    covers all of it, so a superblock torn by a crash is refused, never
+    half-trusted, and needs no fence of its own between body and magic.
+    """
+    mem.nt_store(0, bytes(SUPERBLOCK_BYTES))
+    if clear:
+        for region in (sb.hosts, sb.rpc, sb.headers):
+            _zero(mem, region.offset, region.length)
+    _clear_fence(mem)
+    packed = sb.pack()
+    for off in range(0, SUPERBLOCK_BYTES, LINE):
+        if any(packed[off : off + LINE]):
+            mem.nt_store(off, packed[off : off + LINE])
+    _format_fence(mem)
 
 
 class Pool:
@@ -68,7 +94,10 @@ class Pool:
 
         Refuses to overwrite an existing pool unless ``force``.  On any
         failure nothing is left behind: a file is built aside and renamed into
-        place only when complete; a device gets its superblock magic last.
+        place only when complete; a device gets its superblock only once the
+        old one and its regions are cleared (:func:`format_pool`).  The
+        format is written by a host in the given coherence mode, like any
+        other store to the pool.
         """
         backend = parse_spec(spec)
         sb = plan(size, geometry or Geometry(), label)
@@ -87,20 +116,12 @@ class Pool:
                         f"{backend.spec} already holds a pool or file; pass --force "
                         "(force=True) to replace it, or 'beluga pool destroy' it first"
                     )
+        mode = resolve_mode(coherence)
         mapping = backend.create(size)
         try:
-            fmt = Memory(mapping.buffer, "native")
-            try:
-                fmt.nt_store(0, bytes(SUPERBLOCK_BYTES))
-                fmt.sfence()
-                if not backend.creates_storage:  # a device keeps old bytes: clear our regions
-                    for region in (sb.hosts, sb.rpc, sb.headers):
-                        _zero(fmt, region.offset, region.length)
-                packed = sb.pack()
-                fmt.nt_store(len(MAGIC), packed[len(MAGIC) :])
-                fmt.sfence()
-                fmt.nt_store(0, packed[: len(MAGIC)])
-                fmt.sfence()
+            fmt = attach(mapping.buffer, mode, model)
+            try:  # a device keeps old bytes: clear our regions
+                format_pool(fmt, sb, clear=not backend.creates_storage)
             finally:
                 fmt.release()
             mapping.close()
@@ -109,7 +130,7 @@ class Pool:
             mapping.close()
             backend.abort()
             raise
-        return cls.attach(backend, coherence=coherence, model=model)
+        return cls.attach(backend, coherence=mode, model=model)
 
     @classmethod
     def attach(
@@ -122,6 +143,8 @@ class Pool:
         memory = None
         try:
             memory = attach(mapping.buffer, mode, model)
+            # needed on hardware (a CPU cache outlives the process that filled it), but no
+            # sabotage point: a new attachment's model starts empty, so it can show no stale line
             memory.invalidate(0, SUPERBLOCK_BYTES)
             memory.mfence()
             sb = unpack(memory.load(0, SUPERBLOCK_BYTES), mapping.size, backend.spec)
