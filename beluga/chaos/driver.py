@@ -855,6 +855,9 @@ class ChaosDriver:
         assert self.pool is not None
         frozen = self._freeze_writers()
         try:
+            # the earliest moment a reader can see the hostile bytes: before the store,
+            # not after it (a read that raced it is excused, not a lost write)
+            before = time.monotonic()
             hit = injector(self.pool.memory, self.pool.superblock, self.rng)
             if hit is None:
                 return False
@@ -862,7 +865,7 @@ class ChaosDriver:
             if hit.header is not None:
                 key = self.by_digest.get(hit.header.digest)
                 if key is not None:
-                    self.history.corrupted(key, time.monotonic())
+                    self.history.corrupted(key, before)
             self._record(
                 fault,
                 hit.target,
