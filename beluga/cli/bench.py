@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from beluga.bench import memops
@@ -184,6 +187,24 @@ def run_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile, so a killed run stops what it started.
+
+    Without it Python dies on SIGTERM without running ``finally`` blocks,
+    leaving engine processes and the scratch pool behind.
+    """
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_e2e_mooncake(args: argparse.Namespace) -> int:
     """Beluga beside Mooncake Store end to end: the table, the headline and a chart."""
     from tqdm import tqdm
@@ -194,7 +215,10 @@ def run_e2e_mooncake(args: argparse.Namespace) -> int:
     check_available()  # before anything starts: say what to install
     settings = e2e_settings(args)
     total = 2 * len(e2e_mooncake.SYSTEMS) * len(settings.requests())
-    with tqdm(total=total, unit="req", desc="starting", dynamic_ncols=True) as bar:
+    with (
+        _terminate_as_interrupt(),
+        tqdm(total=total, unit="req", desc="starting", dynamic_ncols=True) as bar,
+    ):
 
         def on_record(system: str, pass_no: int, record: Any) -> None:
             bar.update(1)
