@@ -95,3 +95,34 @@ def test_both_systems_hit_with_recomputed_logits_and_report(
     assert "Beluga's mean TTFT is" in e2e_mooncake.summary(doc)
     e2e_mooncake.chart(doc, str(tmp_path / "e2e-mooncake.png"))
     assert_valid_png(tmp_path / "e2e-mooncake.png")
+
+
+def _row(system: str, pass_no: int, **costs: float | None) -> dict:
+    return {
+        "system": system,
+        "pass": pass_no,
+        "block_bytes": 1 << 20,
+        "load_ms_per_block": None,
+        "lookup_ms_per_key": 0.01,
+        "save_ms_per_block": None,
+        **costs,
+    }
+
+
+def test_the_headline_and_the_paper_scale_come_from_the_per_block_costs() -> None:
+    rows = [
+        _row("beluga", 1, save_ms_per_block=1.0),
+        _row("beluga", 2, load_ms_per_block=0.5, ttft_mean_s=1.0, qps=4.0, service_mean_s=0.5),
+        _row("mooncake", 1, save_ms_per_block=4.0),
+        _row("mooncake", 2, load_ms_per_block=2.0, ttft_mean_s=4.0, qps=1.0, service_mean_s=2.0),
+    ]
+    headline = e2e_mooncake.headline(rows)
+    assert headline["pass2_ttft_fraction"] == pytest.approx(0.25)
+    assert headline["pass2_qps_ratio"] == pytest.approx(4.0)
+    assert headline["pass2_load_per_block_ratio"] == pytest.approx(4.0)
+    scale = e2e_mooncake.paper_scale(rows)
+    beluga, mooncake = scale["systems"]["beluga"], scale["systems"]["mooncake"]
+    assert beluga["load_ms_per_block"] == pytest.approx(0.5 * 4)  # 4 MiB blocks over 1 MiB
+    assert beluga["load_s"] == pytest.approx(937 * 2.0 / 1e3)
+    assert mooncake["save_s"] == pytest.approx(937 * 16.0 / 1e3)
+    assert scale["kv_gap_s_per_hit"] == pytest.approx(937 * (8.0 - 2.0) / 1e3)

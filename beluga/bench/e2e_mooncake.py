@@ -91,6 +91,7 @@ def system_row(
     save = sum(r.served.timings.save for r in records)
     service = sum(r.served.timings.ttft for r in records)
     ttft = sum(r.ttft for r in records)
+    keys = sum(r.served.num_tokens // block_size for r in records)  # one per full block
 
     def per_block(seconds: float, blocks: int) -> float | None:
         return 1e3 * seconds / blocks if blocks else None
@@ -102,9 +103,7 @@ def system_row(
         **e2e.summarize(records, engines),
         "block_bytes": nbytes,
         "loaded_blocks": loaded_blocks,
-        "lookup_ms_per_key": 1e3
-        * lookup
-        / sum(-(-r.served.num_tokens // block_size) for r in records),
+        "lookup_ms_per_key": 1e3 * lookup / keys if keys else None,
         "load_ms_per_block": per_block(load, loaded_blocks),
         "save_ms_per_block": per_block(save, saved_blocks),
         "load_gbps": loaded_blocks * nbytes / load / 1e9 if loaded_blocks and load > 0 else None,
@@ -157,7 +156,8 @@ def paper_scale(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     by = {(r["system"], r["pass"]): r for r in rows}
     for system in SYSTEMS:
         hit, fill = by[(system, 2)], by[(system, 1)]
-        if hit["load_ms_per_block"] is None or fill["save_ms_per_block"] is None:
+        costs = (hit["load_ms_per_block"], hit["lookup_ms_per_key"], fill["save_ms_per_block"])
+        if None in costs:
             continue
         scale = block_bytes / hit["block_bytes"]
         load = blocks * hit["load_ms_per_block"] * scale / 1e3
