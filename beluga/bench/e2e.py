@@ -31,7 +31,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -186,6 +186,49 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass
+class Started:
+    """A started cluster of engines, with what it took to start it."""
+
+    cluster: Cluster
+    startup_s: float
+    store_bytes: int
+
+
+@contextlib.contextmanager
+def pool_cluster(
+    settings: Settings, pool: str | None = None, say: Callable[[str], None] = lambda _: None
+) -> Iterator[Started]:
+    """A pool with room for the trace once per scheduler, its server and engines, warmed up.
+
+    The pool (a scratch file in /dev/shm unless ``pool`` names one) is
+    removed and every process stopped when the block ends, however it ends.
+    """
+    fmt = settings.format
+    geometry = kv_geometry(fmt, max_hosts=max(8, settings.engines + 2))
+    need = blocks_needed(settings.requests(), settings.trace, fmt.spec.block_size)
+    need = need * len(settings.schedulers) + settings.engines * WARMUP_TOKENS // fmt.spec.block_size
+    size = kv_pool_size(int(need * HEADROOM) + 1, geometry)
+    spec = pool or f"/dev/shm/beluga-e2e-{uuid.uuid4().hex[:8]}"
+    say(f"creating a {size >> 20} MiB pool for {fmt.fingerprint}")
+    create_kv_pool(spec, size, fmt, geometry=geometry).close()
+    try:
+        config = EngineConfig(
+            settings.shape, seed=settings.seed, threads=settings.threads, device=settings.device
+        )
+        say(f"starting the metadata server and {settings.engines} engines")
+        started = time.monotonic()
+        with Cluster(
+            spec, config, engines=settings.engines, start_method=settings.start_method
+        ) as cluster:
+            startup = time.monotonic() - started
+            warm_up(cluster, settings)
+            yield Started(cluster, startup, size)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            Pool.destroy(spec)
+
+
 def run(
     settings: Settings,
     pool: str | None = None,
@@ -199,51 +242,28 @@ def run(
     """
     shape, fmt = settings.shape, settings.format
     trace = settings.requests()
-    geometry = kv_geometry(fmt, max_hosts=max(8, settings.engines + 2))
-    need = blocks_needed(trace, settings.trace, fmt.spec.block_size) * len(settings.schedulers)
-    need += settings.engines * WARMUP_TOKENS // fmt.spec.block_size
-    size = kv_pool_size(int(need * HEADROOM) + 1, geometry)
-    spec = pool or f"/dev/shm/beluga-e2e-{uuid.uuid4().hex[:8]}"
     say = on_phase or (lambda _: None)
-    say(f"creating a {size >> 20} MiB pool for {fmt.fingerprint}")
-    create_kv_pool(spec, size, fmt, geometry=geometry).close()
     rows: list[dict[str, Any]] = []
-    try:
-        config = EngineConfig(
-            shape, seed=settings.seed, threads=settings.threads, device=settings.device
-        )
-        say(f"starting the metadata server and {settings.engines} engines")
-        started = time.monotonic()
-        with Cluster(
-            spec, config, engines=settings.engines, start_method=settings.start_method
-        ) as cluster:
-            startup = time.monotonic() - started
-            warm_up(cluster, settings)
-            prompts = [r.token_ids for r in trace]
-            for name in settings.schedulers:
-                scheduler = make_scheduler(name, settings.engines)
-                for pass_no in (1, 2):
-                    say(f"{name}: pass {pass_no}")
-                    progress = on_record and functools.partial(on_record, name, pass_no)
-                    records = cluster.run(
-                        prompts,
-                        scheduler,
-                        salt=name,
-                        rate=settings.rate,
-                        seed=settings.seed + pass_no,
-                        want_logits=want_logits,
-                        on_record=progress,
-                    )
-                    rows.append(
-                        {
-                            "scheduler": name,
-                            "pass": pass_no,
-                            **summarize(records, settings.engines),
-                        }
-                    )
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            Pool.destroy(spec)
+    with pool_cluster(settings, pool, say) as started:
+        prompts = [r.token_ids for r in trace]
+        for name in settings.schedulers:
+            scheduler = make_scheduler(name, settings.engines)
+            for pass_no in (1, 2):
+                say(f"{name}: pass {pass_no}")
+                progress = on_record and functools.partial(on_record, name, pass_no)
+                records = started.cluster.run(
+                    prompts,
+                    scheduler,
+                    salt=name,
+                    rate=settings.rate,
+                    seed=settings.seed + pass_no,
+                    want_logits=want_logits,
+                    on_record=progress,
+                )
+                rows.append(
+                    {"scheduler": name, "pass": pass_no, **summarize(records, settings.engines)}
+                )
+    size, startup = started.store_bytes, started.startup_s
     return {
         "settings": {**asdict(settings), "kv_format": fmt.fingerprint, "pool_bytes": size},
         "model_params": model_params(shape),

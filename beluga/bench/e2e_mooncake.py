@@ -1,8 +1,8 @@
 """End to end beside Mooncake: one trace, one model, two KV stores, in one run.
 
 ``beluga bench e2e --baseline mooncake`` runs the experiment of
-:mod:`beluga.bench.e2e` for two systems, one after the other, each on a
-cold store:
+:mod:`beluga.bench.e2e` for two systems, both up for the whole run and
+taking turns pass by pass, each on a store of its own:
 
 beluga
     engines share one pool (:class:`beluga.serving.engine.ServingEngine`:
@@ -17,7 +17,7 @@ mooncake
     ``batch_put_from`` / ``batch_get_into`` through Mooncake's transfer
     engine, routed by the locality-aware scheduler Mooncake deployments use.
 
-Each replays the trace twice (pass 1 fills the store, pass 2 hits it).  Per
+Each replays the trace twice (pass 1 fills its store, pass 2 hits it).  Per
 system and pass the report gives what :func:`beluga.bench.e2e.summarize`
 does plus the cost per block of each step and the share of TTFT spent loading
 KV; the headline is the paper's table: pass-2 mean TTFT of Beluga as a
@@ -29,10 +29,11 @@ however the run ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -186,20 +187,16 @@ def segment_bytes(settings: e2e.Settings) -> int:
     return int(need * settings.format.nbytes * SEGMENT_HEADROOM) + SEGMENT_SLACK
 
 
-def run_mooncake(
-    settings: e2e.Settings,
-    on_record: Progress | None = None,
-    on_phase: Callable[[str], None] | None = None,
-    want_logits: bool = False,
-) -> tuple[dict[int, list[Record]], float]:
-    """Both passes with Mooncake Store as the KV store: the records per pass, and start-up s.
+@contextlib.contextmanager
+def mooncake_cluster(
+    settings: e2e.Settings, say: Callable[[str], None] = lambda _: None
+) -> Iterator[e2e.Started]:
+    """Mooncake Store on loopback and engines that keep their KV there, warmed up.
 
     The engines always start with "spawn", whatever ``settings.start_method``
     says: this process holds a Mooncake client, and a forked child's own
-    client never finishes connecting.
+    client never finishes connecting.  Everything stops when the block ends.
     """
-    say = on_phase or (lambda _: None)
-    trace = settings.requests()
     segment = segment_bytes(settings)
     say(f"starting Mooncake (a {segment >> 20} MiB segment)")
     started = time.monotonic()
@@ -217,25 +214,12 @@ def run_mooncake(
             f"mooncake:{mooncake.master_address}",
             config,
             engines=settings.engines,
-            start_method="spawn",  # a child forked from a Mooncake client hangs connecting its own
+            start_method="spawn",
             build=build,
         ) as cluster:
             startup = time.monotonic() - started
             e2e.warm_up(cluster, settings)
-            scheduler = make_scheduler(SYSTEMS["mooncake"], settings.engines)
-            records = {}
-            for pass_no in (1, 2):
-                say(f"mooncake: pass {pass_no}")
-                records[pass_no] = cluster.run(
-                    [r.token_ids for r in trace],
-                    scheduler,
-                    salt="mooncake",
-                    rate=settings.rate,
-                    seed=settings.seed + pass_no,
-                    want_logits=want_logits,
-                    on_record=on_record and functools.partial(on_record, "mooncake", pass_no),
-                )
-    return records, startup
+            yield e2e.Started(cluster, startup, segment)
 
 
 def run(
@@ -245,21 +229,43 @@ def run(
     on_phase: Callable[[str], None] | None = None,
     want_logits: bool = False,
 ) -> dict[str, Any]:
-    """Beluga, then Mooncake, on one trace and model; ``on_record(system, pass, record)``."""
+    """Both systems, pass by pass; ``on_record(system, pass, record)`` follows progress.
+
+    Both stay up for the whole run and take turns (Beluga's pass 1, Mooncake's
+    pass 1, Beluga's pass 2, Mooncake's pass 2), so that a slow spell of a
+    shared machine falls on both rather than on one.
+    """
+    say = on_phase or (lambda _: None)
+    prompts = [r.token_ids for r in settings.requests()]
     beluga_settings = dataclasses.replace(settings, schedulers=(SYSTEMS["beluga"],))
-    beluga_records: dict[int, list[Record]] = {1: [], 2: []}
-
-    def keep(scheduler: str, pass_no: int, record: Record) -> None:
-        beluga_records[pass_no].append(record)
-        if on_record is not None:
-            on_record("beluga", pass_no, record)
-
-    beluga = e2e.run(beluga_settings, pool, keep, on_phase, want_logits=want_logits)
-    mooncake_records, mooncake_startup = run_mooncake(settings, on_record, on_phase, want_logits)
-    fmt, engines = settings.format, settings.engines
+    records: dict[tuple[str, int], list[Record]] = {}
+    with contextlib.ExitStack() as stack:
+        systems = {
+            "beluga": stack.enter_context(e2e.pool_cluster(beluga_settings, pool, say)),
+            "mooncake": stack.enter_context(mooncake_cluster(settings, say)),
+        }
+        # one scheduler per system for both passes: an affinity learnt in pass 1 holds in pass 2
+        schedulers = {
+            system: make_scheduler(SYSTEMS[system], settings.engines) for system in systems
+        }
+        for pass_no in (1, 2):
+            for system, started in systems.items():
+                say(f"{system}: pass {pass_no}")
+                records[(system, pass_no)] = started.cluster.run(
+                    prompts,
+                    schedulers[system],
+                    salt=system,
+                    rate=settings.rate,
+                    seed=settings.seed + pass_no,
+                    want_logits=want_logits,
+                    on_record=on_record and functools.partial(on_record, system, pass_no),
+                )
+    fmt = settings.format
     rows = [
-        system_row(system, p, records[p], engines, fmt.spec.block_size, fmt.nbytes)
-        for system, records in (("beluga", beluga_records), ("mooncake", mooncake_records))
+        system_row(
+            system, p, records[(system, p)], settings.engines, fmt.spec.block_size, fmt.nbytes
+        )
+        for system in SYSTEMS
         for p in (1, 2)
     ]
     return {
@@ -268,12 +274,12 @@ def run(
             "schedulers": SYSTEMS,
             "kv_format": fmt.fingerprint,
             "block_bytes": fmt.nbytes,
-            "pool_bytes": beluga["settings"]["pool_bytes"],
-            "mooncake_segment_bytes": segment_bytes(settings),
+            "pool_bytes": systems["beluga"].store_bytes,
+            "mooncake_segment_bytes": systems["mooncake"].store_bytes,
         },
-        "model_params": beluga["model_params"],
-        "requests_per_pass": beluga["requests_per_pass"],
-        "startup_s": {"beluga": beluga["startup_s"], "mooncake": mooncake_startup},
+        "model_params": e2e.model_params(settings.shape),
+        "requests_per_pass": len(prompts),
+        "startup_s": {system: started.startup_s for system, started in systems.items()},
         "rows": rows,
         "headline": headline(rows),
         "paper_scale": paper_scale(rows),
