@@ -82,8 +82,8 @@ def system_row(
 ) -> dict[str, Any]:
     """One row: :func:`e2e.summarize`, plus per-block costs and the share of TTFT loading KV.
 
-    Per-block figures are None where no block moved (pass 1 loads nothing;
-    pass 2 saves nothing).
+    Per-block figures are None where no block moved (pass 2 saves nothing;
+    pass 1 loads only what earlier requests of the same pass stored).
     """
     loaded_blocks = sum(r.served.cached_tokens // block_size for r in records)
     saved_blocks = sum(r.served.saved_blocks for r in records)
