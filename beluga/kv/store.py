@@ -1,10 +1,14 @@
 """KVStore: the client API, shaped after Mooncake Store's.
 
 Writes go allocate (one RPC per batch) -> copy into the pool and publish the
-header (no server involved) -> commit (one RPC per batch).  Reads go lookup
-(one RPC per batch, with a read lease) -> read_validated straight from the
-pool.  A read that fails validation (the key was just replaced or evicted)
-is retried once with a fresh lookup, then reported as a miss: never as data.
+header (no server involved) -> commit (one RPC per batch).  Reads need no
+server at all: each is one call into the C core (``_core.Index``, index.c)
+that digests the key, probes the pool-resident index with loads, confirms
+the entry against the block header, copies the payload with its checksum
+fused into the copy, and checks the header again.  A read that fails
+validation (the key was just replaced or evicted) is retried once with a
+fresh probe, then reported as a miss: never as data.  Reads keep working
+while the metadata server is down or restarting.
 
 Values are any buffer: bytes, bytearray, memoryview, numpy arrays, CPU torch
 tensors (any dtype, contiguous), or a raw ``(address, size)`` pair.  Keys are
@@ -14,6 +18,7 @@ BLAKE2b digests.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 from collections.abc import Iterator, Sequence
@@ -22,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from beluga.coherence import Miss, digest
+from beluga._native import _core
+from beluga.coherence import digest
 from beluga.errors import RpcError
 from beluga.kv import protocol as p
 from beluga.pool import Pool
@@ -30,7 +36,6 @@ from beluga.rpc import RpcClient
 
 MAX_KEY_BYTES = 256
 Key = str | bytes
-_RACES = (Miss.KEY, Miss.VERSION, Miss.STATE, Miss.CHANGED, Miss.MAGIC)
 
 
 def key_bytes(key: Key) -> bytes:
@@ -88,7 +93,8 @@ class KVStore:
 
     Thread-safe: threads may share one store.  Its RPC client serialises
     calls with a lock; reads and writes of the pool itself need none (each
-    block has one writer, and reads validate).  Not fork-safe: the store is
+    block has one writer, and reads validate); the read path's hit counters
+    change only under the GIL.  Not fork-safe: the store is
     one host of the pool, so a forked child opens its own (using the parent's
     raises ``RpcError``; closing it in the child leaves the parent connected).
     """
@@ -119,6 +125,19 @@ class KVStore:
             raise
         self.mem = self.pool.memory
         self.sb = self.pool.superblock
+        sb = self.sb
+        #: one-sided reads through the pool index; hits are recorded in this host's hint lines
+        self.index = _core.Index(
+            self.mem,
+            sb.index.offset,
+            sb.nbuckets,
+            sb.headers.offset,
+            sb.payloads.offset,
+            sb.block_size,
+            sb.nblocks,
+            hint_off=sb.hint_offset(self.rpc.host_id),
+            owner=self.rpc.entry.generation,
+        )
 
     # -- plumbing ------------------------------------------------------------
 
@@ -126,17 +145,6 @@ class KVStore:
         per = max(1, (self.rpc.max_payload - p.HEADER_BYTES) // p.RECORD_BYTES[op])
         for start in range(0, n, per):
             yield slice(start, min(n, start + per))
-
-    def _lookup(self, digests: list[bytes], flags: int) -> list[p.Location | None]:
-        out: list[p.Location | None] = []
-        for s in self._batches(p.StoreOp.LOOKUP, len(digests)):
-            found = p.decode_locations(
-                self.rpc.call(p.StoreOp.LOOKUP, p.encode_digests(digests[s], flags))
-            )
-            out += found
-            if flags & p.LOOKUP_PREFIX and len(found) < s.stop - s.start:
-                break
-        return out
 
     def _extent_bytes(self, length: int) -> int:
         return max(1, -(-length // self.sb.block_size)) * self.sb.block_size
@@ -180,43 +188,6 @@ class KVStore:
             self.rpc.call(
                 p.StoreOp.ABORT, p.encode_commit([(r.digest, r.block, r.version) for r in refs[s]])
             )
-
-    def _read_one(
-        self, d: bytes, loc: p.Location | None, out: memoryview | None
-    ) -> bytes | int | None:
-        """One value: new bytes (no ``out``) or its length (into ``out``); None / -1 on a miss.
-
-        A read that lost a race (the key was replaced or evicted since the
-        lookup) is retried once with a fresh lookup.
-        """
-        miss = None if out is None else -1
-        for attempt in range(2):
-            if loc is None:
-                return miss
-            where = (
-                self.sb.block_header_offset(loc.block),
-                self.sb.block_payload_offset(loc.block),
-                self._extent_bytes(loc.length),
-                d,
-                loc.version,
-            )
-            if out is None:
-                r = self.mem.read_bytes(*where)
-                if not isinstance(r, int):
-                    return r
-            else:
-                if len(out) < loc.length:
-                    raise ValueError(
-                        f"the buffer holds {len(out)} bytes but the value is "
-                        f"{loc.length} bytes; pass a buffer of at least that size"
-                    )
-                r = self.mem.read_validated(*where, out)
-                if r >= 0:
-                    return r
-            if attempt or r not in _RACES:
-                break
-            (loc,) = self._lookup([d], p.LOOKUP_LEASE)
-        return miss
 
     # -- writes --------------------------------------------------------------
 
@@ -284,13 +255,12 @@ class KVStore:
             self._commit(list(refs[s]))
 
     def locate(self, keys: Sequence[Key], prefix: bool = True) -> list[BlockRef | None]:
-        """Where keys live, under a read lease; with ``prefix``, up to the first miss."""
-        digests = [digest(key_bytes(k)) for k in keys]
-        flags = p.LOOKUP_LEASE | (p.LOOKUP_PREFIX if prefix else 0)
-        locs = self._lookup(digests, flags)
+        """Where keys live, from the pool index (no RPC); with ``prefix``, up to and
+        including the first miss.  Read them with :meth:`read_blocks`, which checks
+        every block again: a block replaced since is a miss, never other bytes."""
         return [
-            None if loc is None else self._ref(d, loc.block, loc.version, loc.length)
-            for d, loc in zip(digests, locs, strict=False)
+            None if loc is None else self._ref(*loc)
+            for loc in self.index.locate(keys, prefix=prefix)
         ]
 
     def write_blocks(
@@ -406,44 +376,53 @@ class KVStore:
     # -- reads ---------------------------------------------------------------
 
     def get_batch(self, keys: Sequence[Key]) -> list[bytes | None]:
-        """Values of many keys (None for a miss); one LOOKUP RPC per batch."""
-        digests = [digest(key_bytes(k)) for k in keys]
-        locs = self._lookup(digests, p.LOOKUP_LEASE)
-        return [self._read_one(d, loc, None) for d, loc in zip(digests, locs, strict=True)]
+        """Values of many keys (None for a miss); no RPC."""
+        return self.index.get_many(keys)
 
     def get(self, key: Key) -> bytes | None:
-        return self.get_batch([key])[0]
+        """A key's value, or None on a miss; no RPC (one call into the C core)."""
+        return self.index.get(key)
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int]:
-        """Read many values into caller buffers; each result is the length, or -1 for a miss."""
+        """Read many values into caller buffers; each result is the length, or -1 for a miss.
+
+        One call into the C core for the whole batch, no RPC.
+        """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        views = [as_buffer(b, writable=True) for b in buffers]
-        digests = [digest(key_bytes(k)) for k in keys]
-        locs = self._lookup(digests, p.LOOKUP_LEASE)
-        return [self._read_one(d, loc, v) for d, loc, v in zip(digests, locs, views, strict=True)]
+        return self.index.get_many_into(keys, [as_buffer(b, writable=True) for b in buffers])
 
     def get_into(self, key: Key, buffer: Any) -> int:
-        return self.batch_get_into([key], [buffer])[0]
+        """Read a value into ``buffer``: its length, or -1 for a miss; no RPC."""
+        try:
+            return self.index.get_into(key, buffer)
+        except (TypeError, BufferError):  # a torch tensor, a raw (address, size) pair
+            return self.index.get_into(key, as_buffer(buffer, writable=True))
 
     def batch_is_exist(self, keys: Sequence[Key]) -> list[bool]:
-        return [loc is not None for loc in self._lookup([digest(key_bytes(k)) for k in keys], 0)]
+        return self.index.exists(keys)
 
     def is_exist(self, key: Key) -> bool:
-        return self.batch_is_exist([key])[0]
+        return self.index.exists_one(key)
 
     def lookup_prefix(self, keys: Sequence[Key]) -> int:
-        """How many leading keys of a chain are stored (one batched lookup)."""
-        locs = self._lookup([digest(key_bytes(k)) for k in keys], p.LOOKUP_PREFIX | p.LOOKUP_LEASE)
-        return next((i for i, loc in enumerate(locs) if loc is None), len(locs))
+        """How many leading keys of a chain are stored (one call, no RPC)."""
+        return sum(self.index.exists(keys, prefix=True))
 
     def stats(self) -> dict[str, Any]:
-        """The server's counters (capacity, use, hits, misses, evictions, leases)."""
+        """The server's counters (capacity, use, hits, misses, evictions, leases).
+
+        This store's hits and misses are stored first, so they are in the answer.
+        """
+        self.index.flush_hints()
         return json.loads(self.rpc.call(p.StoreOp.STATS))
 
     # -- life cycle ----------------------------------------------------------
 
     def close(self) -> None:
+        if not self.mem.released:
+            with contextlib.suppress(Exception):  # closing: hints are only hints
+                self.index.flush_hints()
         self.rpc.close()
         if self._owns_pool:
             self.pool.close()
