@@ -31,6 +31,11 @@ the two forms cannot collide).  So a key written here is the same key for
 Beluga's own ``KVStore``.  An empty key is refused by writes (``-600``) and
 missing for reads, as in Mooncake.
 
+**Frameworks that import Mooncake themselves** (the Mooncake backends of
+vLLM, SGLang and LMCache do ``from mooncake.store import
+MooncakeDistributedStore`` inside their own code): call :func:`install`
+before they load it, and ``mooncake.store`` is this module in that process.
+
 **Where it differs from Mooncake, and why.**
 
 - ``put`` of an existing key returns 0 and keeps the stored value, as
@@ -44,6 +49,9 @@ missing for reads, as in Mooncake.
 - Registering a buffer is bookkeeping only: Beluga copies with the CPU, so
   ``put_from`` / ``get_into`` work on any readable / writable address.
   Registering one address twice and unregistering an unknown one are ``-600``.
+- Values outlive the handle that wrote them: ``close`` deletes nothing (the
+  pool holds them; Mooncake's vanish with the segment of a client that
+  closes, when that client contributed the segment).
 - ``get_batch([])`` is ``[]`` (Mooncake 0.3.13 returns ``[b""]``);
   ``put_from`` of 0 bytes is ``-600``, like ``put`` of an empty value.
 - Tensors are stored with Beluga's own small header (magic, dtype, shape),
@@ -63,11 +71,14 @@ from __future__ import annotations
 import ctypes
 import enum
 import hashlib
+import importlib.util
 import logging
 import os
 import re
 import struct
+import sys
 import threading
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -84,6 +95,7 @@ __all__ = [
     "MooncakeDistributedStore",
     "ReplicateConfig",
     "beluga_key",
+    "install",
     "pool_spec_for",
 ]
 
@@ -164,6 +176,22 @@ def pool_spec_for(metadata_server: str = "", master_server_addr: str = "") -> st
         if address.startswith(POOL_PREFIX) and len(address) > len(POOL_PREFIX):
             return address[len(POOL_PREFIX) :]
     return os.environ.get("BELUGA_POOL") or DEFAULT_POOL
+
+
+def install() -> None:
+    """Make ``mooncake.store`` this module in this process, for code that imports Mooncake itself.
+
+    Call it before the framework imports ``mooncake.store``.  Where Mooncake
+    is installed, its other modules (``mooncake.engine`` ...) stay importable;
+    where it is not, an empty ``mooncake`` package stands in for it.
+    """
+    if "mooncake" not in sys.modules and importlib.util.find_spec("mooncake") is None:
+        package = types.ModuleType("mooncake")
+        package.__path__ = []
+        sys.modules["mooncake"] = package
+    sys.modules["mooncake.store"] = sys.modules[__name__]
+    if "mooncake" in sys.modules:
+        sys.modules["mooncake"].store = sys.modules[__name__]  # type: ignore[attr-defined]
 
 
 def _code_of(exc: BaseException) -> int:
