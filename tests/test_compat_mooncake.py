@@ -349,7 +349,11 @@ def test_keys(store: MooncakeDistributedStore, pool: Pool) -> None:
     assert store.get("written-natively") == b"n" and store.remove("written-natively") == 0
 
 
-def test_remove_all_and_by_regex(store: MooncakeDistributedStore) -> None:
+def test_remove_all_and_by_regex(store: MooncakeDistributedStore, pool: Pool) -> None:
+    with KVStore(pool) as native:
+        native.put("shared", b"written natively")
+    assert store.put("shared", b"kept") == 0 and store.get("shared") == b"written natively"
+    assert store.remove_all() == 1  # a key this handle put, though it kept the older value
     for i in range(5):
         assert store.put(f"layer/{i}", b"x") == 0
         assert store.put(f"other/{i}", b"y") == 0

@@ -43,9 +43,11 @@ before they load it, and ``mooncake.store`` is this module in that process.
   first puts of one key racing may leave either value.  ``upsert`` replaces.
 - ``remove`` is never refused for a lease (Mooncake's ``-706``): readers in
   Beluga validate every copy, so removing under them is safe.
-- ``remove_all`` and ``remove_by_regex`` remove the keys written through this
-  handle (Beluga's public API cannot enumerate a pool) and return how many
-  were still there.
+- ``remove_all`` and ``remove_by_regex`` remove the keys put through this
+  handle since its ``setup`` (Beluga's public API cannot enumerate a pool)
+  and return how many were still there.  To do so the handle remembers each
+  key it put until it removes it (the key's bytes and its name: a few hundred
+  bytes per key, so millions of keys cost hundreds of MB).
 - Registering a buffer is bookkeeping only: Beluga copies with the CPU, so
   ``put_from`` / ``get_into`` work on any readable / writable address.
   Registering one address twice and unregistering an unknown one are ``-600``.
@@ -481,6 +483,7 @@ class MooncakeDistributedStore:
                     key = bytes(keys[i] or b"")
                     if replace or key not in chosen:
                         chosen[key] = i
+                named = dict(chosen)
                 if not replace:
                     present = store.batch_is_exist(list(chosen))
                     chosen = {
@@ -491,7 +494,7 @@ class MooncakeDistributedStore:
                 log.warning("put of %d values failed: %s", len(todo), exc)
                 code = _code_of(exc)
                 return [code if c == OK else c for c in codes]
-        self._remember(list(chosen), [names[i] for i in chosen.values()])
+            self._remember(list(named), [names[i] for i in named.values()])
         return codes
 
     def _put_values(self, key: object, value: object, replace: bool) -> int:
