@@ -200,10 +200,10 @@ def _code_of(exc: BaseException) -> int:
     """The Mooncake status code closest to a Beluga failure."""
     if isinstance(exc, CapacityError):
         return NO_AVAILABLE_HANDLE
+    if isinstance(exc, ValueError):  # also the server refusing an argument
+        return INVALID_PARAMS
     if isinstance(exc, RpcError):
         return RPC_FAIL
-    if isinstance(exc, ValueError):
-        return INVALID_PARAMS
     return INTERNAL_ERROR
 
 
