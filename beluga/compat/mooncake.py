@@ -49,13 +49,19 @@ before they load it, and ``mooncake.store`` is this module in that process.
   key it put until it removes it (the key's bytes and its name: a few hundred
   bytes per key, so millions of keys cost hundreds of MB).
 - Registering a buffer is bookkeeping only: Beluga copies with the CPU, so
-  ``put_from`` / ``get_into`` work on any readable / writable address.
-  Registering one address twice and unregistering an unknown one are ``-600``.
+  ``put_from`` / ``get_into`` work on any readable / writable address of
+  host memory (Mooncake over TCP stored zeros from an unregistered buffer).
+  Registering one address twice and unregistering an unknown one are
+  ``-600``.  Addresses must be host memory: a GPU address is not supported
+  (Mooncake moves GPU memory with GPUDirect RDMA).
 - Values outlive the handle that wrote them: ``close`` deletes nothing (the
   pool holds them; Mooncake's vanish with the segment of a client that
   closes, when that client contributed the segment).
 - ``get_batch([])`` is ``[]`` (Mooncake 0.3.13 returns ``[b""]``);
   ``put_from`` of 0 bytes is ``-600``, like ``put`` of an empty value.
+- Only the methods defined here exist: Mooncake's dummy-client, segment
+  mounting, ranged and session reads and writes, tensor-parallel tensor
+  forms, replica tasks and safetensors helpers raise ``AttributeError``.
 - Tensors are stored with Beluga's own small header (magic, dtype, shape),
   not Mooncake's; ``get_tensor`` of a 0-d tensor returns a 0-d tensor
   (Mooncake returns shape ``(1,)``).  CUDA tensors are copied to the CPU.
