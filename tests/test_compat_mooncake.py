@@ -35,6 +35,7 @@ from beluga.compat.mooncake import (
     beluga_key,
     pool_spec_for,
 )
+from beluga.errors import CapacityError, RpcError
 from beluga.kv import KVStore
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
@@ -380,6 +381,32 @@ def test_error_codes_are_mooncakes() -> None:
     assert ErrorCode.INVALID_PARAMS == -600 and ErrorCode.OBJECT_NOT_FOUND == -704
     assert ErrorCode.NO_AVAILABLE_HANDLE == -200 and ErrorCode.RPC_FAIL == -900
     assert ErrorCode.INTERNAL_ERROR == -1 and compat.OK == 0
+
+
+def test_failures_become_mooncake_codes(
+    store: MooncakeDistributedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native = store._store
+    assert native is not None
+
+    def fail(exc: Exception) -> Any:
+        def raiser(*args: Any, **kwargs: Any) -> Any:
+            raise exc
+
+        return raiser
+
+    monkeypatch.setattr(native, "batch_put_from", fail(CapacityError("pool full")))
+    assert store.upsert("k", b"v") == ErrorCode.NO_AVAILABLE_HANDLE
+    buf, ptr = buffer_of(b"bytes")
+    assert store.batch_upsert_from(["a", "b"], [ptr, ptr], [0, len(buf)]) == [-600, -200]
+    monkeypatch.setattr(native, "batch_is_exist", fail(RpcError("server gone")))
+    assert store.put("k", b"v") == ErrorCode.RPC_FAIL
+    assert store.is_exist("k") == -900 and store.batch_is_exist(["k", ""]) == [-900, -900]
+    monkeypatch.setattr(native, "get_batch", fail(RpcError("server gone")))
+    assert store.get("k") == b"" and store.get_buffer("k") is None
+    assert store.get_tensor("k") is None
+    monkeypatch.setattr(native, "stats", fail(RpcError("server gone")))
+    assert store.health_check() == 2
 
 
 def test_a_value_larger_than_the_pool_is_invalid(
