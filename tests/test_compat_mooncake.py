@@ -649,5 +649,6 @@ def test_answers_match_mooncake_side_by_side(pool: Pool) -> None:
     s.remove_all()
     s.close()
     with MooncakeBaseline(segment_size=64 << 20, local_buffer_size=16 << 20) as mc:
+        # the baseline's raw mooncake.store client, set up on its private cluster
         theirs = scenario(mc.client._store)
     assert ours == theirs
