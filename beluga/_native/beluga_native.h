@@ -294,6 +294,8 @@ uint32_t bl_payload_crc(bl_mem *m, size_t payload_off, size_t n);
 void bl_get_header(bl_mem *m, size_t hdr_off, bl_header *h);
 int64_t bl_check_header(bl_mem *m, size_t hdr_off, size_t payload_off, const uint8_t digest[16],
                         uint64_t version, size_t block_cap, bl_header *h);
+int64_t bl_read_checked(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *h,
+                        void *out);
 int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
                           const uint8_t digest[16], uint64_t version, size_t block_cap,
                           void *out, size_t cap, bl_header *seen);
