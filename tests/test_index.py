@@ -63,6 +63,16 @@ def test_key_digest_is_blake2b_128(key: bytes) -> None:
     assert _core.key_digest(key) == hashlib.blake2b(key, digest_size=16).digest() == digest(key)
 
 
+@given(st.lists(st.one_of(st.binary(min_size=1, max_size=256), st.text(min_size=1, max_size=60))))
+def test_batched_digests_equal_one_by_one(keys: list[bytes | str]) -> None:
+    """Eight at a time (AVX-512 lanes) where keys fit one block, one by one otherwise."""
+    want = [
+        hashlib.blake2b(k if isinstance(k, bytes) else k.encode(), digest_size=16).digest()
+        for k in keys
+    ]
+    assert _core.key_digests(keys) == want
+
+
 def test_key_digest_refuses_bad_keys() -> None:
     for bad in (b"", "", b"x" * 257):
         with pytest.raises(ValueError, match=r"a key is 1\.\.256 bytes"):
