@@ -21,6 +21,11 @@ Recovery (``repair``) keeps every slot that a recovered entry confirms
 inserts what is missing, rewriting only buckets that change: readers keep
 hitting while a new server starts.
 
+Scrub: the pool's lines can be hit by a stray host or hostile bytes; the
+server compares a few buckets per tick with its mirror (``scrub``) and
+rewrites any that differ, so a damaged bucket costs misses for a bounded
+time, never other bytes (readers confirm every entry anyway).
+
 Hints: each host id owns a counts line and a ring of hints (the blocks it
 hit); ``fold_hints`` reads them back for the LRU order and the statistics.
 
@@ -60,6 +65,8 @@ class PoolIndex:
         self.where: dict[bytes, int] = {}  # digest -> slot number (bucket * SLOTS + slot)
         self.moves = 0
         self.failed = 0
+        self.scrubbed = 0  # buckets found damaged and rewritten
+        self._scrub_at = 0
         # per host id: (owner, hints, hits, misses) as last folded
         self.seen: dict[int, tuple[int, int, int, int]] = {}
         self.hits = 0
@@ -161,6 +168,29 @@ class PoolIndex:
 
     def __len__(self) -> int:
         return len(self.where)
+
+    def scrub(self, n: int = 64) -> int:
+        """Compare the next ``n`` buckets (round robin) with the mirror; rewrite those that
+        differ (unfenced: the caller fences).  Returns how many were rewritten."""
+        mem, n = self.mem, min(n, self.nbuckets)
+        first = self._scrub_at
+        buckets = [(first + i) % self.nbuckets for i in range(n)]
+        self._scrub_at = (first + n) % self.nbuckets
+        for b in buckets:
+            mem.invalidate(self.base + b * LINE, LINE)
+        mem.mfence()
+        fixed = 0
+        for b in buckets:
+            got = _core.ix_unpack(mem.load(self.base + b * LINE, LINE))
+            want = [
+                (s[1], s[2], s[3]) if s else (0, 0, 0)
+                for s in self.slots[b * SLOTS : (b + 1) * SLOTS]
+            ]
+            if got is None or got[1] != want:
+                self._write(b)
+                fixed += 1
+        self.scrubbed += fixed
+        return fixed
 
     # -- recovery ------------------------------------------------------------
 

@@ -380,6 +380,8 @@ class MetadataService:
         """Fold hints; cancel writes whose lease ran out, free those whose writer is gone,
         end retirements."""
         self.fold_hints()
+        if self.ix.scrub():  # a bucket hit by stray or hostile bytes is rewritten
+            self.mem.sfence()
         now = self.clock()
         alive: dict[tuple[int, int], bool] = {}  # one look per writer per tick
         for block, pend in list(self.pending.items()):
@@ -431,6 +433,7 @@ class MetadataService:
             "recovered_keys": self.counters["recovered_keys"],
             "index_buckets": self.ix.nbuckets,
             "index_moves": self.ix.moves,
+            "index_scrub_repairs": self.ix.scrubbed,
             "index_evictions": self.counters["index_evictions"],
             "index_repaired": self.counters["index_repaired"],
             "uptime_s": round(time.time() - self.started, 3),
