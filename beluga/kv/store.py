@@ -88,6 +88,34 @@ class BlockRef:
     capacity: int  # bytes of the extent
 
 
+class BlockWrite:
+    """Extents reserved for one batch of in-place writes: the one write API of the
+    block protocol (:meth:`KVStore.writing`).
+
+    ``refs`` say where each payload goes; :meth:`fill` moves the bytes through
+    one scatter-gather table (any mover), seals every block with the CRC of
+    what was moved and commits them.  Leaving the ``with`` block without a
+    fill, or with an exception, gives the extents back.  Not thread-safe (one
+    writer fills one batch); not fork-safe (as its store).
+    """
+
+    def __init__(self, store: KVStore, refs: list[BlockRef]) -> None:
+        self.store = store
+        self.refs = refs
+        self.done = False
+
+    @property
+    def payload_offsets(self) -> list[int]:
+        return [r.payload_offset for r in self.refs]
+
+    def fill(self, buffers: Sequence[Any], table: Any, mover: Any = None) -> None:
+        """Move, seal and commit (see :meth:`KVStore.write_blocks`); at most once."""
+        if self.done:
+            raise ValueError("this BlockWrite was already filled; reserve a new one")
+        self.done = True  # write_blocks aborts on its own failure: never abort twice
+        self.store.write_blocks(self.refs, buffers, table, mover=mover)
+
+
 class KVStore:
     """A connection to a pool's metadata server, and direct access to its blocks.
 
@@ -218,6 +246,28 @@ class KVStore:
             self._commit(refs)
 
     # -- in-place writes and reads (the KV data path) ------------------------
+
+    @contextlib.contextmanager
+    def writing(self, keys: Sequence[Key], lengths: Sequence[int]) -> Iterator[BlockWrite]:
+        """Reserve extents for ``keys``; the caller fills them (``w.fill(buffers, table)``).
+
+        Usage::
+
+            with store.writing(keys, lengths) as w:
+                buffers, table = block_moves(..., w.payload_offsets, ...)
+                w.fill(buffers, table)
+
+        Whatever goes wrong before the fill (building the table, a bad
+        argument) gives the extents back; the fill itself seals and commits,
+        or aborts and raises.
+        """
+        w = BlockWrite(self, self.reserve(keys, lengths))
+        try:
+            yield w
+        finally:
+            if not w.done:
+                w.done = True
+                self.abort(w.refs)
 
     def reserve(self, keys: Sequence[Key], lengths: Sequence[int]) -> list[BlockRef]:
         """Reserve extents and mark them WRITING; fill the payloads, then :meth:`seal`."""
