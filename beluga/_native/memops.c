@@ -440,6 +440,7 @@ void bl_cpu_init(void)
         has_clwb = (b >> 24) & 1;
         has_vpclmulqdq = (c >> 10) & 1;
     }
+    has_avx512f = has_avx512f && os_saves_zmm(); /* a VM may hide the zmm state */
     if (has_clflushopt && !forced("BELUGA_FLUSH", "clflush"))
         flush_fn = flush_clflushopt, sel_flush = "clflushopt";
     else
@@ -455,7 +456,7 @@ void bl_cpu_init(void)
     else
         nt_copy_fn = store_flush, sel_nt = "store-flush";
     fold_init();
-    int can_fold = has_vpclmulqdq && has_avx512f && has_sse42 && os_saves_zmm();
+    int can_fold = has_vpclmulqdq && has_avx512f && has_sse42;
     if (can_fold && !forced("BELUGA_CRC", "hw") && !forced("BELUGA_CRC", "sw"))
         crc_fn = crc_fold, sel_crc = "vpclmulqdq";
     else if (has_sse42 && !forced("BELUGA_CRC", "sw"))
