@@ -57,8 +57,9 @@ def server(spec: str, mode: str = "native", **options: Any) -> Iterator[mp.Proce
         yield proc
 
 
-def test_api_round_trips(pool: Pool) -> None:
-    with server(pool.spec), KVStore(pool) as s:
+@pytest.mark.parametrize("mode", ["native", "model"])
+def test_api_round_trips(pool: Pool, mode: str) -> None:
+    with server(pool.spec, mode), KVStore(pool.spec, coherence=mode) as s:
         s.put("a", b"hello")
         assert s.get("a") == b"hello" and s.get("missing") is None
         assert s.is_exist("a") and not s.is_exist("missing")
