@@ -6,6 +6,7 @@ import argparse
 import json
 
 from beluga.cli.common import add_pool_args, pool_spec
+from beluga.kv import service
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,17 +20,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--write-lease",
         type=float,
-        default=30.0,
-        help="seconds a writer may hold an extent before commit (default 30)",
+        default=service.WRITE_LEASE_S,
+        help="seconds a writer may hold an extent before commit (default %(default)g)",
     )
     s.add_argument(
         "--read-lease",
         type=float,
-        default=2.0,
-        help="seconds a lookup protects an extent from reuse (default 2)",
+        default=service.READ_LEASE_S,
+        help="seconds a lookup protects an extent from reuse (default %(default)g)",
     )
-    s.add_argument("--high-watermark", type=float, default=0.95)
-    s.add_argument("--low-watermark", type=float, default=0.90)
+    s.add_argument(
+        "--high-watermark",
+        type=float,
+        default=service.HIGH_WATERMARK,
+        help="fraction of blocks in use above which LRU eviction starts (default %(default)g)",
+    )
+    s.add_argument(
+        "--low-watermark",
+        type=float,
+        default=service.LOW_WATERMARK,
+        help="fraction of blocks in use eviction brings it down to (default %(default)g)",
+    )
     s.set_defaults(handler=run_serve)
 
     t = sub.add_parser("stats", help="ask a pool's metadata server for its counters")
