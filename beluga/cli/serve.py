@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 
 from beluga.cli.common import add_pool_args, pool_spec
 from beluga.kv import service
@@ -41,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=service.LOW_WATERMARK,
         help="fraction of blocks in use eviction brings it down to (default %(default)g)",
     )
+    s.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="least severe log records printed on stderr (default %(default)s)",
+    )
     s.set_defaults(handler=run_serve)
 
     t = sub.add_parser("stats", help="ask a pool's metadata server for its counters")
@@ -50,9 +58,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(handler=run_stats)
 
 
+class _ServeFormatter(logging.Formatter):
+    """``beluga serve: message``; records above INFO name their level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        if record.levelno > logging.INFO:
+            return f"beluga serve: {record.levelname.lower()}: {message}"
+        return f"beluga serve: {message}"
+
+
+def _log_to_stderr(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_ServeFormatter())
+    logger = logging.getLogger("beluga")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from beluga.kv.server import serve
 
+    _log_to_stderr(args.log_level)
     serve(
         pool_spec(args),
         coherence=args.coherence,

@@ -3,18 +3,23 @@
 One RpcServer thread owns a MetadataService.  SIGTERM and SIGINT stop it
 cleanly: clients see the server go away (and fail fast) instead of hanging,
 and the next server rebuilds everything from the pool.
+
+It logs through ``logging`` (logger ``beluga.kv.server``); the ``beluga``
+command prints those records as ``beluga serve: ...`` lines on stderr.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
-import sys
 import threading
 from typing import Any
 
 from beluga.kv.service import MetadataService
 from beluga.pool import Pool
 from beluga.rpc import RpcServer
+
+log = logging.getLogger(__name__)
 
 
 class MetadataServer:
@@ -65,10 +70,13 @@ def serve(spec: str, coherence: str | None = None, ready: Any = None, **options:
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
         s = server.service.stats()
-        print(
-            f"beluga serve: {spec}: {s['keys']} keys recovered, {s['blocks_used']} of "
-            f"{s['blocks_total']} blocks in use; epoch {server.rpc.epoch:08x}",
-            flush=True,
+        log.info(
+            "%s: %s keys recovered, %s of %s blocks in use; epoch %08x",
+            spec,
+            s["keys"],
+            s["blocks_used"],
+            s["blocks_total"],
+            server.rpc.epoch,
         )
         if ready is not None:
             ready.set()
@@ -76,4 +84,4 @@ def serve(spec: str, coherence: str | None = None, ready: Any = None, **options:
             server.serve_forever()
         finally:
             server.close()
-            print("beluga serve: stopped", file=sys.stderr, flush=True)
+            log.info("stopped")
