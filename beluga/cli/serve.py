@@ -44,6 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="fraction of blocks in use eviction brings it down to (default %(default)g)",
     )
     s.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://ADDR:PORT/metrics (0: any free port)",
+    )
+    s.add_argument(
+        "--metrics-addr",
+        default="0.0.0.0",
+        metavar="ADDR",
+        help="address the metrics endpoint listens on (default %(default)s)",
+    )
+    s.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         default="info",
@@ -79,6 +91,8 @@ def _log_to_stderr(level: str) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from beluga.kv.server import serve
 
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0..65535)")
     _log_to_stderr(args.log_level)
     serve(
         pool_spec(args),
@@ -87,6 +101,8 @@ def run_serve(args: argparse.Namespace) -> int:
         read_lease_s=args.read_lease,
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
     )
     return 0
 
