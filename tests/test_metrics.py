@@ -1,13 +1,14 @@
-"""The server's Prometheus endpoint and its logs.
+"""The server's Prometheus endpoint, its logs, and ``beluga stats --watch``.
 
 The end-to-end test runs ``beluga serve --metrics-port`` as a real process and
 scrapes it over HTTP; the others run a MetadataServer in a thread of this
-process (cheaper).
+process (cheaper), with ``beluga stats`` in-process or as a child.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import signal
 import socket
@@ -185,6 +186,55 @@ def test_serve_defaults_come_from_the_service() -> None:
     ]:
         assert getattr(args, option) == defaults[param].default, option
     assert args.metrics_port is None
+
+
+def test_stats_watch_prints_each_period(pool: Pool, capsys: pytest.CaptureFixture[str]) -> None:
+    with threaded_server(pool):
+        assert main(["stats", "--pool", pool.spec, "--watch", "0.05", "--count", "2"]) == 0
+        text = capsys.readouterr().out
+        assert text.count("beluga stats: ") == 2 and text.count("    keys: 0") == 2
+        assert "\x1b[" not in text  # not a terminal: tables one after another
+        assert (
+            main(["stats", "--pool", pool.spec, "--json", "--watch", "0.05", "--count", "3"]) == 0
+        )
+        docs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(docs) == 3 and all(d["keys"] == 0 for d in docs)
+
+
+def test_stats_watch_stops_on_ctrl_c(pool: Pool) -> None:
+    with threaded_server(pool):
+        proc = subprocess.Popen(
+            [*BELUGA, "stats", "--pool", pool.spec, "--watch", "0.05"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().startswith("beluga stats: ")
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--watch", "0"], "above 0"),
+        (["--count", "2"], "--watch"),
+    ],
+)
+def test_stats_watch_arguments(args: list[str], message: str) -> None:
+    out = subprocess.run(
+        [*BELUGA, "stats", "--pool", "/dev/shm/beluga-test-none", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and message in out.stderr
 
 
 def test_serve_rejects_a_bad_port(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,9 +6,13 @@ import argparse
 import json
 import logging
 import sys
+import time
+from typing import Any
 
 from beluga.cli.common import add_pool_args, pool_spec
 from beluga.kv import service
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -65,8 +69,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     t = sub.add_parser("stats", help="ask a pool's metadata server for its counters")
     add_pool_args(t)
-    t.add_argument("--json", action="store_true", help="JSON instead of text")
+    t.add_argument("--json", action="store_true", help="JSON instead of text (one line a refresh)")
     t.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    t.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    t.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
     t.set_defaults(handler=run_stats)
 
 
@@ -107,14 +120,42 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_stats(stats: dict[str, Any], as_json: bool, indent: int | None) -> None:
+    if as_json:
+        print(json.dumps(stats, indent=indent))
+    else:
+        for key, value in stats.items():
+            print(f"{key:>22}: {value}")
+    sys.stdout.flush()
+
+
 def run_stats(args: argparse.Namespace) -> int:
     from beluga.kv.store import KVStore
 
-    with KVStore(pool_spec(args), connect_timeout=args.timeout, timeout=args.timeout) as store:
-        stats = store.stats()
-    if args.json:
-        print(json.dumps(stats, indent=2))
-        return 0
-    for key, value in stats.items():
-        print(f"{key:>22}: {value}")
+    if args.watch is not None and args.watch <= 0:
+        raise ValueError(f"--watch {args.watch:g}: the period must be above 0 seconds")
+    if args.count is not None and (args.watch is None or args.count < 1):
+        raise ValueError("--count N needs --watch and N >= 1")
+    spec = pool_spec(args)
+    with KVStore(spec, connect_timeout=args.timeout, timeout=args.timeout) as store:
+        if args.watch is None:
+            _print_stats(store.stats(), args.json, indent=2)
+            return 0
+        clear = sys.stdout.isatty() and not args.json
+        shown = 0
+        try:
+            while args.count is None or shown < args.count:
+                if shown:
+                    time.sleep(args.watch)
+                stats = store.stats()
+                if not args.json:
+                    print(CLEAR_SCREEN if clear else "\n" if shown else "", end="")
+                    print(
+                        f"beluga stats: {spec} at {time.strftime('%H:%M:%S')} "
+                        f"(every {args.watch:g} s; Ctrl-C stops)"
+                    )
+                _print_stats(stats, args.json, indent=None)
+                shown += 1
+        except KeyboardInterrupt:
+            pass
     return 0
