@@ -97,6 +97,11 @@ from beluga.rpc import BatchHandler, Request, per_request
 _CLEAR = bytes(LINE)
 _MAGIC = np.frombuffer(b"BLKH", dtype="<u4")[0]
 FLOOR_STEP = 1 << 16  # versions handed out per write of the floor
+# defaults of the service's options (``beluga serve`` reads them from here)
+WRITE_LEASE_S = 30.0
+READ_LEASE_S = 2.0
+HIGH_WATERMARK = 0.95
+LOW_WATERMARK = 0.90
 # the fences and invalidations below are named sabotage points (beluga_native.h)
 _floor_fence = step("SERVICE_FLOOR_FENCE", Memory.sfence)
 _commit_fence = step("SERVICE_COMMIT_FENCE", Memory.sfence)
@@ -131,10 +136,10 @@ class MetadataService:
         self,
         pool: Pool,
         *,
-        write_lease_s: float = 30.0,
-        read_lease_s: float = 2.0,
-        high_watermark: float = 0.95,
-        low_watermark: float = 0.90,
+        write_lease_s: float = WRITE_LEASE_S,
+        read_lease_s: float = READ_LEASE_S,
+        high_watermark: float = HIGH_WATERMARK,
+        low_watermark: float = LOW_WATERMARK,
         clock: Callable[[], float] = time.monotonic,
         writer_alive: Callable[[int, int], bool] | None = None,
     ) -> None:
