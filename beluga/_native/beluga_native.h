@@ -345,7 +345,9 @@ typedef struct {
     uint64_t hits;   /* probes that found a key */
     uint64_t misses; /* probes that did not */
     uint64_t owner;  /* the host id's generation that wrote this line */
-    uint8_t spare[28];
+    uint64_t tier_hits;  /* misses of the pool that the cross-pod tier served */
+    uint64_t promotions; /* values this host copied from that tier into the pool */
+    uint8_t spare[12];
     uint32_t crc;
 } bl_ix_counts;
 _Static_assert(sizeof(bl_ix_counts) == BL_LINE, "a hint counts line is one cache line");

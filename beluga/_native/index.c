@@ -404,7 +404,7 @@ typedef struct {
     bl_ix ix;
     long long hint_off; /* this host's counts line, or -1: no hints */
     uint64_t owner;
-    uint64_t seq, hits, misses, flushed_seq, unflushed;
+    uint64_t seq, hits, misses, flushed_seq, unflushed, tier_hits, promotions;
     uint64_t ring[BL_IX_HINT_RING];
 } IndexObject;
 
@@ -433,6 +433,7 @@ static void flush_hints(IndexObject *self)
     bl_ix_counts c;
     memset(&c, 0, sizeof(c));
     c.seq = self->seq, c.hits = self->hits, c.misses = self->misses, c.owner = self->owner;
+    c.tier_hits = self->tier_hits, c.promotions = self->promotions;
     counts_seal(&c);
     m->ops->sfence(m); /* hints before the count that announces them (LRU hints only) */
     m->ops->nt_store(m, (size_t)self->hint_off, &c, sizeof(c));
@@ -528,6 +529,7 @@ static int Index_init(IndexObject *self, PyObject *args, PyObject *kw)
     self->hint_off = hint_off;
     self->owner = owner;
     self->seq = self->hits = self->misses = self->flushed_seq = self->unflushed = 0;
+    self->tier_hits = self->promotions = 0;
     return 0;
 }
 
@@ -977,6 +979,18 @@ static PyObject *Index_flush_hints(IndexObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* count_tier(hits, promotions): add what the cross-pod tier served (stored with the hints) */
+static PyObject *Index_count_tier(IndexObject *self, PyObject *args)
+{
+    unsigned long long hits, promotions;
+    if (!ready(self) || !PyArg_ParseTuple(args, "KK", &hits, &promotions))
+        return NULL;
+    self->tier_hits += hits;
+    self->promotions += promotions;
+    self->unflushed += hits + promotions;
+    Py_RETURN_NONE;
+}
+
 /* counts -> (hints recorded, hits, misses) of this Index */
 static PyObject *Index_get_counts(IndexObject *self, void *c)
 {
@@ -997,6 +1011,8 @@ static PyMethodDef Index_methods[] = {
      "exists(keys, prefix=False) -> [bool]"},
     {"exists_one", (PyCFunction)Index_exists_one, METH_O, "exists_one(key) -> bool"},
     {"flush_hints", (PyCFunction)Index_flush_hints, METH_NOARGS, "store buffered hints now"},
+    {"count_tier", (PyCFunction)Index_count_tier, METH_VARARGS,
+     "count_tier(hits, promotions): the cross-pod tier's work, stored with the hints"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1125,7 +1141,7 @@ static PyObject *mod_ix_unpack(PyObject *mod, PyObject *args)
     return slots ? Py_BuildValue("(KN)", (unsigned long long)b.seq, slots) : NULL;
 }
 
-/* ix_counts(line) -> (seq, hits, misses, owner), or None if not whole */
+/* ix_counts(line) -> (seq, hits, misses, owner, tier_hits, promotions), or None if not whole */
 static PyObject *mod_ix_counts(PyObject *mod, PyObject *args)
 {
     Py_buffer v;
@@ -1140,8 +1156,9 @@ static PyObject *mod_ix_counts(PyObject *mod, PyObject *args)
     if (!whole || (c.crc != ~bl_crc32c(~0u, &c, offsetof(bl_ix_counts, crc)) &&
                    memcmp(&c, &zero, sizeof(c))))
         Py_RETURN_NONE;
-    return Py_BuildValue("(KKKK)", (unsigned long long)c.seq, (unsigned long long)c.hits,
-                         (unsigned long long)c.misses, (unsigned long long)c.owner);
+    return Py_BuildValue("(KKKKKK)", (unsigned long long)c.seq, (unsigned long long)c.hits,
+                         (unsigned long long)c.misses, (unsigned long long)c.owner,
+                         (unsigned long long)c.tier_hits, (unsigned long long)c.promotions);
 }
 
 static PyMethodDef index_functions[] = {
@@ -1151,7 +1168,7 @@ static PyMethodDef index_functions[] = {
     {"ix_pack", mod_ix_pack, METH_VARARGS, "ix_pack(seq, slots) -> bucket line"},
     {"ix_unpack", mod_ix_unpack, METH_VARARGS, "ix_unpack(line) -> (seq, slots) | None"},
     {"ix_counts", mod_ix_counts, METH_VARARGS,
-     "ix_counts(line) -> (seq, hits, misses, owner) | None"},
+     "ix_counts(line) -> (seq, hits, misses, owner, tier_hits, promotions) | None"},
     {NULL, NULL, 0, NULL},
 };
 

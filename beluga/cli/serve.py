@@ -60,6 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="address the metrics endpoint listens on (default %(default)s)",
     )
     s.add_argument(
+        "--tier",
+        metavar="SPEC",
+        help="the cross-pod tier evicted blocks are demoted to: "
+        "mooncake:METADATA_URL,MASTER_ADDRESS[,write-through] (default: $BELUGA_TIER, or none)",
+    )
+    s.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         default="info",
@@ -116,6 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
         low_watermark=args.low_watermark,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
+        tier=args.tier,
     )
     return 0
 

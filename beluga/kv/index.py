@@ -67,10 +67,12 @@ class PoolIndex:
         self.failed = 0
         self.scrubbed = 0  # buckets found damaged and rewritten
         self._scrub_at = 0
-        # per host id: (owner, hints, hits, misses) as last folded
-        self.seen: dict[int, tuple[int, int, int, int]] = {}
+        # per host id: (owner, hints, hits, misses, tier hits, promotions) as last folded
+        self.seen: dict[int, tuple[int, ...]] = {}
         self.hits = 0
         self.misses = 0
+        self.tier_hits = 0
+        self.promotions = 0
 
     # -- writing -------------------------------------------------------------
 
@@ -253,13 +255,15 @@ class PoolIndex:
             got = _core.ix_counts(mem.load(off, LINE))
             if got is None:
                 continue  # torn (being written): next time
-            seq, hits, misses, owner = got
-            last = self.seen.get(h, (owner, 0, 0, 0))
-            if last[0] != owner or seq < last[1] or hits < last[2] or misses < last[3]:
-                last = (owner, 0, 0, 0)  # a new holder of the id counts from zero
+            seq, hits, misses, owner, tier_hits, promotions = got
+            last = self.seen.get(h, (owner, 0, 0, 0, 0, 0))
+            if last[0] != owner or any(a < b for a, b in zip(got[:3], last[1:4], strict=True)):
+                last = (owner, 0, 0, 0, 0, 0)  # a new holder of the id counts from zero
             self.hits += hits - last[2]
             self.misses += misses - last[3]
-            self.seen[h] = (owner, seq, hits, misses)
+            self.tier_hits += max(0, tier_hits - last[4])
+            self.promotions += max(0, promotions - last[5])
+            self.seen[h] = (owner, seq, hits, misses, tier_hits, promotions)
             first = max(last[1], seq - HINT_RING)
             if first < seq:
                 mem.invalidate(off + LINE, HINT_RING * 8)

@@ -79,6 +79,8 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
     "index_scrub_repairs": ("counter", "Pool index buckets rewritten by the scrub"),
     "index_evictions": ("counter", "Keys dropped because the pool index had no room"),
     "index_repaired": ("gauge", "Pool index slots dropped or inserted at recovery"),
+    "tier_hits": ("counter", "Pool misses the cross-pod tier served (clients' counts)"),
+    "promotions": ("counter", "Values clients copied from the cross-pod tier into the pool"),
     "uptime_s": ("gauge", "Seconds since this server's service started"),
 }
 

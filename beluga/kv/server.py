@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from beluga.kv import protocol as p
 from beluga.kv.service import MetadataService
+from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
 from beluga.rpc import RpcServer
 
@@ -51,11 +52,18 @@ class MetadataServer:
         refresh_s: float = 0.1,
         metrics_port: int | None = None,
         metrics_addr: str = "0.0.0.0",
+        tier: MooncakeTier | TierConfig | str | None = None,
         **service_options: Any,
     ) -> None:
+        """``tier``: the cross-pod tier evicted values are demoted to (default ``BELUGA_TIER``)."""
         self.pool = pool
         started = time.perf_counter()
         self.service = MetadataService(pool, **service_options)
+        self.tier = make_tier(tier)
+        self._owns_tier = self.tier is not None and not isinstance(tier, MooncakeTier)
+        if self.tier is not None:
+            self.service.on_evict = self.tier.submit
+            self.service.extra_stats = self.tier.stats
         self.recovery_s = time.perf_counter() - started
         log.debug("recovery took %.3f s", self.recovery_s)
         self.metrics: ServerMetrics | None = None
@@ -104,6 +112,8 @@ class MetadataServer:
         finally:
             if self.metrics is not None:
                 self.metrics.close()
+            if self.tier is not None and self._owns_tier:
+                self.tier.close()
 
     def __enter__(self) -> MetadataServer:
         return self

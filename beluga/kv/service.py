@@ -166,6 +166,11 @@ class MetadataService:
         self.version = 0
         self.floor = 0
         self.counters: Counter[str] = Counter()
+        #: called with (digest, bytes) for each evicted value before its extent is freed
+        #: (the server wires in the cross-pod tier's demotion queue); None: nothing to do
+        self.on_evict: Callable[[bytes, bytes], None] | None = None
+        #: more counters for ``stats`` (the tier's), or None
+        self.extra_stats: Callable[[], dict[str, object]] | None = None
         self.started = time.time()
         self.recover()
 
@@ -241,10 +246,27 @@ class MetadataService:
         for digest, e in self.index.items():
             if e.lease_until <= now:
                 del self.index[digest]
+                if self.on_evict is not None:
+                    self._demote(digest, e)
                 self._retire(e, digest)
                 self.counters["evictions"] += 1
                 return True
         return False
+
+    def _demote(self, digest: bytes, e: Entry) -> None:
+        """Hand an evicted value's bytes (read validated, before the extent is freed) on."""
+        assert self.on_evict is not None
+        value = self.mem.read_bytes(
+            self.sb.block_header_offset(e.block),
+            self.sb.block_payload_offset(e.block),
+            e.nblocks * self.sb.block_size,
+            digest,
+            e.version,
+        )
+        if isinstance(value, bytes):
+            self.on_evict(digest, value)
+        else:
+            self.counters["demotions_unreadable"] += 1
 
     def _allocate(self, nblocks: int) -> int:
         while (first := self.alloc.allocate(nblocks)) is None:
@@ -441,7 +463,10 @@ class MetadataService:
             "index_scrub_repairs": self.ix.scrubbed,
             "index_evictions": self.counters["index_evictions"],
             "index_repaired": self.counters["index_repaired"],
+            "tier_hits": self.ix.tier_hits,
+            "promotions": self.ix.promotions,
             "uptime_s": round(time.time() - self.started, 3),
+            **(self.extra_stats() if self.extra_stats is not None else {}),
         }
 
     # -- recovery ------------------------------------------------------------

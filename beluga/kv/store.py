@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,13 @@ import numpy as np
 
 from beluga._native import _core
 from beluga.coherence import digest
-from beluga.errors import RpcError
+from beluga.errors import BelugaError, RpcError
 from beluga.kv import protocol as p
+from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
 from beluga.rpc import RpcClient
+
+log = logging.getLogger("beluga.store")
 
 MAX_KEY_BYTES = 256
 Key = str | bytes
@@ -114,6 +118,14 @@ class BlockWrite:
             raise ValueError("this BlockWrite was already filled; reserve a new one")
         self.done = True  # write_blocks aborts on its own failure: never abort twice
         self.store.write_blocks(self.refs, buffers, table, mover=mover)
+        tier = self.store.tier
+        if tier is not None and tier.config.write_through:
+            for r in self.refs:  # the committed bytes, read back from the pool
+                value = self.store.mem.read_bytes(
+                    r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
+                )
+                if isinstance(value, bytes):
+                    tier.submit(r.digest, value, "write-through")
 
 
 class KVStore:
@@ -136,7 +148,9 @@ class KVStore:
         host_id: int | None = None,
         timeout: float = 30.0,
         connect_timeout: float = 10.0,
+        tier: MooncakeTier | TierConfig | str | None = None,
     ) -> None:
+        """``tier``: the cross-pod tier (:mod:`beluga.kv.tier`); default ``BELUGA_TIER``."""
         self._owns_pool = not isinstance(pool, Pool)
         self.pool = Pool.attach(pool, coherence=coherence) if self._owns_pool else pool
         try:
@@ -166,6 +180,33 @@ class KVStore:
             hint_off=sb.hint_offset(self.rpc.host_id),
             owner=self.rpc.entry.generation,
         )
+        #: the tier beyond this pod (None: the pool alone); misses are looked up there
+        self.tier = make_tier(tier)
+        self._owns_tier = self.tier is not None and not isinstance(tier, MooncakeTier)
+
+    # -- the tier beyond the pod -----------------------------------------------
+
+    def _from_tier(self, keys: Sequence[Key]) -> list[bytes | None]:
+        """Values of keys the pool missed, from the tier; found ones are promoted into the
+        pool (best effort: a full pool or an absent server still returns the value)."""
+        assert self.tier is not None
+        values = self.tier.fetch(_core.key_digests(keys))
+        found = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
+        promoted = 0
+        if found:
+            try:
+                self.batch_put_from([k for k, _ in found], [v for _, v in found], tier=False)
+                promoted = len(found)
+            except (BelugaError, OSError) as exc:
+                log.debug("promotion of %d values from the tier failed: %s", len(found), exc)
+        self.index.count_tier(len(found), promoted)
+        return values
+
+    def _to_tier(self, digests: Sequence[bytes], values: Sequence[Any]) -> None:
+        """Queue committed values for the tier (write-through)."""
+        assert self.tier is not None
+        for d, v in zip(digests, values, strict=True):
+            self.tier.submit(d, bytes(v), "write-through")
 
     # -- plumbing ------------------------------------------------------------
 
@@ -219,8 +260,11 @@ class KVStore:
 
     # -- writes --------------------------------------------------------------
 
-    def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any]) -> None:
-        """Store many values; one ALLOC and one COMMIT RPC per batch."""
+    def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any], tier: bool = True) -> None:
+        """Store many values; one ALLOC and one COMMIT RPC per batch.
+
+        With a write-through tier the values are queued for it too (``tier``:
+        False for values that came from it)."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         raw = [key_bytes(k) for k in keys]
@@ -244,6 +288,8 @@ class KVStore:
                 self.abort(refs)
                 raise
             self._commit(refs)
+            if tier and self.tier is not None and self.tier.config.write_through:
+                self._to_tier(digests[s], views[s])
 
     # -- in-place writes and reads (the KV data path) ------------------------
 
@@ -308,10 +354,19 @@ class KVStore:
         """Where keys live, from the pool index (no RPC); with ``prefix``, up to and
         including the first miss.  Read them with :meth:`read_blocks`, which checks
         every block again: a block replaced since is a miss, never other bytes."""
-        return [
-            None if loc is None else self._ref(*loc)
-            for loc in self.index.locate(keys, prefix=prefix)
-        ]
+        found = self.index.locate(keys, prefix=prefix)
+        if self.tier is not None and None in found:
+            # misses of the pool: promote what the tier holds, then look again
+            first = found.index(None)
+            missing = (
+                list(keys[first:])
+                if prefix
+                else [keys[i] for i, f in enumerate(found) if f is None]
+            )
+            got = self._from_tier(missing)
+            if any(v is not None for v in got):
+                found = self.index.locate(keys, prefix=prefix)
+        return [None if loc is None else self._ref(*loc) for loc in found]
 
     def write_blocks(
         self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any = None
@@ -427,11 +482,30 @@ class KVStore:
 
     def get_batch(self, keys: Sequence[Key]) -> list[bytes | None]:
         """Values of many keys (None for a miss); no RPC."""
-        return self.index.get_many(keys)
+        out = self.index.get_many(keys)
+        if self.tier is not None and None in out:
+            misses = [i for i, v in enumerate(out) if v is None]
+            for i, v in zip(misses, self._from_tier([keys[i] for i in misses]), strict=True):
+                out[i] = v
+        return out
 
     def get(self, key: Key) -> bytes | None:
         """A key's value, or None on a miss; no RPC (one call into the C core)."""
-        return self.index.get(key)
+        value = self.index.get(key)
+        if value is None and self.tier is not None:
+            return self._from_tier([key])[0]
+        return value
+
+    def _into(self, value: bytes, buffer: Any) -> int:
+        """A value from the tier into a caller's buffer (the checks of get_into)."""
+        view = as_buffer(buffer, writable=True)
+        if len(view) < len(value):
+            raise ValueError(
+                f"the buffer holds {len(view)} bytes but the value is {len(value)} bytes; "
+                "pass a buffer of at least that size"
+            )
+        view[: len(value)] = value
+        return len(value)
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int]:
         """Read many values into caller buffers; each result is the length, or -1 for a miss.
@@ -440,24 +514,49 @@ class KVStore:
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        return self.index.get_many_into(keys, [as_buffer(b, writable=True) for b in buffers])
+        out = self.index.get_many_into(keys, [as_buffer(b, writable=True) for b in buffers])
+        if self.tier is not None and -1 in out:
+            misses = [i for i, n in enumerate(out) if n < 0]
+            for i, v in zip(misses, self._from_tier([keys[i] for i in misses]), strict=True):
+                if v is not None:
+                    out[i] = self._into(v, buffers[i])
+        return out
 
     def get_into(self, key: Key, buffer: Any) -> int:
         """Read a value into ``buffer``: its length, or -1 for a miss; no RPC."""
         try:
-            return self.index.get_into(key, buffer)
+            n = self.index.get_into(key, buffer)
         except (TypeError, BufferError):  # a torch tensor, a raw (address, size) pair
-            return self.index.get_into(key, as_buffer(buffer, writable=True))
+            n = self.index.get_into(key, as_buffer(buffer, writable=True))
+        if n < 0 and self.tier is not None:
+            value = self._from_tier([key])[0]
+            if value is not None:
+                return self._into(value, buffer)
+        return n
 
     def batch_is_exist(self, keys: Sequence[Key]) -> list[bool]:
-        return self.index.exists(keys)
+        """Whether each key is stored (in the pool, or else in the tier)."""
+        out = self.index.exists(keys)
+        if self.tier is not None and not all(out):
+            misses = [i for i, there in enumerate(out) if not there]
+            digests = _core.key_digests([keys[i] for i in misses])
+            for i, there in zip(misses, self.tier.exists(digests), strict=True):
+                out[i] = there
+        return out
 
     def is_exist(self, key: Key) -> bool:
-        return self.index.exists_one(key)
+        if self.index.exists_one(key):
+            return True
+        return self.tier is not None and self.tier.exists(_core.key_digests([key]))[0]
 
     def lookup_prefix(self, keys: Sequence[Key]) -> int:
-        """How many leading keys of a chain are stored (one call, no RPC)."""
-        return sum(self.index.exists(keys, prefix=True))
+        """How many leading keys of a chain are stored (one call, no RPC; then the tier
+        for the rest of the chain, whose values a later read promotes)."""
+        n = sum(self.index.exists(keys, prefix=True))
+        if n < len(keys) and self.tier is not None:
+            there = self.tier.exists(_core.key_digests(keys[n:]))
+            n += next((i for i, t in enumerate(there) if not t), len(there))
+        return n
 
     def stats(self) -> dict[str, Any]:
         """The server's counters (capacity, use, hits, misses, evictions, leases).
@@ -465,7 +564,10 @@ class KVStore:
         This store's hits and misses are stored first, so they are in the answer.
         """
         self.index.flush_hints()
-        return json.loads(self.rpc.call(p.StoreOp.STATS))
+        stats = json.loads(self.rpc.call(p.StoreOp.STATS))
+        if self.tier is not None:
+            stats["client_tier"] = self.tier.stats()
+        return stats
 
     # -- life cycle ----------------------------------------------------------
 
@@ -473,6 +575,8 @@ class KVStore:
         if not self.mem.released:
             with contextlib.suppress(Exception):  # closing: hints are only hints
                 self.index.flush_hints()
+        if self.tier is not None and self._owns_tier:
+            self.tier.close()
         self.rpc.close()
         if self._owns_pool:
             self.pool.close()
