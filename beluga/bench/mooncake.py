@@ -179,6 +179,8 @@ class MooncakeBaseline:
         self._client: MooncakeClient | None = None
         self._processes: list[subprocess.Popen[bytes]] = []
         self._logdir: Path | None = None
+        self.metadata_url = ""  # where other clients connect (:func:`connect`), once running
+        self.master_address = ""
 
     @property
     def client(self) -> MooncakeClient:
@@ -251,15 +253,11 @@ class MooncakeBaseline:
         )
         # The storage process listens only after its segment is mounted.
         self._wait_for_port(storage, "storage", storage_port, deadline)
-        os.environ["MC_TCP_BIND_ADDRESS"] = LOOPBACK
-        store = install.store_module.MooncakeDistributedStore()
-        status = store.setup(
-            LOOPBACK, metadata_url, 0, self.local_buffer_size, "tcp", "", master_address
-        )
-        if status != 0:
-            store.close()
-            raise RpcError(self._start_failure(f"the client's setup returned {status}"))
-        self._client = MooncakeClient(store)
+        try:
+            self._client = connect(install, metadata_url, master_address, self.local_buffer_size)
+        except RpcError as exc:
+            raise RpcError(self._start_failure(str(exc))) from exc
+        self.metadata_url, self.master_address = metadata_url, master_address
         self._probe(deadline)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -331,6 +329,7 @@ class MooncakeBaseline:
     def stop(self) -> None:
         """Close the client, stop both programs, remove the logs.  Safe to call twice."""
         client, self._client = self._client, None
+        self.metadata_url = self.master_address = ""
         try:
             if client is not None:
                 client.close()
@@ -353,6 +352,23 @@ class MooncakeBaseline:
         finally:
             if logdir is not None:
                 shutil.rmtree(logdir, ignore_errors=True)
+
+
+def connect(
+    install: MooncakeInstall, metadata_url: str, master_address: str, local_buffer_size: int
+) -> MooncakeClient:
+    """A client of a running Mooncake Store, contributing no memory, talking TCP on loopback.
+
+    Each process that uses the store (the benchmark, every engine process)
+    connects its own client: a Mooncake client is not fork-safe.
+    """
+    os.environ["MC_TCP_BIND_ADDRESS"] = LOOPBACK
+    store = install.store_module.MooncakeDistributedStore()
+    status = store.setup(LOOPBACK, metadata_url, 0, local_buffer_size, "tcp", "", master_address)
+    if status != 0:
+        store.close()
+        raise RpcError(f"the client's setup returned {status}")
+    return MooncakeClient(store)
 
 
 def _signal_session(process: subprocess.Popen[bytes], signum: int) -> None:
@@ -468,6 +484,16 @@ class MooncakeClient:
         if status < 0:
             raise _fail(status, "is_exist", key)
         return status == 1
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored (one round trip to the master)."""
+        for key in keys:
+            _check_key(key)
+        statuses = self._store.batch_is_exist(list(keys))
+        for key, status in zip(keys, statuses, strict=True):
+            if status < 0:
+                raise _fail(status, "batch_is_exist", key)
+        return [status == 1 for status in statuses]
 
     def remove(self, key: str) -> bool:
         """Remove ``key``; False if it was absent.

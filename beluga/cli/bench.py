@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 from beluga.bench import memops
 from beluga.bench import rpc as rpc_bench
@@ -64,6 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="e2e-ttft.png",
         metavar="FILE",
         help="PNG chart of TTFT per pass and per scheduler (default e2e-ttft.png; '' for none)",
+    )
+    e.add_argument(
+        "--baseline",
+        choices=["mooncake"],
+        help="run the same engines again with Mooncake Store as their KV store (real "
+        "mooncake_master and storage processes on loopback, locality-aware routing) and "
+        "compare with Beluga (locality-free routing); --schedulers is then ignored",
     )
     e.set_defaults(handler=run_e2e)
     v = cmds.add_parser(
@@ -162,6 +173,8 @@ def run_rpc(args: argparse.Namespace) -> int:
 def run_e2e(args: argparse.Namespace) -> int:
     from beluga.bench import e2e
 
+    if args.baseline == "mooncake":
+        return run_e2e_mooncake(args)
     result = run_with_progress(e2e_settings(args), args.pool)
     if args.chart:
         e2e.chart(result, args.chart)
@@ -171,6 +184,57 @@ def run_e2e(args: argparse.Namespace) -> int:
     print(summary(result))
     if args.chart:
         print(f"chart: {result['chart']}")
+    return 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile, so a killed run stops what it started.
+
+    Without it Python dies on SIGTERM without running ``finally`` blocks,
+    leaving engine processes and the scratch pool behind.
+    """
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_e2e_mooncake(args: argparse.Namespace) -> int:
+    """Beluga beside Mooncake Store end to end: the table, the headline and a chart."""
+    from tqdm import tqdm
+
+    from beluga.bench import e2e_mooncake
+    from beluga.bench.mooncake import check_available
+
+    check_available()  # before anything starts: say what to install
+    settings = e2e_settings(args)
+    total = 2 * len(e2e_mooncake.SYSTEMS) * len(settings.requests())
+    with (
+        _terminate_as_interrupt(),
+        tqdm(total=total, unit="req", desc="starting", dynamic_ncols=True) as bar,
+    ):
+
+        def on_record(system: str, pass_no: int, record: Any) -> None:
+            bar.update(1)
+            bar.set_postfix(system=system, ttft=f"{record.ttft:.2f}s", refresh=False)
+
+        result = e2e_mooncake.run(
+            settings, args.pool, on_record=on_record, on_phase=bar.set_description_str
+        )
+    if args.chart:
+        e2e_mooncake.chart(result, args.chart)
+        result["chart"] = os.path.abspath(args.chart)
+    report(args, "e2e-mooncake", result, e2e_mooncake.COLUMNS)
+    if args.json != "-":
+        print(e2e_mooncake.summary(result))
+        if args.chart:
+            print(f"chart: {result['chart']}")
     return 0
 
 

@@ -26,7 +26,8 @@ def add_e2e_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default="small",
-        help="model size: small (8 layers, hidden 512; default) or tiny (4 layers, hidden 256)",
+        help="model size: small (8 layers, hidden 512; default), tiny (4 layers, hidden 256) "
+        "or wide-kv (12 layers, hidden 512, 768 KiB KV blocks)",
     )
     g.add_argument("--documents", type=int, default=4, help="long documents in the trace")
     g.add_argument(

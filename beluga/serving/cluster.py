@@ -99,15 +99,26 @@ class Record:
         return self.queue + self.served.timings.ttft
 
 
-def _engine_main(conn: Connection, pool: str, config: EngineConfig) -> None:
+EngineBuilder = Callable[[str, EngineConfig], tuple[Any, Any]]
+"""Builds an engine process's KV store and engine: ``(store, engine)``, each with ``close()``.
+
+The engine's ``serve(token_ids, salt=, want_logits=)`` returns a
+:class:`~beluga.serving.engine.Served`.  It crosses to the engine process, so
+it must pickle (a module-level function, or an instance of a module-level class).
+"""
+
+
+def _engine_main(
+    conn: Connection, pool: str, config: EngineConfig, build: EngineBuilder | None = None
+) -> None:
     """An engine process: build, say ready (or why not), then serve jobs until told to stop."""
     try:
-        store, engine = _build_engine(pool, config)
+        store, engine = (build or _build_engine)(pool, config)
     except BaseException as e:  # the driver re-raises it, with its message
         conn.send(("failed", _portable(e)))
         return
     try:
-        conn.send(("ready", os.getpid(), store.rpc.host_id))
+        conn.send(("ready", os.getpid()))
         while (job := conn.recv()) is not None:
             started = time.monotonic()
             try:
@@ -199,11 +210,16 @@ class Cluster:
         start_timeout: float = 300.0,
         reply_timeout: float = 600.0,
         start_method: str = "spawn",
+        build: EngineBuilder | None = None,
     ) -> None:
         """``start_method`` "spawn" (the default) gives every process a fresh interpreter
         that imports torch itself; "fork" starts in a second instead of the ~7 s
         that importing transformers takes, and is for parents that have not
         touched CUDA (tests).
+
+        ``build`` gives the engines a KV store other than the pool (a baseline
+        store that runs on its own): then no metadata server is started and
+        ``pool`` only names the store in messages.
         """
         if engines < 1:
             raise ValueError(f"a cluster needs at least one engine, not {engines}")
@@ -213,6 +229,7 @@ class Cluster:
         self.start_timeout = start_timeout
         self.reply_timeout = reply_timeout
         self.ctx = mp.get_context(start_method)
+        self.build = build
         self.server: Any = None
         self.engines: list[Any] = []
         self.conns: list[Connection] = []
@@ -223,7 +240,8 @@ class Cluster:
     def start(self) -> Cluster:
         """Start the server, then the engines; on any failure stop what started and raise."""
         try:
-            self._start_server()
+            if self.build is None:
+                self._start_server()
             self._start_engines()
         except BaseException:
             self.close()
@@ -267,7 +285,9 @@ class Cluster:
         for i in range(self.num_engines):
             parent, child = self.ctx.Pipe()
             proc = self.ctx.Process(
-                target=_engine_main, args=(child, self.pool, self.config), name=f"beluga-engine-{i}"
+                target=_engine_main,
+                args=(child, self.pool, self.config, self.build),
+                name=f"beluga-engine-{i}",
             )
             self.conns.append(parent)  # closed by close(), whatever happens next
             try:

@@ -1,0 +1,128 @@
+"""``beluga bench e2e --baseline mooncake`` at toy size: both systems hit, exactly, and report.
+
+The run needs Mooncake (``ci/install-mooncake.sh``, part of ``ci/install.sh``)
+and skips with the availability check's own reason where it is missing.
+"""
+
+from __future__ import annotations
+
+from multiprocessing import resource_tracker
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from beluga.bench import e2e, e2e_mooncake, mooncake
+from beluga.errors import BackendUnavailableError
+from beluga.serving.cluster import Record
+from beluga.serving.model import ModelEngine
+from beluga.serving.trace import TraceShape
+from tests.test_certify import assert_valid_png
+
+TOY = TraceShape(documents=2, min_questions=2, max_questions=2, context_tokens=64)
+TOLERANCE = 1e-4  # float32 logits, prefix reused vs recomputed (as tests/test_serving_cluster.py)
+ROW_FIELDS = (
+    "hit_ratio",
+    "ttft_mean_s",
+    "ttft_p99_s",
+    "load_ms_per_block",
+    "save_ms_per_block",
+    "qps",
+    "imbalance",
+    "load_share_of_ttft",
+)
+
+
+@pytest.fixture(scope="module")
+def mooncake_installed() -> None:
+    """Skip without Mooncake; start multiprocessing's resource tracker before the leak check.
+
+    The Mooncake engines are spawned, and the first spawn starts the tracker,
+    one helper process per interpreter that lives as long as it does.
+    """
+    try:
+        mooncake.check_available()
+    except BackendUnavailableError as exc:
+        pytest.skip(f"Mooncake is not usable here: {exc}")
+    resource_tracker.ensure_running()
+
+
+@pytest.mark.slow  # ~30 s: the Mooncake engines are spawned (they import torch)
+def test_both_systems_hit_with_recomputed_logits_and_report(
+    mooncake_installed: None, shm_path: str, tmp_path: Path
+) -> None:
+    settings = e2e.Settings(model="tiny", trace=TOY, start_method="fork")
+    seen: dict[tuple[str, int], list[Record]] = {}
+    doc = e2e_mooncake.run(
+        settings,
+        shm_path,
+        on_record=lambda system, p, r: seen.setdefault((system, p), []).append(r),
+        want_logits=True,
+    )
+
+    trace = settings.requests()
+    model = ModelEngine(settings.shape, seed=settings.seed)
+    full = [model.prefill(r.token_ids).logits.numpy() for r in trace]
+    for system in e2e_mooncake.SYSTEMS:
+        hits = seen[(system, 2)]
+        assert len(hits) == len(trace)
+        for record in hits:
+            served = record.served
+            assert served.cached_tokens == (served.num_tokens - 1) // 16 * 16, system
+            assert served.saved_blocks == 0
+            assert served.logits is not None
+            want = full[record.index][served.cached_tokens :]
+            assert float(np.abs(served.logits - want).max()) <= TOLERANCE, system
+
+    rows = {(r["system"], r["pass"]): r for r in doc["rows"]}
+    assert sorted(rows) == [("beluga", 1), ("beluga", 2), ("mooncake", 1), ("mooncake", 2)]
+    assert rows[("beluga", 2)]["scheduler"] == "locality-free"
+    assert rows[("mooncake", 2)]["scheduler"] == "locality-aware"
+    for key, row in rows.items():
+        for field in ROW_FIELDS:
+            assert field in row, (key, field)
+        assert row["requests"] == len(trace) and row["imbalance"] >= 1.0
+    for system in e2e_mooncake.SYSTEMS:
+        second = rows[(system, 2)]
+        assert second["load_ms_per_block"] > 0 and 0 < second["load_share_of_ttft"] < 1
+        assert rows[(system, 1)]["save_ms_per_block"] > 0
+    headline = doc["headline"]
+    assert headline["pass2_ttft_fraction"] > 0 and headline["pass2_qps_ratio"] > 0
+    scale = doc["paper_scale"]
+    assert scale["block_bytes"] == 4 << 20 and scale["blocks_per_request"] == 937
+    assert set(scale["systems"]) == {"beluga", "mooncake"} and scale["kv_gap_s_per_hit"]
+
+    assert "Beluga's mean TTFT is" in e2e_mooncake.summary(doc)
+    e2e_mooncake.chart(doc, str(tmp_path / "e2e-mooncake.png"))
+    assert_valid_png(tmp_path / "e2e-mooncake.png")
+
+
+def _row(system: str, pass_no: int, **costs: float | None) -> dict:
+    return {
+        "system": system,
+        "pass": pass_no,
+        "block_bytes": 1 << 20,
+        "load_ms_per_block": None,
+        "lookup_ms_per_key": 0.01,
+        "save_ms_per_block": None,
+        **costs,
+    }
+
+
+def test_the_headline_and_the_paper_scale_come_from_the_per_block_costs() -> None:
+    rows = [
+        _row("beluga", 1, save_ms_per_block=1.0),
+        _row("beluga", 2, load_ms_per_block=0.5, ttft_mean_s=1.0, qps=4.0, service_mean_s=0.5),
+        _row("mooncake", 1, save_ms_per_block=4.0),
+        _row("mooncake", 2, load_ms_per_block=2.0, ttft_mean_s=4.0, qps=1.0, service_mean_s=2.0),
+    ]
+    headline = e2e_mooncake.headline(rows)
+    assert headline["pass2_ttft_fraction"] == pytest.approx(0.25)
+    assert headline["pass2_qps_ratio"] == pytest.approx(4.0)
+    assert headline["pass2_load_per_block_ratio"] == pytest.approx(4.0)
+    scale = e2e_mooncake.paper_scale(rows)
+    beluga, mooncake = scale["systems"]["beluga"], scale["systems"]["mooncake"]
+    assert beluga["load_ms_per_block"] == pytest.approx(0.5 * 4)  # 4 MiB blocks over 1 MiB
+    assert beluga["load_s"] == pytest.approx(937 * 2.0 / 1e3)
+    assert mooncake["save_s"] == pytest.approx(937 * 16.0 / 1e3)
+    assert scale["kv_gap_s_per_hit"] == pytest.approx(937 * (8.0 - 2.0) / 1e3)
