@@ -386,7 +386,7 @@ def hosts_grant_sweep(model: ModelConfig) -> None:
 
 # -- pool format (pool/pool.py) ----------------------------------------------------
 
-FORMAT_SIZE = 10 << 20
+FORMAT_SIZE = 12 << 20
 
 
 _OLD_POOL = bytearray(b"\xa5" * FORMAT_SIZE)  # a device holding an old pool: a valid
@@ -412,7 +412,7 @@ def format_sweep(model: ModelConfig) -> None:
         if sb.uuid != new.uuid:
             return Seen.NOTHING, landed  # still the old pool, untouched
         view = np.frombuffer(shared, dtype=np.uint8)
-        regions = (sb.hosts, sb.rpc, sb.headers)
+        regions = (sb.hosts, sb.rpc, sb.index, sb.headers)
         clear = not any(view[r.offset : r.end].any() for r in regions)
         return litmus._judge(clear), landed
 
@@ -451,7 +451,7 @@ def _pool_file(model: ModelConfig) -> Iterator[Callable[..., Pool]]:
         def host(seed: int, **knobs: float) -> Pool:
             cfg = replace(model, seed=seed, **knobs)
             if not pools:
-                pool = Pool.create(path, 10 << 20, geometry=GEOMETRY, coherence="model", model=cfg)
+                pool = Pool.create(path, 12 << 20, geometry=GEOMETRY, coherence="model", model=cfg)
             else:
                 pool = Pool.attach(path, coherence="model", model=cfg)
             pools.append(pool)
@@ -532,6 +532,111 @@ def service_answers_durable(model: ModelConfig) -> None:
             raise Violation("a REMOVE was answered while the key could still come back")
 
 
+# -- the pool index (index.c, kv/index.py) -----------------------------------------------
+
+
+def _reader_index(pool: Pool) -> object:
+    """A one-sided reader over a pool (no hints)."""
+    sb = pool.superblock
+    return _core.Index(
+        pool.memory,
+        sb.index.offset,
+        sb.nbuckets,
+        sb.headers.offset,
+        sb.payloads.offset,
+        sb.block_size,
+        sb.nblocks,
+    )
+
+
+def index_probe_on_a_caching_host(model: ModelConfig) -> None:
+    """A reader that cached a key's buckets finds what the server committed since."""
+    with _pool_file(model) as host:
+        svc, writer = MetadataService(host(1)), host(2)
+        reader = _reader_index(host(3))
+
+        def put(key: bytes, data: bytes) -> None:
+            g = _alloc(svc, key, len(data))
+            _publish(writer, key, g, data)
+            if not _commit(svc, key, g):
+                raise Violation("a commit was refused")
+
+        put(b"k", b"first" * 500)
+        if reader.get(b"k") != b"first" * 500:
+            raise Violation("a committed key was not found by a reader")
+        if reader.get(b"later") is not None:  # caches the buckets of a key not there yet
+            raise Violation("a key never written was found")
+        put(b"later", b"third" * 500)  # the reader's next look is its first since
+        if reader.get(b"later") != b"third" * 500:
+            raise Violation("a reader holding a key's buckets missed the key committed since")
+        put(b"k", b"second" * 500)  # a new version, at another block
+        if reader.get(b"k") != b"second" * 500:
+            raise Violation("a reader holding a key's old buckets missed its new version")
+
+
+def _digest_in(ix: object, bucket: int, rng: random.Random, taken: set[int]) -> bytes:
+    """A digest whose first bucket is ``bucket`` and whose second is empty and not taken."""
+    while True:
+        d = rng.randbytes(16)
+        _, b1, b2 = _core.ix_hash(d, ix.nbuckets)  # type: ignore[attr-defined]
+        if b1 == bucket and b2 not in taken:
+            taken.add(b2)
+            return d
+
+
+def index_move_sweep(model: ModelConfig) -> None:
+    """Every state inside a cuckoo move: an entry is always in one of its two buckets."""
+    from beluga.kv.index import PoolIndex
+
+    def look(pool: Pool, d: bytes, ix: PoolIndex) -> bool | None:
+        """Whether d is in one of its buckets; None if a bucket is torn (being written)."""
+        _, b1, b2 = _core.ix_hash(d, ix.nbuckets)
+        found = False
+        for b in (b1, b2):
+            off = ix.base + b * LINE
+            pool.memory.invalidate(off, LINE)
+            pool.memory.mfence()
+            got = _core.ix_unpack(pool.memory.load(off, LINE))
+            if got is None:
+                return None
+            tag = _core.ix_hash(d, ix.nbuckets)[0]
+            found |= any(t == tag for t, _, _ in got[1])
+        return found
+
+    def attempt(k: int | None, seed: int) -> tuple[Seen, int]:
+        with _pool_file(model) as host:
+            server = host(seed)
+            ix = PoolIndex(server.memory, server.superblock)
+            rng = random.Random(seed)
+            key = rng.randbytes(16)
+            _, x, z = _core.ix_hash(key, ix.nbuckets)
+            taken = {x, z}
+            crowd = [_digest_in(ix, b, rng, taken) for b in (x, z) for _ in range(3)]
+            for i, d in enumerate(crowd):
+                ix.put(d, i, i + 1)
+            server.memory.sfence()
+            before = server.memory.model_stats()["landed"]
+            if k is not None:
+                server.memory.crash_after(k)
+            ix.put(key, 99, 100)
+            server.memory.sfence()  # as the service's commit fence
+            landed = server.memory.model_stats()["landed"] - before
+            if ix.moves != 1:
+                raise RuntimeError(f"the insertion made {ix.moves} moves, not one")
+            other = host(seed + 100)
+            seen = [look(other, d, ix) for d in crowd]
+            if any(s is False for s in seen):
+                return Seen.WRONG, landed
+            new = look(other, key, ix)
+            return (Seen.RIGHT if new else Seen.NOTHING), landed
+
+    for seed in range(4):
+        r = litmus.sweep_crashes(lambda k, s=seed: attempt(k, s), name="index move")
+        if r.caught:
+            raise Violation(f"a cuckoo move left an entry in neither bucket (seed {seed})")
+        _window_seen(r)
+
+
 # -- native instructions (memops.c) ---------------------------------------------------
 
 
@@ -568,6 +673,8 @@ CHECKS: dict[str, Callable[[ModelConfig], None]] = {
         format_visible_at_return,
         service_restart_on_a_caching_host,
         service_answers_durable,
+        index_probe_on_a_caching_host,
+        index_move_sweep,
         memops_selfcheck,
     )
 }
@@ -621,6 +728,9 @@ CATCHERS: dict[str, list[str]] = {
     "SERVICE_FLOOR_FENCE": ["service_answers_durable"],
     "SERVICE_COMMIT_FENCE": ["service_answers_durable"],
     "SERVICE_CLEAR_FENCE": ["service_answers_durable"],
+    "INDEX_BUCKET_INVALIDATE": ["index_probe_on_a_caching_host"],
+    "INDEX_BUCKET_MFENCE": ["index_probe_on_a_caching_host"],
+    "INDEX_MOVE_FENCE": ["index_move_sweep"],
 }
 
 

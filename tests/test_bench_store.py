@@ -16,7 +16,14 @@ import psutil
 import pytest
 
 from beluga.bench import mooncake
-from beluga.bench.store import BATCH, BATCH_LABEL, BATCH_OPS, SINGLE_OPS, serve_in_child
+from beluga.bench.store import (
+    BATCH,
+    BATCH_LABEL,
+    BATCH_OPS,
+    SINGLE_OPS,
+    TARGETS,
+    serve_in_child,
+)
 from beluga.child import server_process
 from beluga.cli import main
 from beluga.errors import BackendUnavailableError
@@ -72,10 +79,22 @@ def test_quick_json_has_every_figure(capsys: pytest.CaptureFixture[str]) -> None
         get = figures[f"store.beluga.get.{label}.p50_us"]
         assert figures[f"store.beluga.get.{label}.of_memcpy"] == pytest.approx(memcpy / get)
     assert not any(".mooncake." in name or "vs_mooncake" in name for name in figures)
-    (target,) = doc["targets"]
-    assert target["name"] == "get_2MiB_of_memcpy" and target["goal"] == 0.5
-    assert target["value"] == figures["store.target.get_2MiB_of_memcpy"]
-    assert target["met"] == (target["value"] >= 0.5)
+    targets = {t["name"]: t for t in doc["targets"]}
+    assert set(targets) == {name for name, source, *_ in TARGETS if source in figures}
+    assert "lookup_prefix_256_p50_us" in targets and "get_16KiB_vs_mooncake" not in targets
+    for t in targets.values():
+        assert t["value"] == figures[f"store.target.{t['name']}"]
+        assert t["met"] == (
+            t["value"] >= t["goal"] if t["sense"] == ">=" else t["value"] <= t["goal"]
+        )
+    for label in SIZES:  # the floor of a read, measured on the value's own bytes
+        floor = figures[f"store.beluga.invalidate_load.{label}.p50_us"]
+        get_into = figures[f"store.beluga.get_into.{label}.p50_us"]
+        assert figures[f"store.beluga.get_into.{label}.of_invalidate_load"] == pytest.approx(
+            floor / get_into
+        )
+    lookup = figures["store.beluga.lookup_prefix.256.p50_us"]
+    assert figures["store.beluga.lookup_prefix.256.per_item_us"] == pytest.approx(lookup / 256)
 
 
 @pytest.mark.usefixtures("no_scratch_left")
@@ -124,6 +143,6 @@ def test_beside_mooncake(capsys: pytest.CaptureFixture[str]) -> None:
             figures[f"store.mooncake.{op}.{label}.p50_us"]
             / figures[f"store.beluga.{op}.{label}.p50_us"]
         )
-    assert [t["name"] for t in doc["targets"]] == ["get_2MiB_of_memcpy", "get_16KiB_vs_mooncake"]
+    assert [t["name"] for t in doc["targets"]] == [name for name, *_ in TARGETS]
     left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
     assert not left, f"the benchmark left processes behind: {left}"

@@ -32,7 +32,7 @@ def test_create_attach_round_trip(shm_path: str) -> None:
     with Pool.create(shm_path, SIZE, geometry=SMALL, label="qwen2-tiny") as p:
         sb = p.superblock
         assert sb.pool_size == SIZE and sb.label == "qwen2-tiny" and sb.max_hosts == 4
-        regions = [sb.hosts, sb.rpc, sb.headers, sb.payloads]
+        regions = [sb.hosts, sb.rpc, sb.index, sb.headers, sb.payloads]
         assert all(r.offset % (2 << 20) == 0 for r in regions)
         assert all(a.end <= b.offset for a, b in itertools.pairwise(regions))
         assert sb.payloads.end <= SIZE and sb.nblocks * SMALL.block_size == sb.payloads.length

@@ -34,7 +34,7 @@ class Clock:
 
 @pytest.fixture
 def small(shm_path: str) -> Iterator[Pool]:
-    pool = Pool.create(shm_path, 10 << 20, geometry=GEOMETRY)
+    pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY)
     yield pool
     pool.close()
     Pool.destroy(shm_path)

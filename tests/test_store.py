@@ -57,8 +57,9 @@ def server(spec: str, mode: str = "native", **options: Any) -> Iterator[mp.Proce
         yield proc
 
 
-def test_api_round_trips(pool: Pool) -> None:
-    with server(pool.spec), KVStore(pool) as s:
+@pytest.mark.parametrize("mode", ["native", "model"])
+def test_api_round_trips(pool: Pool, mode: str) -> None:
+    with server(pool.spec, mode), KVStore(pool.spec, coherence=mode) as s:
         s.put("a", b"hello")
         assert s.get("a") == b"hello" and s.get("missing") is None
         assert s.is_exist("a") and not s.is_exist("missing")
@@ -121,7 +122,7 @@ def test_a_pool_without_a_server(pool: Pool) -> None:
 
 def test_lru_eviction_and_capacity_error(pool: Pool) -> None:
     nblocks = pool.superblock.nblocks
-    with server(pool.spec, read_lease_s=60.0), KVStore(pool) as s:
+    with server(pool.spec), KVStore(pool) as s:
         for i in range(nblocks + 50):  # more values than blocks: the oldest go
             s.put(f"v{i}", value_of(f"v{i}", 1000))
         stats = s.stats()
@@ -129,11 +130,30 @@ def test_lru_eviction_and_capacity_error(pool: Pool) -> None:
         assert s.get(f"v{nblocks + 49}") == value_of(f"v{nblocks + 49}", 1000)
         assert s.get("v0") is None  # least recently used, evicted
         survivors = [f"v{i}" for i in range(nblocks + 50) if s.is_exist(f"v{i}")]
-        assert s.get_batch(survivors) == [value_of(k, 1000) for k in survivors]  # all leased now
-        free = stats["blocks_total"] - s.stats()["blocks_used"]
+        assert s.get_batch(survivors) == [value_of(k, 1000) for k in survivors]
+        # every block reserved by writes in flight: nothing can be evicted
+        refs = s.reserve([f"w{i}" for i in range(nblocks)], [1000] * nblocks)
         with pytest.raises(CapacityError, match="nothing can be evicted"):
-            s.put("one-too-many", bytes(pool.superblock.block_size * (free + 1)))
-        assert s.get(survivors[-1]) == value_of(survivors[-1], 1000)  # still serving
+            s.put("one-too-many", b"x")
+        s.abort(refs)
+        s.put("one-more", b"y")
+        assert s.get("one-more") == b"y"  # still serving
+
+
+def test_reads_without_rpc_still_order_eviction(pool: Pool) -> None:
+    """Hits recorded in the reader's own hint lines reach the server's LRU order."""
+    nblocks = pool.superblock.nblocks
+    with server(pool.spec), KVStore(pool) as s:
+        first = int(nblocks * 0.8)  # below the server's high watermark
+        for i in range(first):
+            s.put(f"v{i}", value_of(f"v{i}", 1000))
+        assert s.get("v0") == value_of("v0", 1000)  # v0 is now the most recently used
+        before = s.stats()  # stores this host's hints; the server folds them in
+        assert before["hits"] >= 1 and before["evictions"] == 0
+        for i in range(first, nblocks + 40):  # pushes out the least recently used
+            s.put(f"v{i}", value_of(f"v{i}", 1000))
+        assert s.stats()["evictions"] >= 40
+        assert s.get("v1") is None and s.get("v0") == value_of("v0", 1000)
 
 
 def _doomed_writer(spec: str, mode: str, ready: Any) -> None:

@@ -77,3 +77,27 @@ def test_a_corrupted_block_named_twice_is_a_miss_in_both_places(store: KVStore) 
     refs = [ra, rb, ra]
     out = np.zeros(3 * SIZE, dtype=np.uint8)
     assert store.read_blocks(refs, [out], rows(refs)) == [False, True, False]
+
+
+def test_a_write_context_commits_a_fill_and_gives_back_the_rest(store: KVStore) -> None:
+    """writing(): the fill seals and commits; anything else before it frees the extents."""
+    data = [random.Random(k).randbytes(SIZE) for k in (b"a", b"b")]
+    with store.writing([b"a", b"b"], [SIZE, SIZE]) as w:
+        table = np.array(
+            [(i, 0, off, SIZE) for i, off in enumerate(w.payload_offsets)], dtype=np.uint64
+        )
+        w.fill(data, table)
+        with pytest.raises(ValueError, match="already filled"):
+            w.fill(data, table)
+    assert store.get_batch([b"a", b"b"]) == data
+    used = store.stats()["blocks_used"]
+    with (
+        pytest.raises(RuntimeError, match="building the table failed"),
+        store.writing([b"c"], [SIZE]),
+    ):
+        raise RuntimeError("building the table failed")
+    with store.writing([b"d"], [SIZE]):
+        pass  # never filled
+    stats = store.stats()
+    assert stats["blocks_used"] == used and stats["writes_in_flight"] == 0
+    assert not store.is_exist(b"c") and not store.is_exist(b"d")

@@ -158,6 +158,17 @@
     X(SERVICE_COMMIT_FENCE, "kv/service.py op_commit",                                            \
       "SFENCE after the commit words, before the answer",                                         \
       "the answer can land before a commit word: a crash then loses an acknowledged value")       \
+    X(INDEX_BUCKET_INVALIDATE, "index.c load_buckets",                                            \
+      "invalidate a key's bucket lines before each probe",                                        \
+      "a cached bucket stays stale: a reader never sees a committed key, or follows an entry "    \
+      "the server has moved or dropped")                                                          \
+    X(INDEX_BUCKET_MFENCE, "index.c load_buckets",                                                \
+      "MFENCE between invalidating the bucket lines and loading them",                            \
+      "the loads can pass the invalidations and hit old lines")                                   \
+    X(INDEX_MOVE_FENCE, "kv/index.py PoolIndex._write_moves",                                     \
+      "SFENCE between a moved entry's new bucket and its old one",                                \
+      "the old bucket can land first: a reader finds the key in neither bucket and misses a "     \
+      "committed value")                                                                          \
     X(SERVICE_CLEAR_FENCE, "kv/service.py _clear_header",                                         \
       "SFENCE after clearing a retired or freed block's header (and its commit word)",            \
       "a REMOVE is answered while the clears are in flight: a crash brings the removed key back")
@@ -283,6 +294,8 @@ uint32_t bl_payload_crc(bl_mem *m, size_t payload_off, size_t n);
 void bl_get_header(bl_mem *m, size_t hdr_off, bl_header *h);
 int64_t bl_check_header(bl_mem *m, size_t hdr_off, size_t payload_off, const uint8_t digest[16],
                         uint64_t version, size_t block_cap, bl_header *h);
+int64_t bl_read_checked(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *h,
+                        void *out);
 int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
                           const uint8_t digest[16], uint64_t version, size_t block_cap,
                           void *out, size_t cap, bl_header *seen);
@@ -302,6 +315,59 @@ int bl_read_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t
                    size_t nrows, uint8_t *const *bufs, const char **why);
 int bl_write_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
                     size_t nrows, const uint8_t *const *bufs, const char **why);
+
+/*
+ * index.c: the pool-resident hash index (one writer: the metadata server; readers
+ * probe it with loads).  A bucket is one line of BL_IX_SLOTS entries; a key may live
+ * in either of its two buckets (bl_ix_hash).  Entries are hints that the block
+ * header confirms: a reader trusts nothing it has not checked there.
+ */
+#define BL_IX_SLOTS 3
+typedef struct {
+    uint32_t tag;     /* digest bytes 0..3 as a u32, never 0 (0 is an empty slot) */
+    uint32_t block;   /* first block of the value's extent */
+    uint64_t version; /* the committed version (the block header must hold it) */
+} bl_ix_slot;
+
+typedef struct {
+    uint64_t seq; /* bumped by every rewrite of the bucket */
+    bl_ix_slot slot[BL_IX_SLOTS];
+    uint32_t spare;
+    uint32_t crc; /* CRC32C of bytes 0..59: a torn or hostile line is no bucket */
+} bl_ix_bucket;
+_Static_assert(sizeof(bl_ix_bucket) == BL_LINE, "an index bucket is one cache line");
+
+/* Per host, after the buckets: a counts line and a ring of hints, written only by that host. */
+#define BL_IX_HINT_RING 64u                                  /* hints (u64) per host */
+#define BL_IX_HINT_LINES (1u + BL_IX_HINT_RING * 8u / BL_LINE) /* lines per host */
+typedef struct {
+    uint64_t seq;    /* hints recorded so far (ring slot = seq % BL_IX_HINT_RING) */
+    uint64_t hits;   /* probes that found a key */
+    uint64_t misses; /* probes that did not */
+    uint64_t owner;  /* the host id's generation that wrote this line */
+    uint64_t tier_hits;  /* misses of the pool that the cross-pod tier served */
+    uint64_t promotions; /* values this host copied from that tier into the pool */
+    uint8_t spare[12];
+    uint32_t crc;
+} bl_ix_counts;
+_Static_assert(sizeof(bl_ix_counts) == BL_LINE, "a hint counts line is one cache line");
+
+typedef struct {
+    size_t index_off;    /* first bucket */
+    uint64_t nbuckets;   /* a power of two */
+    size_t headers_off, payloads_off, block_size;
+    uint64_t nblocks;
+} bl_ix;
+
+void bl_blake2b_128(const void *key, size_t n, uint8_t out[16]);
+void bl_ix_hash(const uint8_t digest[16], uint64_t nbuckets, uint32_t *tag, uint64_t *b1,
+                uint64_t *b2);
+void bl_ix_seal(bl_ix_bucket *b);
+int bl_ix_bucket_ok(const bl_ix_bucket *b);
+int64_t bl_ix_lookup(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint32_t *block,
+                     bl_header *h);
+void bl_ix_lookup_many(bl_mem *m, const bl_ix *ix, const uint8_t *digests, size_t n,
+                       uint32_t *block, bl_header *h, int64_t *r);
 
 /* rpc.c: slot rings; the geometry both sides derive from (bytes per ring, depth).
  *
@@ -359,6 +425,7 @@ extern PyTypeObject BlMemoryType;
 PyObject *bl_fail(PyObject *cls, const char *fmt, ...);
 extern PyObject *bl_coherence_error, *bl_rpc_error;
 int bl_rpc_init(PyObject *module);
+int bl_index_init(PyObject *module);
 #endif
 
 #endif

@@ -140,6 +140,35 @@ int64_t bl_check_header(bl_mem *m, size_t hdr_off, size_t payload_off, const uin
 }
 
 /*
+ * The second half of a read, for a header already loaded and checked (h):
+ * invalidate the payload, copy it with its CRC32C taken chunk by chunk, and
+ * load the header again.  Returns h->length, or BL_MISS_CHECKSUM /
+ * BL_MISS_CHANGED.  out must hold h->length bytes.
+ */
+int64_t bl_read_checked(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *h,
+                        void *out)
+{
+    bl_header again;
+    if (BL_STEP(BLOCK_PAYLOAD_INVALIDATE))
+        m->ops->invalidate(m, payload_off, h->length);
+    if (BL_STEP(BLOCK_PAYLOAD_MFENCE))
+        m->ops->mfence(m);
+    /* copy and checksum a chunk at a time, so the CRC reads what is still in L1 */
+    uint32_t crc = ~0u;
+    for (size_t done = 0; done < h->length; done += READ_CHUNK) {
+        size_t k = h->length - done < READ_CHUNK ? h->length - done : READ_CHUNK;
+        m->ops->load(m, payload_off + done, (uint8_t *)out + done, k);
+        crc = bl_crc32c(crc, (uint8_t *)out + done, k);
+    }
+    if (~crc != h->payload_crc)
+        return BL_MISS_CHECKSUM;
+    bl_get_header(m, hdr_off, &again);
+    if (memcmp(h, &again, sizeof(again)))
+        return BL_MISS_CHANGED;
+    return (int64_t)h->length;
+}
+
+/*
  * Read a published block into out[0..cap).  Returns the payload length, or a
  * negative BL_MISS_* / BL_TOO_SMALL code; *seen gets the header first read.
  * `version` 0 accepts any version; block_cap bounds a sane payload length.
@@ -148,28 +177,12 @@ int64_t bl_read_validated(bl_mem *m, size_t hdr_off, size_t payload_off,
                           const uint8_t digest[16], uint64_t version, size_t block_cap,
                           void *out, size_t cap, bl_header *seen)
 {
-    bl_header h, again;
+    bl_header h;
     int64_t r = bl_check_header(m, hdr_off, payload_off, digest, version, block_cap, &h);
     *seen = h;
     if (r < 0)
         return r;
     if (h.length > cap)
         return BL_TOO_SMALL;
-    if (BL_STEP(BLOCK_PAYLOAD_INVALIDATE))
-        m->ops->invalidate(m, payload_off, h.length);
-    if (BL_STEP(BLOCK_PAYLOAD_MFENCE))
-        m->ops->mfence(m);
-    /* copy and checksum a chunk at a time, so the CRC reads what is still in L1 */
-    uint32_t crc = ~0u;
-    for (size_t done = 0; done < h.length; done += READ_CHUNK) {
-        size_t k = h.length - done < READ_CHUNK ? h.length - done : READ_CHUNK;
-        m->ops->load(m, payload_off + done, (uint8_t *)out + done, k);
-        crc = bl_crc32c(crc, (uint8_t *)out + done, k);
-    }
-    if (~crc != h.payload_crc)
-        return BL_MISS_CHECKSUM;
-    bl_get_header(m, hdr_off, &again);
-    if (memcmp(&h, &again, sizeof(h)))
-        return BL_MISS_CHANGED;
-    return (int64_t)h.length;
+    return bl_read_checked(m, hdr_off, payload_off, &h, out);
 }

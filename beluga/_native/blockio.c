@@ -93,11 +93,15 @@ typedef struct {
     segment *open;  /* per block: the segment that the next in-order piece extends */
 } job;
 
-/* Order block indexes by payload offset (qsort_r is not portable: a static base). */
-static const bl_blockio *sort_base;
+/* A block's payload offset and its index, sorted together (no shared state: thread-safe). */
+typedef struct {
+    size_t off, index;
+} keyed;
+
+/* Order keyed pairs by payload offset. */
 static int by_payload(const void *a, const void *b)
 {
-    size_t x = sort_base[*(const size_t *)a].payload_off, y = sort_base[*(const size_t *)b].payload_off;
+    size_t x = ((const keyed *)a)->off, y = ((const keyed *)b)->off;
     return (x > y) - (x < y);
 }
 
@@ -140,10 +144,15 @@ static int job_init(job *j, bl_blockio *blocks, size_t nblocks, size_t nrows, co
     j->open = calloc(nblocks + 1, sizeof(segment));
     if (!j->order || !j->segs || !j->open)
         return *why = "out of memory", -1;
+    keyed *pairs = malloc((nblocks + 1) * sizeof(keyed));
+    if (!pairs)
+        return *why = "out of memory", -1;
     for (size_t i = 0; i < nblocks; i++)
-        j->order[i] = i;
-    sort_base = blocks;
-    qsort(j->order, nblocks, sizeof(size_t), by_payload);
+        pairs[i] = (keyed){blocks[i].payload_off, i};
+    qsort(pairs, nblocks, sizeof(keyed), by_payload);
+    for (size_t i = 0; i < nblocks; i++)
+        j->order[i] = pairs[i].index;
+    free(pairs);
     for (size_t i = 1; i < nblocks; i++) {
         const bl_blockio *a = &blocks[j->order[i - 1]], *b = &blocks[j->order[i]];
         if (a->payload_off + a->cap > b->payload_off)

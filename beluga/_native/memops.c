@@ -20,11 +20,15 @@
  *   nt copy     AVX-512 streaming stores (64 B per instruction) if present,
  *               else SSE2 streaming stores; the unaligned head and tail of a
  *               copy are plain stores followed by a flush of their lines.
- *   crc32c      the SSE4.2 CRC32 instruction over three interleaved streams
- *               (its latency is three times its throughput), the partial
- *               CRCs joined with precomputed shift tables; else a table.
+ *   crc32c      VPCLMULQDQ folding (carry-less multiplies, 256 bytes per step
+ *               in four zmm accumulators, finished by the CRC32 instruction)
+ *               if AVX-512 and VPCLMULQDQ are present and the OS saves zmm
+ *               state; else, and below 256 bytes, the SSE4.2 CRC32
+ *               instruction over three interleaved streams (its latency is
+ *               three times its throughput), the partial CRCs joined with
+ *               precomputed shift tables; else a table.
  * The chicken-bit variables BELUGA_FLUSH (clflushopt|clflush),
- * BELUGA_NT (avx512|sse2|store-flush) and BELUGA_CRC (hw|sw) force a choice
+ * BELUGA_NT (avx512|sse2|store-flush) and BELUGA_CRC (vpclmulqdq|hw|sw) force a choice
  * for testing; a choice the CPU cannot honour falls back to the best one it
  * can, and bl_selected() always tells what is really used.
  *
@@ -66,7 +70,7 @@ static shift_table shift_big1, shift_big2, shift_small1, shift_small2;
 #define CRC_BIG 1024u  /* bytes per stream in the large interleaved step */
 #define CRC_SMALL 128u /* bytes per stream in the small interleaved step */
 
-static int has_clflushopt, has_clwb, has_avx512f, has_sse42;
+static int has_clflushopt, has_clwb, has_avx512f, has_sse42, has_vpclmulqdq;
 static const char *sel_flush = "none", *sel_nt = "store-flush", *sel_crc = "sw";
 static void (*flush_fn)(const void *, size_t);
 static void (*writeback_fn)(const void *, size_t);
@@ -118,11 +122,11 @@ static uint32_t gf_mul(uint32_t a, uint32_t b)
     return product;
 }
 
-/* x^(8 * nbytes) mod P: the operator that appends nbytes zero bytes to a CRC. */
-static uint32_t x_pow_bytes(uint64_t nbytes)
+/* x^bits mod P: the operator that appends `bits` zero bits to a CRC. */
+static uint32_t x_pow(uint64_t bits)
 {
     uint32_t result = 1u << 31, square = 1u << 30;
-    for (uint64_t e = 8 * nbytes; e; e >>= 1) {
+    for (uint64_t e = bits; e; e >>= 1) {
         if (e & 1)
             result = gf_mul(result, square);
         square = gf_mul(square, square);
@@ -133,7 +137,7 @@ static uint32_t x_pow_bytes(uint64_t nbytes)
 /* Fill a byte-wise table that shifts a CRC register past nbytes of zeros. */
 static void shift_table_init(shift_table *st, uint64_t nbytes)
 {
-    uint32_t op = x_pow_bytes(nbytes);
+    uint32_t op = x_pow(8 * nbytes);
     for (int k = 0; k < 4; k++)
         for (uint32_t b = 0; b < 256; b++)
             st->t[k][b] = gf_mul(op, b << (8 * k));
@@ -217,6 +221,103 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const void 
     for (; n >= 3 * CRC_SMALL; n -= 3 * CRC_SMALL, p += 3 * CRC_SMALL)
         acc = crc_hw_3way(acc, p, CRC_SMALL, &shift_small1, &shift_small2);
     return (uint32_t)crc_hw_stream(acc, p, n);
+}
+
+/*
+ * Folding with carry-less multiplies.  A 16-byte lane loaded little-endian
+ * is a polynomial of degree < 128 in the reflected order (bit 0 is x^127):
+ * its first 8 bytes H are the high half, its last 8 bytes L the low one.
+ * Moving the lane D bits further down the message multiplies it by x^D, and
+ * H * x^(64+D) + L * x^D stays congruent mod P when each power is replaced by
+ * its 32-bit residue; each product (64 x 32 bits) fits back into 128 bits.
+ * PCLMULQDQ on reflected operands yields the product times x, and a 32-bit
+ * reflected constant in a qword is worth another x^32, hence the residues
+ * {x^(D+31), x^(D-33)} mod P kept per distance (low qword for H, high for L).
+ * Four zmm accumulators (16 lanes, 256 bytes) run independent chains; they
+ * fold into one zmm, its four lanes into one, and the 16 bytes of that lane
+ * (congruent to everything folded so far) plus the tail go through the CRC32
+ * instruction, which replaces a Barrett reduction.  The initial CRC enters
+ * by XOR into the first 4 bytes: crc(c, M) = crc(0, M ^ c).
+ */
+#define CRC_FOLD_MIN 256u /* below this the 3-stream CRC32 path is as fast */
+static uint64_t fold_2048[2], fold_1536[2], fold_1024[2], fold_512[2], fold_lanes[8];
+
+/* The residues that move a 128-bit lane `bits` further down the message. */
+static void fold_pair(uint64_t k[2], unsigned bits)
+{
+    k[0] = x_pow(bits + 31);
+    k[1] = x_pow(bits - 33);
+}
+
+/* Fill every fold constant (once, from bl_cpu_init). */
+static void fold_init(void)
+{
+    fold_pair(fold_2048, 2048);
+    fold_pair(fold_1536, 1536);
+    fold_pair(fold_1024, 1024);
+    fold_pair(fold_512, 512);
+    fold_pair(fold_lanes, 384);
+    fold_pair(fold_lanes + 2, 256);
+    fold_pair(fold_lanes + 4, 128);
+}
+
+/* acc's four lanes moved ahead by k's distance, XORed with data. */
+__attribute__((target("avx512f,vpclmulqdq"))) static inline __m512i fold_zmm(__m512i acc,
+                                                                            __m512i k,
+                                                                            __m512i data)
+{
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(acc, k, 0x00),
+                                     _mm512_clmulepi64_epi128(acc, k, 0x11), data, 0x96);
+}
+
+/* A pair of fold residues in every lane of a zmm. */
+__attribute__((target("avx512f"))) static inline __m512i fold_k(const uint64_t k[2])
+{
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const void *)k));
+}
+
+/* Raw CRC32C by VPCLMULQDQ folding, 256 bytes per step; short buffers as crc_hw. */
+__attribute__((target("avx512f,vpclmulqdq,sse4.2"))) static uint32_t crc_fold(uint32_t c,
+                                                                              const void *buf,
+                                                                              size_t n)
+{
+    if (n < CRC_FOLD_MIN)
+        return crc_hw(c, buf, n);
+    const uint8_t *p = buf;
+    __m512i k = fold_k(fold_2048);
+    __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(p),
+                                  _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)c)));
+    __m512i a1 = _mm512_loadu_si512(p + 64), a2 = _mm512_loadu_si512(p + 128);
+    __m512i a3 = _mm512_loadu_si512(p + 192);
+    for (p += 256, n -= 256; n >= 256; n -= 256, p += 256) {
+        a0 = fold_zmm(a0, k, _mm512_loadu_si512(p));
+        a1 = fold_zmm(a1, k, _mm512_loadu_si512(p + 64));
+        a2 = fold_zmm(a2, k, _mm512_loadu_si512(p + 128));
+        a3 = fold_zmm(a3, k, _mm512_loadu_si512(p + 192));
+    }
+    k = fold_k(fold_512);
+    a3 = fold_zmm(a0, fold_k(fold_1536), a3);
+    a3 = fold_zmm(a1, fold_k(fold_1024), a3);
+    a3 = fold_zmm(a2, k, a3);
+    for (; n >= 64; n -= 64, p += 64)
+        a3 = fold_zmm(a3, k, _mm512_loadu_si512(p));
+    /* lanes 0..2 move ahead by 48, 32, 16 bytes onto lane 3, which stays */
+    a3 = fold_zmm(a3, _mm512_loadu_si512(fold_lanes), _mm512_maskz_mov_epi64(0xc0, a3));
+    __m128i x = _mm_xor_si128(
+        _mm_xor_si128(_mm512_castsi512_si128(a3), _mm512_extracti32x4_epi32(a3, 1)),
+        _mm_xor_si128(_mm512_extracti32x4_epi32(a3, 2), _mm512_extracti32x4_epi32(a3, 3)));
+    uint64_t lane[2];
+    _mm_storeu_si128((void *)lane, x);
+    return (uint32_t)crc_hw_stream(_mm_crc32_u64(_mm_crc32_u64(0, lane[0]), lane[1]), p, n);
+}
+
+/* Whether the OS saves the opmask and zmm registers (XCR0 bits 1, 2, 5, 6, 7). */
+__attribute__((target("xsave"))) static int os_saves_zmm(void)
+{
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) /* OSXSAVE */
+        return 0;
+    return (_xgetbv(0) & 0xe6) == 0xe6;
 }
 
 /* Flush each line with CLFLUSHOPT (weakly ordered; pair with a fence). */
@@ -337,7 +438,9 @@ void bl_cpu_init(void)
         has_avx512f = (b >> 16) & 1;
         has_clflushopt = (b >> 23) & 1;
         has_clwb = (b >> 24) & 1;
+        has_vpclmulqdq = (c >> 10) & 1;
     }
+    has_avx512f = has_avx512f && os_saves_zmm(); /* a VM may hide the zmm state */
     if (has_clflushopt && !forced("BELUGA_FLUSH", "clflush"))
         flush_fn = flush_clflushopt, sel_flush = "clflushopt";
     else
@@ -352,7 +455,11 @@ void bl_cpu_init(void)
         nt_copy_fn = nt_copy_sse2, sel_nt = "sse2";
     else
         nt_copy_fn = store_flush, sel_nt = "store-flush";
-    if (has_sse42 && !forced("BELUGA_CRC", "sw"))
+    fold_init();
+    int can_fold = has_vpclmulqdq && has_avx512f && has_sse42;
+    if (can_fold && !forced("BELUGA_CRC", "hw") && !forced("BELUGA_CRC", "sw"))
+        crc_fn = crc_fold, sel_crc = "vpclmulqdq";
+    else if (has_sse42 && !forced("BELUGA_CRC", "sw"))
         crc_fn = crc_hw, sel_crc = "hw";
 #else
     flush_fn = writeback_fn = flush_none;
@@ -380,7 +487,7 @@ const char *bl_selected(const char *what)
     return NULL;
 }
 
-/* Whether the CPU reports a feature (sse4.2, avx512f, clflushopt, clwb). */
+/* Whether the CPU reports a feature (sse4.2, avx512f, clflushopt, clwb, vpclmulqdq). */
 int bl_cpu_has(const char *feature)
 {
     if (!strcmp(feature, "sse4.2"))
@@ -391,6 +498,8 @@ int bl_cpu_has(const char *feature)
         return has_clflushopt;
     if (!strcmp(feature, "clwb"))
         return has_clwb;
+    if (!strcmp(feature, "vpclmulqdq"))
+        return has_vpclmulqdq;
     return 0;
 }
 

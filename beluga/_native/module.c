@@ -1133,7 +1133,7 @@ PyMODINIT_FUNC BL_MODULE_INIT(void)
     if (!m)
         return NULL;
     Py_INCREF(&BlMemoryType);
-    if (PyModule_AddObject(m, "Memory", (PyObject *)&BlMemoryType) < 0 || bl_rpc_init(m) < 0 ||
+    if (PyModule_AddObject(m, "Memory", (PyObject *)&BlMemoryType) < 0 || bl_rpc_init(m) < 0 || bl_index_init(m) < 0 ||
         PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_MAGIC", BL_HDR_MAGIC) < 0 ||
         PyModule_AddObject(m, "SABOTAGE_POINTS", points_table()) < 0 ||

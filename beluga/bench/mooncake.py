@@ -166,7 +166,11 @@ class MooncakeBaseline:
         local_buffer_size: int = 64 * MiB,
         start_timeout: float = 30.0,
         stop_timeout: float = 5.0,
+        storage_processes: int = 1,
     ) -> None:
+        if storage_processes < 1:
+            raise ValueError("a Mooncake Store needs at least one storage process")
+        self.storage_processes = storage_processes
         if segment_size < MiB or local_buffer_size < MiB:
             raise ValueError("segment_size and local_buffer_size must be at least 1 MiB")
         if start_timeout <= 0 or stop_timeout <= 0:
@@ -216,7 +220,9 @@ class MooncakeBaseline:
     def _start(self, install: MooncakeInstall) -> None:
         deadline = time.monotonic() + self.start_timeout
         self._logdir = Path(tempfile.mkdtemp(prefix="beluga-mooncake-"))
-        rpc_port, metadata_port, metrics_port, storage_port = _free_loopback_ports(4)
+        rpc_port, metadata_port, metrics_port, *storage_ports = _free_loopback_ports(
+            3 + self.storage_processes
+        )
         metadata_url = f"http://{LOOPBACK}:{metadata_port}/metadata"
         master_address = f"{LOOPBACK}:{rpc_port}"
         env = _child_env(install.libdir)
@@ -237,22 +243,24 @@ class MooncakeBaseline:
         )
         self._wait_for_port(master, "master", rpc_port, deadline)
         self._wait_for_port(master, "master", metadata_port, deadline)
-        storage = self._spawn(
-            "storage",
-            [
-                str(install.storage),
-                f"--host={LOOPBACK}",
-                f"--port={storage_port}",
-                "--protocol=tcp",
-                f"--global_segment_size={self.segment_size}",
-                f"--master_server_address={master_address}",
-                f"--metadata_server={metadata_url}",
-                "--logtostderr=true",
-            ],
-            env,
-        )
-        # The storage process listens only after its segment is mounted.
-        self._wait_for_port(storage, "storage", storage_port, deadline)
+        for i, storage_port in enumerate(storage_ports):
+            name = "storage" if i == 0 else f"storage-{i}"
+            storage = self._spawn(
+                name,
+                [
+                    str(install.storage),
+                    f"--host={LOOPBACK}",
+                    f"--port={storage_port}",
+                    "--protocol=tcp",
+                    f"--global_segment_size={self.segment_size}",
+                    f"--master_server_address={master_address}",
+                    f"--metadata_server={metadata_url}",
+                    "--logtostderr=true",
+                ],
+                env,
+            )
+            # The storage process listens only after its segment is mounted.
+            self._wait_for_port(storage, name, storage_port, deadline)
         try:
             self._client = connect(install, metadata_url, master_address, self.local_buffer_size)
         except RpcError as exc:

@@ -20,6 +20,8 @@ intervals, injects:
 ``corrupt_rpc_buffer``  random bytes into a request or response payload buffer
 ``corrupt_header``      random bytes into a block header (usually a published one)
 ``corrupt_payload``     random bytes into a published block's payload
+``corrupt_index``       random bytes into a bucket of the pool index (its keys may miss
+                        until the server's scrub rewrites it, never read other bytes)
 
 Writers are frozen (SIGSTOP, for a few milliseconds) while the driver picks
 and corrupts a block, so the block it hit is the one it looked at; the key
@@ -63,6 +65,7 @@ from typing import Any
 
 import psutil
 
+from beluga._native import _core
 from beluga.chaos import faults
 from beluga.chaos.report import ChaosReport
 from beluga.chaos.roles import RoleSpec, role_main
@@ -86,6 +89,7 @@ KINDS = (
     "corrupt_rpc_buffer",
     "corrupt_header",
     "corrupt_payload",
+    "corrupt_index",
 )
 WEIGHTS = {
     "kill_server": 4,
@@ -99,6 +103,7 @@ WEIGHTS = {
     "corrupt_rpc_buffer": 9,
     "corrupt_header": 8,
     "corrupt_payload": 8,
+    "corrupt_index": 8,
 }
 COHERENCE = ("native", "mixed", "model")
 
@@ -882,6 +887,19 @@ class ChaosDriver:
 
     def _fault_corrupt_payload(self) -> bool:
         return self._corrupt_block("corrupt_payload", faults.corrupt_payload)
+
+    def _fault_corrupt_index(self) -> bool:
+        """Hostile bytes in an index bucket: its keys may miss until the server's scrub
+        rewrites it (excused as corrupted), but a read may never return other bytes."""
+        assert self.pool is not None
+        sb = self.pool.superblock
+        before = time.monotonic()
+        hit, bucket = faults.corrupt_index(self.pool.memory, sb, self.rng)
+        for d, key in self.by_digest.items():
+            if bucket in _core.ix_hash(d, sb.nbuckets)[1:]:
+                self.history.corrupted(key, before)
+        self._record("corrupt_index", hit.target, bytes=hit.length)
+        return True
 
     # -- the end: quiesce, audit, restart, audit -----------------------------
 

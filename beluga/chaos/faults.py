@@ -10,6 +10,7 @@ Targets
   rpc buffers   the out-of-line payload buffer of a request or a response
   headers       a block header line (usually a published one, sometimes any)
   payloads      bytes inside a published block's payload
+  index         a bucket line of the pool index (usually one holding entries)
 
 Ring offsets follow the slot layout that ``beluga/_native/rpc.c`` owns: two
 control lines, ``depth`` request lines, ``depth`` response lines, then
@@ -121,6 +122,19 @@ def corrupt_header(mem: Memory, sb: Superblock, rng: random.Random) -> Hit:
     offset = sb.block_header_offset(block) + at
     _store(mem, offset, data)
     return Hit(f"header of block {block}", offset, len(data), block, header)
+
+
+def corrupt_index(mem: Memory, sb: Superblock, rng: random.Random) -> tuple[Hit, int]:
+    """Random bytes into an index bucket (one holding entries, when a few tries find one)."""
+    bucket = rng.randrange(sb.nbuckets)
+    for _ in range(32):
+        if any(read_line(mem, sb.index.offset + bucket * LINE)):
+            break
+        bucket = rng.randrange(sb.nbuckets)
+    at, data = _garbage(rng, LINE, LINE)
+    offset = sb.index.offset + bucket * LINE + at
+    _store(mem, offset, data)
+    return Hit(f"index bucket {bucket}", offset, len(data)), bucket
 
 
 def corrupt_payload(mem: Memory, sb: Superblock, rng: random.Random) -> Hit | None:

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
+import time
+from typing import Any
 
 from beluga.cli.common import add_pool_args, pool_spec
+from beluga.kv import service
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,29 +26,93 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--write-lease",
         type=float,
-        default=30.0,
-        help="seconds a writer may hold an extent before commit (default 30)",
+        default=service.WRITE_LEASE_S,
+        help="seconds a writer may hold an extent before commit (default %(default)g)",
     )
     s.add_argument(
         "--read-lease",
         type=float,
-        default=2.0,
-        help="seconds a lookup protects an extent from reuse (default 2)",
+        default=service.READ_LEASE_S,
+        help="seconds a lookup protects an extent from reuse (default %(default)g)",
     )
-    s.add_argument("--high-watermark", type=float, default=0.95)
-    s.add_argument("--low-watermark", type=float, default=0.90)
+    s.add_argument(
+        "--high-watermark",
+        type=float,
+        default=service.HIGH_WATERMARK,
+        help="fraction of blocks in use above which LRU eviction starts (default %(default)g)",
+    )
+    s.add_argument(
+        "--low-watermark",
+        type=float,
+        default=service.LOW_WATERMARK,
+        help="fraction of blocks in use eviction brings it down to (default %(default)g)",
+    )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://ADDR:PORT/metrics (0: any free port)",
+    )
+    s.add_argument(
+        "--metrics-addr",
+        default="0.0.0.0",
+        metavar="ADDR",
+        help="address the metrics endpoint listens on (default %(default)s)",
+    )
+    s.add_argument(
+        "--tier",
+        metavar="SPEC",
+        help="the cross-pod tier evicted blocks are demoted to: "
+        "mooncake:METADATA_URL,MASTER_ADDRESS[,write-through] (default: $BELUGA_TIER, or none)",
+    )
+    s.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="least severe log records printed on stderr (default %(default)s)",
+    )
     s.set_defaults(handler=run_serve)
 
     t = sub.add_parser("stats", help="ask a pool's metadata server for its counters")
     add_pool_args(t)
-    t.add_argument("--json", action="store_true", help="JSON instead of text")
+    t.add_argument("--json", action="store_true", help="JSON instead of text (one line a refresh)")
     t.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+    t.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    t.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
     t.set_defaults(handler=run_stats)
+
+
+class _ServeFormatter(logging.Formatter):
+    """``beluga serve: message``; records above INFO name their level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        if record.levelno > logging.INFO:
+            return f"beluga serve: {record.levelname.lower()}: {message}"
+        return f"beluga serve: {message}"
+
+
+def _log_to_stderr(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_ServeFormatter())
+    logger = logging.getLogger("beluga")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from beluga.kv.server import serve
 
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0..65535)")
+    _log_to_stderr(args.log_level)
     serve(
         pool_spec(args),
         coherence=args.coherence,
@@ -49,18 +120,49 @@ def run_serve(args: argparse.Namespace) -> int:
         read_lease_s=args.read_lease,
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
+        tier=args.tier,
     )
     return 0
+
+
+def _print_stats(stats: dict[str, Any], as_json: bool, indent: int | None) -> None:
+    if as_json:
+        print(json.dumps(stats, indent=indent))
+    else:
+        for key, value in stats.items():
+            print(f"{key:>22}: {value}")
+    sys.stdout.flush()
 
 
 def run_stats(args: argparse.Namespace) -> int:
     from beluga.kv.store import KVStore
 
-    with KVStore(pool_spec(args), connect_timeout=args.timeout, timeout=args.timeout) as store:
-        stats = store.stats()
-    if args.json:
-        print(json.dumps(stats, indent=2))
-        return 0
-    for key, value in stats.items():
-        print(f"{key:>22}: {value}")
+    if args.watch is not None and args.watch <= 0:
+        raise ValueError(f"--watch {args.watch:g}: the period must be above 0 seconds")
+    if args.count is not None and (args.watch is None or args.count < 1):
+        raise ValueError("--count N needs --watch and N >= 1")
+    spec = pool_spec(args)
+    with KVStore(spec, connect_timeout=args.timeout, timeout=args.timeout) as store:
+        if args.watch is None:
+            _print_stats(store.stats(), args.json, indent=2)
+            return 0
+        clear = sys.stdout.isatty() and not args.json
+        shown = 0
+        try:
+            while args.count is None or shown < args.count:
+                if shown:
+                    time.sleep(args.watch)
+                stats = store.stats()
+                if not args.json:
+                    print(CLEAR_SCREEN if clear else "\n" if shown else "", end="")
+                    print(
+                        f"beluga stats: {spec} at {time.strftime('%H:%M:%S')} "
+                        f"(every {args.watch:g} s; Ctrl-C stops)"
+                    )
+                _print_stats(stats, args.json, indent=None)
+                shown += 1
+        except KeyboardInterrupt:
+            pass
     return 0

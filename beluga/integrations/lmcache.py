@@ -245,15 +245,9 @@ class BelugaBackend(StoragePluginInterface):
     def _put(self, store: KVStore, batch: list[tuple[CacheEngineKey, MemoryObj]]) -> None:
         payloads = [host_bytes(obj.tensor) for _, obj in batch]
         headers = np.frombuffer(b"".join(_header(obj) for _, obj in batch), dtype=np.uint8)
-        refs = store.reserve(
-            [self.pool_key(k) for k, _ in batch], [_HEADER.size + p.size for p in payloads]
-        )
-        try:
-            table = _table(refs, [p.size for p in payloads])
-        except BaseException:
-            store.abort(refs)
-            raise
-        store.write_blocks(refs, [headers, *payloads], table)
+        keys = [self.pool_key(k) for k, _ in batch]
+        with store.writing(keys, [_HEADER.size + p.size for p in payloads]) as w:
+            w.fill([headers, *payloads], _table(w.refs, [p.size for p in payloads]))
 
     # -- gets ----------------------------------------------------------------
 

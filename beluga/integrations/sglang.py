@@ -183,17 +183,10 @@ class BelugaHiCacheStorage(HiCacheStorage):
             present = store.batch_is_exist(pool_keys)
             new = [i for i, there in enumerate(present) if not there]
             if new:
-                refs = store.reserve(
+                with store.writing(
                     [pool_keys[i] for i in new], [sum(s for _, s in pages[i]) for i in new]
-                )
-                try:
-                    buffers, table = self._table(
-                        [pages[i] for i in new], [r.payload_offset for r in refs]
-                    )
-                except BaseException:
-                    store.abort(refs)
-                    raise
-                store.write_blocks(refs, buffers, table)
+                ) as w:
+                    w.fill(*self._table([pages[i] for i in new], w.payload_offsets))
         except CapacityError as e:
             log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(pages), e)
             return [False] * len(pages)

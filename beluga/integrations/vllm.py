@@ -502,25 +502,21 @@ class BelugaConnector(KVConnectorBase_V1):
 
     def _save(self, store: KVStore, saves: SaveSpec, layout: KVLayout) -> None:
         """Reserve pool blocks for the step's saves, fill them, seal and commit them."""
-        refs = store.reserve(saves.keys, [self.kv.block_bytes] * len(saves.keys))
         nbytes = layout.format.nbytes
-        try:
+        with store.writing(saves.keys, [self.kv.block_bytes] * len(saves.keys)) as w:
             buffers, table = block_moves(
                 store.mem,
                 layout,
                 saves.engine_blocks,
-                [r.payload_offset for r in refs],
+                w.payload_offsets,
                 block_bytes=nbytes,
                 write=True,
             )
-        except BaseException:
-            store.abort(refs)
-            raise
-        start = time.perf_counter()
-        store.write_blocks(refs, buffers, table)
+            start = time.perf_counter()
+            w.fill(buffers, table)
         _COUNTERS["save_seconds"] += time.perf_counter() - start
-        _COUNTERS["save_bytes"] += len(refs) * nbytes
-        _COUNTERS["saved_blocks"] += len(refs)
+        _COUNTERS["save_bytes"] += len(w.refs) * nbytes
+        _COUNTERS["saved_blocks"] += len(w.refs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

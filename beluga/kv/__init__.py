@@ -10,11 +10,12 @@ from beluga.kv.hashing import (
 )
 from beluga.kv.identity import KVNamespace, ModelIdentity, resolve_model
 from beluga.kv.server import MetadataServer, serve
-from beluga.kv.store import MAX_KEY_BYTES, BlockRef, KVStore
+from beluga.kv.store import MAX_KEY_BYTES, BlockRef, BlockWrite, KVStore
 
 __all__ = [
     "MAX_KEY_BYTES",
     "BlockRef",
+    "BlockWrite",
     "KVNamespace",
     "KVStore",
     "MetadataServer",

@@ -119,7 +119,8 @@ def decode_locations(data: bytes) -> list[Location | None]:
 
 #: bytes per record, for sizing batches to the RPC slot buffers
 RECORD_BYTES = {
-    StoreOp.ALLOC: max(_ALLOC_REQ.size, _GRANT.size),
+    # a batch that is allocated together is committed together: size it for both
+    StoreOp.ALLOC: max(_ALLOC_REQ.size, _GRANT.size, _COMMIT_REQ.size),
     StoreOp.COMMIT: max(_COMMIT_REQ.size, _FLAG.size),
     StoreOp.ABORT: _COMMIT_REQ.size,
     StoreOp.LOOKUP: max(16, _LOCATION.size),

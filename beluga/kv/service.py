@@ -7,7 +7,9 @@ eviction are tested in-process without sleeping.
 
 State
   index      digest -> Entry(first block, extent, version, length, read lease),
-             an OrderedDict in LRU order (oldest first)
+             an OrderedDict in LRU order (oldest first); the same entries live
+             in the pool's hash index (beluga.kv.index), which this service
+             alone writes and every host reads with loads, without an RPC
   pending    first block -> a write in progress: who writes it (host id and
              that id's generation), under a write lease
   retiring   extents whose key is gone but whose read lease has not expired
@@ -31,16 +33,25 @@ Reuse of an extent (the one rule readers and writers rely on)
     on nothing but its own dead extent.  Until then the extent is quarantined.
     On one kernel "alive" is exact (pid and start time); across hosts it is a
     heartbeat seen moving within the host table's stale_s.
-  - a committed value that is removed, replaced or evicted has its header and
-    commit word cleared at once; its extent then waits out the read leases
-    of the lookups that returned it.  Readers never depend on those leases:
-    a new writer publishes WRITING (fenced) before its first payload store, so
-    a reader's header re-check after its copy fails.
+  - a committed value that is removed, replaced or evicted leaves the pool
+    index, and its header and commit word are cleared (fenced) before its
+    extent can be handed out again.  Readers hold no lease: versions never
+    repeat, and a new writer publishes WRITING (fenced) before its first
+    payload store, so a reader whose copy saw any later byte finds the header
+    at the extent's first block changed (cleared, WRITING, or another
+    version) when it checks again after the copy, and reports a miss.  The
+    only leases left are those of the LOOKUP RPC, kept for callers that
+    still use it; they make misses rarer, never reads correct.
 
 Leases
   A write lease (ALLOC) lasts ``write_lease_s``.  A read lease (LOOKUP with
   LOOKUP_LEASE) keeps an extent from being evicted or reused for
   ``read_lease_s``: fewer misses, never correctness.
+
+Hits
+  One-sided readers record their hits and misses in their own hint lines
+  (index.c); ``tick`` folds them in: a hit moves its key to the LRU end, and
+  the counts join the statistics.
 
 Eviction
   LRU, skipping leased entries: above ``high_watermark`` of the blocks in use
@@ -49,7 +60,8 @@ Eviction
   fails with CapacityError.
 
 Recovery
-  The pool, not the process, is the source of truth.  At start the service
+  The pool, not the process, is the source of truth (the index in it is
+  derived, and repaired from the headers and commit table last).  At start the service
   reads the block header table and the commit table: a PUBLISHED header whose
   version the commit table holds is an index entry (the newest version of a
   key wins; overlaps resolve to the newer extent).  Any other header with a
@@ -58,6 +70,8 @@ Recovery
   the host id and generation its header names, so it is freed as soon as that
   writer is seen gone.  Everything else is free.  A value whose writer sealed
   it after its lease ran out was never committed, so it never comes back.
+  Then the pool index is repaired in place (``PoolIndex.repair``): slots the
+  recovered entries confirm stay, so readers keep hitting during a restart.
 """
 
 from __future__ import annotations
@@ -76,12 +90,18 @@ from beluga.coherence import LINE, BlockState, Memory, parse_header
 from beluga.errors import CapacityError
 from beluga.kv import protocol as p
 from beluga.kv.allocator import BlockAllocator
+from beluga.kv.index import PoolIndex
 from beluga.pool import Pool
 from beluga.rpc import BatchHandler, Request, per_request
 
 _CLEAR = bytes(LINE)
 _MAGIC = np.frombuffer(b"BLKH", dtype="<u4")[0]
 FLOOR_STEP = 1 << 16  # versions handed out per write of the floor
+# defaults of the service's options (``beluga serve`` reads them from here)
+WRITE_LEASE_S = 30.0
+READ_LEASE_S = 2.0
+HIGH_WATERMARK = 0.95
+LOW_WATERMARK = 0.90
 # the fences and invalidations below are named sabotage points (beluga_native.h)
 _floor_fence = step("SERVICE_FLOOR_FENCE", Memory.sfence)
 _commit_fence = step("SERVICE_COMMIT_FENCE", Memory.sfence)
@@ -116,10 +136,10 @@ class MetadataService:
         self,
         pool: Pool,
         *,
-        write_lease_s: float = 30.0,
-        read_lease_s: float = 2.0,
-        high_watermark: float = 0.95,
-        low_watermark: float = 0.90,
+        write_lease_s: float = WRITE_LEASE_S,
+        read_lease_s: float = READ_LEASE_S,
+        high_watermark: float = HIGH_WATERMARK,
+        low_watermark: float = LOW_WATERMARK,
         clock: Callable[[], float] = time.monotonic,
         writer_alive: Callable[[int, int], bool] | None = None,
     ) -> None:
@@ -139,11 +159,18 @@ class MetadataService:
         self.writer_alive = writer_alive or (lambda host, generation: True)
         self.alloc = BlockAllocator(self.sb.nblocks)
         self.index: OrderedDict[bytes, Entry] = OrderedDict()
+        self.ix = PoolIndex(self.mem, self.sb)
+        self.by_block: dict[int, tuple[bytes, int]] = {}  # first block -> (digest, version)
         self.pending: dict[int, Pending] = {}
         self.retiring: list[tuple[float, int, int]] = []
         self.version = 0
         self.floor = 0
         self.counters: Counter[str] = Counter()
+        #: called with (digest, bytes) for each evicted value before its extent is freed
+        #: (the server wires in the cross-pod tier's demotion queue); None: nothing to do
+        self.on_evict: Callable[[bytes, bytes], None] | None = None
+        #: more counters for ``stats`` (the tier's), or None
+        self.extra_stats: Callable[[], dict[str, object]] | None = None
         self.started = time.time()
         self.recover()
 
@@ -177,12 +204,36 @@ class MetadataService:
         self.alloc.release(block, pend.nblocks)
         return pend
 
-    def _retire(self, e: Entry) -> None:
-        """A key is gone: clear its commit word and header; free the extent after its leases.
+    def _index(self, digest: bytes, e: Entry) -> bool:
+        """Make ``digest`` a committed entry, in memory and in the pool index.
 
-        Either clear alone keeps recovery from bringing the key back, so they need
-        no fence between them, only the header's before the answer goes out.
+        When the pool index cannot place it, other keys of its two buckets are
+        evicted (never seen at the index's load of at most a third); False if
+        none can be (all leased).
         """
+        while not self.ix.put(digest, e.block, e.version):
+            now = self.clock()
+            crowd = [d for d in self.ix.crowd(digest) if self.index[d].lease_until <= now]
+            if not crowd:
+                return False
+            self._retire(self.index.pop(crowd[0]), crowd[0])
+            self.counters["index_evictions"] += 1
+        self.index[digest] = e
+        self.by_block[e.block] = (digest, e.version)
+        return True
+
+    def _retire(self, e: Entry, digest: bytes | None) -> None:
+        """A key is gone: out of the pool index (``digest``: None when a new value of the
+        key already took its slot), commit word and header cleared; the extent is freed
+        (after the read leases of RPC lookups, if any).
+
+        Any of the clears alone keeps readers and recovery from finding the value, so
+        they need no fence between them, only one before the answer goes out.
+        """
+        if digest is not None:
+            self.ix.drop(digest)
+        if self.by_block.get(e.block, (b"", 0))[1] == e.version:
+            del self.by_block[e.block]
         self._set_commit(e.block, 0)
         self._clear_header(e.block)
         if e.lease_until > self.clock():
@@ -195,10 +246,27 @@ class MetadataService:
         for digest, e in self.index.items():
             if e.lease_until <= now:
                 del self.index[digest]
-                self._retire(e)
+                if self.on_evict is not None:
+                    self._demote(digest, e)
+                self._retire(e, digest)
                 self.counters["evictions"] += 1
                 return True
         return False
+
+    def _demote(self, digest: bytes, e: Entry) -> None:
+        """Hand an evicted value's bytes (read validated, before the extent is freed) on."""
+        assert self.on_evict is not None
+        value = self.mem.read_bytes(
+            self.sb.block_header_offset(e.block),
+            self.sb.block_payload_offset(e.block),
+            e.nblocks * self.sb.block_size,
+            digest,
+            e.version,
+        )
+        if isinstance(value, bytes):
+            self.on_evict(digest, value)
+        else:
+            self.counters["demotions_unreadable"] += 1
 
     def _allocate(self, nblocks: int) -> int:
         while (first := self.alloc.allocate(nblocks)) is None:
@@ -261,10 +329,15 @@ class MetadataService:
                 continue
             del self.pending[block]
             self._set_commit(block, version)
+            new = Entry(block, pend.nblocks, version, pend.length)
             old = self.index.pop(digest, None)
-            if old is not None:
-                self._retire(old)
-            self.index[digest] = Entry(block, pend.nblocks, version, pend.length)
+            if not self._index(digest, new):  # only a new key (no slot yet) can fail
+                self._retire(new, None)
+                self.counters["index_full"] += 1
+                done.append(False)
+                continue
+            if old is not None:  # the index points at the new value: the old one goes
+                self._retire(old, None)
             self.counters["puts"] += 1
             done.append(True)
         _commit_fence(self.mem)  # every commit word is in the pool before the answer goes out
@@ -302,12 +375,13 @@ class MetadataService:
         for d in digests:
             e = self.index.pop(d, None)
             if e is not None:
-                self._retire(e)
+                self._retire(e, d)
                 self.counters["removes"] += 1
             found.append(e is not None)
         return p.encode_flags(found)
 
     def op_stats(self, req: Request) -> bytes:
+        self.fold_hints()
         return json.dumps(self.stats()).encode()
 
     def handlers(self) -> dict[int, BatchHandler]:
@@ -322,8 +396,19 @@ class MetadataService:
 
     # -- timers and hosts ----------------------------------------------------
 
+    def fold_hints(self) -> None:
+        """Fold readers' hint lines in: their hits move keys to the LRU end."""
+        for block, vlow in self.ix.fold_hints():
+            hit = self.by_block.get(block)
+            if hit is not None and hit[1] & 0xFFFFFFFF == vlow and hit[0] in self.index:
+                self.index.move_to_end(hit[0])
+
     def tick(self) -> None:
-        """Cancel writes whose lease ran out, free those whose writer is gone, end retirements."""
+        """Fold hints; cancel writes whose lease ran out, free those whose writer is gone,
+        end retirements."""
+        self.fold_hints()
+        if self.ix.scrub():  # a bucket hit by stray or hostile bytes is rewritten
+            self.mem.sfence()
         now = self.clock()
         alive: dict[tuple[int, int], bool] = {}  # one look per writer per tick
         for block, pend in list(self.pending.items()):
@@ -364,8 +449,8 @@ class MetadataService:
             "writes_in_flight": len(self.pending),
             "quarantined_extents": sum(pend.cancelled for pend in self.pending.values()),
             "retiring_extents": len(self.retiring),
-            "hits": self.counters["hits"],
-            "misses": self.counters["misses"],
+            "hits": self.counters["hits"] + self.ix.hits,
+            "misses": self.counters["misses"] + self.ix.misses,
             "puts": self.counters["puts"],
             "removes": self.counters["removes"],
             "evictions": self.counters["evictions"],
@@ -373,7 +458,15 @@ class MetadataService:
             "late_commits_refused": self.counters["late_commits_refused"],
             "dead_writer_reclaims": self.counters["dead_writer_reclaims"],
             "recovered_keys": self.counters["recovered_keys"],
+            "index_buckets": self.ix.nbuckets,
+            "index_moves": self.ix.moves,
+            "index_scrub_repairs": self.ix.scrubbed,
+            "index_evictions": self.counters["index_evictions"],
+            "index_repaired": self.counters["index_repaired"],
+            "tier_hits": self.ix.tier_hits,
+            "promotions": self.ix.promotions,
             "uptime_s": round(time.time() - self.started, 3),
+            **(self.extra_stats() if self.extra_stats is not None else {}),
         }
 
     # -- recovery ------------------------------------------------------------
@@ -423,6 +516,12 @@ class MetadataService:
         for block in np.flatnonzero(committed).tolist():  # commit words of nothing indexed
             if block not in indexed:
                 self._set_commit(block, 0)
+        self.by_block = {e.block: (d, e.version) for d, e in self.index.items()}
+        repaired = self.ix.repair({d: (e.block, e.version) for d, e in self.index.items()})
+        for d in [d for d in self.index if d not in self.ix.where]:  # could not be placed
+            self._retire(self.index.pop(d), None)
+            self.counters["index_evictions"] += 1
+        self.counters["index_repaired"] = repaired["dropped"] + repaired["inserted"]
         self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
         self.counters["recovered_keys"] = len(self.index)
         self.counters["recovered_writes"] = len(self.pending)

@@ -1,10 +1,14 @@
 """KVStore: the client API, shaped after Mooncake Store's.
 
 Writes go allocate (one RPC per batch) -> copy into the pool and publish the
-header (no server involved) -> commit (one RPC per batch).  Reads go lookup
-(one RPC per batch, with a read lease) -> read_validated straight from the
-pool.  A read that fails validation (the key was just replaced or evicted)
-is retried once with a fresh lookup, then reported as a miss: never as data.
+header (no server involved) -> commit (one RPC per batch).  Reads need no
+server at all: each is one call into the C core (``_core.Index``, index.c)
+that digests the key, probes the pool-resident index with loads, confirms
+the entry against the block header, copies the payload with its checksum
+fused into the copy, and checks the header again.  A read that fails
+validation (the key was just replaced or evicted) is retried once with a
+fresh probe, then reported as a miss: never as data.  Reads keep working
+while the metadata server is down or restarting.
 
 Values are any buffer: bytes, bytearray, memoryview, numpy arrays, CPU torch
 tensors (any dtype, contiguous), or a raw ``(address, size)`` pair.  Keys are
@@ -14,23 +18,28 @@ BLAKE2b digests.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from beluga.coherence import Miss, digest
-from beluga.errors import RpcError
+from beluga._native import _core
+from beluga.coherence import digest
+from beluga.errors import BelugaError, RpcError
 from beluga.kv import protocol as p
+from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
 from beluga.rpc import RpcClient
 
+log = logging.getLogger("beluga.store")
+
 MAX_KEY_BYTES = 256
 Key = str | bytes
-_RACES = (Miss.KEY, Miss.VERSION, Miss.STATE, Miss.CHANGED, Miss.MAGIC)
 
 
 def key_bytes(key: Key) -> bytes:
@@ -83,12 +92,49 @@ class BlockRef:
     capacity: int  # bytes of the extent
 
 
+class BlockWrite:
+    """Extents reserved for one batch of in-place writes: the one write API of the
+    block protocol (:meth:`KVStore.writing`).
+
+    ``refs`` say where each payload goes; :meth:`fill` moves the bytes through
+    one scatter-gather table (any mover), seals every block with the CRC of
+    what was moved and commits them.  Leaving the ``with`` block without a
+    fill, or with an exception, gives the extents back.  Not thread-safe (one
+    writer fills one batch); not fork-safe (as its store).
+    """
+
+    def __init__(self, store: KVStore, refs: list[BlockRef]) -> None:
+        self.store = store
+        self.refs = refs
+        self.done = False
+
+    @property
+    def payload_offsets(self) -> list[int]:
+        return [r.payload_offset for r in self.refs]
+
+    def fill(self, buffers: Sequence[Any], table: Any, mover: Any = None) -> None:
+        """Move, seal and commit (see :meth:`KVStore.write_blocks`); at most once."""
+        if self.done:
+            raise ValueError("this BlockWrite was already filled; reserve a new one")
+        self.done = True  # write_blocks aborts on its own failure: never abort twice
+        self.store.write_blocks(self.refs, buffers, table, mover=mover)
+        tier = self.store.tier
+        if tier is not None and tier.config.write_through:
+            for r in self.refs:  # the committed bytes, read back from the pool
+                value = self.store.mem.read_bytes(
+                    r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
+                )
+                if isinstance(value, bytes):
+                    tier.submit(r.digest, value, "write-through")
+
+
 class KVStore:
     """A connection to a pool's metadata server, and direct access to its blocks.
 
     Thread-safe: threads may share one store.  Its RPC client serialises
     calls with a lock; reads and writes of the pool itself need none (each
-    block has one writer, and reads validate).  Not fork-safe: the store is
+    block has one writer, and reads validate); the read path's hit counters
+    change only under the GIL.  Not fork-safe: the store is
     one host of the pool, so a forked child opens its own (using the parent's
     raises ``RpcError``; closing it in the child leaves the parent connected).
     """
@@ -102,7 +148,9 @@ class KVStore:
         host_id: int | None = None,
         timeout: float = 30.0,
         connect_timeout: float = 10.0,
+        tier: MooncakeTier | TierConfig | str | None = None,
     ) -> None:
+        """``tier``: the cross-pod tier (:mod:`beluga.kv.tier`); default ``BELUGA_TIER``."""
         self._owns_pool = not isinstance(pool, Pool)
         self.pool = Pool.attach(pool, coherence=coherence) if self._owns_pool else pool
         try:
@@ -119,6 +167,46 @@ class KVStore:
             raise
         self.mem = self.pool.memory
         self.sb = self.pool.superblock
+        sb = self.sb
+        #: one-sided reads through the pool index; hits are recorded in this host's hint lines
+        self.index = _core.Index(
+            self.mem,
+            sb.index.offset,
+            sb.nbuckets,
+            sb.headers.offset,
+            sb.payloads.offset,
+            sb.block_size,
+            sb.nblocks,
+            hint_off=sb.hint_offset(self.rpc.host_id),
+            owner=self.rpc.entry.generation,
+        )
+        #: the tier beyond this pod (None: the pool alone); misses are looked up there
+        self.tier = make_tier(tier)
+        self._owns_tier = self.tier is not None and not isinstance(tier, MooncakeTier)
+
+    # -- the tier beyond the pod -----------------------------------------------
+
+    def _from_tier(self, keys: Sequence[Key]) -> list[bytes | None]:
+        """Values of keys the pool missed, from the tier; found ones are promoted into the
+        pool (best effort: a full pool or an absent server still returns the value)."""
+        assert self.tier is not None
+        values = self.tier.fetch(_core.key_digests(keys))
+        found = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
+        promoted = 0
+        if found:
+            try:
+                self.batch_put_from([k for k, _ in found], [v for _, v in found], tier=False)
+                promoted = len(found)
+            except (BelugaError, OSError) as exc:
+                log.debug("promotion of %d values from the tier failed: %s", len(found), exc)
+        self.index.count_tier(len(found), promoted)
+        return values
+
+    def _to_tier(self, digests: Sequence[bytes], values: Sequence[Any]) -> None:
+        """Queue committed values for the tier (write-through)."""
+        assert self.tier is not None
+        for d, v in zip(digests, values, strict=True):
+            self.tier.submit(d, bytes(v), "write-through")
 
     # -- plumbing ------------------------------------------------------------
 
@@ -126,17 +214,6 @@ class KVStore:
         per = max(1, (self.rpc.max_payload - p.HEADER_BYTES) // p.RECORD_BYTES[op])
         for start in range(0, n, per):
             yield slice(start, min(n, start + per))
-
-    def _lookup(self, digests: list[bytes], flags: int) -> list[p.Location | None]:
-        out: list[p.Location | None] = []
-        for s in self._batches(p.StoreOp.LOOKUP, len(digests)):
-            found = p.decode_locations(
-                self.rpc.call(p.StoreOp.LOOKUP, p.encode_digests(digests[s], flags))
-            )
-            out += found
-            if flags & p.LOOKUP_PREFIX and len(found) < s.stop - s.start:
-                break
-        return out
 
     def _extent_bytes(self, length: int) -> int:
         return max(1, -(-length // self.sb.block_size)) * self.sb.block_size
@@ -181,47 +258,13 @@ class KVStore:
                 p.StoreOp.ABORT, p.encode_commit([(r.digest, r.block, r.version) for r in refs[s]])
             )
 
-    def _read_one(
-        self, d: bytes, loc: p.Location | None, out: memoryview | None
-    ) -> bytes | int | None:
-        """One value: new bytes (no ``out``) or its length (into ``out``); None / -1 on a miss.
-
-        A read that lost a race (the key was replaced or evicted since the
-        lookup) is retried once with a fresh lookup.
-        """
-        miss = None if out is None else -1
-        for attempt in range(2):
-            if loc is None:
-                return miss
-            where = (
-                self.sb.block_header_offset(loc.block),
-                self.sb.block_payload_offset(loc.block),
-                self._extent_bytes(loc.length),
-                d,
-                loc.version,
-            )
-            if out is None:
-                r = self.mem.read_bytes(*where)
-                if not isinstance(r, int):
-                    return r
-            else:
-                if len(out) < loc.length:
-                    raise ValueError(
-                        f"the buffer holds {len(out)} bytes but the value is "
-                        f"{loc.length} bytes; pass a buffer of at least that size"
-                    )
-                r = self.mem.read_validated(*where, out)
-                if r >= 0:
-                    return r
-            if attempt or r not in _RACES:
-                break
-            (loc,) = self._lookup([d], p.LOOKUP_LEASE)
-        return miss
-
     # -- writes --------------------------------------------------------------
 
-    def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any]) -> None:
-        """Store many values; one ALLOC and one COMMIT RPC per batch."""
+    def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any], tier: bool = True) -> None:
+        """Store many values; one ALLOC and one COMMIT RPC per batch.
+
+        With a write-through tier the values are queued for it too (``tier``:
+        False for values that came from it)."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         raw = [key_bytes(k) for k in keys]
@@ -245,8 +288,32 @@ class KVStore:
                 self.abort(refs)
                 raise
             self._commit(refs)
+            if tier and self.tier is not None and self.tier.config.write_through:
+                self._to_tier(digests[s], views[s])
 
     # -- in-place writes and reads (the KV data path) ------------------------
+
+    @contextlib.contextmanager
+    def writing(self, keys: Sequence[Key], lengths: Sequence[int]) -> Iterator[BlockWrite]:
+        """Reserve extents for ``keys``; the caller fills them (``w.fill(buffers, table)``).
+
+        Usage::
+
+            with store.writing(keys, lengths) as w:
+                buffers, table = block_moves(..., w.payload_offsets, ...)
+                w.fill(buffers, table)
+
+        Whatever goes wrong before the fill (building the table, a bad
+        argument) gives the extents back; the fill itself seals and commits,
+        or aborts and raises.
+        """
+        w = BlockWrite(self, self.reserve(keys, lengths))
+        try:
+            yield w
+        finally:
+            if not w.done:
+                w.done = True
+                self.abort(w.refs)
 
     def reserve(self, keys: Sequence[Key], lengths: Sequence[int]) -> list[BlockRef]:
         """Reserve extents and mark them WRITING; fill the payloads, then :meth:`seal`."""
@@ -284,14 +351,22 @@ class KVStore:
             self._commit(list(refs[s]))
 
     def locate(self, keys: Sequence[Key], prefix: bool = True) -> list[BlockRef | None]:
-        """Where keys live, under a read lease; with ``prefix``, up to the first miss."""
-        digests = [digest(key_bytes(k)) for k in keys]
-        flags = p.LOOKUP_LEASE | (p.LOOKUP_PREFIX if prefix else 0)
-        locs = self._lookup(digests, flags)
-        return [
-            None if loc is None else self._ref(d, loc.block, loc.version, loc.length)
-            for d, loc in zip(digests, locs, strict=False)
-        ]
+        """Where keys live, from the pool index (no RPC); with ``prefix``, up to and
+        including the first miss.  Read them with :meth:`read_blocks`, which checks
+        every block again: a block replaced since is a miss, never other bytes."""
+        found = self.index.locate(keys, prefix=prefix)
+        if self.tier is not None and None in found:
+            # misses of the pool: promote what the tier holds, then look again
+            first = found.index(None)
+            missing = (
+                list(keys[first:])
+                if prefix
+                else [keys[i] for i, f in enumerate(found) if f is None]
+            )
+            got = self._from_tier(missing)
+            if any(v is not None for v in got):
+                found = self.index.locate(keys, prefix=prefix)
+        return [None if loc is None else self._ref(*loc) for loc in found]
 
     def write_blocks(
         self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any = None
@@ -406,44 +481,102 @@ class KVStore:
     # -- reads ---------------------------------------------------------------
 
     def get_batch(self, keys: Sequence[Key]) -> list[bytes | None]:
-        """Values of many keys (None for a miss); one LOOKUP RPC per batch."""
-        digests = [digest(key_bytes(k)) for k in keys]
-        locs = self._lookup(digests, p.LOOKUP_LEASE)
-        return [self._read_one(d, loc, None) for d, loc in zip(digests, locs, strict=True)]
+        """Values of many keys (None for a miss); no RPC."""
+        out = self.index.get_many(keys)
+        if self.tier is not None and None in out:
+            misses = [i for i, v in enumerate(out) if v is None]
+            for i, v in zip(misses, self._from_tier([keys[i] for i in misses]), strict=True):
+                out[i] = v
+        return out
 
     def get(self, key: Key) -> bytes | None:
-        return self.get_batch([key])[0]
+        """A key's value, or None on a miss; no RPC (one call into the C core)."""
+        value = self.index.get(key)
+        if value is None and self.tier is not None:
+            return self._from_tier([key])[0]
+        return value
+
+    def _into(self, value: bytes, buffer: Any) -> int:
+        """A value from the tier into a caller's buffer (the checks of get_into)."""
+        view = as_buffer(buffer, writable=True)
+        if len(view) < len(value):
+            raise ValueError(
+                f"the buffer holds {len(view)} bytes but the value is {len(value)} bytes; "
+                "pass a buffer of at least that size"
+            )
+        view[: len(value)] = value
+        return len(value)
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int]:
-        """Read many values into caller buffers; each result is the length, or -1 for a miss."""
+        """Read many values into caller buffers; each result is the length, or -1 for a miss.
+
+        One call into the C core for the whole batch, no RPC.
+        """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        views = [as_buffer(b, writable=True) for b in buffers]
-        digests = [digest(key_bytes(k)) for k in keys]
-        locs = self._lookup(digests, p.LOOKUP_LEASE)
-        return [self._read_one(d, loc, v) for d, loc, v in zip(digests, locs, views, strict=True)]
+        out = self.index.get_many_into(keys, [as_buffer(b, writable=True) for b in buffers])
+        if self.tier is not None and -1 in out:
+            misses = [i for i, n in enumerate(out) if n < 0]
+            for i, v in zip(misses, self._from_tier([keys[i] for i in misses]), strict=True):
+                if v is not None:
+                    out[i] = self._into(v, buffers[i])
+        return out
 
     def get_into(self, key: Key, buffer: Any) -> int:
-        return self.batch_get_into([key], [buffer])[0]
+        """Read a value into ``buffer``: its length, or -1 for a miss; no RPC."""
+        try:
+            n = self.index.get_into(key, buffer)
+        except (TypeError, BufferError):  # a torch tensor, a raw (address, size) pair
+            n = self.index.get_into(key, as_buffer(buffer, writable=True))
+        if n < 0 and self.tier is not None:
+            value = self._from_tier([key])[0]
+            if value is not None:
+                return self._into(value, buffer)
+        return n
 
     def batch_is_exist(self, keys: Sequence[Key]) -> list[bool]:
-        return [loc is not None for loc in self._lookup([digest(key_bytes(k)) for k in keys], 0)]
+        """Whether each key is stored (in the pool, or else in the tier)."""
+        out = self.index.exists(keys)
+        if self.tier is not None and not all(out):
+            misses = [i for i, there in enumerate(out) if not there]
+            digests = _core.key_digests([keys[i] for i in misses])
+            for i, there in zip(misses, self.tier.exists(digests), strict=True):
+                out[i] = there
+        return out
 
     def is_exist(self, key: Key) -> bool:
-        return self.batch_is_exist([key])[0]
+        if self.index.exists_one(key):
+            return True
+        return self.tier is not None and self.tier.exists(_core.key_digests([key]))[0]
 
     def lookup_prefix(self, keys: Sequence[Key]) -> int:
-        """How many leading keys of a chain are stored (one batched lookup)."""
-        locs = self._lookup([digest(key_bytes(k)) for k in keys], p.LOOKUP_PREFIX | p.LOOKUP_LEASE)
-        return next((i for i, loc in enumerate(locs) if loc is None), len(locs))
+        """How many leading keys of a chain are stored (one call, no RPC; then the tier
+        for the rest of the chain, whose values a later read promotes)."""
+        n = sum(self.index.exists(keys, prefix=True))
+        if n < len(keys) and self.tier is not None:
+            there = self.tier.exists(_core.key_digests(keys[n:]))
+            n += next((i for i, t in enumerate(there) if not t), len(there))
+        return n
 
     def stats(self) -> dict[str, Any]:
-        """The server's counters (capacity, use, hits, misses, evictions, leases)."""
-        return json.loads(self.rpc.call(p.StoreOp.STATS))
+        """The server's counters (capacity, use, hits, misses, evictions, leases).
+
+        This store's hits and misses are stored first, so they are in the answer.
+        """
+        self.index.flush_hints()
+        stats = json.loads(self.rpc.call(p.StoreOp.STATS))
+        if self.tier is not None:
+            stats["client_tier"] = self.tier.stats()
+        return stats
 
     # -- life cycle ----------------------------------------------------------
 
     def close(self) -> None:
+        if not self.mem.released:
+            with contextlib.suppress(Exception):  # closing: hints are only hints
+                self.index.flush_hints()
+        if self.tier is not None and self._owns_tier:
+            self.tier.close()
         self.rpc.close()
         if self._owns_pool:
             self.pool.close()

@@ -10,6 +10,11 @@ device-DAX mapping is 2 MiB aligned, and so are our offsets on a tmpfs file)::
                       lobby and the server seat (beluga.pool.hosts owns the format)
     RPC area          one ring per client host (layout owned by beluga.rpc;
                       a ring opens with control, status and two wake-up lines)
+    index             the pool-resident hash index: buckets of one line each,
+                      written only by the metadata server, probed by every host
+                      with loads; then per host a hint counts line and a ring of
+                      hints, each written only by that host (index.c owns the
+                      formats; beluga.kv.index is the server's writer)
     data area         block header table (one line per block), the commit table
                       (one u64 per block: the version the server committed) and the
                       service line (the server's persistent counters), both written
@@ -27,16 +32,17 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
+from beluga._native import _core
 from beluga.coherence import LINE, crc32c
 from beluga.errors import LayoutVersionError, PoolError
 
 MAGIC = b"BELUGA\x00P"
-LAYOUT_VERSION = 2  # 2: host grants, claim lobby, server seat, commit table
+LAYOUT_VERSION = 3  # 2: host grants, claim lobby, server seat, commit table; 3: index region
 REGION_ALIGN = 2 << 20
 SUPERBLOCK_BYTES = 4096
 LABEL_BYTES = 64
 
-_FORMAT = struct.Struct("<8sIIQ16sIIQIIQQQQQQQQQQ64s")
+_FORMAT = struct.Struct("<8sIIQ16sIIQIIQQQQQQQQQQ64sQQQ")
 _CRC = struct.Struct("<I")
 _CRC_AT = SUPERBLOCK_BYTES - _CRC.size  # the checksum covers the whole 4 KiB before it
 assert _FORMAT.size <= _CRC_AT
@@ -57,6 +63,23 @@ def host_region_lines(max_hosts: int) -> int:
 
 
 COMMIT_BYTES = 8  # one little-endian u64 per block in the commit table
+IX_SLOTS = _core.IX_SLOTS  # entries per index bucket (index.c)
+IX_HINT_LINES = _core.IX_HINT_LINES  # lines of each host's hints after the buckets
+
+
+def index_buckets(nblocks: int) -> int:
+    """Buckets for ``nblocks`` blocks: a power of two >= nblocks (a third of the slots fill).
+
+    Every value holds at least one block, so entries never outnumber blocks;
+    with two buckets per key and three slots per bucket, cuckoo insertion at
+    that load practically never needs more than a few moves.
+    """
+    return 1 << (max(2, nblocks) - 1).bit_length()
+
+
+def index_bytes(nblocks: int, max_hosts: int) -> int:
+    """Bytes of the index region: the buckets, then each host's hint lines."""
+    return (index_buckets(nblocks) + max_hosts * IX_HINT_LINES) * LINE
 
 
 @dataclass(frozen=True)
@@ -99,10 +122,12 @@ class Superblock:
     max_hosts: int
     hosts: Region
     rpc: Region
+    index: Region  # the pool-resident hash index, then the hosts' hint lines
     headers: Region  # block header table (data area, part 1)
     payloads: Region  # block payloads (data area, part 3)
     block_size: int
     nblocks: int
+    nbuckets: int = 0  # index buckets (a power of two)
     label: str = ""
     layout_version: int = LAYOUT_VERSION
     line_size: int = LINE
@@ -118,6 +143,10 @@ class Superblock:
 
     def block_payload_offset(self, block: int) -> int:
         return self.payloads.offset + block * self.block_size
+
+    def hint_offset(self, host_id: int) -> int:
+        """The first of ``host_id``'s hint lines (its counts line), after the buckets."""
+        return self.index.offset + (self.nbuckets + host_id * IX_HINT_LINES) * LINE
 
     @property
     def commits(self) -> Region:
@@ -163,6 +192,9 @@ class Superblock:
             self.block_size,
             self.nblocks,
             label,
+            self.index.offset,
+            self.index.length,
+            self.nbuckets,
         )
         sealed = body.ljust(_CRC_AT, b"\0")
         return sealed + _CRC.pack(crc32c(sealed))
@@ -176,19 +208,23 @@ def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
         )
     hosts = Region(REGION_ALIGN, align_up(host_region_lines(geometry.max_hosts) * LINE))
     rpc = Region(hosts.end, align_up(geometry.max_hosts * geometry.rpc_bytes_per_host))
-    data_off = rpc.end
-    room = pool_size - data_off
     per_block = LINE + COMMIT_BYTES  # header and commit word of each block
-    nblocks = max(0, (room - REGION_ALIGN) // (geometry.block_size + per_block))
-    while (
-        nblocks and align_up(nblocks * per_block + 2 * LINE) + nblocks * geometry.block_size > room
-    ):
+    room = pool_size - rpc.end
+    nblocks = max(0, (room - 2 * REGION_ALIGN) // (geometry.block_size + per_block))
+
+    def need(n: int) -> int:
+        ix = align_up(index_bytes(n, geometry.max_hosts))
+        return ix + align_up(n * per_block + 2 * LINE) + n * geometry.block_size
+
+    while nblocks and need(nblocks) > room:
         nblocks -= 1
+    index = Region(rpc.end, align_up(index_bytes(max(nblocks, 1), geometry.max_hosts)))
+    data_off = index.end
     if nblocks < 1:
         need = data_off + REGION_ALIGN + align_up(geometry.block_size)
         raise ValueError(
             f"a {pool_size}-byte pool cannot hold one {geometry.block_size}-byte block after "
-            f"{data_off} bytes of superblock, host table and RPC area; use at least "
+            f"{data_off} bytes of superblock, host table, RPC area and index; use at least "
             f"{align_up(need)} bytes, or fewer --max-hosts"
         )
     headers = Region(data_off, align_up(nblocks * per_block + 2 * LINE))  # + commits, service
@@ -200,10 +236,12 @@ def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
         max_hosts=geometry.max_hosts,
         hosts=hosts,
         rpc=rpc,
+        index=index,
         headers=headers,
         payloads=payloads,
         block_size=geometry.block_size,
         nblocks=nblocks,
+        nbuckets=index_buckets(nblocks),
         label=label,
     )
 
@@ -257,6 +295,9 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
         block_size,
         nblocks,
         label,
+        ix_off,
+        ix_len,
+        nbuckets,
     ) = fields
     problems = []
     if sb_bytes != SUPERBLOCK_BYTES or align != REGION_ALIGN:
@@ -270,6 +311,7 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
     regions = [
         Region(h_off, h_len),
         Region(r_off, r_len),
+        Region(ix_off, ix_len),
         Region(hd_off, hd_len),
         Region(p_off, p_len),
     ]
@@ -291,6 +333,13 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
         or p_len != nblocks * block_size
     ):
         problems.append("data area does not match its block count")
+    if (
+        nbuckets < 1
+        or nbuckets & (nbuckets - 1)
+        or nbuckets < nblocks
+        or ix_len < (nbuckets + max_hosts * IX_HINT_LINES) * LINE
+    ):
+        problems.append(f"index of {nbuckets} buckets does not fit its region or block count")
     if problems:
         raise PoolError(
             f"{where} has an inconsistent superblock: {'; '.join(problems)}; "
@@ -307,10 +356,12 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
         max_hosts=max_hosts,
         hosts=regions[0],
         rpc=regions[1],
-        headers=regions[2],
-        payloads=regions[3],
+        index=regions[2],
+        headers=regions[3],
+        payloads=regions[4],
         block_size=block_size,
         nblocks=nblocks,
+        nbuckets=nbuckets,
         label=text,
         layout_version=version,
         line_size=line,

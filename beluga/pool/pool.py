@@ -54,7 +54,7 @@ def format_pool(mem: Memory, sb: Superblock, *, clear: bool) -> None:
     """
     mem.nt_store(0, bytes(SUPERBLOCK_BYTES))
     if clear:
-        for region in (sb.hosts, sb.rpc, sb.headers):
+        for region in (sb.hosts, sb.rpc, sb.index, sb.headers):
             _zero(mem, region.offset, region.length)
     _clear_fence(mem)
     packed = sb.pack()

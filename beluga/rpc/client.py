@@ -73,6 +73,8 @@ class RpcClient:
         self.stale_s = stale_s
         self.restart_grace_s = restart_grace_s
         self._broken: str | None = None
+        self._server_down = False  # broken because the server went away: a new one may adopt us
+        self._submitted = self._completed = 0  # requests put in the ring, answers taken out
         self._lock = threading.Lock()
         self._fork_generation = _fork_generation
         self._pid = os.getpid()
@@ -163,10 +165,37 @@ class RpcClient:
                 f"this RPC client (and the KVStore over it) was opened by pid {self._pid}; "
                 "a forked child cannot share its ring: open a new KVStore in the child"
             )
+        if self._broken and self._server_down:
+            self._resume()
         if self._broken:
+            if self._server_down:
+                raise RpcError(self._broken)
             raise RpcError(
                 f"this RPC client is unusable ({self._broken}); close it and connect again"
             )
+
+    def _resume(self) -> None:
+        """Follow a new server that adopted this ring once the old one went away.
+
+        Requests that were in flight when calls gave up are answered by the new
+        server (it serves what it finds in the ring); their answers are taken out
+        and dropped here, so the next call gets its own answer, never theirs.
+        """
+        st = self._status()
+        if not (
+            st
+            and st.epoch
+            and st.epoch != self.server.epoch
+            and st.acked_gen == self.entry.generation
+            and self._alive(st)
+        ):
+            return
+        self._follow(st)
+        self._broken = None
+        self._server_down = False
+        pending = self._submitted - self._completed
+        if pending:
+            self._complete(pending, None)
 
     def _complete(self, n: int, timeout: float | None) -> list[tuple[int, bytes]]:
         limit = self.timeout if timeout is None else timeout
@@ -174,7 +203,9 @@ class RpcClient:
         out: list[tuple[int, bytes]] = []
         gone_since: float | None = None
         while len(out) < n:
-            out += self.ring.complete(n - len(out), SLICE_S)
+            got = self.ring.complete(n - len(out), SLICE_S)
+            self._completed += len(got)
+            out += got
             if len(out) == n:
                 break
             # A server that is gone may be restarting: a new one adopts the ring and
@@ -187,6 +218,7 @@ class RpcClient:
                 gone_since = now
             if gone is not None and (now - gone_since >= self.restart_grace_s or now > deadline):
                 self._broken = gone
+                self._server_down = True
                 raise RpcError(gone)
             if now > deadline:
                 self._broken = f"no answer within {limit} s"
@@ -201,6 +233,9 @@ class RpcClient:
         with self._lock:
             self._usable()
             r = self.ring.call(op, payload, SLICE_S)
+            self._submitted += 1
+            if r is not None:
+                self._completed += 1
             status, data = r if r is not None else self._complete(1, timeout)[0]
         if status != Status.OK:
             raise error_for(status, data, op)
@@ -217,6 +252,7 @@ class RpcClient:
             for start in range(0, len(requests), depth):
                 chunk = requests[start : start + depth]
                 self.ring.submit_many(chunk)
+                self._submitted += len(chunk)
                 out += self._complete(len(chunk), timeout)
         for (op, _), (status, data) in zip(requests, out, strict=True):
             if status != Status.OK:

@@ -303,18 +303,14 @@ class ServingEngine:
         """Write blocks ``first .. end`` of a prefill's KV into new pool blocks, sealed."""
         if end <= first:
             return 0
-        refs = self.store.reserve(keys[first:end], [self.format.nbytes] * (end - first))
-        try:
+        with self.store.writing(keys[first:end], [self.format.nbytes] * (end - first)) as w:
             buffers, table = block_moves(
                 self.mover,
                 self.model.kv_layout(kv),
                 np.arange(first, end),
-                [r.payload_offset for r in refs],
+                w.payload_offsets,
                 block_bytes=self.block_bytes,
                 write=True,
             )
-        except BaseException:
-            self.store.abort(refs)
-            raise
-        self.store.write_blocks(refs, buffers, table, mover=self.mover)
-        return len(refs)
+            w.fill(buffers, table, mover=self.mover)
+        return len(w.refs)

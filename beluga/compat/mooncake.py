@@ -1,0 +1,809 @@
+"""``MooncakeDistributedStore`` over a Beluga pool: Mooncake Store's Python API, one import away.
+
+Code written against Mooncake Store (``from mooncake.store import
+MooncakeDistributedStore``), including the Mooncake backends of vLLM, SGLang
+and LMCache, runs on Beluga by importing this module instead::
+
+    from beluga.compat.mooncake import MooncakeDistributedStore, ReplicateConfig
+
+Every method has Mooncake's signature and returns what Mooncake returns: 0 or
+a negative :class:`ErrorCode` for writes, the value or ``b""`` for ``get``,
+1 / 0 / a negative code for ``is_exist``, byte counts or negative codes for
+``get_into`` and ``get_size``.  Arguments of the wrong type raise
+``TypeError``, as Mooncake's bindings do; nothing else raises.  The codes and
+the edge cases were taken from Mooncake 0.3.13 run side by side (see
+``tests/test_compat_mooncake.py``).
+
+**Which pool.** ``setup`` accepts all of Mooncake's arguments.  A
+``master_server_addr`` or ``metadata_server`` of the form ``beluga:SPEC``
+names the pool (``beluga:shm:/dev/shm/beluga``); otherwise ``$BELUGA_POOL``
+does; otherwise ``shm:/dev/shm/beluga``, as the CLI.  The pool's metadata
+server (``beluga serve``) must be running.  The segment and buffer sizes,
+protocol, devices, engine, SSD offload and HTTP options are accepted and
+ignored: the pool is the storage, and every host reaches it with loads and
+stores.  A ``tenant_id`` other than ``"default"`` is refused (one pool per
+tenant).
+
+**Keys.** A Mooncake key (``str``, or ``bytes`` as its bindings accept) is
+stored under its UTF-8 bytes when they fit Beluga's 256-byte limit, and under
+``b"\\xff" + sha256(bytes)`` when longer (``0xff`` never occurs in UTF-8, so
+the two forms cannot collide).  So a key written here is the same key for
+Beluga's own ``KVStore``.  An empty key is refused by writes (``-600``) and
+missing for reads, as in Mooncake.
+
+**Frameworks that import Mooncake themselves** (the Mooncake backends of
+vLLM, SGLang and LMCache do ``from mooncake.store import
+MooncakeDistributedStore`` inside their own code): call :func:`install`
+before they load it, and ``mooncake.store`` is this module in that process.
+
+**Where it differs from Mooncake, and why.**
+
+- ``put`` of an existing key returns 0 and keeps the stored value, as
+  Mooncake's does; the existence check and the write are two steps, so two
+  first puts of one key racing may leave either value.  ``upsert`` replaces.
+- ``remove`` is never refused for a lease (Mooncake's ``-706``): readers in
+  Beluga validate every copy, so removing under them is safe.
+- ``remove_all`` and ``remove_by_regex`` remove the keys put through this
+  handle since its ``setup`` (Beluga's public API cannot enumerate a pool)
+  and return how many were still there.  To do so the handle remembers each
+  key it put until it removes it (the key's bytes and its name: a few hundred
+  bytes per key, so millions of keys cost hundreds of MB).
+- Registering a buffer is bookkeeping only: Beluga copies with the CPU, so
+  ``put_from`` / ``get_into`` work on any readable / writable address of
+  host memory (Mooncake over TCP stored zeros from an unregistered buffer).
+  Registering one address twice and unregistering an unknown one are
+  ``-600``.  Addresses must be host memory: a GPU address is not supported
+  (Mooncake moves GPU memory with GPUDirect RDMA).
+- Values outlive the handle that wrote them: ``close`` deletes nothing (the
+  pool holds them; Mooncake's vanish with the segment of a client that
+  closes, when that client contributed the segment).
+- ``get_batch([])`` is ``[]`` (Mooncake 0.3.13 returns ``[b""]``);
+  ``put_from`` of 0 bytes is ``-600``, like ``put`` of an empty value.
+- Only the methods defined here exist: Mooncake's dummy-client, segment
+  mounting, ranged and session reads and writes, tensor-parallel tensor
+  forms, replica tasks and safetensors helpers raise ``AttributeError``.
+- Tensors are stored with Beluga's own small header (magic, dtype, shape),
+  not Mooncake's; ``get_tensor`` of a 0-d tensor returns a 0-d tensor
+  (Mooncake returns shape ``(1,)``).  CUDA tensors are copied to the CPU.
+
+**Thread-safety and fork-safety.** Thread-safe: threads may share one store
+(the underlying ``KVStore`` is thread-safe; this class's own tables are
+guarded by a lock, and ``close`` waits for calls in flight before it
+disconnects).  Not fork-safe: a forked child must make and ``setup`` its own
+store; in the child, the parent's returns ``-600`` (or ``b""`` / ``None``)
+from every call, and its ``close`` leaves the parent connected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import struct
+import sys
+import threading
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from beluga.errors import BelugaError, CapacityError, RpcError
+from beluga.kv import MAX_KEY_BYTES, KVStore
+
+__all__ = [
+    "DEFAULT_POOL",
+    "POOL_PREFIX",
+    "BufferHandle",
+    "ErrorCode",
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+    "beluga_key",
+    "install",
+    "pool_spec_for",
+]
+
+log = logging.getLogger("beluga.compat.mooncake")
+
+#: the pool when neither an argument nor $BELUGA_POOL names one (the CLI's default)
+DEFAULT_POOL = "shm:/dev/shm/beluga"
+#: an address argument of ``setup`` that starts with this names a Beluga pool spec
+POOL_PREFIX = "beluga:"
+_LONG_KEY_TAG = b"\xff"
+
+
+class ErrorCode(enum.IntEnum):
+    """Mooncake Store's status codes (its ``ErrorCode`` enum), those this module returns."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    NO_AVAILABLE_HANDLE = -200  # no room for the value
+    INVALID_PARAMS = -600  # bad argument, or the client is not set up
+    OBJECT_NOT_FOUND = -704
+    RPC_FAIL = -900
+
+
+OK = ErrorCode.OK.value
+INTERNAL_ERROR = ErrorCode.INTERNAL_ERROR.value
+NO_AVAILABLE_HANDLE = ErrorCode.NO_AVAILABLE_HANDLE.value
+INVALID_PARAMS = ErrorCode.INVALID_PARAMS.value
+OBJECT_NOT_FOUND = ErrorCode.OBJECT_NOT_FOUND.value
+RPC_FAIL = ErrorCode.RPC_FAIL.value
+
+
+@dataclass
+class ReplicateConfig:
+    """Mooncake's replication settings: accepted for compatibility, and ignored.
+
+    A Beluga pool holds one copy of each value that every host of the pod
+    reads directly, so there is nothing to replicate or pin.  A Mooncake
+    ``ReplicateConfig`` object is accepted just the same.
+    """
+
+    replica_num: int = 1
+    with_soft_pin: bool = False
+    with_hard_pin: bool = False
+    preferred_segment: str = ""
+    preferred_segments: list[str] = field(default_factory=list)
+    prefer_alloc_in_same_node: bool = False
+
+
+class BufferHandle(bytearray):
+    """A value returned by ``get_buffer``: its bytes, with Mooncake's ``ptr()`` and ``size()``.
+
+    A copy owned by Python (Mooncake's handle points into its client buffer);
+    it supports the buffer protocol, so ``bytes(handle)`` and
+    ``memoryview(handle)`` work.  ``ptr()`` stays valid while the handle lives.
+    """
+
+    def ptr(self) -> int:
+        """The address of the first byte (0 for an empty value)."""
+        if not self:
+            return 0
+        return ctypes.addressof(ctypes.c_char.from_buffer(self))
+
+    def size(self) -> int:
+        return len(self)
+
+
+def beluga_key(key: str | bytes) -> bytes:
+    """The Beluga key a Mooncake key is stored under (see the module docstring)."""
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if len(raw) > MAX_KEY_BYTES:
+        return _LONG_KEY_TAG + hashlib.sha256(raw).digest()
+    return raw
+
+
+def pool_spec_for(metadata_server: str = "", master_server_addr: str = "") -> str:
+    """The pool ``setup`` attaches: a ``beluga:SPEC`` argument, else $BELUGA_POOL, else default."""
+    for address in (master_server_addr, metadata_server):
+        if address.startswith(POOL_PREFIX) and len(address) > len(POOL_PREFIX):
+            return address[len(POOL_PREFIX) :]
+    return os.environ.get("BELUGA_POOL") or DEFAULT_POOL
+
+
+def install() -> None:
+    """Make ``mooncake.store`` this module in this process, for code that imports Mooncake itself.
+
+    Call it before the framework imports ``mooncake.store``.  Where Mooncake
+    is installed, its other modules (``mooncake.engine`` ...) stay importable;
+    where it is not, an empty ``mooncake`` package stands in for it.
+    """
+    if "mooncake" not in sys.modules and importlib.util.find_spec("mooncake") is None:
+        package = types.ModuleType("mooncake")
+        package.__path__ = []
+        sys.modules["mooncake"] = package
+    sys.modules["mooncake.store"] = sys.modules[__name__]
+    if "mooncake" in sys.modules:
+        sys.modules["mooncake"].store = sys.modules[__name__]  # type: ignore[attr-defined]
+
+
+def _code_of(exc: BaseException) -> int:
+    """The Mooncake status code closest to a Beluga failure."""
+    if isinstance(exc, CapacityError):
+        return NO_AVAILABLE_HANDLE
+    if isinstance(exc, ValueError):  # also the server refusing an argument
+        return INVALID_PARAMS
+    if isinstance(exc, RpcError):
+        return RPC_FAIL
+    return INTERNAL_ERROR
+
+
+_FAILURES = (BelugaError, ValueError, OSError)
+
+
+# -- argument checks (TypeError where Mooncake's bindings raise it) ------------
+
+
+def _check_key(key: object) -> bytes | None:
+    """A key's Beluga form; None for the empty key."""
+    if not isinstance(key, str | bytes):
+        raise TypeError(f"a key is a str, not {type(key).__name__}")
+    return beluga_key(key) if key else None
+
+
+def _check_keys(keys: object) -> list[bytes | None]:
+    return [_check_key(k) for k in _check_list(keys, "keys")]
+
+
+def _check_list(items: object, what: str) -> Sequence[Any]:
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+        raise TypeError(f"{what} is a list, not {type(items).__name__}")
+    return items
+
+
+def _check_value(value: object) -> memoryview:
+    try:
+        view = memoryview(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"a value supports the buffer protocol (bytes, bytearray, numpy), "
+            f"not {type(value).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise TypeError("a value buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _check_count(n: object, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeError(f"{what} is a non-negative int, not {n!r}")
+    return n
+
+
+def _check_ranges(ptrs: object, sizes: object) -> tuple[list[int], list[int]]:
+    return (
+        [_check_count(p, "a buffer pointer") for p in _check_list(ptrs, "buffer_ptrs")],
+        [_check_count(s, "a size") for s in _check_list(sizes, "sizes")],
+    )
+
+
+# -- tensors: a small self-describing header, then the bytes -------------------
+
+_TENSOR_MAGIC = b"BLGT"
+_TENSOR_HEAD = struct.Struct("<4sBBH")  # magic, format version, dtype code, ndim
+_TENSOR_VERSION = 1
+_DIM = struct.Struct("<q")
+# codes are positions in this tuple: append only
+_DTYPE_NAMES = (
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "uint16",
+    "uint32",
+    "uint64",
+)
+
+
+def _encode_tensor(tensor: Any) -> bytes:
+    """A tensor as header + contiguous bytes; ValueError for an unsupported dtype."""
+    import torch
+
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"tensors of dtype {tensor.dtype} are not supported")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    head = _TENSOR_HEAD.pack(
+        _TENSOR_MAGIC, _TENSOR_VERSION, _DTYPE_NAMES.index(name), tensor.dim()
+    ) + b"".join(_DIM.pack(d) for d in tensor.shape)
+    payload = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return head + payload
+
+
+def _decode_tensor(data: bytes) -> Any:
+    """The tensor a value holds, or None when it is not one of ours."""
+    import torch
+
+    if len(data) < _TENSOR_HEAD.size:
+        return None
+    magic, version, code, ndim = _TENSOR_HEAD.unpack_from(data)
+    start = _TENSOR_HEAD.size + ndim * _DIM.size
+    if magic != _TENSOR_MAGIC or version != _TENSOR_VERSION or code >= len(_DTYPE_NAMES):
+        return None
+    dtype = getattr(torch, _DTYPE_NAMES[code], None)
+    if dtype is None or len(data) < start:
+        return None
+    shape = [_DIM.unpack_from(data, _TENSOR_HEAD.size + i * _DIM.size)[0] for i in range(ndim)]
+    out = torch.empty(shape, dtype=dtype)
+    if len(data) - start != out.numel() * out.element_size():
+        return None
+    if out.numel():
+        out.reshape(-1).view(torch.uint8).numpy()[:] = memoryview(data)[start:]
+    return out
+
+
+def _is_tensor(obj: object) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "dtype")
+
+
+# -- the store -------------------------------------------------------------------
+
+
+class MooncakeDistributedStore:
+    """Mooncake Store's client class, backed by a Beluga pool (see the module docstring).
+
+    Thread-safe: threads may share one store; ``close`` waits for calls in
+    flight.  Not fork-safe: a forked child makes and sets up its own (the
+    parent's answers ``-600`` / ``b""`` / ``None`` in the child, and closing it
+    there leaves the parent connected).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._store: KVStore | None = None
+        self._pid = 0
+        self._active = 0
+        self._hostname = ""
+        self._registered: dict[int, int] = {}
+        self._written: dict[bytes, str] = {}  # Beluga key -> Mooncake key, for remove_all
+
+    # -- life cycle ----------------------------------------------------------
+
+    def setup(
+        self,
+        local_hostname: str | Mapping[str, Any],
+        metadata_server: str = "",
+        global_segment_size: int = 16 << 20,
+        local_buffer_size: int = 16 << 20,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        master_server_addr: str = "127.0.0.1:50051",
+        engine: object = None,
+        enable_ssd_offload: bool = False,
+        ssd_offload_path: str = "",
+        tenant_id: str = "default",
+        enable_client_http_server: bool = False,
+        client_http_port: int = 9300,
+    ) -> int:
+        """Attach the pool named by the arguments or $BELUGA_POOL; 0 or a negative code.
+
+        Also takes Mooncake's configuration-dictionary form, ``setup(config)``.
+        Setting up again closes the previous connection first.
+        """
+        if isinstance(local_hostname, Mapping):
+            config = {str(k): str(v) for k, v in local_hostname.items()}
+            if "local_hostname" not in config or "metadata_server" not in config:
+                log.error("setup(config) needs 'local_hostname' and 'metadata_server'")
+                return INVALID_PARAMS
+            local_hostname = config["local_hostname"]
+            metadata_server = config["metadata_server"]
+            master_server_addr = config.get("master_server_addr", master_server_addr)
+            tenant_id = config.get("tenant_id", tenant_id)
+        for name, text in (
+            ("local_hostname", local_hostname),
+            ("metadata_server", metadata_server),
+            ("master_server_addr", master_server_addr),
+            ("tenant_id", tenant_id),
+        ):
+            if not isinstance(text, str):
+                raise TypeError(f"{name} is a str, not {type(text).__name__}")
+        if tenant_id != "default":
+            log.error("tenant %r: Beluga has no tenants; give each tenant its own pool", tenant_id)
+            return INVALID_PARAMS
+        self.close()
+        spec = pool_spec_for(metadata_server, master_server_addr)
+        try:
+            store = KVStore(spec)
+        except _FAILURES as exc:
+            log.error("setup: cannot attach pool %s: %s", spec, exc)
+            return _code_of(exc)
+        with self._lock:
+            self._store, self._pid, self._hostname = store, os.getpid(), local_hostname
+        return OK
+
+    def close(self) -> int:
+        """Disconnect (after calls in flight finish); always 0, and safe to call twice."""
+        with self._lock:
+            store, self._store = self._store, None
+            self._registered.clear()
+            self._written.clear()
+            if store is None:
+                return OK
+            if self._pid != os.getpid():
+                return OK  # the parent's connection: not ours to close
+            while self._active:
+                self._lock.wait()
+        store.close()
+        return OK
+
+    def health_check(self) -> int:
+        """0 if the metadata server answers, 1 if not set up or closed, 2 if it does not."""
+        with self._client() as store:
+            if store is None:
+                return 1
+            try:
+                store.stats()
+            except _FAILURES:
+                return 2
+            return 0
+
+    def get_hostname(self) -> str:
+        """The ``local_hostname`` given to ``setup`` ("" before it)."""
+        return self._hostname
+
+    @contextmanager
+    def _client(self) -> Iterator[KVStore | None]:
+        """The connected store for one call (None if not set up here); close waits for it."""
+        with self._lock:
+            store = self._store if self._pid == os.getpid() else None
+            if store is not None:
+                self._active += 1
+        try:
+            yield store
+        finally:
+            if store is not None:
+                with self._lock:
+                    self._active -= 1
+                    self._lock.notify_all()
+
+    def _remember(self, keys: Sequence[bytes], names: Sequence[str | bytes]) -> None:
+        with self._lock:
+            for k, name in zip(keys, names, strict=True):
+                self._written[k] = (
+                    name if isinstance(name, str) else name.decode(errors="surrogateescape")
+                )
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._written.pop(k, None)
+
+    # -- writes --------------------------------------------------------------
+
+    def _put_many(
+        self,
+        names: Sequence[str | bytes],
+        keys: Sequence[bytes | None],
+        values: Sequence[Any | None],
+        replace: bool,
+    ) -> list[int]:
+        """Per-item codes of storing ``values`` (None: a refused item) under ``keys``."""
+        codes = [
+            INVALID_PARAMS if k is None or v is None or not len(v) else OK
+            for k, v in zip(keys, values, strict=True)
+        ]
+        todo = [i for i, c in enumerate(codes) if c == OK]
+        if not todo:
+            return codes
+        with self._client() as store:
+            if store is None:
+                return [INVALID_PARAMS] * len(codes)
+            try:
+                chosen: dict[bytes, int] = {}
+                for i in todo:  # put keeps the first of a repeated key, upsert the last
+                    key = bytes(keys[i] or b"")
+                    if replace or key not in chosen:
+                        chosen[key] = i
+                named = dict(chosen)
+                if not replace:
+                    present = store.batch_is_exist(list(chosen))
+                    chosen = {
+                        k: i for (k, i), p in zip(chosen.items(), present, strict=True) if not p
+                    }
+                store.batch_put_from(list(chosen), [values[i] for i in chosen.values()])
+            except _FAILURES as exc:
+                log.warning("put of %d values failed: %s", len(todo), exc)
+                code = _code_of(exc)
+                return [code if c == OK else c for c in codes]
+            self._remember(list(named), [names[i] for i in named.values()])
+        return codes
+
+    def _put_values(self, key: object, value: object, replace: bool) -> int:
+        k = _check_key(key)
+        view = _check_value(value)
+        return self._put_many([key], [k], [view], replace)[0]  # type: ignore[list-item]
+
+    def put(self, key: str, value: Any, config: Any = None) -> int:
+        """Store bytes-like ``value`` under ``key`` unless the key exists; 0 or a negative code."""
+        return self._put_values(key, value, replace=False)
+
+    def upsert(self, key: str, value: Any, config: Any = None) -> int:
+        """Store ``value`` under ``key``, replacing any value; 0 or a negative code."""
+        return self._put_values(key, value, replace=True)
+
+    def _parts(self, key: object, parts: Sequence[object], replace: bool) -> int:
+        k = _check_key(key)
+        joined = b"".join(bytes(_check_value(p)) for p in parts)
+        return self._put_many([key], [k], [joined], replace)[0]  # type: ignore[list-item]
+
+    def put_parts(self, key: str, *parts: Any, config: Any = None) -> int:
+        """Store the concatenation of ``parts`` as one value (put semantics)."""
+        return self._parts(key, parts, replace=False)
+
+    def upsert_parts(self, key: str, *parts: Any, config: Any = None) -> int:
+        """Store the concatenation of ``parts`` as one value, replacing any."""
+        return self._parts(key, parts, replace=True)
+
+    def _batch(self, keys: object, values: object, replace: bool) -> int:
+        names = _check_list(keys, "keys")
+        ks = _check_keys(names)
+        views = [_check_value(v) for v in _check_list(values, "values")]
+        if len(ks) != len(views):
+            return INVALID_PARAMS
+        if any(k is None or not len(v) for k, v in zip(ks, views, strict=True)):
+            return INVALID_PARAMS
+        codes = self._put_many(names, ks, views, replace)
+        return next((c for c in codes if c != OK), OK)
+
+    def put_batch(self, keys: list[str], values: list[Any], config: Any = None) -> int:
+        """Store many values (existing keys keep theirs); 0, or the first failure's code."""
+        return self._batch(keys, values, replace=False)
+
+    def upsert_batch(self, keys: list[str], values: list[Any], config: Any = None) -> int:
+        """Store many values, replacing existing ones; 0, or the first failure's code."""
+        return self._batch(keys, values, replace=True)
+
+    def _from(self, keys: object, ptrs: object, sizes: object, replace: bool) -> list[int]:
+        names = _check_list(keys, "keys")
+        ks = _check_keys(names)
+        addresses, lengths = _check_ranges(ptrs, sizes)
+        if not len(ks) == len(addresses) == len(lengths):
+            return [INVALID_PARAMS] * len(ks)
+        raw = [(a, n) if a else None for a, n in zip(addresses, lengths, strict=True)]
+        views = [None if r is None else _raw_view(*r) for r in raw]
+        return self._put_many(names, ks, views, replace)
+
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int:
+        """Store ``size`` bytes at address ``buffer_ptr`` unless the key exists."""
+        return self._from([key], [buffer_ptr], [size], replace=False)[0]
+
+    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int:
+        """Store ``size`` bytes at address ``buffer_ptr``, replacing any value."""
+        return self._from([key], [buffer_ptr], [size], replace=True)[0]
+
+    def batch_put_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any = None
+    ) -> list[int]:
+        """Store many (address, size) ranges; one code per key (one ALLOC and COMMIT RPC)."""
+        return self._from(keys, buffer_ptrs, sizes, replace=False)
+
+    def batch_upsert_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any = None
+    ) -> list[int]:
+        """As :meth:`batch_put_from`, replacing existing values."""
+        return self._from(keys, buffer_ptrs, sizes, replace=True)
+
+    # -- reads ---------------------------------------------------------------
+
+    def _values(self, keys: Sequence[bytes | None]) -> list[bytes | None]:
+        """Values of keys (None: a miss, the empty key, or a failure)."""
+        found = [k for k in keys if k is not None]
+        with self._client() as store:
+            if store is None or not found:
+                return [None] * len(keys)
+            try:
+                got = iter(store.get_batch(found))
+            except _FAILURES as exc:
+                log.warning("get of %d keys failed: %s", len(found), exc)
+                return [None] * len(keys)
+        return [None if k is None else next(got) for k in keys]
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``; ``b""`` for a miss."""
+        return self._values([_check_key(key)])[0] or b""
+
+    def get_batch(self, keys: list[str]) -> list[bytes]:
+        """Values of many keys (``b""`` for each miss); one lookup RPC per batch."""
+        return [v or b"" for v in self._values(_check_keys(keys))]
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """The value of ``key`` as a :class:`BufferHandle`; None for a miss."""
+        (value,) = self._values([_check_key(key)])
+        return None if value is None else BufferHandle(value)
+
+    def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
+        """As :meth:`get_buffer` for many keys."""
+        return [None if v is None else BufferHandle(v) for v in self._values(_check_keys(keys))]
+
+    def _into(self, keys: Sequence[bytes | None], ranges: Sequence[tuple[int, int]]) -> list[int]:
+        """Bytes read into each (address, capacity), or a negative code."""
+        codes = [
+            OBJECT_NOT_FOUND if k is None else INVALID_PARAMS if not a else OK
+            for k, (a, _) in zip(keys, ranges, strict=True)
+        ]
+        todo = [i for i, c in enumerate(codes) if c == OK]
+        if not todo:
+            return codes
+        with self._client() as store:
+            if store is None:
+                return [INVALID_PARAMS] * len(codes)
+            batch = [keys[i] for i in todo]
+            views = [_raw_view(*ranges[i]) for i in todo]
+            try:
+                got = store.batch_get_into(batch, views)  # type: ignore[arg-type]
+            except ValueError:  # a buffer too small: find which, one by one
+                got = [self._into_one(store, k, v) for k, v in zip(batch, views, strict=True)]
+            except _FAILURES as exc:
+                log.warning("get_into of %d keys failed: %s", len(todo), exc)
+                got = [_code_of(exc)] * len(todo)
+        for i, n in zip(todo, got, strict=True):
+            codes[i] = OBJECT_NOT_FOUND if n == -1 else n
+        return codes
+
+    @staticmethod
+    def _into_one(store: KVStore, key: bytes | None, view: memoryview) -> int:
+        try:
+            return store.get_into(key, view)  # type: ignore[arg-type]
+        except _FAILURES as exc:
+            return _code_of(exc)
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Copy the value into ``size`` bytes at ``buffer_ptr``; its length, or a negative code.
+
+        ``-704`` for a miss, ``-600`` when the value is longer than ``size``.
+        """
+        (k,) = _check_keys([key])
+        addresses, sizes = _check_ranges([buffer_ptr], [size])
+        return self._into([k], [(addresses[0], sizes[0])])[0]
+
+    def batch_get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
+        """As :meth:`get_into` for many keys; one lookup RPC per batch."""
+        ks = _check_keys(keys)
+        addresses, lengths = _check_ranges(buffer_ptrs, sizes)
+        if not len(ks) == len(addresses) == len(lengths):
+            return [INVALID_PARAMS] * len(ks)
+        return self._into(ks, list(zip(addresses, lengths, strict=True)))
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        """1 where a key exists, 0 where not, a negative code on failure."""
+        ks = _check_keys(keys)
+        found = [k for k in ks if k is not None]
+        with self._client() as store:
+            if store is None:
+                return [INVALID_PARAMS] * len(ks)
+            try:
+                exists = iter(store.batch_is_exist(found) if found else [])
+            except _FAILURES as exc:
+                log.warning("is_exist of %d keys failed: %s", len(found), exc)
+                return [_code_of(exc)] * len(ks)
+        return [0 if k is None else int(next(exists)) for k in ks]
+
+    def is_exist(self, key: str) -> int:
+        """1 if ``key`` exists, 0 if not, a negative code on failure."""
+        return self.batch_is_exist([key])[0]
+
+    def get_size(self, key: str) -> int:
+        """The value's length in bytes; ``-704`` for a miss."""
+        k = _check_key(key)
+        if k is None:
+            return OBJECT_NOT_FOUND
+        with self._client() as store:
+            if store is None:
+                return INVALID_PARAMS
+            try:
+                (ref,) = store.locate([k], prefix=False)
+            except _FAILURES as exc:
+                return _code_of(exc)
+        return OBJECT_NOT_FOUND if ref is None else ref.length
+
+    # -- removal -------------------------------------------------------------
+
+    def _remove(self, keys: Sequence[bytes | None]) -> list[int]:
+        codes = [OBJECT_NOT_FOUND] * len(keys)
+        with self._client() as store:
+            if store is None:
+                return [INVALID_PARAMS] * len(keys)
+            for i, k in enumerate(keys):
+                if k is None:
+                    continue
+                try:
+                    codes[i] = OK if store.remove(k) else OBJECT_NOT_FOUND
+                except _FAILURES as exc:
+                    codes[i] = _code_of(exc)
+        gone = (OK, OBJECT_NOT_FOUND)
+        self._forget([k for k, c in zip(keys, codes, strict=True) if k is not None and c in gone])
+        return codes
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """Delete ``key``; 0, or ``-704`` if it was not there."""
+        return self._remove([_check_key(key)])[0]
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
+        """Delete many keys; one code per key."""
+        return self._remove(_check_keys(keys))
+
+    def _remove_written(self, match: re.Pattern[str] | None) -> int:
+        with self._lock:
+            keys = [k for k, name in self._written.items() if match is None or match.search(name)]
+        codes = self._remove(keys)
+        failed = next((c for c in codes if c not in (OK, OBJECT_NOT_FOUND)), None)
+        return failed if failed is not None else codes.count(OK)
+
+    def remove_all(self, force: bool = False) -> int:
+        """Delete every key written through this store; how many there were, or a negative code."""
+        if self._store is None:
+            return INVALID_PARAMS
+        return self._remove_written(None)
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """Delete the keys written through this store that ``re.search`` matches; how many."""
+        if not isinstance(regex_pattern, str):
+            raise TypeError(f"regex_pattern is a str, not {type(regex_pattern).__name__}")
+        try:
+            match = re.compile(regex_pattern)
+        except re.error:
+            return INVALID_PARAMS
+        if self._store is None:
+            return INVALID_PARAMS
+        return self._remove_written(match)
+
+    # -- buffers -------------------------------------------------------------
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Note a buffer for zero-copy calls; 0, or ``-600`` if already registered."""
+        _check_count(buffer_ptr, "buffer_ptr")
+        _check_count(size, "size")
+        with self._lock:
+            if self._store is None or not buffer_ptr or buffer_ptr in self._registered:
+                return INVALID_PARAMS
+            self._registered[buffer_ptr] = size
+        return OK
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        """Forget a registered buffer; 0, or ``-600`` if it was not registered."""
+        _check_count(buffer_ptr, "buffer_ptr")
+        with self._lock:
+            return OK if self._registered.pop(buffer_ptr, None) is not None else INVALID_PARAMS
+
+    # -- tensors -------------------------------------------------------------
+
+    def _put_tensors(self, keys: object, tensors: object, replace: bool) -> list[int]:
+        names = _check_list(keys, "keys")
+        ks = _check_keys(names)
+        items = _check_list(tensors, "tensors_list")
+        if len(ks) != len(items):
+            return [INVALID_PARAMS] * len(ks)
+        values: list[bytes | None] = []
+        for t in items:
+            try:
+                values.append(_encode_tensor(t) if _is_tensor(t) else None)
+            except ValueError as exc:
+                log.error("put_tensor: %s", exc)
+                values.append(None)
+        return self._put_many(names, ks, values, replace)
+
+    def put_tensor(self, key: str, tensor: Any) -> int:
+        """Store a torch tensor (dtype and shape kept) unless the key exists; 0 or a code."""
+        return self._put_tensors([key], [tensor], replace=False)[0]
+
+    def upsert_tensor(self, key: str, tensor: Any) -> int:
+        """Store a torch tensor, replacing any value; 0 or a negative code."""
+        return self._put_tensors([key], [tensor], replace=True)[0]
+
+    def batch_put_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
+        """Store many tensors; one code per key."""
+        return self._put_tensors(keys, tensors_list, replace=False)
+
+    def batch_upsert_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
+        """Store many tensors, replacing existing values; one code per key."""
+        return self._put_tensors(keys, tensors_list, replace=True)
+
+    def get_tensor(self, key: str) -> Any:
+        """The tensor stored under ``key``; None for a miss or a value that is not a tensor."""
+        return self.batch_get_tensor([key])[0]
+
+    def batch_get_tensor(self, keys: list[str]) -> list[Any]:
+        """As :meth:`get_tensor` for many keys; one lookup RPC per batch."""
+        return [None if v is None else _decode_tensor(v) for v in self._values(_check_keys(keys))]
+
+
+def _raw_view(address: int, size: int) -> memoryview:
+    """A view of ``size`` bytes at a caller's address (as Mooncake, the caller vouches for it)."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")

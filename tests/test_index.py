@@ -1,0 +1,371 @@
+"""The pool-resident index: its format, its writer, and reads that need no server.
+
+Readers probe the index with loads and confirm every entry against the block
+header, so a stale, torn or hostile bucket costs a miss, never other bytes.
+The server is the index's only writer; it survives restarts (the index is
+repaired in place) and readers keep reading while it is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from beluga import KVStore
+from beluga._native import _core
+from beluga.coherence import LINE, digest
+from beluga.errors import RpcError
+from beluga.kv.index import SLOTS, PoolIndex
+from beluga.kv.service import MetadataService
+from beluga.pool import Geometry, Pool
+from beluga.pool.layout import LAYOUT_VERSION
+
+from .test_store import server, value_of
+
+GEOMETRY = Geometry(max_hosts=8, rpc_bytes_per_host=256 << 10, block_size=16 << 10)
+
+
+@pytest.fixture
+def pool(shm_path: str) -> Iterator[Pool]:
+    p = Pool.create(shm_path, 48 << 20, geometry=GEOMETRY)
+    yield p
+    p.close()
+    Pool.destroy(shm_path)
+
+
+def reader(pool: Pool) -> object:
+    """A one-sided reader with no hint lines."""
+    sb = pool.superblock
+    return _core.Index(
+        pool.memory,
+        sb.index.offset,
+        sb.nbuckets,
+        sb.headers.offset,
+        sb.payloads.offset,
+        sb.block_size,
+        sb.nblocks,
+    )
+
+
+# -- format ------------------------------------------------------------------------
+
+
+@given(st.binary(min_size=1, max_size=256))
+def test_key_digest_is_blake2b_128(key: bytes) -> None:
+    assert _core.key_digest(key) == hashlib.blake2b(key, digest_size=16).digest() == digest(key)
+
+
+@given(st.lists(st.one_of(st.binary(min_size=1, max_size=256), st.text(min_size=1, max_size=60))))
+def test_batched_digests_equal_one_by_one(keys: list[bytes | str]) -> None:
+    """Eight at a time (AVX-512 lanes) where keys fit one block, one by one otherwise."""
+    want = [
+        hashlib.blake2b(k if isinstance(k, bytes) else k.encode(), digest_size=16).digest()
+        for k in keys
+    ]
+    assert _core.key_digests(keys) == want
+
+
+def test_key_digest_refuses_bad_keys() -> None:
+    for bad in (b"", "", b"x" * 257):
+        with pytest.raises(ValueError, match=r"a key is 1\.\.256 bytes"):
+            _core.key_digest(bad)
+    with pytest.raises(ValueError, match="a key is str or bytes"):
+        _core.key_digest(12)  # type: ignore[arg-type]
+
+
+@given(st.binary(min_size=16, max_size=16), st.sampled_from([2, 8, 1024, 1 << 20]))
+def test_a_key_has_two_distinct_buckets_and_a_tag(d: bytes, nbuckets: int) -> None:
+    tag, b1, b2 = _core.ix_hash(d, nbuckets)
+    assert tag != 0 and b1 != b2 and 0 <= b1 < nbuckets and 0 <= b2 < nbuckets
+
+
+@given(st.binary(min_size=64, max_size=64))
+def test_a_bucket_line_of_random_bytes_is_refused(line: bytes) -> None:
+    got = _core.ix_unpack(line)
+    packed = _core.ix_pack(7, [(1, 2, 3)] * SLOTS)
+    assert got is None or line == bytes(64) or _core.ix_pack(got[0], got[1]) == line
+    assert _core.ix_unpack(packed) == (7, [(1, 2, 3)] * SLOTS)
+    flipped = bytearray(packed)
+    flipped[random.randrange(60)] ^= 1 << random.randrange(8)
+    assert _core.ix_unpack(bytes(flipped)) is None
+
+
+def test_old_layouts_are_refused_with_a_message(shm_path: str) -> None:
+    Pool.create(shm_path, 16 << 20, geometry=GEOMETRY).close()
+    with open(shm_path, "r+b") as f:
+        f.seek(8)
+        f.write((LAYOUT_VERSION - 1).to_bytes(4, "little"))
+    with pytest.raises(Exception, match=r"old layout version .* recreate the pool"):
+        Pool.attach(shm_path)
+    Pool.destroy(shm_path)
+
+
+# -- the writer ----------------------------------------------------------------------
+
+
+def crowded_digests(nbuckets: int, n: int, seed: int, pool_of: int = 4) -> list[bytes]:
+    """n digests whose buckets all fall among `pool_of` buckets: every insertion collides."""
+    rng = random.Random(seed)
+    want = set(range(pool_of))
+    out = []
+    while len(out) < n:
+        d = rng.randbytes(16)
+        _, b1, b2 = _core.ix_hash(d, nbuckets)
+        if b1 in want and b2 in want:
+            out.append(d)
+    return out
+
+
+def test_cuckoo_moves_keep_every_key_findable(pool: Pool) -> None:
+    """12 keys in 4 buckets (every slot full) each still found by a one-sided reader."""
+    ix = PoolIndex(pool.memory, pool.superblock)
+    keys = crowded_digests(ix.nbuckets, 4 * SLOTS, seed=1)
+    placed = {d: (i, i + 100) for i, d in enumerate(keys)}
+    for d, (block, version) in placed.items():
+        assert ix.put(d, block, version)
+    pool.memory.sfence()
+    assert ix.moves > 0, "the crowded keys never needed a move"
+    # the mirror and the pool agree, and each key sits in one of its own buckets
+    for d, (block, version) in placed.items():
+        at = ix.where[d]
+        _, b1, b2 = _core.ix_hash(d, ix.nbuckets)
+        assert at // SLOTS in (b1, b2)
+        _, slots = _core.ix_unpack(pool.memory.load(ix.base + (at // SLOTS) * LINE, LINE))
+        assert slots[at % SLOTS][1:] == (block, version)
+    extra = crowded_digests(ix.nbuckets, 4 * SLOTS + 1, seed=1)[-1]
+    assert not ix.put(extra, 99, 999), "a 13th key cannot fit 12 slots"
+    assert ix.failed == 1 and len(ix) == 4 * SLOTS
+    for d in keys[:3]:
+        ix.drop(d)
+    assert ix.put(extra, 99, 999) and len(ix) == 4 * SLOTS - 2
+
+
+def test_repair_keeps_good_slots_and_drops_the_rest(pool: Pool) -> None:
+    ix = PoolIndex(pool.memory, pool.superblock)
+    good = {os.urandom(16): (b, b + 1) for b in range(20)}
+    for d, (block, version) in good.items():
+        ix.put(d, block, version)
+    stale = os.urandom(16)
+    ix.put(stale, 50, 7)  # not in the recovered entries: must go
+    hostile = next(iter(good))
+    _, b1, _ = _core.ix_hash(hostile, ix.nbuckets)
+    pool.memory.store(ix.base + ((b1 + 1) % ix.nbuckets) * LINE, os.urandom(LINE))  # torn line
+    pool.memory.sfence()
+    again = PoolIndex(pool.memory, pool.superblock)
+    missing = os.urandom(16)
+    counts = again.repair({**good, missing: (60, 61)})
+    assert counts["kept"] == len(good) and counts["dropped"] >= 1 and counts["inserted"] == 1
+    assert set(again.where) == {*good, missing}
+
+
+# -- one-sided reads ---------------------------------------------------------------------
+
+
+def test_reads_need_no_rpc(pool: Pool) -> None:
+    with server(pool.spec), KVStore(pool) as s:
+        keys = [f"k{i}" for i in range(40)]
+        s.put_batch(keys, [value_of(k, 3000 + i) for i, k in enumerate(keys)])
+        sent: list[int] = []
+        call = s.rpc.call
+        s.rpc.call = lambda op, *a, **k: sent.append(op) or call(op, *a, **k)  # type: ignore[method-assign]
+        assert s.get("k3") == value_of("k3", 3003)
+        assert s.get_batch(["k1", "nope"]) == [value_of("k1", 3001), None]
+        buf = bytearray(5000)
+        assert s.get_into("k2", buf) == 3002 and bytes(buf[:3002]) == value_of("k2", 3002)
+        assert s.batch_get_into(["k4", "nope"], [bytearray(4000), bytearray(10)]) == [3004, -1]
+        assert s.is_exist("k5") and not s.is_exist("nope")
+        assert s.batch_is_exist(["k5", "nope", "k6"]) == [True, False, True]
+        assert s.lookup_prefix(["k0", "k1", "k2", "nope", "k3"]) == 3
+        refs = s.locate(["k0", "nope", "k1"], prefix=False)
+        assert refs[1] is None and refs[0] is not None and refs[0].length == 3000
+        assert not sent, f"reads went through the server: ops {sent}"
+        s.put("k0", b"a write still does")
+        assert sent, "the counting wrapper saw nothing"
+
+
+def test_a_too_small_buffer_is_refused_with_the_size(pool: Pool) -> None:
+    with server(pool.spec), KVStore(pool) as s:
+        s.put("k", b"x" * 100)
+        with pytest.raises(ValueError, match="holds 10 bytes but the value is 100"):
+            s.get_into("k", bytearray(10))
+        with pytest.raises(ValueError, match="holds 10 bytes but the value is 100"):
+            s.batch_get_into(["k"], [bytearray(10)])
+        with pytest.raises(ValueError, match="writable"):
+            s.get_into("k", b"read-only")
+
+
+def test_repeated_keys_in_one_batch_read_both(pool: Pool) -> None:
+    with server(pool.spec), KVStore(pool) as s:
+        s.put("k", b"abc" * 1000)
+        got = s.batch_get_into(["k", "k"], [bytearray(3000), bytearray(3000)])
+        assert got == [3000, 3000]
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.data())
+def test_hostile_buckets_never_give_other_bytes(pool: Pool, data: st.DataObject) -> None:
+    """Random lines, and forged entries naming other keys' blocks: a miss or the key's value."""
+    svc = MetadataService(pool)
+    sb = pool.superblock
+    keys = [f"key-{i}".encode() for i in range(6)]
+    for k in keys:
+        n = 2000 + len(k)
+        (g,) = _grant(svc, k, n)
+        pool.memory.publish(
+            sb.block_header_offset(g[0]),
+            sb.block_payload_offset(g[0]),
+            digest(k),
+            g[1],
+            value_of(k.decode(), n),
+            writer=1,
+            writer_gen=1,
+        )
+        assert _commit(svc, k, g)
+    r = reader(pool)
+    victim = data.draw(st.sampled_from(keys))
+    tag, b1, b2 = _core.ix_hash(digest(victim), sb.nbuckets)
+    for b in (b1, b2):
+        kind = data.draw(st.sampled_from(["random", "forged", "torn"]))
+        off = sb.index.offset + b * LINE
+        if kind == "random":
+            line = data.draw(st.binary(min_size=64, max_size=64))
+        elif kind == "forged":  # the victim's tag pointing at another key's block
+            other = data.draw(st.sampled_from([k for k in keys if k != victim]))
+            o = svc.index[digest(other)]
+            line = _core.ix_pack(
+                data.draw(st.integers(0, 1 << 40)), [(tag, o.block, o.version)] * 3
+            )
+        else:
+            line = bytes(_core.ix_pack(1, [(tag, 0, 1)] * 3)[:32]) + os.urandom(32)
+        pool.memory.store(off, line)
+    pool.memory.sfence()
+    for k in keys:
+        got = r.get(k)
+        assert got is None or got == value_of(k.decode(), 2000 + len(k))
+        assert got is not None or k == victim or _shares_bucket(k, victim, sb.nbuckets)
+
+
+def _shares_bucket(a: bytes, b: bytes, nbuckets: int) -> bool:
+    _, a1, a2 = _core.ix_hash(digest(a), nbuckets)
+    _, b1, b2 = _core.ix_hash(digest(b), nbuckets)
+    return bool({a1, a2} & {b1, b2})
+
+
+def _grant(svc: MetadataService, key: bytes, n: int) -> list[tuple[int, int]]:
+    from beluga.kv import protocol as p
+    from beluga.rpc import Request
+
+    raw = svc.op_alloc(Request(1, int(p.StoreOp.ALLOC), p.encode_alloc([(digest(key), n, 1)]), 1))
+    return [(g.block, g.version) for g in p.decode_grants(raw)]
+
+
+def _commit(svc: MetadataService, key: bytes, g: tuple[int, int]) -> bool:
+    from beluga.kv import protocol as p
+    from beluga.rpc import Request
+
+    raw = p.encode_commit([(digest(key), g[0], g[1])])
+    (ok,) = p.decode_flags(svc.op_commit(Request(1, int(p.StoreOp.COMMIT), raw, 1)))
+    return ok
+
+
+def test_a_model_reader_sees_each_commit_and_remove(shm_path: str) -> None:
+    """The server native, the reader a model host that keeps stale lines unless it invalidates."""
+    with (
+        Pool.create(shm_path, 48 << 20, geometry=GEOMETRY) as p,
+        server(p.spec),
+        KVStore(p.spec, coherence="model") as r,
+        KVStore(p) as w,
+    ):
+        for round_ in range(30):
+            k = f"k{round_ % 5}"
+            v = value_of(f"{k}/{round_}", 1000 + round_)
+            w.put(k, v)
+            assert r.get(k) == v
+            assert r.lookup_prefix([k]) == 1
+            if round_ % 7 == 0:
+                assert w.remove(k)
+                assert r.get(k) is None and not r.is_exist(k)
+    Pool.destroy(shm_path)
+
+
+# -- reads survive the server ------------------------------------------------------------
+
+
+def test_reads_survive_the_server_killed_and_restarted(pool: Pool) -> None:
+    keys = [f"k{i}" for i in range(200)]
+    values = {k: value_of(k, 1000 + 37 * i) for i, k in enumerate(keys)}
+    with server(pool.spec) as proc:
+        s = KVStore(pool, timeout=2.0)
+        s.put_batch(keys, [values[k] for k in keys])
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        assert not proc.is_alive()
+        got = s.get_batch(keys)  # the server is gone: every committed key, right
+        assert got == [values[k] for k in keys]
+        bufs = [bytearray(len(values[k])) for k in keys]
+        assert s.batch_get_into(keys, bufs) == [len(values[k]) for k in keys]
+        assert [bytes(b) for b in bufs] == [values[k] for k in keys]
+        assert s.lookup_prefix(keys) == len(keys) and all(s.batch_is_exist(keys))
+        with pytest.raises(RpcError):
+            s.put("new", b"while the server is down")
+    stop = threading.Event()
+    wrong: list[str] = []
+    reads = [0]
+
+    def keep_reading() -> None:  # through the restart: recovery repairs the index in place
+        while not stop.is_set():
+            for k in random.sample(keys, 20):
+                v = s.get(k)
+                reads[0] += 1
+                if v != values[k]:
+                    wrong.append(k)
+
+    t = threading.Thread(target=keep_reading)
+    t.start()
+    try:
+        with server(pool.spec):
+            s.put("after", b"the server is back")
+            assert s.get("after") == b"the server is back"
+    finally:
+        stop.set()
+        t.join(10)
+        s.close()
+    assert reads[0] > 0 and not wrong, f"{len(wrong)} of {reads[0]} reads were wrong or missed"
+
+
+def test_the_scrub_rewrites_a_damaged_bucket(pool: Pool) -> None:
+    """Hostile bytes in a bucket: its key misses (never other bytes) until the scrub."""
+    svc = MetadataService(pool, clock=lambda: 0.0)
+    sb = pool.superblock
+    k = b"scrubbed"
+    (g,) = _grant(svc, k, 4000)
+    pool.memory.publish(
+        sb.block_header_offset(g[0]),
+        sb.block_payload_offset(g[0]),
+        digest(k),
+        g[1],
+        value_of("scrubbed", 4000),
+        writer=1,
+        writer_gen=1,
+    )
+    assert _commit(svc, k, g)
+    r = reader(pool)
+    assert r.get(k) == value_of("scrubbed", 4000)
+    at = svc.ix.where[digest(k)] // SLOTS
+    pool.memory.nt_store(sb.index.offset + at * LINE, os.urandom(LINE))
+    pool.memory.sfence()
+    assert r.get(k) is None
+    for _ in range(-(-sb.nbuckets // 64)):  # one full round of the scrub
+        svc.tick()
+    assert svc.stats()["index_scrub_repairs"] == 1
+    assert r.get(k) == value_of("scrubbed", 4000)
