@@ -53,6 +53,7 @@ PAPER = {
 # the paper's setting: Qwen-32B (64 layers, 8 KV heads of 128, bf16 KV), 15K-token prompts
 PAPER_MODEL = {"name": "Qwen-32B", "layers": 64, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}
 PAPER_TOKENS = 15_000
+MEANINGFUL_SCALE = 16  # beyond this, per-block fixed costs scaled as bytes say little
 SEGMENT_HEADROOM = 1.5  # Mooncake evicts above a high watermark: room over what the trace stores
 SEGMENT_SLACK = 64 * MiB
 
@@ -152,6 +153,7 @@ def paper_scale(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "tokens": PAPER_TOKENS,
         "block_bytes": block_bytes,
         "blocks_per_request": blocks,
+        "bytes_scale": 0.0,  # paper block bytes over the measured block's
         "systems": {},
     }
     by = {(r["system"], r["pass"]): r for r in rows}
@@ -160,7 +162,7 @@ def paper_scale(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         costs = (hit["load_ms_per_block"], hit["lookup_ms_per_key"], fill["save_ms_per_block"])
         if None in costs:
             continue
-        scale = block_bytes / hit["block_bytes"]
+        scale = out["bytes_scale"] = block_bytes / hit["block_bytes"]
         load = blocks * hit["load_ms_per_block"] * scale / 1e3
         lookup = blocks * hit["lookup_ms_per_key"] / 1e3
         out["systems"][system] = {
@@ -310,6 +312,11 @@ def summary(doc: dict[str, Any]) -> str:
         f"({scale['blocks_per_request']} blocks of {scale['block_bytes'] >> 20} MiB), "
         "by the per-byte costs measured here:"
     )
+    if scale["bytes_scale"] > MEANINGFUL_SCALE:
+        lines.append(
+            f"  (blocks here are {scale['bytes_scale']:.0f}x smaller than the paper's: fixed "
+            "per-block costs, scaled as bytes, inflate this; use --model wide-kv)"
+        )
     for system, s in scale["systems"].items():
         lines.append(
             f"  {system}: lookup {s['lookup_s']:.2f} s + load {s['load_s']:.2f} s per hit "
