@@ -1033,6 +1033,36 @@ static PyObject *points_table(void)
     return t;
 }
 
+/* A named integer constant of the C core, as exported to Python (why: NULL or its meaning). */
+typedef struct {
+    const char *name;
+    long value;
+    const char *why;
+} named_int;
+
+#define BL_STATE_ROW(name, value) {#name, value, NULL},
+#define BL_MISS_ROW(name, code, why) {#name, code, why},
+static const named_int block_states[] = {BL_BLOCK_STATES(BL_STATE_ROW)};
+static const named_int miss_codes[] = {BL_MISS_CODES(BL_MISS_ROW)};
+#undef BL_STATE_ROW
+#undef BL_MISS_ROW
+
+/* A table of named constants as a tuple of (name, value) or (name, value, why), in order. */
+static PyObject *named_ints(const named_int *table, size_t n)
+{
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; t && i < n; i++) {
+        const named_int *c = &table[i];
+        PyObject *row = c->why ? Py_BuildValue("(sls)", c->name, c->value, c->why)
+                               : Py_BuildValue("(sl)", c->name, c->value);
+        if (!row)
+            Py_CLEAR(t);
+        else
+            PyTuple_SET_ITEM(t, (Py_ssize_t)i, row);
+    }
+    return t;
+}
+
 /* _arm(name): sabotage build only: skip the named step from now on. */
 static PyObject *mod_arm(PyObject *mod, PyObject *args)
 {
@@ -1136,6 +1166,10 @@ PyMODINIT_FUNC BL_MODULE_INIT(void)
     if (PyModule_AddObject(m, "Memory", (PyObject *)&BlMemoryType) < 0 || bl_rpc_init(m) < 0 || bl_index_init(m) < 0 ||
         PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_MAGIC", BL_HDR_MAGIC) < 0 ||
+        PyModule_AddObject(m, "BLOCK_STATES",
+                           named_ints(block_states, sizeof(block_states) / sizeof(*block_states))) < 0 ||
+        PyModule_AddObject(m, "MISS_CODES",
+                           named_ints(miss_codes, sizeof(miss_codes) / sizeof(*miss_codes))) < 0 ||
         PyModule_AddObject(m, "SABOTAGE_POINTS", points_table()) < 0 ||
         PyModule_AddIntConstant(m, "SABOTAGE_BUILD", BL_SABOTAGE_BUILD) < 0) {
         Py_DECREF(m);
