@@ -26,7 +26,8 @@
 
 /* beluga.errors.CoherenceError and RpcError, once the package registers them */
 PyObject *bl_coherence_error, *bl_rpc_error;
-#define NOGIL_BYTES (256u * 1024u)
+#define NOGIL_BYTES (256u * 1024u) /* copies at least this long run without the GIL, */
+#define NOGIL_ROWS 256u            /* ... as do scatter-gather tables of this many rows */
 #define RELEASE_WAIT_S 2.0 /* default wait of release() for running sections */
 
 /* Raise cls (ValueError until the package registers its classes); returns NULL. */
@@ -105,6 +106,12 @@ void bl_section_leave(bl_section *s)
 int bl_section_closing(const bl_section *s)
 {
     return atomic_load_explicit(&s->mem->closing, memory_order_relaxed) != 0;
+}
+
+/* Enter a section for a copy of n bytes in rows pieces, without the GIL when it is long. */
+static int enter_copy(bl_section *s, MemoryObject *self, size_t n, size_t rows)
+{
+    return bl_section_enter(s, self, n >= NOGIL_BYTES || rows >= NOGIL_ROWS, NULL, NULL);
 }
 
 /* Wait (GIL released by the caller) until no section runs or timeout_s passes; 1 if idle. */
@@ -248,7 +255,7 @@ static void copy_io(MemoryObject *self, int write, int nt, size_t off, void *buf
 {
     bl_mem *m = &self->mem;
     bl_section s;
-    if (bl_section_enter(&s, self, n >= NOGIL_BYTES, NULL, NULL) < 0)
+    if (enter_copy(&s, self, n, 1) < 0)
         return;
     if (!write)
         m->ops->load(m, off, buf, n);
@@ -436,7 +443,7 @@ static PyObject *Memory_publish(MemoryObject *self, PyObject *args, PyObject *kw
     bl_section s;
     if (block_proto(self, hdr_off, payload_off, &digest, version, (unsigned long long)data.len,
                     key_len, writer, writer_gen, stamp, &h) &&
-        bl_section_enter(&s, self, (size_t)data.len >= NOGIL_BYTES, NULL, NULL) == 0) {
+        enter_copy(&s, self, (size_t)data.len, 1) == 0) {
         bl_publish(&self->mem, hdr_off, payload_off, &h, data.buf, (size_t)data.len);
         bl_section_leave(&s);
     }
@@ -523,7 +530,7 @@ static PyObject *Memory_read_bytes(MemoryObject *self, PyObject *args)
         if (r >= 0)
             out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)r);
         bl_section s;
-        if (out && bl_section_enter(&s, self, (size_t)r >= NOGIL_BYTES, NULL, NULL) < 0)
+        if (out && enter_copy(&s, self, (size_t)r, 1) < 0)
             Py_CLEAR(out);
         if (out) { /* the value, read exactly once, into the object returned */
             r = bl_read_validated(&self->mem, hdr_off, payload_off, digest.buf, version, block_cap,
@@ -550,7 +557,7 @@ static PyObject *Memory_read_validated(MemoryObject *self, PyObject *args)
         return NULL;
     bl_section s;
     if (block_ok(self, hdr_off, payload_off, &digest) &&
-        bl_section_enter(&s, self, (size_t)out.len >= NOGIL_BYTES, NULL, NULL) == 0) {
+        enter_copy(&s, self, (size_t)out.len, 1) == 0) {
         bl_header seen;
         r = bl_read_validated(&self->mem, hdr_off, payload_off, digest.buf, version, block_cap,
                               out.buf, (size_t)out.len, &seen);
@@ -676,7 +683,7 @@ static PyObject *sg_common(MemoryObject *self, PyObject *args, int write)
         return NULL;
     bl_section s;
     if (sg_prepare(self, bufs, table, !write, &job) == 0 &&
-        bl_section_enter(&s, self, job.total >= NOGIL_BYTES || job.nrows >= 256, NULL, NULL) == 0) {
+        enter_copy(&s, self, job.total, (size_t)job.nrows) == 0) {
         sg_run(&self->mem, &job, write);
         bl_section_leave(&s);
     }
@@ -765,7 +772,7 @@ static PyObject *blocks_common(MemoryObject *self, PyObject *args, int write)
     for (Py_ssize_t i = 0; i < job.nbufs; i++)
         ptrs[i] = job.bufs[i].buf;
     bl_section s;
-    if (bl_section_enter(&s, self, job.total >= NOGIL_BYTES || job.nrows >= 256, NULL, NULL) < 0)
+    if (enter_copy(&s, self, job.total, (size_t)job.nrows) < 0)
         goto done;
     const char *why = NULL;
     int rc = write ? bl_write_blocks(&self->mem, bio, (size_t)n, job.rows, (size_t)job.nrows,
