@@ -13,15 +13,16 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from beluga._native import _core
 from beluga.child import server_process
-from beluga.coherence import LINE, attach, read_line, write_line
+from beluga.coherence import LINE, Memory, attach, read_line, write_line
 from beluga.errors import CapacityError, RpcError
 from beluga.pool import Pool
 from beluga.rpc import RemoteValueError, Request, RpcClient, RpcServer, Status, per_request
@@ -222,6 +223,33 @@ def test_restarted_server_serves_the_request_in_flight(pool: Pool) -> None:
     c.close()
 
 
+def test_recover_head_resumes_at_the_oldest_unanswered_request() -> None:
+    """A restarted server reads the slot lines of its generation: what is unanswered is next."""
+    depth, gen = 4, 7
+    ring_bytes = _core.RPC_HEAD + 2 * depth * LINE + 2 * depth * LINE
+    mem = Memory(bytearray(ring_bytes))
+    server = _core.RingServer(mem, 0, ring_bytes, 1)
+
+    def put(line_of: Callable[[int, int], int], seq: int, ring_gen: int = gen) -> None:
+        mem.store(line_of(depth, (seq - 1) % depth), Message(seq, 0, 0, 0, ring_gen, b"", 0).pack())
+
+    try:
+        assert server.recover_head(0, gen, depth, 5) == 5  # nothing sent yet: the first seq
+        put(request_line, 1)
+        put(response_line, 1)
+        assert server.recover_head(0, gen, depth, 1) == 2  # all answered: after the newest
+        put(request_line, 2)
+        put(request_line, 3)
+        put(response_line, 3)
+        put(response_line, 2, gen + 1)  # an answer of another generation answers nothing
+        assert server.recover_head(0, gen, depth, 1) == 2
+        mem.store(request_line(depth, 1) + 8, b"\xff")  # request 2 torn: not a request
+        assert server.recover_head(0, gen, depth, 1) == 4
+        assert server.recover_head(0, gen + 1, depth, 9) == 9  # no request of that generation
+    finally:
+        mem.release()
+
+
 def test_timeout_makes_the_client_unusable_not_hung(pool: Pool) -> None:
     with rpc_server(pool.spec), RpcClient(pool) as c:
         with pytest.raises(RpcError, match=r"did not answer within 0\.2"):
@@ -262,12 +290,12 @@ def test_in_process_server_and_hostile_lines(pool: Pool) -> None:
             assert add(c, 1, 1) == 2
             base = ring_offset(pool.superblock, c.host_id)
             rogue = attach(pool.mapping.buffer, "native")
-            seq, gen, depth = c.ring.next_seq, c.entry.generation, 4
+            seq, gen, depth, ool = c.ring.next_seq, c.entry.generation, 4, _core.RPC_OOL
             cases = [
                 ({"code": 777}, Status.UNKNOWN_OP),
-                ({"length": 41}, Status.BAD_LENGTH),
-                ({"flags": 1, "length": buf_size(pool.superblock, depth) + 1}, Status.BAD_LENGTH),
-                ({"flags": 1, "length": 100, "payload_crc": 1}, Status.CORRUPT),
+                ({"length": _core.RPC_INLINE + 1}, Status.BAD_LENGTH),
+                ({"flags": ool, "length": buf_size(pool.superblock, depth) + 1}, Status.BAD_LENGTH),
+                ({"flags": ool, "length": 100, "payload_crc": 1}, Status.CORRUPT),
             ]
             try:
                 for fields, status in cases:
@@ -278,7 +306,7 @@ def test_in_process_server_and_hostile_lines(pool: Pool) -> None:
                             "flags": 0,
                             "length": 3,
                             "gen": gen,
-                            "inline": b"abc".ljust(40, b"\0"),
+                            "inline": b"abc",
                             "payload_crc": 0,
                             **fields,
                         }

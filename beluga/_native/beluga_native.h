@@ -256,17 +256,31 @@ int bl_model_crashed(bl_model *model);
 
 /* block.c: the block header and the publish / read_validated protocol. */
 #define BL_HDR_MAGIC 0x484b4c42u /* "BLKH" */
-enum { BL_FREE = 0, BL_WRITING = 1, BL_PUBLISHED = 2 };
+
+/* A header's state, X(NAME, value); Python builds beluga.coherence.BlockState from it. */
+#define BL_BLOCK_STATES(X) X(FREE, 0) X(WRITING, 1) X(PUBLISHED, 2)
+#define BL_STATE_ENUM(name, value) BL_##name = value,
+enum { BL_BLOCK_STATES(BL_STATE_ENUM) };
+#undef BL_STATE_ENUM
+
+/*
+ * Why a read returned no value, X(NAME, code, why): every one is a cache miss,
+ * never other bytes.  Python builds beluga.coherence.Miss from this list.
+ */
+#define BL_MISS_CODES(X)                                                                     \
+    X(MAGIC, -1, "not a header, or its own checksum fails")                                  \
+    X(STATE, -2, "not published (free, or being written)")                                   \
+    X(KEY, -3, "another key lives there now")                                                \
+    X(VERSION, -4, "the block was republished")                                              \
+    X(LENGTH, -5, "the header claims an impossible length")                                  \
+    X(CHECKSUM, -6, "the payload does not match its checksum (torn or overwritten)")         \
+    X(CHANGED, -7, "the header changed while the payload was copied")
+#define BL_MISS_ENUM(name, code, why) BL_MISS_##name = code,
 enum {
-    BL_MISS_MAGIC = -1,
-    BL_MISS_STATE = -2,
-    BL_MISS_KEY = -3,
-    BL_MISS_VERSION = -4,
-    BL_MISS_LENGTH = -5,
-    BL_MISS_CHECKSUM = -6,
-    BL_MISS_CHANGED = -7,
-    BL_TOO_SMALL = -8,
+    BL_MISS_CODES(BL_MISS_ENUM)
+    BL_TOO_SMALL = -8, /* no miss: the caller's buffer is shorter than the value */
 };
+#undef BL_MISS_ENUM
 
 typedef struct bl_header {
     uint32_t magic;

@@ -26,7 +26,8 @@
 
 /* beluga.errors.CoherenceError and RpcError, once the package registers them */
 PyObject *bl_coherence_error, *bl_rpc_error;
-#define NOGIL_BYTES (256u * 1024u)
+#define NOGIL_BYTES (256u * 1024u) /* copies at least this long run without the GIL, */
+#define NOGIL_ROWS 256u            /* ... as do scatter-gather tables of this many rows */
 #define RELEASE_WAIT_S 2.0 /* default wait of release() for running sections */
 
 /* Raise cls (ValueError until the package registers its classes); returns NULL. */
@@ -105,6 +106,12 @@ void bl_section_leave(bl_section *s)
 int bl_section_closing(const bl_section *s)
 {
     return atomic_load_explicit(&s->mem->closing, memory_order_relaxed) != 0;
+}
+
+/* Enter a section for a copy of n bytes in rows pieces, without the GIL when it is long. */
+static int enter_copy(bl_section *s, MemoryObject *self, size_t n, size_t rows)
+{
+    return bl_section_enter(s, self, n >= NOGIL_BYTES || rows >= NOGIL_ROWS, NULL, NULL);
 }
 
 /* Wait (GIL released by the caller) until no section runs or timeout_s passes; 1 if idle. */
@@ -248,7 +255,7 @@ static void copy_io(MemoryObject *self, int write, int nt, size_t off, void *buf
 {
     bl_mem *m = &self->mem;
     bl_section s;
-    if (bl_section_enter(&s, self, n >= NOGIL_BYTES, NULL, NULL) < 0)
+    if (enter_copy(&s, self, n, 1) < 0)
         return;
     if (!write)
         m->ops->load(m, off, buf, n);
@@ -436,7 +443,7 @@ static PyObject *Memory_publish(MemoryObject *self, PyObject *args, PyObject *kw
     bl_section s;
     if (block_proto(self, hdr_off, payload_off, &digest, version, (unsigned long long)data.len,
                     key_len, writer, writer_gen, stamp, &h) &&
-        bl_section_enter(&s, self, (size_t)data.len >= NOGIL_BYTES, NULL, NULL) == 0) {
+        enter_copy(&s, self, (size_t)data.len, 1) == 0) {
         bl_publish(&self->mem, hdr_off, payload_off, &h, data.buf, (size_t)data.len);
         bl_section_leave(&s);
     }
@@ -523,7 +530,7 @@ static PyObject *Memory_read_bytes(MemoryObject *self, PyObject *args)
         if (r >= 0)
             out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)r);
         bl_section s;
-        if (out && bl_section_enter(&s, self, (size_t)r >= NOGIL_BYTES, NULL, NULL) < 0)
+        if (out && enter_copy(&s, self, (size_t)r, 1) < 0)
             Py_CLEAR(out);
         if (out) { /* the value, read exactly once, into the object returned */
             r = bl_read_validated(&self->mem, hdr_off, payload_off, digest.buf, version, block_cap,
@@ -550,7 +557,7 @@ static PyObject *Memory_read_validated(MemoryObject *self, PyObject *args)
         return NULL;
     bl_section s;
     if (block_ok(self, hdr_off, payload_off, &digest) &&
-        bl_section_enter(&s, self, (size_t)out.len >= NOGIL_BYTES, NULL, NULL) == 0) {
+        enter_copy(&s, self, (size_t)out.len, 1) == 0) {
         bl_header seen;
         r = bl_read_validated(&self->mem, hdr_off, payload_off, digest.buf, version, block_cap,
                               out.buf, (size_t)out.len, &seen);
@@ -676,7 +683,7 @@ static PyObject *sg_common(MemoryObject *self, PyObject *args, int write)
         return NULL;
     bl_section s;
     if (sg_prepare(self, bufs, table, !write, &job) == 0 &&
-        bl_section_enter(&s, self, job.total >= NOGIL_BYTES || job.nrows >= 256, NULL, NULL) == 0) {
+        enter_copy(&s, self, job.total, (size_t)job.nrows) == 0) {
         sg_run(&self->mem, &job, write);
         bl_section_leave(&s);
     }
@@ -765,7 +772,7 @@ static PyObject *blocks_common(MemoryObject *self, PyObject *args, int write)
     for (Py_ssize_t i = 0; i < job.nbufs; i++)
         ptrs[i] = job.bufs[i].buf;
     bl_section s;
-    if (bl_section_enter(&s, self, job.total >= NOGIL_BYTES || job.nrows >= 256, NULL, NULL) < 0)
+    if (enter_copy(&s, self, job.total, (size_t)job.nrows) < 0)
         goto done;
     const char *why = NULL;
     int rc = write ? bl_write_blocks(&self->mem, bio, (size_t)n, job.rows, (size_t)job.nrows,
@@ -1033,6 +1040,36 @@ static PyObject *points_table(void)
     return t;
 }
 
+/* A named integer constant of the C core, as exported to Python (why: NULL or its meaning). */
+typedef struct {
+    const char *name;
+    long value;
+    const char *why;
+} named_int;
+
+#define BL_STATE_ROW(name, value) {#name, value, NULL},
+#define BL_MISS_ROW(name, code, why) {#name, code, why},
+static const named_int block_states[] = {BL_BLOCK_STATES(BL_STATE_ROW)};
+static const named_int miss_codes[] = {BL_MISS_CODES(BL_MISS_ROW)};
+#undef BL_STATE_ROW
+#undef BL_MISS_ROW
+
+/* A table of named constants as a tuple of (name, value) or (name, value, why), in order. */
+static PyObject *named_ints(const named_int *table, size_t n)
+{
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; t && i < n; i++) {
+        const named_int *c = &table[i];
+        PyObject *row = c->why ? Py_BuildValue("(sls)", c->name, c->value, c->why)
+                               : Py_BuildValue("(sl)", c->name, c->value);
+        if (!row)
+            Py_CLEAR(t);
+        else
+            PyTuple_SET_ITEM(t, (Py_ssize_t)i, row);
+    }
+    return t;
+}
+
 /* _arm(name): sabotage build only: skip the named step from now on. */
 static PyObject *mod_arm(PyObject *mod, PyObject *args)
 {
@@ -1136,6 +1173,10 @@ PyMODINIT_FUNC BL_MODULE_INIT(void)
     if (PyModule_AddObject(m, "Memory", (PyObject *)&BlMemoryType) < 0 || bl_rpc_init(m) < 0 || bl_index_init(m) < 0 ||
         PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_MAGIC", BL_HDR_MAGIC) < 0 ||
+        PyModule_AddObject(m, "BLOCK_STATES",
+                           named_ints(block_states, sizeof(block_states) / sizeof(*block_states))) < 0 ||
+        PyModule_AddObject(m, "MISS_CODES",
+                           named_ints(miss_codes, sizeof(miss_codes) / sizeof(*miss_codes))) < 0 ||
         PyModule_AddObject(m, "SABOTAGE_POINTS", points_table()) < 0 ||
         PyModule_AddIntConstant(m, "SABOTAGE_BUILD", BL_SABOTAGE_BUILD) < 0) {
         Py_DECREF(m);

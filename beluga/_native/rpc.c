@@ -36,6 +36,11 @@
  * server its requests, with an MFENCE).  Without it a message arrives one
  * poll later: latency, never a wrong or lost message.
  *
+ * A restarted server finds each ring's position in the lines themselves
+ * (recover_head): a request with no matching response is still pending and is
+ * served again, so requests are at-least-once across a restart.  Python never
+ * parses a slot line; rpc_pack_line / rpc_parse_line give tests the format.
+ *
  * The server loop (poll) runs without the GIL and returns a batch to Python;
  * serve_echo answers every request in C, to measure the transport alone.
  * Every loop that runs without the GIL does so inside a section of the
@@ -977,7 +982,7 @@ static void Server_dealloc(ServerObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Check a ring index and that no poll is running in another thread. */
+/* Check a ring index and that the pool is still attached (see ring_idle for a running poll). */
 static ring_state *ring_arg(ServerObject *self, unsigned int idx)
 {
     if (!self->rings || !self->mem->has_view)
@@ -985,6 +990,15 @@ static ring_state *ring_arg(ServerObject *self, unsigned int idx)
     if (idx >= self->nrings)
         return bl_fail(bl_rpc_error, "ring %u does not exist (the pool has %u)", idx, self->nrings), NULL;
     return &self->rings[idx];
+}
+
+/* ring_arg, and no poll running in another thread (it reads the ring table without the GIL). */
+static ring_state *ring_idle(ServerObject *self, unsigned int idx)
+{
+    ring_state *r = ring_arg(self, idx);
+    if (r && atomic_load(&self->polling))
+        return bl_fail(bl_rpc_error, "cannot change or read rings while poll() runs"), NULL;
+    return r;
 }
 
 /* Stop counting a ring among the active (and wake-up) rings. */
@@ -1002,11 +1016,9 @@ static PyObject *Server_set_ring(ServerObject *self, PyObject *args)
     int wake = 0;
     if (!PyArg_ParseTuple(args, "IIII|p", &idx, &gen, &depth, &head, &wake))
         return NULL;
-    ring_state *r = ring_arg(self, idx);
+    ring_state *r = ring_idle(self, idx);
     if (!r)
         return NULL;
-    if (atomic_load(&self->polling))
-        return bl_fail(bl_rpc_error, "cannot change rings while poll() runs");
     size_t base = self->area_off + (size_t)idx * self->ring_bytes;
     if (!ring_fits(self->mem, base, self->ring_bytes, depth))
         return NULL;
@@ -1023,13 +1035,48 @@ static PyObject *Server_clear_ring(ServerObject *self, PyObject *args)
     unsigned int idx;
     if (!PyArg_ParseTuple(args, "I", &idx))
         return NULL;
-    ring_state *r = ring_arg(self, idx);
+    ring_state *r = ring_idle(self, idx);
     if (!r)
         return NULL;
-    if (atomic_load(&self->polling))
-        return bl_fail(bl_rpc_error, "cannot change rings while poll() runs");
     ring_off(self, r);
     Py_RETURN_NONE;
+}
+
+/* Whether a loaded line is intact (its CRC) and of ring generation gen. */
+static int line_of(const rpc_line *ln, uint32_t gen)
+{
+    return ln->crc == line_crc(ln) && ln->gen == gen;
+}
+
+/*
+ * recover_head(idx, gen, depth, first_seq) -> the sequence number to serve next on a
+ * ring found in the pool (a restarted server): the oldest request of generation gen
+ * without its response, else the one after the newest request, else first_seq.
+ */
+static PyObject *Server_recover_head(ServerObject *self, PyObject *args)
+{
+    unsigned int idx, gen, depth, first;
+    if (!PyArg_ParseTuple(args, "IIII", &idx, &gen, &depth, &first))
+        return NULL;
+    ring_state *r = ring_idle(self, idx);
+    ring_geo g = {self->area_off + (size_t)idx * self->ring_bytes, depth, 0};
+    if (!r || !ring_fits(self->mem, g.base, self->ring_bytes, depth))
+        return NULL;
+    bl_mem *m = &self->mem->mem;
+    rpc_line req[BL_RPC_MAX_DEPTH], resp[BL_RPC_MAX_DEPTH];
+    m->ops->invalidate(m, req_line(&g, 0), 2 * (size_t)depth * BL_LINE); /* both line arrays */
+    m->ops->mfence(m);
+    m->ops->load(m, req_line(&g, 0), req, (size_t)depth * BL_LINE);
+    m->ops->load(m, resp_line(&g, 0), resp, (size_t)depth * BL_LINE);
+    uint64_t pending = UINT64_MAX, newest = 0;
+    for (uint32_t slot = 0; slot < depth; slot++) {
+        if (!line_of(&req[slot], gen) || !req[slot].seq)
+            continue;
+        newest = req[slot].seq > newest ? req[slot].seq : newest;
+        if (!line_of(&resp[slot], gen) || resp[slot].seq != req[slot].seq)
+            pending = req[slot].seq < pending ? req[slot].seq : pending;
+    }
+    return PyLong_FromUnsignedLongLong(pending != UINT64_MAX ? pending : newest ? newest + 1 : first);
 }
 
 /* After responses on ring r are visible: wake its client if it sleeps on our kernel. */
@@ -1398,6 +1445,8 @@ static PyObject *Server_get_stats(ServerObject *self, void *c) { return stats_di
 static PyMethodDef Server_methods[] = {
     {"set_ring", (PyCFunction)Server_set_ring, METH_VARARGS, "set_ring(idx, gen, depth, head, wake=False)"},
     {"clear_ring", (PyCFunction)Server_clear_ring, METH_VARARGS, "clear_ring(idx)"},
+    {"recover_head", (PyCFunction)Server_recover_head, METH_VARARGS,
+     "recover_head(idx, gen, depth, first_seq) -> next seq: the oldest request left unanswered"},
     {"poll", (PyCFunction)Server_poll, METH_VARARGS,
      "poll(max_batch, timeout_s) -> [(ring, seq, op, payload)]"},
     {"respond", (PyCFunction)Server_respond, METH_O, "respond([(ring, seq, status, payload)])"},
@@ -1450,7 +1499,49 @@ static PyObject *mod_rpc_slot_lines(PyObject *mod, PyObject *args)
     return Py_BuildValue("(nn)", (Py_ssize_t)req_line(&g, slot), (Py_ssize_t)resp_line(&g, slot));
 }
 
+/* rpc_pack_line(seq, code, flags, length, gen, inline, payload_crc) -> one sealed line. */
+static PyObject *mod_rpc_pack_line(PyObject *mod, PyObject *args)
+{
+    unsigned int seq, code, flags, len, gen, payload_crc;
+    const char *data;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "IIIIIy#I", &seq, &code, &flags, &len, &gen, &data, &n,
+                          &payload_crc))
+        return NULL;
+    if (code > 0xffff || flags > 0xffff || n > BL_RPC_INLINE)
+        return bl_fail(PyExc_ValueError, "code and flags are 16 bits, inline at most %u bytes",
+                       BL_RPC_INLINE);
+    rpc_line ln = {.seq = seq, .code = (uint16_t)code, .flags = (uint16_t)flags, .len = len,
+                   .gen = gen, .payload_crc = payload_crc};
+    memcpy(ln.data, data, (size_t)n);
+    ln.crc = line_crc(&ln);
+    return PyBytes_FromStringAndSize((const char *)&ln, sizeof(ln));
+}
+
+/* rpc_parse_line(line) -> (seq, code, flags, length, gen, inline, payload_crc), or None if torn. */
+static PyObject *mod_rpc_parse_line(PyObject *mod, PyObject *args)
+{
+    Py_buffer b;
+    rpc_line ln;
+    if (!PyArg_ParseTuple(args, "y*", &b))
+        return NULL;
+    if (b.len != (Py_ssize_t)sizeof(ln)) {
+        PyBuffer_Release(&b);
+        return bl_fail(PyExc_ValueError, "an RPC line is %u bytes, got %zd", BL_LINE, b.len);
+    }
+    memcpy(&ln, b.buf, sizeof(ln));
+    PyBuffer_Release(&b);
+    if (ln.crc != line_crc(&ln))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(IIIIIy#I)", ln.seq, (unsigned)ln.code, (unsigned)ln.flags, ln.len, ln.gen,
+                         (const char *)ln.data, (Py_ssize_t)BL_RPC_INLINE, ln.payload_crc);
+}
+
 static PyMethodDef rpc_functions[] = {
+    {"rpc_pack_line", mod_rpc_pack_line, METH_VARARGS,
+     "rpc_pack_line(seq, code, flags, length, gen, inline, payload_crc) -> bytes"},
+    {"rpc_parse_line", mod_rpc_parse_line, METH_VARARGS,
+     "rpc_parse_line(line) -> (seq, code, flags, length, gen, inline, payload_crc) | None"},
     {"rpc_buf_size", mod_rpc_buf_size, METH_VARARGS, "rpc_buf_size(ring_bytes, depth) -> int"},
     {"rpc_slot_lines", mod_rpc_slot_lines, METH_VARARGS,
      "rpc_slot_lines(depth, slot) -> (request line offset, response line offset)"},
@@ -1476,6 +1567,7 @@ int bl_rpc_init(PyObject *module)
         PyModule_AddIntConstant(module, "RPC_DOORBELL", BL_RPC_DOORBELL) < 0 ||
         PyModule_AddIntConstant(module, "RPC_DOORBELL_COUNT", BL_RPC_DOORBELL_COUNT) < 0 ||
         PyModule_AddIntConstant(module, "RPC_MAX_DEPTH", BL_RPC_MAX_DEPTH) < 0 ||
+        PyModule_AddIntConstant(module, "RPC_OOL", RPC_OOL) < 0 ||
         PyModule_AddIntConstant(module, "ST_BAD_LENGTH", ST_BAD_LENGTH) < 0 ||
         PyModule_AddIntConstant(module, "ST_CORRUPT", ST_CORRUPT) < 0)
         return -1;

@@ -167,22 +167,14 @@ def digest(key: bytes) -> bytes:
     return hashlib.blake2b(key, digest_size=16).digest()
 
 
-class BlockState(enum.IntEnum):
-    FREE = 0
-    WRITING = 1
-    PUBLISHED = 2
-
-
-class Miss(enum.IntEnum):
-    """Why read_validated returned no data.  Every one of these is a cache miss."""
-
-    MAGIC = -1  # not a header, or its own checksum fails
-    STATE = -2  # not published (free, or being written)
-    KEY = -3  # another key lives there now
-    VERSION = -4  # the block was republished
-    LENGTH = -5  # the header claims an impossible length
-    CHECKSUM = -6  # payload does not match its checksum (torn or overwritten)
-    CHANGED = -7  # the header changed while the payload was copied
+# The C core owns both lists (BL_BLOCK_STATES, BL_MISS_CODES in beluga/_native/beluga_native.h).
+BlockState = enum.IntEnum("BlockState", _core.BLOCK_STATES, module=__name__)
+BlockState.__doc__ = "A block header's state, as the C core numbers it."
+Miss = enum.IntEnum("Miss", [(name, code) for name, code, _ in _core.MISS_CODES], module=__name__)
+Miss.__doc__ = (
+    "Why read_validated returned no data.  Every one of these is a cache miss:\n\n"
+    + "\n".join(f"- ``{name}``: {why}" for name, _, why in _core.MISS_CODES)
+)
 
 
 @dataclass(frozen=True)

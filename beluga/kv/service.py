@@ -85,7 +85,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from beluga._native import step
+from beluga._native import _core, step
 from beluga.coherence import LINE, BlockState, Memory, parse_header
 from beluga.errors import CapacityError
 from beluga.kv import protocol as p
@@ -95,7 +95,7 @@ from beluga.pool import Pool
 from beluga.rpc import BatchHandler, Request, per_request
 
 _CLEAR = bytes(LINE)
-_MAGIC = np.frombuffer(b"BLKH", dtype="<u4")[0]
+_MAGIC = _core.HEADER_MAGIC
 FLOOR_STEP = 1 << 16  # versions handed out per write of the floor
 # defaults of the service's options (``beluga serve`` reads them from here)
 WRITE_LEASE_S = 30.0

@@ -44,7 +44,6 @@ DOORBELL = _core.RPC_DOORBELL  # offset in the pool (region 0, after the superbl
 
 _RING = struct.Struct("<IIIIIIQ")
 _SERVER = struct.Struct("<IIIIIQ8sQ")
-_MESSAGE = struct.Struct(f"<IHHII{INLINE}sI")  # the C rpc_line minus its own crc
 _CRC = struct.Struct("<I")
 
 
@@ -155,7 +154,11 @@ class ServerStatus:
 
 @dataclass(frozen=True)
 class Message:
-    """One request or response line, as the C core writes it."""
+    """One request or response line; the C core owns the format (``rpc_line`` in rpc.c).
+
+    The server and client never parse lines in Python; this is for tests and
+    tools that forge or inspect one.
+    """
 
     seq: int
     code: int
@@ -166,15 +169,14 @@ class Message:
     payload_crc: int
 
     def pack(self) -> bytes:
-        body = _MESSAGE.pack(
+        return _core.rpc_pack_line(
             self.seq, self.code, self.flags, self.length, self.gen, self.inline, self.payload_crc
         )
-        return body + _CRC.pack(crc32c(body))
 
     @classmethod
     def unpack(cls, line: bytes) -> Message | None:
-        body = _unseal(line)
-        return None if body is None else cls(*_MESSAGE.unpack(body))
+        fields = _core.rpc_parse_line(line)
+        return None if fields is None else cls(*fields)
 
 
 def request_line(depth: int, slot: int) -> int:

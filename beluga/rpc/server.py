@@ -26,8 +26,9 @@ ends; rings of clients on other kernels are re-polled after timed naps.  An
 idle server therefore costs little CPU and still answers within microseconds
 of a wake-up.
 
-A restarted server recovers each ring's position from the lines themselves:
-a request with no matching response is still pending and is served again.
+A restarted server recovers each ring's position from the lines themselves
+(``RingServer.recover_head`` in C, which owns the slot format): a request with
+no matching response is still pending and is served again.
 """
 
 from __future__ import annotations
@@ -45,14 +46,11 @@ from beluga.pool import Pool
 from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, Grant, HostRegistry, process_start_ms
 from beluga.rpc.protocol import (
     STATUS_LINE,
-    Message,
     Op,
     RingControl,
     ServerStatus,
     Status,
     buf_size,
-    request_line,
-    response_line,
     ring_offset,
     wake_ups,
 )
@@ -172,20 +170,6 @@ class RpcServer:
         )
         write_line(self.mem, ring_offset(self.sb, host_id) + STATUS_LINE, status.pack())
 
-    def _recover_head(self, host_id: int, ctl: RingControl) -> int:
-        """Next sequence number to serve: the oldest request without a response."""
-        base = ring_offset(self.sb, host_id)
-        pending, newest = [], 0
-        for slot in range(ctl.depth):
-            req = Message.unpack(read_line(self.mem, base + request_line(ctl.depth, slot)))
-            if req is None or req.gen != ctl.gen or req.seq == 0:
-                continue
-            newest = max(newest, req.seq)
-            resp = Message.unpack(read_line(self.mem, base + response_line(ctl.depth, slot)))
-            if resp is None or resp.gen != ctl.gen or resp.seq != req.seq:
-                pending.append(req.seq)
-        return min(pending) if pending else (newest + 1 if newest else ctl.first_seq)
-
     def refresh(self) -> None:
         """Adopt new clients, drop dead ones, grant host ids, heartbeat every status line."""
         self.seat = self.registry.keep_seat(self.seat)
@@ -201,7 +185,7 @@ class RpcServer:
             current = self.active.get(h)
             if live and current != ctl:
                 assert ctl is not None and grant is not None
-                head = self._recover_head(h, ctl)
+                head = self.rings.recover_head(h, ctl.gen, ctl.depth, ctl.first_seq)
                 self.rings.set_ring(h, ctl.gen, ctl.depth, head, wake_ups(grant.identity.boot_id))
                 self.active[h] = ctl
                 self.limits[h] = buf_size(self.sb, ctl.depth)
