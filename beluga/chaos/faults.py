@@ -12,10 +12,10 @@ Targets
   payloads      bytes inside a published block's payload
   index         a bucket line of the pool index (usually one holding entries)
 
-Ring offsets follow the slot layout that ``beluga/_native/rpc.c`` owns: two
-control lines, ``depth`` request lines, ``depth`` response lines, then
-``depth`` request buffers and ``depth`` response buffers of
-``buf_size(superblock, depth)`` bytes each.
+Ring offsets follow the slot layout that ``beluga/_native/rpc.c`` owns and
+exports: its head lines (``_core.RPC_HEAD`` bytes), ``depth`` request lines,
+``depth`` response lines, then ``depth`` request buffers and ``depth``
+response buffers of ``buf_size(superblock, depth)`` bytes each.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from beluga._native import _core
 from beluga.coherence import LINE, BlockHeader, BlockState, Memory, parse_header, read_line
 from beluga.pool.hosts import HostTable
 from beluga.pool.layout import Superblock
@@ -85,7 +86,7 @@ def corrupt_rpc(
         size = buf_size(sb, depth)
         index = slot if part == "request-buffer" else depth + slot
         at, data = _garbage(rng, size, 256)
-        offset = base + 2 * LINE + 2 * depth * LINE + index * size + at
+        offset = base + _core.RPC_HEAD + 2 * depth * LINE + index * size + at  # rpc.c's layout
     _store(mem, offset, data)
     return Hit(f"{part} of host {host} slot {slot}", offset, len(data))
 
@@ -98,7 +99,7 @@ def published_blocks(mem: Memory, sb: Superblock) -> list[tuple[int, BlockHeader
     raw = mem.load(table, sb.nblocks * LINE)
     magic = np.frombuffer(raw, dtype="<u4")[:: LINE // 4]
     out = []
-    for block in np.flatnonzero(magic == int.from_bytes(b"BLKH", "little")).tolist():
+    for block in np.flatnonzero(magic == _core.HEADER_MAGIC).tolist():
         h = parse_header(raw[block * LINE : (block + 1) * LINE])
         if h is not None and h.state == BlockState.PUBLISHED:
             out.append((block, h))
