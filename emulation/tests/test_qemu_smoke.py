@@ -6,11 +6,11 @@ is, every failure is real.  A few minutes at most under software emulation.
 
 from __future__ import annotations
 
-import psutil
 import pytest
 
 from emulation import Result, Sandbox, SandboxNotBuiltError, run
 from emulation.runner import EXIT_TIMEOUT
+from emulation.tests import running_children
 
 pytestmark = pytest.mark.qemu
 
@@ -31,9 +31,7 @@ def explain(result: Result) -> str:
 
 
 def assert_nothing_left_running() -> None:
-    alive = [
-        c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE
-    ]
+    alive = running_children()
     assert not alive, f"left running: {alive}"
 
 

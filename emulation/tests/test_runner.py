@@ -17,6 +17,7 @@ from emulation.__main__ import main
 from emulation.errors import SandboxNotBuiltError
 from emulation.runner import EXIT_NO_REPORT, EXIT_TIMEOUT, run, supervise
 from emulation.sandbox import Sandbox
+from emulation.tests import running_children
 
 # A stand-in for QEMU: writes the console a guest would, from the -chardev
 # path and the beluga.run= wrapper on its command line, and exits like QEMU.
@@ -53,9 +54,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Sandbox:
 @pytest.fixture(autouse=True)
 def nothing_left_running() -> Iterator[None]:
     yield
-    alive = [
-        c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE
-    ]
+    alive = running_children()
     assert not alive, f"left running: {alive}"
 
 
