@@ -40,10 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from beluga import __version__
+from beluga import __version__, litmus
 from beluga.bench import memops
 from beluga.bench.stats import human_bytes, machine, parse_size, summarize, time_calls
-from beluga.coherence import litmus
 from beluga.errors import BelugaError, RpcError
 from beluga.pool import Geometry, Pool, parse_spec
 from beluga.pool.backends import Backend

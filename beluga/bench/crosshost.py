@@ -3,7 +3,7 @@
 The observer host creates a certification pool on the shared device, the
 writer host attaches it (waiting until it appears), and then every litmus
 pattern runs with its observer on one host and its writer on the other
-(:func:`beluga.coherence.litmus.run_role`), talking only through the pool.
+(:func:`beluga.litmus.run_role`), talking only through the pool.
 Patterns with a second writer run it on the observer's host, in a thread,
 so that the two writers of one cache line sit on different hosts: that is
 where a shared line loses data.
@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any
 
+from beluga import litmus
 from beluga.bench.certify import (
     LABEL,
     LITMUS_STRIDE,
@@ -40,7 +41,7 @@ from beluga.bench.certify import (
     document,
     litmus_row,
 )
-from beluga.coherence import LINE, Memory, litmus, read_line, write_line
+from beluga.coherence import LINE, Memory, read_line, write_line
 from beluga.errors import CoherenceError, PoolError
 from beluga.pool import Pool, parse_spec
 

@@ -88,6 +88,7 @@ from beluga.coherence import (
     write_line,
 )
 from beluga.errors import CoherenceError
+from beluga.pool import Pool
 
 _U64 = struct.Struct("<Q")
 _CTRL = struct.Struct("<QQ")  # trial, flags
@@ -796,8 +797,6 @@ def _role_process(
     timeout: float,
     out: mp.Queue,
 ) -> None:
-    from beluga.pool import Pool
-
     try:
         with Pool.attach(spec, coherence=mode, model=model) as pool:
             out.put(
@@ -830,8 +829,6 @@ def run_local(
     seed of its own derived from ``seed``.
     """
     base_model = model or ModelConfig.from_env()
-    from beluga.pool import Pool
-
     with Pool.attach(spec, coherence="native") as pool:
         reset_area(pool.memory, base)
     p = PATTERNS[pattern]
