@@ -47,7 +47,7 @@ from beluga.errors import BelugaError, RpcError
 from beluga.pool import Geometry, Pool, parse_spec
 from beluga.pool.backends import Backend
 from beluga.pool.interleave import InterleaveBackend
-from beluga.pool.layout import REGION_ALIGN, align_up, plan
+from beluga.pool.layout import REGION_ALIGN, align_up, blocks_holding, pool_size_for
 from beluga.rpc import Op, RpcClient, RpcServer
 from beluga.rpc.protocol import INLINE, MAX_DEPTH
 
@@ -127,10 +127,7 @@ class Settings:
 
 def pool_bytes(payload: int, align: int = REGION_ALIGN) -> int:
     """A pool size (a multiple of ``align``) whose data area holds ``payload`` bytes."""
-    size = align_up(payload + 8 * REGION_ALIGN, align)
-    while plan(size, GEOMETRY).payloads.length < payload:
-        size += align
-    return size
+    return pool_size_for(blocks_holding(payload, GEOMETRY), GEOMETRY, align)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from beluga.bench.stats import format_table, machine, parse_size, write_json
 from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
 from beluga.cli.demo import add_e2e_args, e2e_settings, run_with_progress, summary
 from beluga.pool import Geometry, Pool
+from beluga.pool.layout import blocks_holding, pool_size_for
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -119,12 +120,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(handler=run_store)
 
 
-def scratch_pool(args: argparse.Namespace, size: int) -> tuple[Pool, bool]:
-    """The pool named on the command line, or a private scratch pool (removed after)."""
+#: scratch pools: a few hosts, default blocks, never smaller than this
+SCRATCH_GEOMETRY = Geometry(max_hosts=4)
+SCRATCH_LEAST = 64 << 20
+
+
+def scratch_pool(args: argparse.Namespace, payload: int) -> tuple[Pool, bool]:
+    """The pool named on the command line, or a private scratch pool (removed after)
+    whose data area holds at least ``payload`` bytes."""
     if args.pool or args.backend or os.environ.get("BELUGA_POOL"):
         return Pool.attach(pool_spec(args), coherence="native"), False
     path = f"/dev/shm/beluga-bench-{uuid.uuid4().hex[:8]}"
-    return Pool.create(path, size, geometry=Geometry(max_hosts=4), coherence="native"), True
+    blocks = blocks_holding(payload, SCRATCH_GEOMETRY)
+    size = max(SCRATCH_LEAST, pool_size_for(blocks, SCRATCH_GEOMETRY))
+    return Pool.create(path, size, geometry=SCRATCH_GEOMETRY, coherence="native"), True
 
 
 def report(args: argparse.Namespace, name: str, result: dict, columns: list) -> int:
@@ -141,7 +150,7 @@ def report(args: argparse.Namespace, name: str, result: dict, columns: list) -> 
 
 def run_memops(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    pool, scratch = scratch_pool(args, max(64 << 20, 2 * max(sizes) + (32 << 20)))
+    pool, scratch = scratch_pool(args, 2 * max(sizes))
     try:
         result = memops.run(pool, sizes, args.methods.split(","), args.budget)
     finally:
@@ -154,7 +163,7 @@ def run_memops(args: argparse.Namespace) -> int:
 def run_rpc(args: argparse.Namespace) -> int:
     if args.iterations < 1 or args.duration <= 0 or args.contended < 0:
         raise ValueError("--iterations must be >= 1, --duration > 0 and --contended >= 0")
-    pool, scratch = scratch_pool(args, 64 << 20)
+    pool, scratch = scratch_pool(args, 0)  # the RPC area is all it uses
     try:
         result = rpc_bench.run(pool, args.iterations, args.duration, args.contended)
     finally:
@@ -263,7 +272,7 @@ def run_vllm(args: argparse.Namespace) -> int:
 def run_store(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     budget, least = (1 << 20, 10) if args.quick else (args.budget, 100)
-    pool, scratch = scratch_pool(args, store_bench.pool_bytes(sizes))
+    pool, scratch = scratch_pool(args, store_bench.scratch_bytes(sizes))
     try:
         result = store_bench.run(pool, sizes, budget, least, args.baseline, probe=not scratch)
     finally:

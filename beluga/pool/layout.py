@@ -246,6 +246,33 @@ def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
     )
 
 
+def blocks_holding(nbytes: int, geometry: Geometry) -> int:
+    """Blocks of ``geometry`` whose payloads hold ``nbytes`` bytes (at least one)."""
+    if nbytes < 0:
+        raise ValueError(f"a byte count is not negative, not {nbytes}")
+    return max(1, -(-nbytes // geometry.block_size))
+
+
+def pool_size_for(blocks: int, geometry: Geometry, align: int = REGION_ALIGN) -> int:
+    """The smallest pool size (a multiple of ``align``) that :func:`plan` gives ``blocks`` blocks.
+
+    The inverse of ``plan(size, geometry).nblocks``, which never falls as
+    the size grows; ``align`` is a multiple of 2 MiB (an interleaved pool's stripe).
+    """
+    if blocks < 1:
+        raise ValueError(f"a pool holds at least one block, not {blocks}")
+    if align < REGION_ALIGN or align % REGION_ALIGN:
+        raise ValueError(f"a pool size is aligned to a multiple of 2 MiB, not {align}")
+    size = align_up(blocks * (geometry.block_size + LINE), align)  # a lower bound: no regions yet
+    while True:
+        try:
+            if plan(size, geometry).nblocks >= blocks:
+                return size
+        except ValueError:
+            pass  # not even one block fits yet
+        size += align
+
+
 def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
     """Decode and check a superblock read from a mapping of ``mapped_size`` bytes."""
     if len(raw) < SUPERBLOCK_BYTES:
