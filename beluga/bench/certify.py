@@ -43,6 +43,7 @@ import numpy as np
 from beluga import __version__, litmus
 from beluga.bench import memops
 from beluga.bench.stats import human_bytes, machine, parse_size, summarize, time_calls
+from beluga.child import stop_process
 from beluga.errors import BelugaError, RpcError
 from beluga.pool import Geometry, Pool, parse_spec
 from beluga.pool.backends import Backend
@@ -349,10 +350,7 @@ def rpc(pool: Pool, s: Settings) -> dict[str, Any]:
         raise RpcError(f"{e} (the server process said: {said})") from e
     finally:
         stop.set()
-        server.join(10)
-        if server.is_alive():
-            server.kill()
-            server.join()
+        stop_process(server, 10, terminate=False)
         errors.close()
         errors.join_thread()
     return {"status": "ok", "payload_bytes": len(payload), "depths": depths, "call": calls}
