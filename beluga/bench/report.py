@@ -26,7 +26,7 @@ PAPER_MACHINE = (
     "(~750 ns minimum 64 B latency, 22.5 GB/s per memory device, GPU paths bound at ~26 GB/s "
     "by the root complex)"
 )
-CHARTS_EXTRA = "pip install 'beluga-kvcache[certify]' (matplotlib)"
+CHARTS_EXTRA = "pip install 'beluga-kvcache[report]' (matplotlib)"
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ SCRATCH_LEAST = 64 << 20
 def scratch_pool(args: argparse.Namespace, payload: int) -> tuple[Pool, bool]:
     """The pool named on the command line, or a private scratch pool (removed after)
     whose data area holds at least ``payload`` bytes."""
-    if args.pool or args.backend or os.environ.get("BELUGA_POOL"):
+    if args.pool or args.backend or args.path or os.environ.get("BELUGA_POOL"):
         return Pool.attach(pool_spec(args), coherence="native"), False
     path = f"/dev/shm/beluga-bench-{uuid.uuid4().hex[:8]}"
     blocks = blocks_holding(payload, SCRATCH_GEOMETRY)
