@@ -25,6 +25,14 @@ from beluga.pool.layout import blocks_holding, pool_size_for
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure Beluga (tables, or --json figures)")
     cmds = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    _add_memops(cmds)
+    _add_rpc(cmds)
+    _add_e2e(cmds)
+    _add_vllm(cmds)
+    _add_store(cmds)
+
+
+def _add_memops(cmds: argparse._SubParsersAction) -> None:
     m = cmds.add_parser("memops", help="coherence recipes by size, beside plain memcpy")
     add_pool_args(m)
     add_json_arg(m)
@@ -42,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     m.set_defaults(handler=run_memops)
 
+
+def _add_rpc(cmds: argparse._SubParsersAction) -> None:
     r = cmds.add_parser(
         "rpc", help="slot RPC round trip and throughput beside TCP and Unix sockets"
     )
@@ -58,6 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.set_defaults(handler=run_rpc)
 
+
+def _add_e2e(cmds: argparse._SubParsersAction) -> None:
     e = cmds.add_parser(
         "e2e",
         help="a long-context trace twice through engines sharing one pool, per scheduler",
@@ -78,6 +90,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compare with Beluga (locality-free routing); --schedulers is then ignored",
     )
     e.set_defaults(handler=run_e2e)
+
+
+def _add_vllm(cmds: argparse._SubParsersAction) -> None:
     v = cmds.add_parser(
         "vllm", help="TTFT of two vLLM-CPU engines on one shared-prefix trace, Beluga vs none"
     )
@@ -97,6 +112,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the engines' cores; 0.5 when it has a core of its own)",
     )
     v.set_defaults(handler=run_vllm)
+
+
+def _add_store(cmds: argparse._SubParsersAction) -> None:
     s = cmds.add_parser(
         "store", help="KV store operations beside memcpy, and Mooncake Store with --baseline"
     )
