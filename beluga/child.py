@@ -1,23 +1,89 @@
-"""A server in a child process, for benchmarks, tests and tools.
+"""Child processes and waits, for benchmarks, tests, tools and the serving cluster.
 
-The child gets a ``ready`` event as its last argument and sets it once it
-serves.  Leaving the context stops it with SIGTERM (servers stop cleanly on
-it; an Event a killed child waited on could wedge, a signal cannot), then
-SIGKILL if it does not exit in time.
+:func:`server_process` runs a server in a child: the child gets a ``ready``
+event as its last argument and sets it once it serves.  Leaving the context
+stops it with SIGTERM (servers stop cleanly on it; an Event a killed child
+waited on could wedge, a signal cannot), then SIGKILL if it does not exit in
+time.  Its pieces serve supervisors that start their children otherwise:
+:func:`wait_ready` (the ready event, failing fast if the child dies first)
+and :func:`stop_process` (stop and reap, escalating to SIGKILL).
+
+:func:`wait_until` is the one poll-until-deadline loop.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from beluga.errors import BelugaError
 
 _CTX = mp.get_context("fork")
+#: how often a wait for a ready event looks whether the child is still alive
+_READY_POLL_S = 0.1
+#: how long a child that was sent SIGTERM gets before SIGKILL, after its own grace
+_TERM_GRACE_S = 5.0
+
+T = TypeVar("T")
+
+
+def wait_until(
+    predicate: Callable[[], T],
+    timeout: float,
+    what: str | Callable[[], str],
+    *,
+    error: type[BelugaError] = BelugaError,
+    pause: float = 0.0,
+) -> T:
+    """Poll ``predicate`` until it returns something true, and return that.
+
+    Past ``timeout`` seconds raise ``error(what)``; ``what`` is the whole
+    message (a callable makes it when needed, so it can tell the last state
+    seen).  ``pause`` seconds pass between polls.
+    """
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            raise error(what() if callable(what) else what)
+        if pause:
+            time.sleep(pause)
+    return result
+
+
+def wait_ready(
+    proc: Any, ready: Any, timeout: float, what: str, *, error: type[BelugaError] = BelugaError
+) -> None:
+    """Wait until a started child sets ``ready``; raise ``error`` if it exits first or is late."""
+    deadline = time.monotonic() + timeout
+    while not ready.wait(_READY_POLL_S):
+        if not proc.is_alive():
+            raise error(
+                f"{what} exited with code {proc.exitcode} before it was ready; "
+                "its error is printed above"
+            )
+        if time.monotonic() > deadline:
+            raise error(f"{what} was not ready within {timeout:g} s; is the machine overloaded?")
+
+
+def stop_process(proc: Any, grace: float, *, terminate: bool = True) -> None:
+    """Stop a started child and reap it, escalating to SIGKILL.
+
+    ``terminate``: send SIGTERM at once and give it ``grace`` seconds (a
+    server stops cleanly on it).  Otherwise the child was told to exit some
+    other way (a pipe, an event) and gets ``grace`` seconds for that before
+    SIGTERM.  Safe on a child that has already exited.
+    """
+    if not terminate:
+        proc.join(grace)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(grace if terminate else _TERM_GRACE_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
 
 
 @contextmanager
@@ -29,16 +95,7 @@ def server_process(
     proc = _CTX.Process(target=target, args=(*args, ready), daemon=True)
     proc.start()
     try:
-        if not ready.wait(start_timeout):
-            raise BelugaError(
-                f"{getattr(target, '__name__', 'server')} did not start within "
-                f"{start_timeout} s (exit code {proc.exitcode})"
-            )
+        wait_ready(proc, ready, start_timeout, getattr(target, "__name__", "server"))
         yield proc
     finally:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGTERM)
-        proc.join(stop_timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        stop_process(proc, stop_timeout)

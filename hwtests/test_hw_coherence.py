@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 
+from beluga import litmus
 from beluga.bench.certify import LITMUS_STRIDE, certify_pool
-from beluga.coherence import litmus
 from beluga.pool import parse_spec
 
 pytestmark = pytest.mark.hw

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import psutil
 import pytest
 
+from beluga.coherence import ModelConfig
 from beluga.pool import Geometry, Pool
 from beluga.rpc import RpcServer
 
@@ -63,7 +64,7 @@ def no_leaks() -> Iterator[None]:
     assert _leftovers() <= files, f"test left files in /dev/shm: {_leftovers() - files}"
 
 
-@pytest.fixture(params=[0.0, 0.002], ids=["evict-off", "evict-on"])
+@pytest.fixture(params=[0.0, ModelConfig.evict_rate], ids=["evict-off", "evict-on"])
 def model_eviction(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> float:
     """Run a protocol test with the model's random eviction off, then on.
 

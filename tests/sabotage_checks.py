@@ -44,6 +44,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from beluga import litmus
 from beluga._native import POINTS, _core
 from beluga.coherence import (
     LINE,
@@ -51,14 +52,13 @@ from beluga.coherence import (
     ModelConfig,
     attach,
     digest,
-    litmus,
     read_line,
     write_line,
 )
-from beluga.coherence.litmus import Seen
 from beluga.errors import PoolError
 from beluga.kv import protocol as p
 from beluga.kv.service import MetadataService
+from beluga.litmus import Seen
 from beluga.pool import Geometry, HostState, Pool
 from beluga.pool.hosts import (
     ClaimAnswer,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from beluga.cli import main
+from beluga.cli.common import add_pool_args, pool_spec
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -90,3 +92,28 @@ def test_bench_rpc_json(capsys: pytest.CaptureFixture[str]) -> None:
     for transport in ("slot-c", "slot-python", "tcp", "unix"):
         assert 0 < figures[f"rpc.{transport}.rtt_p50_us"] <= figures[f"rpc.{transport}.rtt_p99_us"]
         assert figures[f"rpc.{transport}.mops_d128"] > 0
+
+
+def _pool_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_pool_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_path_alone_names_an_shm_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BELUGA_POOL", raising=False)
+    assert pool_spec(_pool_args("--path", "/dev/shm/x")) == "shm:/dev/shm/x"
+    assert pool_spec(_pool_args("--backend", "numa", "--node", "1", "--path", "/p")) == "numa:1:/p"
+    with pytest.raises(ValueError, match="not both"):
+        pool_spec(_pool_args("--pool", "shm:/a", "--path", "/b"))
+    with pytest.raises(ValueError, match="need --backend"):
+        pool_spec(_pool_args("--node", "1"))
+
+
+def test_a_missing_pool_names_the_command_that_creates_it(shm_path: str) -> None:
+    out = run("pool", "info", "--path", shm_path)
+    assert out.returncode != 0 and f"beluga pool create --pool shm:{shm_path}" in out.stderr
+    assert run("pool", "create", "--path", shm_path, "--size", "64M").returncode == 0
+    assert run("pool", "info", "--path", shm_path).returncode == 0
+    assert run("pool", "destroy", "--path", shm_path).returncode == 0
+    assert not os.path.exists(shm_path)

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from beluga.coherence import LINE, ModelConfig, crc32c, litmus
+from beluga import litmus
+from beluga.coherence import LINE, ModelConfig, crc32c
 from beluga.pool import Pool
 
 BUGS = [name for name, p in litmus.PATTERNS.items() if p.is_bug]

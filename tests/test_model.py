@@ -13,10 +13,14 @@ import pytest
 from beluga.coherence import Memory
 
 LINE = 64
-QUIET = {"drain_rate": 0.0, "refill_rate": 0.0}  # no early drains, no refills: exact steps
+# Each rule is observed alone, so random eviction is off unless a test turns it on.
+# Said explicitly: the production default is ModelConfig's, never the C constructor's.
+NO_EVICTION = {"evict_rate": 0.0}
+QUIET = {**NO_EVICTION, "drain_rate": 0.0, "refill_rate": 0.0}  # exact steps, nothing random
 
 
 def two_hosts(**kw: object) -> tuple[bytearray, Memory, Memory]:
+    kw = {**NO_EVICTION, **kw}
     shared = bytearray(1 << 16)
     a = Memory(shared, "model", seed=1, **kw)
     b = Memory(shared, "model", seed=2, **kw)
@@ -120,7 +124,7 @@ def test_random_eviction_leaks_unflushed_stores_deterministically() -> None:
 
 def test_a_full_cache_evicts_a_victim() -> None:
     shared = bytearray(1 << 16)
-    m = Memory(shared, "model", cache_lines=4)
+    m = Memory(shared, "model", cache_lines=4, **NO_EVICTION)
     for i in range(16):
         m.store(i * LINE, b"\x01")
     stats = m.model_stats()
@@ -157,7 +161,7 @@ def test_nt_stores_are_invisible_until_a_fence() -> None:
 def test_nt_stores_reach_memory_in_any_order_before_the_fence() -> None:
     def published_first(seed: int) -> bool:
         shared = bytearray(1 << 16)
-        m = Memory(shared, "model", seed=seed)
+        m = Memory(shared, "model", seed=seed, **NO_EVICTION)
         m.nt_store(0, b"data")  # no SFENCE between the data and its flag: the bug
         m.nt_store(LINE, b"flag")
         return shared[LINE : LINE + 4] == b"flag" and shared[0:4] != b"data"
@@ -170,7 +174,7 @@ def test_nt_stores_reach_memory_in_any_order_before_the_fence() -> None:
 def test_a_write_combining_buffer_may_drain_in_pieces() -> None:
     def visible(seed: int) -> bytes:
         shared = bytearray(1 << 16)
-        m = Memory(shared, "model", seed=seed, drain_rate=1.0)
+        m = Memory(shared, "model", seed=seed, drain_rate=1.0, **NO_EVICTION)
         m.nt_store(0, b"\xff" * LINE)
         return bytes(shared[:LINE])
 
@@ -372,7 +376,7 @@ def test_a_forked_child_starts_empty_and_never_writes_back_the_parents_lines() -
 
 def test_fork_while_another_thread_holds_the_model_is_safe() -> None:
     shared = mmap.mmap(-1, 1 << 20)
-    m = Memory(shared, "model")
+    m = Memory(shared, "model", **NO_EVICTION)
     stop = threading.Event()
     big = bytearray(512 << 10)  # long enough that the copy runs without the GIL
 

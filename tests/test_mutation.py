@@ -151,7 +151,7 @@ def test_every_point_has_catchers_and_every_catcher_exists() -> None:
         assert p.where and p.step and p.why, p
 
 
-@pytest.mark.parametrize("evict_rate", [0.0, 0.002], ids=["evict-off", "evict-on"])
+@pytest.mark.parametrize("evict_rate", [0.0, ModelConfig.evict_rate], ids=["evict-off", "evict-on"])
 @pytest.mark.parametrize("name", list(checks.CHECKS))
 def test_every_check_passes_on_the_production_core(name: str, evict_rate: float) -> None:
     model = replace(ModelConfig(), evict_rate=evict_rate)

@@ -20,7 +20,15 @@ from beluga.kv import protocol as p
 from beluga.kv.service import MetadataService
 from beluga.pool import Geometry, HostState, Pool, parse_spec
 from beluga.pool.hosts import HostEntry, Identity
-from beluga.pool.layout import LAYOUT_VERSION, MAGIC, SUPERBLOCK_BYTES, plan, unpack
+from beluga.pool.layout import (
+    LAYOUT_VERSION,
+    MAGIC,
+    SUPERBLOCK_BYTES,
+    blocks_holding,
+    plan,
+    pool_size_for,
+    unpack,
+)
 from beluga.rpc import Request
 
 from .conftest import SMALL
@@ -267,3 +275,38 @@ def test_a_device_formatted_under_the_model_keeps_no_ghosts_for_a_host_with_stal
     finally:
         old.close()
         stale.close()
+
+
+def _nblocks(size: int, geometry: Geometry) -> int:
+    try:
+        return plan(size, geometry).nblocks
+    except ValueError:
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("geometry", "align"),
+    [
+        (SMALL, 2 << 20),
+        (Geometry(max_hosts=4, block_size=2 << 20), 2 << 20),
+        (Geometry(max_hosts=4, block_size=2 << 20), 8 << 20),  # an interleaved pool's stripe
+    ],
+)
+def test_pool_size_for_is_the_smallest_aligned_size_with_the_blocks(
+    geometry: Geometry, align: int
+) -> None:
+    for blocks in (1, 7, 300):
+        size = pool_size_for(blocks, geometry, align)
+        assert size % align == 0 and plan(size, geometry).nblocks >= blocks
+        assert _nblocks(size - align, geometry) < blocks
+
+
+def test_blocks_holding_rounds_up_to_whole_blocks() -> None:
+    g = Geometry(block_size=64 << 10)
+    assert [blocks_holding(n, g) for n in (0, 1, 64 << 10, (64 << 10) + 1)] == [1, 1, 1, 2]
+    with pytest.raises(ValueError, match="at least one block"):
+        pool_size_for(0, g)
+    with pytest.raises(ValueError, match="multiple of 2 MiB"):
+        pool_size_for(1, g, 4096)
+    with pytest.raises(ValueError, match="not negative"):
+        blocks_holding(-1, g)

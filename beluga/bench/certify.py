@@ -40,15 +40,15 @@ from typing import Any
 
 import numpy as np
 
-from beluga import __version__
+from beluga import __version__, litmus
 from beluga.bench import memops
 from beluga.bench.stats import human_bytes, machine, parse_size, summarize, time_calls
-from beluga.coherence import litmus
+from beluga.child import stop_process
 from beluga.errors import BelugaError, RpcError
 from beluga.pool import Geometry, Pool, parse_spec
 from beluga.pool.backends import Backend
 from beluga.pool.interleave import InterleaveBackend
-from beluga.pool.layout import REGION_ALIGN, align_up, plan
+from beluga.pool.layout import REGION_ALIGN, align_up, blocks_holding, pool_size_for
 from beluga.rpc import Op, RpcClient, RpcServer
 from beluga.rpc.protocol import INLINE, MAX_DEPTH
 
@@ -128,10 +128,7 @@ class Settings:
 
 def pool_bytes(payload: int, align: int = REGION_ALIGN) -> int:
     """A pool size (a multiple of ``align``) whose data area holds ``payload`` bytes."""
-    size = align_up(payload + 8 * REGION_ALIGN, align)
-    while plan(size, GEOMETRY).payloads.length < payload:
-        size += align
-    return size
+    return pool_size_for(blocks_holding(payload, GEOMETRY), GEOMETRY, align)
 
 
 @contextlib.contextmanager
@@ -353,10 +350,7 @@ def rpc(pool: Pool, s: Settings) -> dict[str, Any]:
         raise RpcError(f"{e} (the server process said: {said})") from e
     finally:
         stop.set()
-        server.join(10)
-        if server.is_alive():
-            server.kill()
-            server.join()
+        stop_process(server, 10, terminate=False)
         errors.close()
         errors.join_thread()
     return {"status": "ok", "payload_bytes": len(payload), "depths": depths, "call": calls}

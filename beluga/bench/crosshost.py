@@ -3,7 +3,7 @@
 The observer host creates a certification pool on the shared device, the
 writer host attaches it (waiting until it appears), and then every litmus
 pattern runs with its observer on one host and its writer on the other
-(:func:`beluga.coherence.litmus.run_role`), talking only through the pool.
+(:func:`beluga.litmus.run_role`), talking only through the pool.
 Patterns with a second writer run it on the observer's host, in a thread,
 so that the two writers of one cache line sit on different hosts: that is
 where a shared line loses data.
@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any
 
+from beluga import litmus
 from beluga.bench.certify import (
     LABEL,
     LITMUS_STRIDE,
@@ -40,13 +41,15 @@ from beluga.bench.certify import (
     document,
     litmus_row,
 )
-from beluga.coherence import LINE, Memory, litmus, read_line, write_line
+from beluga.child import wait_until
+from beluga.coherence import LINE, Memory, read_line, write_line
 from beluga.errors import CoherenceError, PoolError
 from beluga.pool import Pool, parse_spec
 
 ROLES = ("observer", "writer")
 _HELLO = struct.Struct("<QQQQ")  # magic, nonce, ack, trials
 _MAGIC = int.from_bytes(b"BLGCERT1", "little")
+_HANDSHAKE_PAUSE_S = 0.0002  # between looks at the peer's hello line
 OBSERVER_LINE, WRITER_LINE = 0, LINE
 AREAS_AT = 4096
 AREAS_BYTES = len(litmus.PATTERNS) * LITMUS_STRIDE
@@ -66,25 +69,29 @@ def _nonce() -> int:
     return int.from_bytes(os.urandom(8), "little") or 1
 
 
-def _waiting(deadline: float, what: str) -> None:
-    if time.monotonic() > deadline:
-        raise CoherenceError(
-            f"no answer from the other host while waiting for {what}; start "
-            "'beluga certify --role observer' on one host and '--role writer' on the other, "
-            "both on the same device"
-        )
-    time.sleep(0.0002)
+def _no_answer(what: str) -> str:
+    return (
+        f"no answer from the other host while waiting for {what}; start "
+        "'beluga certify --role observer' on one host and '--role writer' on the other, "
+        "both on the same device"
+    )
 
 
 def _observer_handshake(mem: Memory, base: int, trials: int, timeout: float) -> None:
     o = _nonce()
     _post(mem, base + OBSERVER_LINE, o, 0, trials)
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def answered() -> tuple[int, int, int] | None:
         hello = _peek(mem, base + WRITER_LINE)
-        if hello and hello[1] == o:
-            break
-        _waiting(deadline, "the writer host to answer")
+        return hello if hello and hello[1] == o else None
+
+    hello = wait_until(
+        answered,
+        timeout,
+        _no_answer("the writer host to answer"),
+        error=CoherenceError,
+        pause=_HANDSHAKE_PAUSE_S,
+    )
     mem.flush(base + AREAS_AT, AREAS_BYTES)  # drop our own stale lines before the reset
     mem.sfence()
     for i in range(len(litmus.PATTERNS)):
@@ -98,37 +105,54 @@ def _writer_handshake(mem: Memory, base: int, timeout: float) -> int:
     mem.sfence()
     w, acked = _nonce(), 0
     _post(mem, base + WRITER_LINE, w, 0)
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def answered() -> tuple[int, int, int] | None:
+        nonlocal acked
         hello = _peek(mem, base + OBSERVER_LINE)
         if hello and hello[1] == w:
-            return hello[2]
+            return hello
         if hello and hello[0] != acked:
             acked = hello[0]
             _post(mem, base + WRITER_LINE, w, acked)
-        _waiting(deadline, "the observer host to start")
+        return None
+
+    hello = wait_until(
+        answered,
+        timeout,
+        _no_answer("the observer host to start"),
+        error=CoherenceError,
+        pause=_HANDSHAKE_PAUSE_S,
+    )
+    return hello[2]
 
 
 def _attach_when_ready(spec: str, timeout: float) -> Pool:
     """The observer's certification pool, once it exists (the observer creates it)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        seen = "nothing"
+    seen = "nothing"
+
+    def attached() -> Pool | None:
+        nonlocal seen
         try:
             pool = Pool.attach(spec, coherence="native")
         except PoolError as e:
             seen = str(e)
-        else:
-            if pool.superblock.label == LABEL:
-                return pool
-            seen = f"a pool labelled {pool.superblock.label!r}, not a certification pool"
-            pool.close()
-        if time.monotonic() > deadline:
-            raise PoolError(
-                f"no certification pool appeared on {spec} within {timeout} s (last seen: "
-                f"{seen}); start 'beluga certify --role observer' on the other host first"
-            )
-        time.sleep(0.05)
+            return None
+        if pool.superblock.label == LABEL:
+            return pool
+        seen = f"a pool labelled {pool.superblock.label!r}, not a certification pool"
+        pool.close()
+        return None
+
+    return wait_until(
+        attached,
+        timeout,
+        lambda: (
+            f"no certification pool appeared on {spec} within {timeout} s (last seen: "
+            f"{seen}); start 'beluga certify --role observer' on the other host first"
+        ),
+        error=PoolError,
+        pause=0.05,
+    )
 
 
 def _observe(mem: Memory, base: int, trials: int, timeout: float) -> list[dict[str, Any]]:

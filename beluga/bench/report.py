@@ -26,7 +26,7 @@ PAPER_MACHINE = (
     "(~750 ns minimum 64 B latency, 22.5 GB/s per memory device, GPU paths bound at ~26 GB/s "
     "by the root complex)"
 )
-CHARTS_EXTRA = "pip install 'beluga-kvcache[certify]' (matplotlib)"
+CHARTS_EXTRA = "pip install 'beluga-kvcache[report]' (matplotlib)"
 
 
 @dataclass(frozen=True)
@@ -276,99 +276,130 @@ def _table(headings: list[str], rows: list[list[Any]]) -> list[str]:
     return [*out, ""]
 
 
-def _section_lines(doc: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
-    charts = set(doc.get("charts", []))
+Chart = Callable[[str], list[str]]
 
-    def chart(name: str) -> None:
-        if name in charts:
-            lines.extend([f"![{name[:-4]}]({name})", ""])
 
-    if lat := _ok(doc, "latency"):
-        lines += ["## Latency by access size (p50 µs per call)", ""]
-        chart("latency.png")
-        methods = list(dict.fromkeys(r["method"] for r in lat["rows"]))
-        cell = {(r["size"], r["method"]): r["p50_us"] for r in lat["rows"]}
-        sizes = list(dict.fromkeys(r["size"] for r in lat["rows"]))
-        lines += _table(["size", *methods], [[s, *(cell[s, m] for m in methods)] for s in sizes])
-    if bw := _ok(doc, "bandwidth"):
-        lines += ["## Bandwidth against threads (GB/s)", ""]
-        chart("bandwidth.png")
-        lines += [
-            f"The threads split a {human_bytes(bw['working_set_bytes'])} working set into "
-            f"regions of their own and copy {human_bytes(bw['chunk_bytes'])} at a time "
-            "(writes: non-temporal stores; reads: plain loads).",
-            "",
-        ]
-        lines += _table(
+def _latency_lines(lat: dict[str, Any], chart: Chart) -> list[str]:
+    methods = list(dict.fromkeys(r["method"] for r in lat["rows"]))
+    cell = {(r["size"], r["method"]): r["p50_us"] for r in lat["rows"]}
+    sizes = list(dict.fromkeys(r["size"] for r in lat["rows"]))
+    return [
+        "## Latency by access size (p50 µs per call)",
+        "",
+        *chart("latency.png"),
+        *_table(["size", *methods], [[s, *(cell[s, m] for m in methods)] for s in sizes]),
+    ]
+
+
+def _bandwidth_lines(bw: dict[str, Any], chart: Chart) -> list[str]:
+    return [
+        "## Bandwidth against threads (GB/s)",
+        "",
+        *chart("bandwidth.png"),
+        f"The threads split a {human_bytes(bw['working_set_bytes'])} working set into "
+        f"regions of their own and copy {human_bytes(bw['chunk_bytes'])} at a time "
+        "(writes: non-temporal stores; reads: plain loads).",
+        "",
+        *_table(
             ["direction", "threads", "GB/s"],
             [[r["direction"], r["threads"], r["gbps"]] for r in bw["rows"]],
-        )
-    if inter := _ok(doc, "interleave"):
-        lines += [
-            f"## Interleaving every {human_bytes(inter['stripe'])} across "
-            f"{len(inter['devices'])} devices",
-            "",
-        ]
-        lines += _table(
+        ),
+    ]
+
+
+def _interleave_lines(inter: dict[str, Any], chart: Chart) -> list[str]:
+    return [
+        f"## Interleaving every {human_bytes(inter['stripe'])} across "
+        f"{len(inter['devices'])} devices",
+        "",
+        *_table(
             ["direction", "threads", "one device GB/s", "interleaved GB/s", "gain"],
             [
                 [r["direction"], r["threads"], r["gbps"], r["interleaved_gbps"], r["gain"]]
                 for r in inter["rows"]
             ],
-        )
-    if rpc := _ok(doc, "rpc"):
-        lines += [
-            f"## RPC (64 B messages, {rpc['payload_bytes']} B echoed; one server thread in C)",
-            "",
-        ]
-        chart("rpc.png")
-        lines += _table(
+        ),
+    ]
+
+
+def _rpc_lines(rpc: dict[str, Any], chart: Chart) -> list[str]:
+    c = rpc["call"]
+    return [
+        f"## RPC (64 B messages, {rpc['payload_bytes']} B echoed; one server thread in C)",
+        "",
+        *chart("rpc.png"),
+        *_table(
             ["queue depth", "Mops", "µs per request (1 / rate)"],
             [[d["depth"], d["mops"], d["us_per_request"]] for d in rpc["depths"]],
-        )
-        c = rpc["call"]
-        lines += [
-            f"`RpcClient.call` round trip through Python: p50 {c['p50_us']:.2f} µs, "
-            f"p99 {c['p99_us']:.2f} µs over {int(c['n'])} calls.",
-            "",
-        ]
-    if gpu := _ok(doc, "gpu"):
-        lines += [f"## GPU copies ({gpu['device']}, pool pinned: {gpu['pinned']})", ""]
-        chart("gpu.png")
-        lines += _table(
+        ),
+        f"`RpcClient.call` round trip through Python: p50 {c['p50_us']:.2f} µs, "
+        f"p99 {c['p99_us']:.2f} µs over {int(c['n'])} calls.",
+        "",
+    ]
+
+
+def _gpu_lines(gpu: dict[str, Any], chart: Chart) -> list[str]:
+    return [
+        f"## GPU copies ({gpu['device']}, pool pinned: {gpu['pinned']})",
+        "",
+        *chart("gpu.png"),
+        *_table(
             ["direction", "size", "p50 µs", "GB/s at p50"],
             [[r["direction"], r["size"], r["p50_us"], r["gbps_at_p50"]] for r in gpu["rows"]],
-        )
-    for name, title in (
-        ("litmus", "single host, local processes"),
-        ("litmus_cross_host", "across two hosts"),
-    ):
-        if sec := _ok(doc, name):
-            lines += [f"## Coherence litmus ({title}, {sec['mode']} mode)", ""]
-            if sec.get("role") == "writer":
-                lines += [
-                    "This host played the writer; the observer host's report holds the verdicts.",
-                    "",
-                ]
-                lines += _table(
+        ),
+    ]
+
+
+def _litmus_lines(title: str) -> Callable[[dict[str, Any], Chart], list[str]]:
+    def lines(sec: dict[str, Any], chart: Chart) -> list[str]:
+        head = [f"## Coherence litmus ({title}, {sec['mode']} mode)", ""]
+        if sec.get("role") == "writer":
+            return [
+                *head,
+                "This host played the writer; the observer host's report holds the verdicts.",
+                "",
+                *_table(
                     ["pattern", "trials written"],
                     [[r["pattern"], r["trials_written"]] for r in sec["rows"]],
-                )
-                continue
-            lines += _table(
-                ["pattern", "kind", "trials", "violations", "verdict"],
-                [
-                    [
-                        r["pattern"],
-                        "bug" if r["is_bug"] else "correct",
-                        r["trials"],
-                        r["violations"],
-                        r["verdict"],
-                    ]
-                    for r in sec["rows"]
-                ],
-            )
+                ),
+            ]
+        rows = [
+            [
+                r["pattern"],
+                "bug" if r["is_bug"] else "correct",
+                r["trials"],
+                r["violations"],
+                r["verdict"],
+            ]
+            for r in sec["rows"]
+        ]
+        return [*head, *_table(["pattern", "kind", "trials", "violations", "verdict"], rows)]
+
+    return lines
+
+
+#: each section of the report that ran, in this order, and how it is written
+_SECTION_WRITERS: dict[str, Callable[[dict[str, Any], Chart], list[str]]] = {
+    "latency": _latency_lines,
+    "bandwidth": _bandwidth_lines,
+    "interleave": _interleave_lines,
+    "rpc": _rpc_lines,
+    "gpu": _gpu_lines,
+    "litmus": _litmus_lines("single host, local processes"),
+    "litmus_cross_host": _litmus_lines("across two hosts"),
+}
+
+
+def _section_lines(doc: dict[str, Any]) -> list[str]:
+    charts = set(doc.get("charts", []))
+
+    def chart(name: str) -> list[str]:
+        return [f"![{name[:-4]}]({name})", ""] if name in charts else []
+
+    lines: list[str] = []
+    for name, write in _SECTION_WRITERS.items():
+        if sec := _ok(doc, name):
+            lines += write(sec, chart)
     return lines
 
 

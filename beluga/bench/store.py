@@ -156,11 +156,16 @@ class Plan:
         return -(-nbytes // self.block_size) * self.block_size
 
 
-def pool_bytes(sizes: Sequence[int], block_size: int = 64 * KiB) -> int:
-    """A scratch pool that holds a round of puts and the stored values twice over."""
+def data_bytes(sizes: Sequence[int], block_size: int = 64 * KiB) -> int:
+    """Data-area bytes a run fills: a round of puts and the stored values."""
     plan = Plan(list(sizes), 0, 0, block_size)
     stored = sum(plan.footprint(n) for n in sizes) + BATCH * plan.footprint(BATCH_VALUE)
-    return max(64 * MiB, -(-2 * (ROUND_BYTES + stored) // (2 * MiB)) * 2 * MiB)
+    return ROUND_BYTES + stored
+
+
+def scratch_bytes(sizes: Sequence[int], block_size: int = 64 * KiB) -> int:
+    """Data-area bytes of a scratch pool for a run: what it fills, twice over."""
+    return 2 * data_bytes(sizes, block_size)
 
 
 def serve_in_child(spec: str, ready: Any) -> None:
@@ -350,10 +355,10 @@ def run(
         raise ValueError(f"unknown baseline {baseline!r}; the one baseline is 'mooncake'")
     sb = pool.superblock
     plan = Plan(sorted(sizes or DEFAULT_SIZES), budget, least, sb.block_size)
-    need = pool_bytes(plan.sizes, sb.block_size) // 2
-    if sb.nblocks * sb.block_size < need:
+    need = data_bytes(plan.sizes, sb.block_size)
+    if sb.payloads.length < need:
         raise ValueError(
-            f"the pool's data area holds {sb.nblocks * sb.block_size} bytes but the benchmark "
+            f"the pool's data area holds {sb.payloads.length} bytes but the benchmark "
             f"needs {need}; use a bigger pool, or omit --pool for a scratch pool"
         )
     buffers = Buffers.make(max(plan.sizes))

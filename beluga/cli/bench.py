@@ -19,11 +19,20 @@ from beluga.bench.stats import format_table, machine, parse_size, write_json
 from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
 from beluga.cli.demo import add_e2e_args, e2e_settings, run_with_progress, summary
 from beluga.pool import Geometry, Pool
+from beluga.pool.layout import blocks_holding, pool_size_for
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure Beluga (tables, or --json figures)")
     cmds = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    _add_memops(cmds)
+    _add_rpc(cmds)
+    _add_e2e(cmds)
+    _add_vllm(cmds)
+    _add_store(cmds)
+
+
+def _add_memops(cmds: argparse._SubParsersAction) -> None:
     m = cmds.add_parser("memops", help="coherence recipes by size, beside plain memcpy")
     add_pool_args(m)
     add_json_arg(m)
@@ -41,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     m.set_defaults(handler=run_memops)
 
+
+def _add_rpc(cmds: argparse._SubParsersAction) -> None:
     r = cmds.add_parser(
         "rpc", help="slot RPC round trip and throughput beside TCP and Unix sockets"
     )
@@ -57,6 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.set_defaults(handler=run_rpc)
 
+
+def _add_e2e(cmds: argparse._SubParsersAction) -> None:
     e = cmds.add_parser(
         "e2e",
         help="a long-context trace twice through engines sharing one pool, per scheduler",
@@ -77,6 +90,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compare with Beluga (locality-free routing); --schedulers is then ignored",
     )
     e.set_defaults(handler=run_e2e)
+
+
+def _add_vllm(cmds: argparse._SubParsersAction) -> None:
     v = cmds.add_parser(
         "vllm", help="TTFT of two vLLM-CPU engines on one shared-prefix trace, Beluga vs none"
     )
@@ -96,6 +112,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the engines' cores; 0.5 when it has a core of its own)",
     )
     v.set_defaults(handler=run_vllm)
+
+
+def _add_store(cmds: argparse._SubParsersAction) -> None:
     s = cmds.add_parser(
         "store", help="KV store operations beside memcpy, and Mooncake Store with --baseline"
     )
@@ -119,12 +138,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(handler=run_store)
 
 
-def scratch_pool(args: argparse.Namespace, size: int) -> tuple[Pool, bool]:
-    """The pool named on the command line, or a private scratch pool (removed after)."""
-    if args.pool or args.backend or os.environ.get("BELUGA_POOL"):
+#: scratch pools: a few hosts, default blocks, never smaller than this
+SCRATCH_GEOMETRY = Geometry(max_hosts=4)
+SCRATCH_LEAST = 64 << 20
+
+
+def scratch_pool(args: argparse.Namespace, payload: int) -> tuple[Pool, bool]:
+    """The pool named on the command line, or a private scratch pool (removed after)
+    whose data area holds at least ``payload`` bytes."""
+    if args.pool or args.backend or args.path or os.environ.get("BELUGA_POOL"):
         return Pool.attach(pool_spec(args), coherence="native"), False
     path = f"/dev/shm/beluga-bench-{uuid.uuid4().hex[:8]}"
-    return Pool.create(path, size, geometry=Geometry(max_hosts=4), coherence="native"), True
+    blocks = blocks_holding(payload, SCRATCH_GEOMETRY)
+    size = max(SCRATCH_LEAST, pool_size_for(blocks, SCRATCH_GEOMETRY))
+    return Pool.create(path, size, geometry=SCRATCH_GEOMETRY, coherence="native"), True
 
 
 def report(args: argparse.Namespace, name: str, result: dict, columns: list) -> int:
@@ -141,7 +168,7 @@ def report(args: argparse.Namespace, name: str, result: dict, columns: list) -> 
 
 def run_memops(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    pool, scratch = scratch_pool(args, max(64 << 20, 2 * max(sizes) + (32 << 20)))
+    pool, scratch = scratch_pool(args, 2 * max(sizes))
     try:
         result = memops.run(pool, sizes, args.methods.split(","), args.budget)
     finally:
@@ -154,7 +181,7 @@ def run_memops(args: argparse.Namespace) -> int:
 def run_rpc(args: argparse.Namespace) -> int:
     if args.iterations < 1 or args.duration <= 0 or args.contended < 0:
         raise ValueError("--iterations must be >= 1, --duration > 0 and --contended >= 0")
-    pool, scratch = scratch_pool(args, 64 << 20)
+    pool, scratch = scratch_pool(args, 0)  # the RPC area is all it uses
     try:
         result = rpc_bench.run(pool, args.iterations, args.duration, args.contended)
     finally:
@@ -263,7 +290,7 @@ def run_vllm(args: argparse.Namespace) -> int:
 def run_store(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     budget, least = (1 << 20, 10) if args.quick else (args.budget, 100)
-    pool, scratch = scratch_pool(args, store_bench.pool_bytes(sizes))
+    pool, scratch = scratch_pool(args, store_bench.scratch_bytes(sizes))
     try:
         result = store_bench.run(pool, sizes, budget, least, args.baseline, probe=not scratch)
     finally:

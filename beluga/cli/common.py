@@ -11,7 +11,7 @@ DEFAULT_POOL = "shm:/dev/shm/beluga"
 
 
 def add_pool_args(parser: argparse.ArgumentParser) -> None:
-    """--pool SPEC, or the pieces of one (--backend with --path/--node/--device)."""
+    """--pool SPEC, or its pieces: --backend with --path/--node/--device (--path alone: shm)."""
     g = parser.add_argument_group("pool location")
     g.add_argument(
         "--pool",
@@ -25,7 +25,9 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         choices=["shm", "numa", "dax", "interleave"],
         help="build the spec from parts instead of --pool",
     )
-    g.add_argument("--path", help="shm/numa: the backing file")
+    g.add_argument(
+        "--path", help="shm/numa: the backing file (alone: --backend shm with this file)"
+    )
     g.add_argument("--node", type=int, help="numa: the NUMA node to bind to")
     g.add_argument(
         "--device",
@@ -49,22 +51,25 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
 
 def pool_spec(args: argparse.Namespace) -> str:
     """The spec named by --pool or built from --backend and its parts."""
-    if args.pool and args.backend:
-        raise ValueError("give either --pool SPEC or --backend with its options, not both")
-    if not args.backend:
+    backend = args.backend or ("shm" if args.path else None)  # --path alone: an shm pool
+    if args.pool and backend:
+        raise ValueError("give either --pool SPEC or --backend/--path with its options, not both")
+    if not backend:
+        if args.node is not None or args.device:
+            raise ValueError("--node and --device need --backend numa, dax or interleave")
         return args.pool or os.environ.get("BELUGA_POOL") or DEFAULT_POOL
     path = args.path or "/dev/shm/beluga"
-    if args.backend == "shm":
+    if backend == "shm":
         return f"shm:{path}"
-    if args.backend == "numa":
+    if backend == "numa":
         if args.node is None:
             raise ValueError("--backend numa needs --node N (see 'beluga pool nodes')")
         return f"numa:{args.node}:{path}"
     if not args.device:
-        raise ValueError(f"--backend {args.backend} needs --device /dev/daxX.Y")
+        raise ValueError(f"--backend {backend} needs --device /dev/daxX.Y")
     offset = f"@{args.data_offset}" if args.data_offset else ""
     devices = [f"dax:{d}{offset}" for d in args.device]
-    if args.backend == "dax":
+    if backend == "dax":
         if len(devices) > 1:
             raise ValueError("--backend dax takes one --device; use --backend interleave for more")
         return devices[0]

@@ -226,7 +226,7 @@ class ShmBackend(Backend):
             fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError as e:
             raise PoolError(
-                f"no pool at {self.path}; create one with 'beluga pool create --path {self.path}'"
+                f"no pool at {self.path}; create one with 'beluga pool create --pool {self.spec}'"
             ) from e
         except PermissionError as e:
             raise BackendUnavailableError(

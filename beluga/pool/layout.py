@@ -30,7 +30,7 @@ from __future__ import annotations
 import struct
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from beluga._native import _core
 from beluga.coherence import LINE, crc32c
@@ -246,12 +246,36 @@ def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
     )
 
 
-def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
-    """Decode and check a superblock read from a mapping of ``mapped_size`` bytes."""
-    if len(raw) < SUPERBLOCK_BYTES:
-        raise PoolError(f"{where} is too small to hold a Beluga superblock")
-    fields = _FORMAT.unpack_from(raw)
-    magic, version = fields[0], fields[1]
+def blocks_holding(nbytes: int, geometry: Geometry) -> int:
+    """Blocks of ``geometry`` whose payloads hold ``nbytes`` bytes (at least one)."""
+    if nbytes < 0:
+        raise ValueError(f"a byte count is not negative, not {nbytes}")
+    return max(1, -(-nbytes // geometry.block_size))
+
+
+def pool_size_for(blocks: int, geometry: Geometry, align: int = REGION_ALIGN) -> int:
+    """The smallest pool size (a multiple of ``align``) that :func:`plan` gives ``blocks`` blocks.
+
+    The inverse of ``plan(size, geometry).nblocks``, which never falls as
+    the size grows; ``align`` is a multiple of 2 MiB (an interleaved pool's stripe).
+    """
+    if blocks < 1:
+        raise ValueError(f"a pool holds at least one block, not {blocks}")
+    if align < REGION_ALIGN or align % REGION_ALIGN:
+        raise ValueError(f"a pool size is aligned to a multiple of 2 MiB, not {align}")
+    size = align_up(blocks * (geometry.block_size + LINE), align)  # a lower bound: no regions yet
+    while True:
+        try:
+            if plan(size, geometry).nblocks >= blocks:
+                return size
+        except ValueError:
+            pass  # not even one block fits yet
+        size += align
+
+
+def _check_header(raw: bytes, where: str) -> None:
+    """Refuse what is not a superblock of this layout version, or is corrupted."""
+    magic, version = _FORMAT.unpack_from(raw)[:2]
     if magic != MAGIC:
         raise PoolError(
             f"{where} is not a Beluga pool (no superblock magic); create one with "
@@ -273,9 +297,56 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
             f"{where} has a corrupted superblock (checksum mismatch); the pool cannot be "
             "trusted: destroy it and create it again"
         )
+
+
+def _problems(sb: Superblock, sb_bytes: int, align: int, mapped_size: int) -> list[str]:
+    """What is inconsistent in a decoded superblock (nothing, for a sound one)."""
+    problems = []
+    if sb_bytes != SUPERBLOCK_BYTES or align != REGION_ALIGN:
+        problems.append(f"superblock size {sb_bytes} / alignment {align} not understood")
+    if sb.line_size != LINE:
+        problems.append(f"line size {sb.line_size} differs from this host's {LINE}")
+    if sb.pool_size > mapped_size:
+        problems.append(
+            f"it claims {sb.pool_size} bytes but only {mapped_size} are mapped (truncated?)"
+        )
+    prev_end = REGION_ALIGN
+    for r in (sb.hosts, sb.rpc, sb.index, sb.headers, sb.payloads):
+        if r.offset % REGION_ALIGN or r.offset < prev_end or r.end > sb.pool_size:
+            problems.append(f"region [{r.offset}, {r.end}) is misplaced")
+        prev_end = max(prev_end, r.end)
+    max_hosts, nblocks, nbuckets = sb.max_hosts, sb.nblocks, sb.nbuckets
+    if (
+        max_hosts < 1
+        or sb.hosts.length < host_region_lines(max_hosts) * LINE
+        or sb.rpc.length < max(max_hosts, 1) * 4096
+    ):
+        problems.append(f"host table does not fit {max_hosts} hosts")
+    if (
+        sb.block_size < 4096
+        or nblocks < 1
+        or sb.headers.length < nblocks * (LINE + COMMIT_BYTES) + 2 * LINE
+        or sb.payloads.length != nblocks * sb.block_size
+    ):
+        problems.append("data area does not match its block count")
+    if (
+        nbuckets < 1
+        or nbuckets & (nbuckets - 1)
+        or nbuckets < nblocks
+        or sb.index.length < (nbuckets + max_hosts * IX_HINT_LINES) * LINE
+    ):
+        problems.append(f"index of {nbuckets} buckets does not fit its region or block count")
+    return problems
+
+
+def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
+    """Decode and check a superblock read from a mapping of ``mapped_size`` bytes."""
+    if len(raw) < SUPERBLOCK_BYTES:
+        raise PoolError(f"{where} is too small to hold a Beluga superblock")
+    _check_header(raw, where)
     (
         _,
-        _,
+        version,
         sb_bytes,
         pool_size,
         uid,
@@ -298,48 +369,25 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
         ix_off,
         ix_len,
         nbuckets,
-    ) = fields
-    problems = []
-    if sb_bytes != SUPERBLOCK_BYTES or align != REGION_ALIGN:
-        problems.append(f"superblock size {sb_bytes} / alignment {align} not understood")
-    if line != LINE:
-        problems.append(f"line size {line} differs from this host's {LINE}")
-    if pool_size > mapped_size:
-        problems.append(
-            f"it claims {pool_size} bytes but only {mapped_size} are mapped (truncated?)"
-        )
-    regions = [
-        Region(h_off, h_len),
-        Region(r_off, r_len),
-        Region(ix_off, ix_len),
-        Region(hd_off, hd_len),
-        Region(p_off, p_len),
-    ]
-    prev_end = REGION_ALIGN
-    for r in regions:
-        if r.offset % REGION_ALIGN or r.offset < prev_end or r.end > pool_size:
-            problems.append(f"region [{r.offset}, {r.end}) is misplaced")
-        prev_end = max(prev_end, r.end)
-    if (
-        max_hosts < 1
-        or h_len < host_region_lines(max_hosts) * LINE
-        or r_len < max(max_hosts, 1) * 4096
-    ):
-        problems.append(f"host table does not fit {max_hosts} hosts")
-    if (
-        block_size < 4096
-        or nblocks < 1
-        or hd_len < nblocks * (LINE + COMMIT_BYTES) + 2 * LINE
-        or p_len != nblocks * block_size
-    ):
-        problems.append("data area does not match its block count")
-    if (
-        nbuckets < 1
-        or nbuckets & (nbuckets - 1)
-        or nbuckets < nblocks
-        or ix_len < (nbuckets + max_hosts * IX_HINT_LINES) * LINE
-    ):
-        problems.append(f"index of {nbuckets} buckets does not fit its region or block count")
+    ) = _FORMAT.unpack_from(raw)
+    sb = Superblock(
+        pool_size=pool_size,
+        uuid=uid,
+        created_ns=created,
+        max_hosts=max_hosts,
+        hosts=Region(h_off, h_len),
+        rpc=Region(r_off, r_len),
+        index=Region(ix_off, ix_len),
+        headers=Region(hd_off, hd_len),
+        payloads=Region(p_off, p_len),
+        block_size=block_size,
+        nblocks=nblocks,
+        nbuckets=nbuckets,
+        layout_version=version,
+        line_size=line,
+        flags=flags,
+    )
+    problems = _problems(sb, sb_bytes, align, mapped_size)
     if problems:
         raise PoolError(
             f"{where} has an inconsistent superblock: {'; '.join(problems)}; "
@@ -349,21 +397,4 @@ def unpack(raw: bytes, mapped_size: int, where: str = "the pool") -> Superblock:
         text = label.rstrip(b"\0").decode()
     except UnicodeDecodeError as e:
         raise PoolError(f"{where} has an undecodable label; recreate the pool") from e
-    return Superblock(
-        pool_size=pool_size,
-        uuid=uid,
-        created_ns=created,
-        max_hosts=max_hosts,
-        hosts=regions[0],
-        rpc=regions[1],
-        index=regions[2],
-        headers=regions[3],
-        payloads=regions[4],
-        block_size=block_size,
-        nblocks=nblocks,
-        nbuckets=nbuckets,
-        label=text,
-        layout_version=version,
-        line_size=line,
-        flags=flags,
-    )
+    return replace(sb, label=text)

@@ -37,13 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from beluga.child import stop_process, wait_ready
 from beluga.errors import ServingError
 from beluga.kv.identity import ModelIdentity
 from beluga.serving.engine import Served
 from beluga.serving.model import ModelShape
 from beluga.serving.scheduler import Scheduler
-
-_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -160,17 +159,6 @@ def _portable(error: BaseException) -> BaseException:
     return error
 
 
-def _stop(proc: Any, grace: float) -> None:
-    """Wait for a process to exit; terminate it, then kill it, if it will not."""
-    proc.join(grace)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(5.0)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5.0)
-
-
 @contextlib.contextmanager
 def _sigint_ignored() -> Iterator[None]:
     """Ignore SIGINT while children start, so that they inherit the disposition.
@@ -258,18 +246,8 @@ class Cluster:
         with _sigint_ignored():  # serve() installs its own handlers once it runs
             server.start()
         self.server = server  # only a started process is ever joined
-        deadline = time.monotonic() + self.start_timeout
-        while not ready.wait(_POLL_S):
-            if not self.server.is_alive():
-                raise ServingError(
-                    f"the metadata server for {self.pool} exited with code "
-                    f"{self.server.exitcode} before it was ready; its error is printed above"
-                )
-            if time.monotonic() > deadline:
-                raise ServingError(
-                    f"the metadata server for {self.pool} was not ready within "
-                    f"{self.start_timeout:.0f} s; is the machine overloaded?"
-                )
+        what = f"the metadata server for {self.pool}"
+        wait_ready(server, ready, self.start_timeout, what, error=ServingError)
 
     def _start_engines(self) -> None:
         with _sigint_ignored():  # Ctrl-C reaches the driver alone; it stops the engines
@@ -302,13 +280,11 @@ class Cluster:
             with contextlib.suppress(OSError):
                 conn.send(None)
         for proc in self.engines:
-            _stop(proc, grace=10.0)
+            stop_process(proc, 10.0, terminate=False)  # told through its pipe
         for conn in self.conns:
             conn.close()
         if self.server is not None:
-            if self.server.is_alive():
-                self.server.terminate()  # SIGTERM: serve() shuts down cleanly
-            _stop(self.server, grace=10.0)
+            stop_process(self.server, 10.0)  # SIGTERM: serve() shuts down cleanly
         self.engines, self.conns, self.server = [], [], None
 
     def __enter__(self) -> Cluster:

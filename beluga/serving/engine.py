@@ -48,13 +48,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from beluga.coherence import LINE, Memory
+from beluga.coherence import Memory
 from beluga.errors import KVLayoutError
 from beluga.kv.hashing import HashFn, block_keys, hash_function
 from beluga.kv.identity import KVNamespace, ModelIdentity
 from beluga.kv.store import BlockRef, KVStore
 from beluga.pool import Geometry, Pool
-from beluga.pool.layout import REGION_ALIGN, align_up, plan
+from beluga.pool.layout import pool_size_for
 from beluga.serving.model import KV, ModelEngine
 from beluga.transfer import BlockFormat, block_moves
 from beluga.transfer.gpu import GpuPool
@@ -78,16 +78,7 @@ def kv_geometry(
 
 def kv_pool_size(blocks: int, geometry: Geometry) -> int:
     """The smallest pool size (a 2 MiB multiple) with room for ``blocks`` blocks."""
-    if blocks < 1:
-        raise ValueError(f"a pool holds at least one block, not {blocks}")
-    size = align_up(blocks * (geometry.block_size + LINE))  # a lower bound: no regions yet
-    while True:
-        try:
-            if plan(size, geometry).nblocks >= blocks:
-                return size
-        except ValueError:
-            pass  # not even one block fits yet
-        size += REGION_ALIGN
+    return pool_size_for(blocks, geometry)
 
 
 def create_kv_pool(

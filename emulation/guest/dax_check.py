@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from beluga.coherence import litmus
+from beluga import litmus
 from beluga.pool import Pool
 from emulation.guest.blocks import (
     BLOCKS,

@@ -75,6 +75,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from beluga.child import stop_process, wait_until
 from beluga.coherence import (
     LINE,
     BlockState,
@@ -88,6 +89,7 @@ from beluga.coherence import (
     write_line,
 )
 from beluga.errors import CoherenceError
+from beluga.pool import Pool
 
 _U64 = struct.Struct("<Q")
 _CTRL = struct.Struct("<QQ")  # trial, flags
@@ -144,16 +146,23 @@ class Channel:
 
     def wait(self, line: int, trial: int) -> int:
         """Wait until a control line reaches ``trial`` (or STOP); returns its flags."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            seen, flags = self.peek(line)
-            if seen >= trial or flags & STOP:
-                return flags
-            if time.monotonic() > deadline:
-                raise CoherenceError(
-                    f"litmus peer did not reach trial {trial} within {self.timeout} s "
-                    f"(control line {line // LINE} at trial {seen}); is the other host running?"
-                )
+        last = (0, 0)
+
+        def reached() -> bool:
+            nonlocal last
+            last = self.peek(line)
+            return last[0] >= trial or bool(last[1] & STOP)
+
+        wait_until(
+            reached,
+            self.timeout,
+            lambda: (
+                f"litmus peer did not reach trial {trial} within {self.timeout} s "
+                f"(control line {line // LINE} at trial {last[0]}); is the other host running?"
+            ),
+            error=CoherenceError,
+        )
+        return last[1]
 
     def hold_window(self) -> None:
         """Writer: keep the current state until the observer has made a whole look at it."""
@@ -163,10 +172,12 @@ class Channel:
     def written_in(self, window: int) -> None:
         """Observer: open a window and wait until the writer wrote in it (or has finished)."""
         self.post(WINDOW, window)
-        deadline = time.monotonic() + self.timeout
-        while self.peek(WINDOW_DONE)[0] < window and self.peek(CTRL_WRITER)[0] < self.trials:
-            if time.monotonic() > deadline:
-                raise CoherenceError(f"litmus writer never wrote in window {window}")
+        wait_until(
+            lambda: self.peek(WINDOW_DONE)[0] >= window or self.peek(CTRL_WRITER)[0] >= self.trials,
+            self.timeout,
+            f"litmus writer never wrote in window {window}",
+            error=CoherenceError,
+        )
 
 
 def _store_word(mem: Memory, off: int, v: int) -> None:
@@ -796,8 +807,6 @@ def _role_process(
     timeout: float,
     out: mp.Queue,
 ) -> None:
-    from beluga.pool import Pool
-
     try:
         with Pool.attach(spec, coherence=mode, model=model) as pool:
             out.put(
@@ -830,8 +839,6 @@ def run_local(
     seed of its own derived from ``seed``.
     """
     base_model = model or ModelConfig.from_env()
-    from beluga.pool import Pool
-
     with Pool.attach(spec, coherence="native") as pool:
         reset_area(pool.memory, base)
     p = PATTERNS[pattern]
@@ -870,10 +877,7 @@ def run_local(
             results[role] = res
     finally:
         for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            stop_process(proc, 5, terminate=False)
         out.close()
         out.join_thread()
     for role, res in results.items():
