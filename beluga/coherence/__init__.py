@@ -65,6 +65,9 @@ class ModelConfig:
     write-back), that a random queued line drains before the next fence;
     ``refill_rate``: per invalidation completed at MFENCE, that the line is
     speculatively refilled at once.
+
+    These are the one set of defaults: ``attach`` always passes every field to
+    C, whose constructor defaults serve only its own unit tests.
     """
 
     cache_lines: int = 4096
