@@ -9,7 +9,9 @@ batch_get_into
 is_exist               one stored key
 lookup_prefix          a chain of 256 stored keys (Beluga only)
 invalidate_load        the floor of a read from the pool: invalidate the value's
-                       bytes, then load them (Beluga only, the value's own bytes)
+                       bytes, then load them (Beluga only, the value's own bytes;
+                       for the batch, all 64 invalidated behind one fence, then
+                       each loaded into its own target)
 
 memcpy (numpy ``copyto`` between two local buffers) of the same sizes runs in
 the same process as the floor: the store cannot move bytes faster than that.
@@ -316,6 +318,19 @@ class Runner:
             self.system,
             "batch_get_into wrote other bytes",
         )
+        locate = getattr(store, "locate", None)
+        if locate is not None:  # the floor: invalidate every value, one fence, load each
+            refs = locate(keys, prefix=False)
+            mem = store.mem  # type: ignore[attr-defined]
+
+            def inv_load() -> None:
+                for r in refs:
+                    mem.invalidate(r.payload_offset, BATCH_VALUE)
+                mem.mfence()
+                for r, t in zip(refs, targets, strict=True):
+                    mem.load_into(r.payload_offset, t)
+
+            record("invalidate_load", time_calls(inv_load, iterations))
         _check(store.is_exist(keys[0]), self.system, "is_exist missed a stored key")
         self._record(
             "is_exist",
