@@ -369,3 +369,20 @@ def test_the_scrub_rewrites_a_damaged_bucket(pool: Pool) -> None:
         svc.tick()
     assert svc.stats()["index_scrub_repairs"] == 1
     assert r.get(k) == value_of("scrubbed", 4000)
+
+
+def test_a_forked_child_reads_but_writes_no_hints_of_its_parent(pool: Pool) -> None:
+    """The parent's hint lines have one writer: an Index inherited across fork stops writing."""
+    with server(pool.spec), KVStore(pool) as s:
+        s.put("k", b"value")
+        s.index.flush_hints()
+        off = pool.superblock.hint_offset(s.rpc.host_id)
+        before = pool.memory.load(off, LINE)
+        pid = os.fork()
+        if pid == 0:  # the child: many reads (each would store hints every 8 probes)
+            ok = all(s.index.get("k") == b"value" for _ in range(100))
+            s.index.flush_hints()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child read other bytes"
+        assert pool.memory.load(off, LINE) == before, "the child wrote its parent's hint line"

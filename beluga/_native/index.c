@@ -42,10 +42,13 @@
  * digest (BLAKE2b-128, equal to hashlib.blake2b(key, digest_size=16)), probe,
  * confirm, copy, checksum, re-check; the GIL is dropped for large copies.
  * Thread-safe (state that changes is touched only with the GIL held); the
- * Memory's section count keeps release() from unmapping under a copy.
+ * Memory's section count keeps release() from unmapping under a copy.  An
+ * Index inherited by a forked child still reads correctly but stops writing
+ * hint lines (they are its parent's host id's).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -398,6 +401,13 @@ out:
 
 /* ---- the Python type ----------------------------------------------------------------------- */
 
+/* Bumped in every forked child: an Index made before the fork stops writing hint lines
+ * there (they belong to the parent's host id; reads stay correct without them). */
+static volatile unsigned fork_gen;
+
+/* pthread_atfork child handler. */
+static void after_fork_in_child(void) { fork_gen++; }
+
 typedef struct {
     PyObject_HEAD
     MemoryObject *mem;
@@ -406,6 +416,7 @@ typedef struct {
     uint64_t owner;
     uint64_t seq, hits, misses, flushed_seq, unflushed, tier_hits, promotions;
     uint64_t ring[BL_IX_HINT_RING];
+    unsigned fork_gen; /* fork_gen when made */
 } IndexObject;
 
 /* Whether a race (the key replaced, evicted or torn under us) is worth one more probe. */
@@ -418,7 +429,7 @@ static int is_race(int64_t r)
 /* Store the buffered hints and the counts line (GIL held, Memory attached). */
 static void flush_hints(IndexObject *self)
 {
-    if (self->hint_off < 0 || !self->mem->has_view)
+    if (self->hint_off < 0 || !self->mem->has_view || self->fork_gen != fork_gen)
         return;
     bl_mem *m = &self->mem->mem;
     const uint64_t per_line = BL_LINE / 8, lines = BL_IX_HINT_RING / per_line;
@@ -530,6 +541,7 @@ static int Index_init(IndexObject *self, PyObject *args, PyObject *kw)
     self->owner = owner;
     self->seq = self->hits = self->misses = self->flushed_seq = self->unflushed = 0;
     self->tier_hits = self->promotions = 0;
+    self->fork_gen = fork_gen;
     return 0;
 }
 
@@ -1175,7 +1187,7 @@ static PyMethodDef index_functions[] = {
 /* Add the Index type, the format helpers and their constants to the module. */
 int bl_index_init(PyObject *module)
 {
-    if (PyType_Ready(&IndexType) < 0)
+    if (PyType_Ready(&IndexType) < 0 || pthread_atfork(NULL, NULL, after_fork_in_child))
         return -1;
     Py_INCREF(&IndexType);
     if (PyModule_AddObject(module, "Index", (PyObject *)&IndexType) < 0 ||
