@@ -135,8 +135,10 @@ class KVStore:
     calls with a lock; reads and writes of the pool itself need none (each
     block has one writer, and reads validate); the read path's hit counters
     change only under the GIL.  Not fork-safe: the store is
-    one host of the pool, so a forked child opens its own (using the parent's
-    raises ``RpcError``; closing it in the child leaves the parent connected).
+    one host of the pool, so a forked child opens its own (writes through the
+    parent's raise ``RpcError``; its reads, which need no server, still return
+    only committed bytes but record no hits; closing it in the child leaves
+    the parent connected).
     """
 
     def __init__(
