@@ -49,7 +49,9 @@ loader), ``namespace`` (one more partition of the keys, e.g. per tenant),
 ``transfer`` (``"whole"`` or ``"layerwise"``: how loads are split; saves are
 whole), ``timeout_s``, ``retry_s``.
 When the pool or its server is unavailable the engine serves on, recomputing
-prefixes, with one warning per outage (see :mod:`beluga.integrations._link`).
+prefixes, with one warning per outage (see :mod:`beluga.integrations._link`);
+a save whose write lease ran out is put again once, then counted
+(``lease_losses``); a layout or argument error is a bug and raises.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from beluga.errors import CapacityError, KVLayoutError
-from beluga.integrations._link import UNAVAILABLE, StoreLink, log
+from beluga.integrations._link import UNAVAILABLE, StoreLink, log, write_once_more
 from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
 from beluga.transfer import KVLayout, KVSpec, block_moves
 
@@ -493,12 +495,19 @@ class BelugaConnector(KVConnectorBase_V1):
         with self.link.connected() as store:
             if store is None:
                 return
+            layout = self._layout
             try:
-                self._save(store, meta.saves, self._layout)
+                saved = write_once_more(
+                    lambda: self._save(store, meta.saves, layout), who="BelugaConnector"
+                )
             except CapacityError as e:
+                _COUNTERS["save_full"] += len(meta.saves.keys)
                 log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.keys), e)
             except UNAVAILABLE as e:
                 self.link.lost(e, store)
+            else:
+                if not saved:
+                    _COUNTERS["lease_losses"] += len(meta.saves.keys)
 
     def _save(self, store: KVStore, saves: SaveSpec, layout: KVLayout) -> None:
         """Reserve pool blocks for the step's saves, fill them, seal and commit them."""

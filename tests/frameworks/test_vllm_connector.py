@@ -41,12 +41,13 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from beluga.errors import KVLayoutError  # noqa: E402
+from beluga.errors import KVLayoutError, RpcError  # noqa: E402
 from beluga.integrations.vllm import (  # noqa: E402
     BelugaConnector,
     BelugaMetadata,
     LoadSpec,
     SaveSpec,
+    counters,
     engine_kv,
 )
 from beluga.kv import KVStore  # noqa: E402
@@ -362,3 +363,87 @@ def test_a_kv_cache_the_pool_format_does_not_fit_is_refused_at_start(
     with pytest.raises(KVLayoutError, match="CPU_ATTN"):
         conn.register_kv_caches({n: t.contiguous() for n, t in wrong.items()})
     assert np.array_equal(list(conn.kv.layer_names), LAYER_NAMES)
+
+
+def losing_leases(monkeypatch: pytest.MonkeyPatch, times: int) -> list[int]:
+    """Make the next ``times`` block writes lose their lease, as a slow writer's would.
+
+    The extents are given back and the commit is then sent for real: the
+    server refuses it, and the store raises what it raises for a lost lease.
+    """
+    real = KVStore.write_blocks
+    lost = [0]
+
+    def write_blocks(store: KVStore, refs: list, *args: object, **kwargs: object) -> None:
+        if lost[0] == times:
+            return real(store, refs, *args, **kwargs)
+        lost[0] += 1
+        store.abort(refs)
+        store._commit(list(refs))
+
+    monkeypatch.setattr(KVStore, "write_blocks", write_blocks)
+    return lost
+
+
+@pytest.mark.parametrize("losses", [1, 2])
+def test_a_write_that_loses_its_lease_is_put_again_once_then_counted(
+    model_dir: str,
+    served_pool: str,
+    losses: int,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="beluga.integrations")
+    writer = worker(vllm_config(model_dir, served_pool), cpu_caches(2, seed=6))
+    lost = losing_leases(monkeypatch, losses)
+    before = counters().get("lease_losses", 0)
+    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], [b"a", b"b"]))) == set()
+    assert lost == [losses]
+    stored = losses == 1  # a second loss is given up, not retried forever
+    with KVStore(served_pool) as store:
+        assert [r is not None for r in store.locate([b"a", b"b"], prefix=False)] == [stored] * 2
+        assert store.stats()["writes_in_flight"] == 0  # nothing left reserved
+    assert counters().get("lease_losses", 0) - before == (0 if stored else 2)
+    assert writer.link.available()  # a slow write is not an outage
+    assert not [r for r in caplog.records if "unavailable" in r.getMessage()]
+    writer.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("error", "outage"),
+    [
+        (RpcError("the Beluga server died"), True),
+        (KVLayoutError("a block table that does not fit the layout"), False),
+        (TypeError("read_blocks() got an unexpected keyword argument"), False),
+    ],
+)
+def test_only_transport_and_pool_errors_are_outages(
+    model_dir: str,
+    served_pool: str,
+    error: Exception,
+    outage: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A dead server means recompute and one warning; a bug in the data path raises."""
+    caplog.set_level(logging.WARNING, logger="beluga.integrations")
+    config = vllm_config(model_dir, served_pool)
+    writer, reader = worker(config, cpu_caches(1, seed=7)), worker(config, cpu_caches(1, None))
+    assert step(writer, BelugaMetadata(saves=SaveSpec([0], [b"a"]))) == set()
+
+    def read_blocks(*args: object, **kwargs: object) -> list[bool]:
+        raise error
+
+    monkeypatch.setattr(KVStore, "read_blocks", read_blocks)
+    with KVStore(served_pool) as store:
+        meta = BelugaMetadata(loads=[LoadSpec("r", [0], store.locate([b"a"]))])
+    if outage:
+        assert step(reader, meta) == {0}  # recomputed
+    else:
+        with pytest.raises(type(error)):
+            step(reader, meta)
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == int(outage)
+    assert reader.link.available() is not outage  # a bug does not switch the cache off
+    writer.shutdown()
+    reader.shutdown()
