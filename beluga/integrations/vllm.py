@@ -17,7 +17,11 @@ algorithm, so engines that share a pool share exactly the blocks they could
 use, and a block is never read into another model or an engine that lays KV
 out differently.
 
-Scheduler side (the engine core):
+The connector's two halves are separate objects, as in vLLM's
+OffloadingConnector: :class:`BelugaConnector` only forwards each hook to the
+half its role builds.
+
+Scheduler side (the engine core, :class:`BelugaScheduler`):
     ``get_num_new_matched_tokens``  the longest run of the request's next blocks
         in the pool: one batched prefix lookup, under read leases.
     ``update_state_after_alloc``    pairs those pool blocks with the engine blocks
@@ -26,14 +30,14 @@ Scheduler side (the engine core):
         completes (prompt or output), to save.
     ``request_finished``            forgets the request: its full blocks were saved
         in the steps that filled them, and the last sampled token has no KV yet.
-Worker side (the model runner):
+Worker side (the model runner, :class:`BelugaWorker`):
     ``register_kv_caches``  detects the layout through :class:`beluga.transfer.KVLayout`;
         a layout, dtype or shape that cannot be moved is refused here, at start.
     ``start_load_kv``       reads every block of the step with one validated
         ``KVStore.read_blocks`` (``"transfer": "layerwise"``: one per layer, in
         ``wait_for_layer_load``; each of those checksums the whole block from the pool).
-    ``save_kv_layer``       nothing: a block is sealed with the checksum of the bytes
-        its writer stored, so it moves whole, in ``wait_for_save``.
+    ``save_kv_layer``       nothing (in the connector): a block is sealed with the
+        checksum of the bytes its writer stored, so it moves whole, in ``wait_for_save``.
     ``wait_for_save``       reserve, then one ``KVStore.write_blocks``: the step's
         blocks are moved, sealed and committed before any other engine can find them.
     ``get_block_ids_with_load_errors``  engine blocks whose pool block vanished,
@@ -347,60 +351,30 @@ class _Tracked:
     saved: int  # leading blocks that are in the pool (or were computed before it was asked)
 
 
-class BelugaConnector(KVConnectorBase_V1):
-    """vLLM KV connector over a Beluga pool; see the module docstring for the duties.
+class BelugaScheduler:
+    """The connector's scheduler side (the engine core): lookups and each step's metadata.
 
-    Not thread-safe: vLLM calls each role's hooks from one thread (the engine
-    core's, the model runner's), and the scheduler side's request state and
-    the worker side's step state are unguarded.  Its pool connection is
-    fork-safe (a forked child connects its own), but vLLM builds connectors in
-    the processes that use them, and so should anyone else.
+    Not thread-safe: vLLM calls it from the engine core's thread; its
+    request state is unguarded.
     """
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
-    ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._transfer = str(extra.get("transfer", "whole"))
-        if self._transfer not in TRANSFERS:
-            raise ValueError(
-                f"kv_connector_extra_config 'transfer' must be one of {TRANSFERS}, "
-                f"not {self._transfer!r}"
-            )
-        self.kv = engine_kv(vllm_config, kv_cache_config)
-        self.block_size = self.kv.spec.block_size
-        self.link = StoreLink(
-            str(extra.get("pool") or os.environ.get("BELUGA_POOL", "")),
-            who=f"BelugaConnector ({role.name.lower()})",
-            coherence=extra.get("coherence"),
-            timeout_s=float(extra.get("timeout_s", 5.0)),
-            retry_s=float(extra.get("retry_s", 30.0)),
-        )
+    def __init__(self, vllm_config: VllmConfig, kv: EngineKV, link: StoreLink) -> None:
+        self.kv = kv
+        self.block_size = kv.spec.block_size
+        self.link = link
         self._tally = _Tally()
-        # scheduler side
         self._hits: dict[str, tuple[int, list[BlockRef]]] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
-        if role == KVConnectorRole.SCHEDULER:
-            if not vllm_config.cache_config.enable_prefix_caching:
-                log.warning(
-                    "BelugaConnector keys blocks by vLLM's prefix-cache hashes, which vLLM "
-                    "computes only with enable_prefix_caching=True: the pool stays unused"
-                )
-            self.link.available()  # connect now, so a missing pool is reported at engine start
-        # worker side
-        self._layout: KVLayout | None = None
-        self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
-        self._load_errors: set[int] = set()
-        self._layer_loads: tuple[np.ndarray, list[BlockRef], list[str]] | None = None
+        if not vllm_config.cache_config.enable_prefix_caching:
+            log.warning(
+                "BelugaConnector keys blocks by vLLM's prefix-cache hashes, which vLLM "
+                "computes only with enable_prefix_caching=True: the pool stays unused"
+            )
+        self.link.available()  # connect now, so a missing pool is reported at engine start
 
-    # ==============================
-    # Scheduler side
-    # ==============================
+    def get_stats(self) -> BelugaConnectorStats | None:
+        return self._tally.take()
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         """vLLM's hashes of the request's full engine blocks."""
@@ -497,9 +471,26 @@ class BelugaConnector(KVConnectorBase_V1):
         self._tracked.pop(request.request_id, None)
         return False, None
 
-    # ==============================
-    # Worker side
-    # ==============================
+
+class BelugaWorker:
+    """The connector's worker side (the model runner): moves blocks between KV cache and pool.
+
+    Not thread-safe: vLLM calls it from the model runner's thread; its step
+    state is unguarded (its counts are thread-safe).
+    """
+
+    def __init__(self, kv: EngineKV, link: StoreLink, transfer: str) -> None:
+        self.kv = kv
+        self.link = link
+        self._transfer = transfer
+        self._tally = _Tally()
+        self._layout: KVLayout | None = None
+        self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
+        self._load_errors: set[int] = set()
+        self._layer_loads: tuple[np.ndarray, list[BlockRef], list[str]] | None = None
+
+    def get_stats(self) -> BelugaConnectorStats | None:
+        return self._tally.take()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = self.kv.layer_names
@@ -536,9 +527,9 @@ class BelugaConnector(KVConnectorBase_V1):
             )
         return KVLayout.cpu_attention(spec, tensors)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._connector_metadata
-        if not isinstance(meta, BelugaMetadata) or not meta.loads or self._layout is None:
+    def start_load_kv(self, meta: BelugaMetadata | None) -> None:
+        """Load the step's blocks (``"layerwise"``: prepare, and load in the layer hooks)."""
+        if meta is None or not meta.loads or self._layout is None:
             return
         engine = np.array([b for load in meta.loads for b in load.engine_blocks], dtype=np.int64)
         refs = [r for load in meta.loads for r in load.refs]
@@ -596,20 +587,15 @@ class BelugaConnector(KVConnectorBase_V1):
             self._tally.add(loaded_blocks=len(refs))
         self._layer_loads = (engine, refs, remaining) if remaining else None
 
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        """Nothing: a block is saved whole in :meth:`wait_for_save`.
+    def wait_for_save(self, meta: BelugaMetadata | None) -> None:
+        """Save the blocks the step completed, whole (nothing is saved per layer).
 
         A pool block is sealed with the checksum of the bytes its writer
         stored, taken as they are stored, so every layer of it moves in one
         write; the step's blocks hold their final KV until the step ends.
         """
-
-    def wait_for_save(self) -> None:
         self._layer_loads = None
-        meta = self._connector_metadata
-        if not isinstance(meta, BelugaMetadata) or not meta.saves.keys or self._layout is None:
+        if meta is None or not meta.saves.keys or self._layout is None:
             return
         with self.link.connected() as store:
             if store is None:
@@ -650,8 +636,106 @@ class BelugaConnector(KVConnectorBase_V1):
         self._tally.add(load_errors=len(errors))
         return errors
 
+
+class BelugaConnector(KVConnectorBase_V1):
+    """vLLM KV connector over a Beluga pool: forwards each hook to its role's half.
+
+    ``scheduler`` (a :class:`BelugaScheduler`) in the engine core,
+    ``worker`` (a :class:`BelugaWorker`) in the model runner; the other is
+    None.  Not thread-safe, as its halves.  Its pool connection is fork-safe
+    (a forked child connects its own), but vLLM builds connectors in the
+    processes that use them, and so should anyone else.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        transfer = str(extra.get("transfer", "whole"))
+        if transfer not in TRANSFERS:
+            raise ValueError(
+                f"kv_connector_extra_config 'transfer' must be one of {TRANSFERS}, not {transfer!r}"
+            )
+        self.kv = engine_kv(vllm_config, kv_cache_config)
+        self.link = StoreLink(
+            str(extra.get("pool") or os.environ.get("BELUGA_POOL", "")),
+            who=f"BelugaConnector ({role.name.lower()})",
+            coherence=extra.get("coherence"),
+            timeout_s=float(extra.get("timeout_s", 5.0)),
+            retry_s=float(extra.get("retry_s", 30.0)),
+        )
+        self.scheduler: BelugaScheduler | None = None
+        self.worker: BelugaWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = BelugaScheduler(vllm_config, self.kv, self.link)
+        else:
+            self.worker = BelugaWorker(self.kv, self.link, transfer)
+
+    # ==============================
+    # Scheduler side
+    # ==============================
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BelugaMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ==============================
+    # Worker side
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_load_kv(self._step_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing: blocks are saved whole, in :meth:`BelugaWorker.wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_save(self._step_metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
+
+    def _step_metadata(self) -> BelugaMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, BelugaMetadata) else None
 
     def shutdown(self) -> None:
         self.link.close()
@@ -662,7 +746,8 @@ class BelugaConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """What this half counted since vLLM last asked (vLLM adds the two halves up)."""
-        return self._tally.take()
+        half = self.scheduler or self.worker
+        return half.get_stats() if half is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

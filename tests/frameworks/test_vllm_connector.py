@@ -31,6 +31,7 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorLogging,
@@ -51,6 +52,8 @@ from beluga.errors import KVLayoutError, RpcError  # noqa: E402
 from beluga.integrations.vllm import (  # noqa: E402
     BelugaConnector,
     BelugaMetadata,
+    BelugaScheduler,
+    BelugaWorker,
     LoadSpec,
     SaveSpec,
     counters,
@@ -186,8 +189,23 @@ def test_scheduler_loads_the_pooled_prefix_and_saves_the_rest(
         assert meta.saves.keys == [keys[2]]  # completed by this step; the rest is pooled
         assert meta.saves.engine_blocks == [new.block_ids[0][2]]
         sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
-        assert not sched.connector._tracked and not sched.connector._hits
+        assert not sched.connector.scheduler._tracked and not sched.connector.scheduler._hits
     sched.connector.shutdown()
+
+
+def test_each_role_builds_its_own_half_from_the_module_path(
+    model_dir: str, served_pool: str
+) -> None:
+    config = vllm_config(model_dir, served_pool)
+    sched = KVConnectorFactory.create_connector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config()
+    )
+    work = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+    assert isinstance(sched, BelugaConnector) and isinstance(work, BelugaConnector)
+    assert isinstance(sched.scheduler, BelugaScheduler) and sched.worker is None
+    assert isinstance(work.worker, BelugaWorker) and work.scheduler is None
+    sched.shutdown()
+    work.shutdown()
 
 
 def test_a_missing_pool_means_recompute_and_one_warning(
