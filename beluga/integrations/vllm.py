@@ -572,8 +572,9 @@ class BelugaWorker:
         device = tensors[0].device
         if device.type != "cpu":
             raise KVLayoutError(
-                f"the KV cache is on {device}; this version of BelugaConnector moves "
-                "host-resident KV caches (vLLM's CPU backend) only"
+                f"the KV cache is on {device}; BelugaConnector moves host-resident KV "
+                "caches (vLLM's CPU backend) only, and has never run on a GPU: serve on "
+                "the CPU backend or remove it from --kv-transfer-config"
             )
         return KVLayout.cpu_attention(spec, tensors)
 

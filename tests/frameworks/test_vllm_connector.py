@@ -669,3 +669,14 @@ def test_ranks_and_tp_sizes_have_namespaces_of_their_own(model_dir: str) -> None
     digests = [ns.digest for kv in (one, two, four) for ns in kv.namespaces]
     assert len(set(digests)) == 7
     assert two.key(b"h", 0) != two.key(b"h", 1) != one.key(b"h", 0)
+
+
+def test_a_kv_cache_on_a_gpu_is_refused_at_start(model_dir: str, served_pool: str) -> None:
+    """No GPU path has ever run: a device KV cache is refused, naming the setting."""
+    on_device = {n: t.to("meta") for n, t in cpu_caches(2, seed=None).items()}
+    conn = BelugaConnector(
+        vllm_config(model_dir, served_pool), KVConnectorRole.WORKER, kv_cache_config()
+    )
+    with pytest.raises(KVLayoutError, match=r"on meta.*--kv-transfer-config"):
+        conn.register_kv_caches(on_device)
+    conn.shutdown()
