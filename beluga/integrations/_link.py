@@ -18,6 +18,14 @@ policy in one place for every integration:
 One warning is logged per outage and process, not per call, and reconnection
 is tried at most every ``retry_s`` seconds so that a dead server costs an
 engine step nothing but a clock read.
+
+What counts as an outage is :data:`UNAVAILABLE`: the transport (a server that
+is absent, dead or does not answer), the pool (missing, foreign, in the wrong
+state) and its device.  Anything else an integration meets is a bug and
+raises: a :class:`~beluga.errors.KVLayoutError`, a ``ValueError`` or a
+``TypeError`` must not pass for a dead server and switch the cache off.  A
+write whose lease ran out before its commit (a slow write, not a dead server:
+:func:`lost_lease`) is put again once by :func:`write_once_more`.
 """
 
 from __future__ import annotations
@@ -28,15 +36,18 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from beluga.errors import BelugaError
+from beluga.errors import BackendUnavailableError, BelugaError, PoolError, RpcError
 from beluga.kv import KVStore
 
 log = logging.getLogger("beluga.integrations")
 
-#: errors that mean "the pool is not usable now", as opposed to bugs
-UNAVAILABLE = (BelugaError, OSError)
+#: errors that mean "the pool is not usable now", as opposed to bugs: the RPC
+#: transport, the pool, its device, and the OS refusing to map or open it
+UNAVAILABLE = (RpcError, PoolError, BackendUnavailableError, OSError)
+# what KVStore._commit says when the server took a write's lease back
+_LOST_LEASE = "lost their write lease"
 
 # Pool specs this process has warned about: an engine holds several links (vLLM's
 # scheduler and worker connectors), and an outage is reported once per process.
@@ -208,6 +219,34 @@ class StoreLink:
         self._next_try = 0.0
 
 
+def lost_lease(error: BaseException) -> bool:
+    """Whether ``error`` is a commit refused because the write outlived its lease.
+
+    The server is alive (it answered); the write was slow, or the server
+    restarted meanwhile.  Not an outage: put the values again.
+    """
+    return isinstance(error, RpcError) and _LOST_LEASE in str(error)
+
+
+def write_once_more(write: Callable[[], None], *, who: str) -> bool:
+    """Run ``write``, and once more if its lease was lost; False if it was lost twice.
+
+    Any other error propagates (an outage is the caller's to report).  The
+    caller counts a False: the blocks are not in the pool, and nothing else
+    is wrong.
+    """
+    for attempt in (1, 2):
+        try:
+            write()
+            return True
+        except RpcError as e:
+            if not lost_lease(e):
+                raise
+            log.debug("%s: write lost its lease (attempt %d of 2): %s", who, attempt, e)
+    return False
+
+
 def _close_quietly(store: KVStore) -> None:
-    with contextlib.suppress(*UNAVAILABLE):  # already broken: closing is best effort
+    # already dropped for an error: closing is best effort, whatever it raises
+    with contextlib.suppress(BelugaError, OSError):
         store.close()

