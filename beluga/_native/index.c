@@ -35,7 +35,7 @@
  * Hits and misses are counted where only the reading host writes: after the
  * buckets, each host id owns a counts line and a ring of 64 hints (block and
  * the low 32 bits of its version).  The Index object buffers them (under the
- * GIL) and stores them every few probes with non-temporal stores; the server
+ * GIL) and stores them every 64 probes (a ring's worth) with non-temporal stores; the server
  * folds them into its LRU order and its statistics on its own schedule.
  *
  * The Python type Index runs a whole get / get_into / batch in one call: key
@@ -59,7 +59,7 @@
 #define MOVE_RETRIES 4     /* probes redone because a move raced them */
 #define MAX_CANDIDATES (2 * BL_IX_SLOTS)
 #define NOGIL_BYTES (64u * 1024u) /* copies at least this long run without the GIL */
-#define FLUSH_EVERY 8u            /* probes between two stores of the hint lines */
+#define FLUSH_EVERY 64u           /* probes between two stores of the hint lines (a ring) */
 #define PROBE_CHUNK 64            /* keys looked up together by locate / exists */
 
 /* ---- BLAKE2b-128 (RFC 7693), unkeyed, for key digests ------------------------------------ */
