@@ -429,6 +429,11 @@ typedef struct {
     PyThreadState *ts; /* non-NULL while the GIL is dropped */
 } bl_section;
 
+/* Copies at least this long run without the GIL (dropping and taking it back costs
+ * more than a shorter copy), as do scatter-gather tables of BL_NOGIL_ROWS rows. */
+#define BL_NOGIL_BYTES (64u * 1024u)
+#define BL_NOGIL_ROWS 256u
+
 int bl_section_enter(bl_section *s, MemoryObject *mem, int drop_gil, PyObject *cls,
                      const char *why);
 void bl_section_gil(bl_section *s, int drop);

@@ -58,7 +58,6 @@
 #define TORN_RETRIES 8     /* loads of a torn bucket before it counts as empty */
 #define MOVE_RETRIES 4     /* probes redone because a move raced them */
 #define MAX_CANDIDATES (2 * BL_IX_SLOTS)
-#define NOGIL_BYTES (64u * 1024u) /* copies at least this long run without the GIL */
 #define FLUSH_EVERY 64u           /* probes between two stores of the hint lines (a ring) */
 #define PROBE_CHUNK 64            /* keys looked up together by locate / exists */
 
@@ -629,7 +628,7 @@ static PyObject *Index_get(IndexObject *self, PyObject *key)
             bl_section_leave(&s);
             return NULL;
         }
-        bl_section_gil(&s, (size_t)r >= NOGIL_BYTES);
+        bl_section_gil(&s, (size_t)r >= BL_NOGIL_BYTES);
         int64_t got = bl_read_checked(&self->mem->mem, self->ix.headers_off + (size_t)block * BL_LINE,
                                       self->ix.payloads_off + (size_t)block * self->ix.block_size,
                                       &h, PyBytes_AS_STRING(out));
@@ -662,7 +661,7 @@ static PyObject *Index_get_into(IndexObject *self, PyObject *args)
     bl_header h = {0};
     uint32_t block = 0;
     int64_t r = 0;
-    if (bl_section_enter(&s, self->mem, (size_t)out.len >= NOGIL_BYTES, NULL, NULL) == 0) {
+    if (bl_section_enter(&s, self->mem, (size_t)out.len >= BL_NOGIL_BYTES, NULL, NULL) == 0) {
         r = read_into(self, d, out.buf, (size_t)out.len, &block, &h);
         bl_section_leave(&s);
     }
@@ -834,7 +833,7 @@ static PyObject *Index_get_many_into(IndexObject *self, PyObject *args)
         total += (size_t)views[held].len;
     }
     bl_section s;
-    if (bl_section_enter(&s, self->mem, total >= NOGIL_BYTES, NULL, NULL) < 0)
+    if (bl_section_enter(&s, self->mem, total >= BL_NOGIL_BYTES, NULL, NULL) < 0)
         goto free;
     read_many(self, d, (size_t)n, views, got, blocks, versions);
     bl_section_leave(&s);

@@ -26,8 +26,6 @@
 
 /* beluga.errors.CoherenceError and RpcError, once the package registers them */
 PyObject *bl_coherence_error, *bl_rpc_error;
-#define NOGIL_BYTES (256u * 1024u) /* copies at least this long run without the GIL, */
-#define NOGIL_ROWS 256u            /* ... as do scatter-gather tables of this many rows */
 #define RELEASE_WAIT_S 2.0 /* default wait of release() for running sections */
 
 /* Raise cls (ValueError until the package registers its classes); returns NULL. */
@@ -111,7 +109,7 @@ int bl_section_closing(const bl_section *s)
 /* Enter a section for a copy of n bytes in rows pieces, without the GIL when it is long. */
 static int enter_copy(bl_section *s, MemoryObject *self, size_t n, size_t rows)
 {
-    return bl_section_enter(s, self, n >= NOGIL_BYTES || rows >= NOGIL_ROWS, NULL, NULL);
+    return bl_section_enter(s, self, n >= BL_NOGIL_BYTES || rows >= BL_NOGIL_ROWS, NULL, NULL);
 }
 
 /* Wait (GIL released by the caller) until no section runs or timeout_s passes; 1 if idle. */
