@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from beluga.coherence import litmus
+from beluga import litmus
 from beluga.pool import HostEntry, Pool
 from beluga.pool.hosts import BOOT_ID
 from beluga.rpc import RpcServer
