@@ -25,28 +25,37 @@ half its role builds.
 Scheduler side (the engine core, :class:`BelugaScheduler`):
     ``get_num_new_matched_tokens``  the longest run of the request's next blocks
         whose every rank's shard is in the pool: one prefix lookup of the pool
-        index per rank (no RPC), so all ranks load the same blocks.
+        index per rank (no RPC), so all ranks load the same blocks; ``(n, True)``
+        when loads are asynchronous: vLLM holds the request until the load is done.
     ``update_state_after_alloc``    pairs those pool blocks with the engine blocks
         vLLM allocated for them.
     ``build_connector_meta``        per step: the loads, and the blocks this step
         completes (prompt or output), to save.
     ``request_finished``            forgets the request: its full blocks were saved
-        in the steps that filled them, and the last sampled token has no KV yet.
+        in the steps that filled them, and the last sampled token has no KV yet;
+        with asynchronous saves, ``True`` (hold its blocks) when a save of it may
+        still be running, until the worker reports it in ``get_finished``.
 Worker side (the model runner, :class:`BelugaWorker`):
     ``register_kv_caches``  detects the layout through :class:`beluga.transfer.KVLayout`;
         a layout, dtype or shape that cannot be moved is refused here, at start.
     ``start_load_kv``       reads its rank's shard of every block of the step with one validated
-        ``KVStore.read_blocks`` (``"transfer": "layerwise"``: one per layer, in
+        ``KVStore.read_blocks``: one per request on the load thread when
+        asynchronous; otherwise now (``"transfer": "layerwise"``: one per layer, in
         ``wait_for_layer_load``; each of those checksums the whole block from the pool).
     ``save_kv_layer``       nothing (in the connector): a block is sealed with the
         checksum of the bytes its writer stored, so it moves whole, in ``wait_for_save``.
-    ``wait_for_save``       ``KVStore.writing``, then one fill: the step's blocks
-        (this rank's shards) are moved, sealed and committed before any other
-        engine can find them.
+    ``wait_for_save``       ``KVStore.writing``, then one fill (on the save thread when
+        asynchronous): the step's blocks (this rank's shards) are moved, sealed
+        and committed before any other engine can find them.
     ``get_block_ids_with_load_errors``  engine blocks whose pool block vanished,
-        changed or failed its checksum during the read; vLLM recomputes them, so a
-        race or a corrupted block costs time, never tokens.
-    ``get_finished``        nothing is asynchronous.
+        changed or failed its checksum during the read; vLLM recomputes them or
+        fails the request (its ``kv_load_failure_policy``), so a race or a
+        corrupted block never costs wrong tokens.
+    ``get_finished``        asynchronous loads that are done (``finished_recving``: their failed
+        blocks are in ``get_block_ids_with_load_errors`` of the same step) and
+        finished requests whose saves are done (``finished_sending``).
+    ``handle_preemptions``  waits for the saves in flight when vLLM preempted a request,
+        before its blocks are reused.
 Metrics (both sides): ``get_kv_connector_stats`` returns what each side counted
 since vLLM last asked (:data:`STATS`: lookups, hit and missed blocks, blocks,
 bytes and seconds loaded and saved, errors), which vLLM adds up, logs and
@@ -58,8 +67,10 @@ Options (``kv_connector_extra_config``): ``pool`` (spec; default $BELUGA_POOL),
 fingerprint: engines with the same model name and revision share blocks;
 required when the weights are not files Beluga can read, e.g. a remote
 loader), ``namespace`` (one more partition of the keys, e.g. per tenant),
-``transfer`` (``"whole"`` or ``"layerwise"``: how loads are split; saves are
-whole), ``timeout_s``, ``retry_s``.
+``transfer`` (``"whole"`` or ``"layerwise"``: how synchronous loads are
+split; saves and asynchronous loads are whole), ``async`` (true by default:
+loads and saves run on the worker's two transfer threads, off the engine
+step; false: the step that needs them waits), ``timeout_s``, ``retry_s``.
 When the pool or its server is unavailable the engine serves on, recomputing
 prefixes, with one warning per outage (see :mod:`beluga.integrations._link`);
 a save whose write lease ran out is put again once, then counted
@@ -75,6 +86,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +119,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 TRANSFERS = ("whole", "layerwise")
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def asynchronous(extra: dict[str, Any]) -> bool:
+    """The ``async`` option (true unless set false): loads and saves off the engine step."""
+    value = extra.get("async", True)
+    text = str(value).lower()
+    if isinstance(value, bool) or text in _TRUE + _FALSE:
+        return text in _TRUE
+    raise ValueError(f"kv_connector_extra_config 'async' must be true or false, not {value!r}")
+
 
 #: what the connector counts, and what each count means (also its Prometheus help)
 STATS = {
@@ -360,10 +383,13 @@ class SaveSpec:
     """Save these engine blocks, whose vLLM block hashes these are (blocks the step completes).
 
     Each worker saves its own shard, under its rank's key of the hash.
+    ``req_ids``: the requests whose blocks these are, which an asynchronous
+    save holds until it is done.
     """
 
     engine_blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -372,6 +398,7 @@ class BelugaMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: SaveSpec = field(default_factory=SaveSpec)
+    flush_saves: bool = False  # vLLM preempted a request: its blocks may be reused this step
 
 
 @dataclass
@@ -390,10 +417,14 @@ class BelugaScheduler:
     request state is unguarded.
     """
 
-    def __init__(self, vllm_config: VllmConfig, kv: EngineKV, link: StoreLink) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv: EngineKV, link: StoreLink, asynchronous: bool = False
+    ) -> None:
         self.kv = kv
         self.block_size = kv.spec.block_size
         self.link = link
+        self.asynchronous = asynchronous
+        self._saving: set[str] = set()  # requests with an asynchronous save queued
         self._tally = _Tally()
         self._hits: dict[str, tuple[int, list[list[BlockRef]]]] = {}
         self._tracked: dict[str, _Tracked] = {}
@@ -437,7 +468,7 @@ class BelugaScheduler:
         self._tally.add(lookups=1, hit_blocks=hits, miss_blocks=len(hashes) - hits)
         if hits:
             self._hits[request.request_id] = (first, refs)
-        return hits * self.block_size, False
+        return hits * self.block_size, self.asynchronous and hits > 0
 
     def _locate(self, store: KVStore, hashes: list[bytes]) -> list[list[BlockRef]]:
         """Each rank's pool blocks of the longest prefix of ``hashes`` that every rank has.
@@ -475,6 +506,7 @@ class BelugaScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BelugaMetadata:
         meta = BelugaMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        meta.flush_saves = self.asynchronous and bool(scheduler_output.preempted_req_ids)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
@@ -509,6 +541,9 @@ class BelugaScheduler:
                 seen.add(block_hash)
                 meta.saves.hashes.append(block_hash)
                 meta.saves.engine_blocks.append(tracked.block_ids[i])
+                meta.saves.req_ids.add(tracked.request.request_id)
+                if self.asynchronous:
+                    self._saving.add(tracked.request.request_id)
         tracked.saved = done
 
     def request_finished(
@@ -516,6 +551,10 @@ class BelugaScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         self._hits.pop(request.request_id, None)
         self._tracked.pop(request.request_id, None)
+        # the worker reports every request it saved for once it is finished and saved
+        if request.request_id in self._saving:
+            self._saving.discard(request.request_id)
+            return True, None
         return False, None
 
 
@@ -523,21 +562,39 @@ class BelugaWorker:
     """The connector's worker side (the model runner): moves blocks between KV cache and pool.
 
     Not thread-safe: vLLM calls it from the model runner's thread; its step
-    state is unguarded (its counts are thread-safe).
+    state is unguarded (its counts are thread-safe).  Asynchronous transfers
+    run on two threads of its own, one for loads and one for saves, and hand
+    results back through futures; a load thread writes only the engine blocks
+    vLLM allocated to the requests waiting for it, and a save thread reads
+    only blocks vLLM keeps until the save is reported (a finished request's,
+    held by ``request_finished``; a preempted one's, flushed by
+    :meth:`handle_preemptions`).
     """
 
-    def __init__(self, kv: EngineKV, link: StoreLink, transfer: str, rank: int) -> None:
+    def __init__(
+        self, kv: EngineKV, link: StoreLink, transfer: str, rank: int, asynchronous: bool = False
+    ) -> None:
         if not 0 <= rank < kv.tp_size:
             raise ValueError(f"tensor-parallel rank {rank} is not in 0..{kv.tp_size - 1}")
         self.kv = kv
         self.link = link
         self.rank = rank
+        self.asynchronous = asynchronous
         self._transfer = transfer
         self._tally = _Tally()
         self._layout: KVLayout | None = None
         self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
         self._load_errors: set[int] = set()
         self._layer_loads: tuple[np.ndarray, list[BlockRef], list[str]] | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        self._saver: ThreadPoolExecutor | None = None
+        if asynchronous:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="beluga-load")
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="beluga-save")
+        self._loading: dict[str, Future[set[int]]] = {}  # request -> its failed engine blocks
+        self._saves: list[tuple[set[str], Future[None]]] = []  # requests, their save
+        self._saved_for: set[str] = set()  # requests an asynchronous save was queued for
+        self._finished: set[str] = set()  # of those, the ones vLLM finished
 
     def get_stats(self) -> BelugaConnectorStats | None:
         return self._tally.take()
@@ -579,8 +636,15 @@ class BelugaWorker:
         return KVLayout.cpu_attention(spec, tensors)
 
     def start_load_kv(self, meta: BelugaMetadata | None) -> None:
-        """Load the step's blocks (``"layerwise"``: prepare, and load in the layer hooks)."""
+        """Load the step's blocks: on the load thread when asynchronous, else now.
+
+        ``"layerwise"`` (synchronous only): prepare, and load in the layer hooks.
+        """
         if meta is None or not meta.loads or self._layout is None:
+            return
+        if self._loader is not None:
+            for load in meta.loads:
+                self._loading[load.req_id] = self._loader.submit(self._load_one, load)
             return
         engine = np.array([b for load in meta.loads for b in load.engine_blocks], dtype=np.int64)
         refs = [r for load in meta.loads for r in load.refs[self.rank]]
@@ -588,7 +652,16 @@ class BelugaWorker:
             self._layer_loads = (engine, refs, list(self._layer_layouts))
             return
         valid = self._read(engine, refs, self._layout, 0)
+        self._load_errors.update(int(b) for b in engine[~valid])
         self._tally.add(loaded_blocks=int(valid.sum()))
+
+    def _load_one(self, load: LoadSpec) -> set[int]:
+        """One request's asynchronous load (on the load thread); the engine blocks that failed."""
+        assert self._layout is not None
+        engine = np.array(load.engine_blocks, dtype=np.int64)
+        valid = self._read(engine, load.refs[self.rank], self._layout, 0)
+        self._tally.add(loaded_blocks=int(valid.sum()))
+        return {int(b) for b in engine[~valid]}
 
     def _read(
         self, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
@@ -596,8 +669,9 @@ class BelugaWorker:
         """Read pool blocks (their bytes from ``at`` on) into engine blocks; which stayed valid.
 
         A block that the store does not validate (replaced, evicted, torn or
-        corrupted) is reported as a load error, so vLLM recomputes it instead
-        of using what was copied.
+        corrupted) is not valid: the caller reports it as a load error, so
+        vLLM recomputes it (or fails the request, as its
+        ``kv_load_failure_policy`` says) instead of using what was copied.
         """
         valid = np.zeros(len(refs), dtype=bool)
         with self.link.connected() as store:
@@ -609,7 +683,6 @@ class BelugaWorker:
                     self._tally.add(pool_errors=1)
                     self.link.lost(e, store)
                     valid[:] = False
-        self._load_errors.update(int(b) for b in engine[~valid])
         return valid
 
     def _read_from(
@@ -631,6 +704,7 @@ class BelugaWorker:
         engine, refs, remaining = self._layer_loads
         at, layout = self._layer_layouts[layer_name]
         valid = self._read(engine, refs, layout, at)
+        self._load_errors.update(int(b) for b in engine[~valid])
         # a block that failed one layer is reported already: later layers skip it
         engine, refs = engine[valid], [r for r, ok in zip(refs, valid, strict=True) if ok]
         remaining = [n for n in remaining if n != layer_name]
@@ -639,32 +713,43 @@ class BelugaWorker:
         self._layer_loads = (engine, refs, remaining) if remaining else None
 
     def wait_for_save(self, meta: BelugaMetadata | None) -> None:
-        """Save the blocks the step completed, whole (nothing is saved per layer).
+        """Save the blocks the step completed, whole: on the save thread when asynchronous.
 
         A pool block is sealed with the checksum of the bytes its writer
         stored, taken as they are stored, so every layer of it moves in one
-        write; the step's blocks hold their final KV until the step ends.
+        write (nothing is saved per layer); a full block's KV does not change
+        while vLLM keeps the block.
         """
         self._layer_loads = None
-        if meta is None or not meta.saves.hashes or self._layout is None:
+        if meta is None or not meta.saves.hashes:
+            return
+        if self._saver is not None:
+            self._saved_for |= meta.saves.req_ids
+            self._saves.append((meta.saves.req_ids, self._saver.submit(self._save_all, meta.saves)))
+            return
+        self._save_all(meta.saves)
+
+    def _save_all(self, saves: SaveSpec) -> None:
+        """Save blocks; an outage, a full pool or a lost lease is counted, not raised."""
+        layout = self._layout
+        if layout is None:
             return
         with self.link.connected() as store:
             if store is None:
                 return
-            layout = self._layout
             try:
                 saved = write_once_more(
-                    lambda: self._save(store, meta.saves, layout), who="BelugaConnector"
+                    lambda: self._save(store, saves, layout), who="BelugaConnector"
                 )
             except CapacityError as e:
-                self._tally.add(save_full=len(meta.saves.hashes))
-                log.debug("BelugaConnector: no room for %d blocks: %s", len(meta.saves.hashes), e)
+                self._tally.add(save_full=len(saves.hashes))
+                log.debug("BelugaConnector: no room for %d blocks: %s", len(saves.hashes), e)
             except UNAVAILABLE as e:
                 self._tally.add(pool_errors=1)
                 self.link.lost(e, store)
             else:
                 if not saved:
-                    self._tally.add(lease_losses=len(meta.saves.hashes))
+                    self._tally.add(lease_losses=len(saves.hashes))
 
     def _save(self, store: KVStore, saves: SaveSpec, layout: KVLayout) -> None:
         """Reserve pool blocks for the step's saves, fill them, seal and commit them."""
@@ -684,9 +769,44 @@ class BelugaWorker:
         self._tally.add(saved_blocks=len(w.refs), save_bytes=len(w.refs) * nbytes)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Failed blocks of this step's loads and of the loads ``get_finished`` reported."""
         errors, self._load_errors = self._load_errors, set()
         self._tally.add(load_errors=len(errors))
         return errors
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose saves are done (among those vLLM finished), and loads that are done.
+
+        A done load's failed blocks go to :meth:`get_block_ids_with_load_errors`,
+        which vLLM calls next in the same step, as its contract asks.  An error
+        that is a bug (not an outage) raises here, in the model runner's thread.
+        """
+        recving = {req for req, future in self._loading.items() if future.done()}
+        for req in recving:
+            self._load_errors |= self._loading.pop(req).result()
+        running: set[str] = set()
+        for req_ids, future in self._saves:
+            if not future.done():
+                running |= req_ids
+            else:
+                future.result()
+        self._saves = [(r, f) for r, f in self._saves if not f.done()]
+        self._finished |= finished_req_ids & self._saved_for
+        sending = self._finished - running
+        self._finished -= sending
+        self._saved_for -= sending
+        return sending or None, recving or None
+
+    def handle_preemptions(self, meta: BelugaMetadata | None) -> None:
+        """Wait for the saves in flight when vLLM preempted a request (its blocks are reused)."""
+        if meta is not None and meta.flush_saves:
+            wait([future for _, future in self._saves])
+
+    def close(self) -> None:
+        """Let the transfers in flight end (they hold engine blocks), then stop the threads."""
+        for pool in (self._loader, self._saver):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
 
 class BelugaConnector(KVConnectorBase_V1):
@@ -712,6 +832,7 @@ class BelugaConnector(KVConnectorBase_V1):
             raise ValueError(
                 f"kv_connector_extra_config 'transfer' must be one of {TRANSFERS}, not {transfer!r}"
             )
+        is_async = asynchronous(extra)
         self.kv = engine_kv(vllm_config, kv_cache_config)
         self.link = StoreLink(
             str(extra.get("pool") or os.environ.get("BELUGA_POOL", "")),
@@ -723,9 +844,9 @@ class BelugaConnector(KVConnectorBase_V1):
         self.scheduler: BelugaScheduler | None = None
         self.worker: BelugaWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = BelugaScheduler(vllm_config, self.kv, self.link)
+            self.scheduler = BelugaScheduler(vllm_config, self.kv, self.link, is_async)
         else:
-            self.worker = BelugaWorker(self.kv, self.link, transfer, tp_rank(vllm_config))
+            self.worker = BelugaWorker(self.kv, self.link, transfer, tp_rank(vllm_config), is_async)
 
     # ==============================
     # Scheduler side
@@ -783,13 +904,21 @@ class BelugaConnector(KVConnectorBase_V1):
         return self.worker.get_block_ids_with_load_errors()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        assert self.worker is not None
+        return self.worker.get_finished(finished_req_ids)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self.worker is not None
+        meta = kv_connector_metadata
+        self.worker.handle_preemptions(meta if isinstance(meta, BelugaMetadata) else None)
 
     def _step_metadata(self) -> BelugaMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, BelugaMetadata) else None
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         self.link.close()
 
     # ==============================

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,12 +41,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 )
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -107,12 +110,12 @@ def model_dir(models: dict[str, str]) -> str:
 
 
 def beluga_transfer(pool: str, **extra: object) -> dict[str, object]:
-    """BelugaConnector's kv_transfer_config, as a user writes it."""
+    """BelugaConnector's kv_transfer_config, as a user writes it (synchronous unless ``async``)."""
     return {
         "kv_connector": "BelugaConnector",
         "kv_connector_module_path": "beluga.integrations.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"pool": pool, "retry_s": 3600, **extra},
+        "kv_connector_extra_config": {"pool": pool, "retry_s": 3600, "async": False, **extra},
     }
 
 
@@ -680,3 +683,180 @@ def test_a_kv_cache_on_a_gpu_is_refused_at_start(model_dir: str, served_pool: st
     with pytest.raises(KVLayoutError, match=r"on meta.*--kv-transfer-config"):
         conn.register_kv_caches(on_device)
     conn.shutdown()
+
+
+# -- asynchronous loads and saves, driven through vLLM's scheduler and its output path --
+
+
+def async_config(
+    model_dir: str, pool: str, policy: str = "recompute", **extra: object
+) -> VllmConfig:
+    transfer = {**beluga_transfer(pool, **{"async": True, **extra})}
+    transfer["kv_load_failure_policy"] = policy
+    return vllm_config(model_dir, pool, connector=transfer)
+
+
+def engine_step(sched: Scheduler, conn: BelugaConnector) -> SchedulerOutput:
+    """One engine step: schedule, the worker's connector calls as vLLM's model runner makes
+    them (one sampled token per scheduled request), and the scheduler's update."""
+    out = sched.schedule()
+    meta = out.kv_connector_metadata
+    conn.handle_preemptions(meta)
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    conn.wait_for_save()
+    sending, recving = conn.get_finished(out.finished_req_ids)
+    errors = conn.get_block_ids_with_load_errors()
+    conn.clear_connector_metadata()
+    req_ids = list(out.num_scheduled_tokens)
+    sched.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[7] for _ in req_ids],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=sending, finished_recving=recving, invalid_block_ids=errors
+            ),
+        ),
+    )
+    return out
+
+
+def run_until(sched: Scheduler, conn: BelugaConnector, done: object, steps: int = 200) -> None:
+    for _ in range(steps):
+        if done():  # type: ignore[operator]
+            return
+        engine_step(sched, conn)
+        threading.Event().wait(0.005)  # let the transfer threads run
+    raise AssertionError("the engine did not get there")
+
+
+def free_blocks(sched: Scheduler) -> int:
+    return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def gate(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> threading.Event:
+    """Make ``cls.name`` wait until the returned event is set (a slow transfer)."""
+    real, opened = getattr(cls, name), threading.Event()
+
+    def slow(*args: object, **kwargs: object) -> object:
+        assert opened.wait(30), "the test never let the transfer finish"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, slow)
+    return opened
+
+
+TOKENS = list(range(1, 3 * BS + 3))  # 3 full blocks and 2 tokens
+
+
+def saved_by_async_engine(
+    model_dir: str, pool: str, monkeypatch: pytest.MonkeyPatch
+) -> list[torch.Tensor]:
+    """Engine A serves TOKENS with asynchronous saves; its prefix's KV, by layer."""
+    config = async_config(model_dir, pool)
+    sched, src = scheduler(config), cpu_caches(8, seed=20)
+    conn = worker(config, src)
+    full = free_blocks(sched)
+    opened = gate(monkeypatch, BelugaWorker, "_save")
+    sched.add_request(request(TOKENS, "a"))
+    (new,) = engine_step(sched, conn).scheduled_new_reqs
+    prefix = [src[name][new.block_ids[0][:3]].clone() for name in LAYER_NAMES]
+    run_until(sched, conn, lambda: sched.requests["a"].is_finished())
+    # finished, but its save is running: vLLM holds its blocks until the worker reports it
+    for _ in range(3):
+        engine_step(sched, conn)
+    assert "a" in sched.requests and free_blocks(sched) < full
+    opened.set()
+    run_until(sched, conn, lambda: not sched.requests)
+    assert free_blocks(sched) == full  # every block back: nothing held or leaked
+    monkeypatch.undo()
+    kv = conn.kv
+    with KVStore(pool) as store:
+        refs = store.locate([kv.key(h, 0) for h in request(TOKENS).block_hashes])
+        assert all(r is not None for r in refs)
+    sched.connector.shutdown()
+    conn.shutdown()
+    return prefix
+
+
+def test_an_async_save_holds_the_finished_requests_blocks_until_it_is_done(
+    model_dir: str, served_pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved_by_async_engine(model_dir, served_pool, monkeypatch)
+
+
+def test_an_async_load_round_trips_and_a_slow_one_stalls_no_other_request(
+    model_dir: str, served_pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = saved_by_async_engine(model_dir, served_pool, monkeypatch)
+    config = async_config(model_dir, served_pool)
+    sched, dst = scheduler(config), cpu_caches(8, seed=None)
+    conn = worker(config, dst)
+    full = free_blocks(sched)
+    opened = gate(monkeypatch, KVStore, "read_blocks")
+    sched.add_request(request(TOKENS, "b"))
+    sched.add_request(request(list(range(200, 200 + BS + 5)), "other"))
+    scheduled = [set(engine_step(sched, conn).num_scheduled_tokens) for _ in range(3)]
+    # the load is stuck; the other request is prefilled and decodes at every step
+    assert scheduled == [{"other"}] * 3
+    assert sched.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    opened.set()
+    first: list = []
+    for _ in range(200):
+        out = engine_step(sched, conn)
+        first = [r for r in out.scheduled_new_reqs if r.req_id == "b"]
+        if first:
+            break
+        threading.Event().wait(0.005)
+    (new,) = first
+    assert new.num_computed_tokens == 3 * BS  # the prefix came from the pool
+    for name, saved in zip(LAYER_NAMES, prefix, strict=True):
+        assert torch.equal(dst[name][new.block_ids[0][:3]], saved)
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None and stats.data["loaded_blocks"] == 3
+    run_until(sched, conn, lambda: not sched.requests)
+    assert free_blocks(sched) == full
+    sched.connector.shutdown()
+    conn.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_async_load_follows_vllms_failure_policy(
+    model_dir: str, served_pool: str, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved_by_async_engine(model_dir, served_pool, monkeypatch)
+    config = async_config(model_dir, served_pool, policy)
+    kv = engine_kv(config, kv_cache_config())
+    corrupt(served_pool, kv.key(request(TOKENS).block_hashes[1], 0), at=100)
+    sched, conn = scheduler(config), worker(config, cpu_caches(8, seed=None))
+    full = free_blocks(sched)
+    sched.add_request(request(TOKENS, "b"))
+    computed: list[int] = []
+    finished: list[RequestStatus] = []
+    for _ in range(200):
+        if "b" not in sched.requests:
+            break
+        req = sched.requests["b"]
+        out = engine_step(sched, conn)
+        computed += [r.num_computed_tokens for r in out.scheduled_new_reqs]
+        if req.is_finished():
+            finished.append(req.status)
+        threading.Event().wait(0.005)
+    if policy == "recompute":  # the valid block is kept, the rest computed
+        assert computed == [BS] and RequestStatus.FINISHED_ERROR not in finished
+    else:
+        assert computed == [] and finished[0] == RequestStatus.FINISHED_ERROR
+    assert free_blocks(sched) == full
+    sched.connector.shutdown()
+    conn.shutdown()
+
+
+def test_the_async_option_is_checked(model_dir: str) -> None:
+    with pytest.raises(ValueError, match="'async' must be true or false"):
+        BelugaConnector(
+            vllm_config(model_dir, "unused", **{"async": "maybe"}),
+            KVConnectorRole.WORKER,
+            kv_cache_config(),
+        )
