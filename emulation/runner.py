@@ -34,6 +34,8 @@ KEEP_RUNS = 20  # run directories (console logs) kept under emulation/.cache/run
 POLL_S = 0.1
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TERM_GRACE_S = 5.0
+#: how long to wait for a killed process group's members to be gone
+KILL_WAIT_S = 10.0
 #: Host paths the guest does not see: its own tmpfs is mounted over them.
 GUEST_PRIVATE = (Path("/run"), Path("/dev/shm"), Path("/proc"), Path("/sys"))
 
@@ -182,6 +184,28 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # SIGKILL is delivered, not done: a member that has not run since is still
+    # "running". Wait until none is left but zombies (orphans reaped by init).
+    deadline = time.monotonic() + KILL_WAIT_S
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is alive (not a zombie), read from /proc."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone while we looked
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def _command(topology: Topology, script: Script) -> str:
