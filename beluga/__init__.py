@@ -10,6 +10,7 @@ from beluga.errors import (
     PoolError,
     RpcError,
     ServingError,
+    WriteLeaseLost,
 )
 
 __version__ = "0.1.0"
@@ -35,5 +36,6 @@ __all__ = [
     "PoolError",
     "RpcError",
     "ServingError",
+    "WriteLeaseLost",
     "__version__",
 ]

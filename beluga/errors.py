@@ -31,6 +31,27 @@ class RpcError(BelugaError):
     """An RPC failed: timeout, server gone, or a bad request."""
 
 
+class WriteLeaseLost(RpcError):
+    """The server refused to commit some writes of a call: their write lease ran out first.
+
+    The server answered, so the outcome of each write is known: the writes at
+    ``lost`` (positions in the call's keys or refs) are not in the pool; every
+    other write of the call was committed.  Put the lost ones again.
+    """
+
+    def __init__(self, lost: list[int], total: int) -> None:
+        super().__init__(
+            f"{len(lost)} of {total} writes lost their write lease before commit (the "
+            "server restarted or the write took too long); the others were committed: "
+            "put those again (positions in .lost)"
+        )
+        self.lost = lost
+        self.total = total
+
+    def __reduce__(self) -> tuple[type[WriteLeaseLost], tuple[list[int], int]]:
+        return WriteLeaseLost, (self.lost, self.total)
+
+
 class KVLayoutError(BelugaError, ValueError):
     """Engine KV tensors, a KV layout and a pool block format do not agree."""
 

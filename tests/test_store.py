@@ -25,7 +25,7 @@ import torch
 
 from beluga import KVStore
 from beluga.child import server_process
-from beluga.errors import CapacityError, RpcError
+from beluga.errors import CapacityError, RpcError, WriteLeaseLost
 from beluga.kv import hash_block, prefix_hashes, seed_hash, sha256
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
@@ -193,6 +193,34 @@ def test_an_expired_write_lease_returns_the_space(pool: Pool) -> None:
         with pytest.raises(RpcError, match="lost their write lease"):
             s.seal(refs)
         assert s.get("slow") is None and s.stats()["blocks_used"] == base
+
+
+def test_a_commit_that_loses_some_leases_names_them_and_keeps_the_rest(pool: Pool) -> None:
+    # One seal commits two writes: "slow" outlived its lease, "fast" did not. Before,
+    # the call raised a bare RpcError for both, so a caller (the chaos tier among them)
+    # took "fast" for refused although it was committed and readable.
+    with server(pool.spec, write_lease_s=1.0), KVStore(pool) as s:
+        for attempt in range(20):
+            slow, fast = f"slow{attempt}", f"fast{attempt}"
+            expiries = s.stats()["lease_expiries"]
+            refs = s.reserve([slow], [1000])
+            deadline = time.monotonic() + 10
+            while s.stats()["lease_expiries"] == expiries:
+                assert time.monotonic() < deadline, "the write lease never expired"
+                time.sleep(0.01)
+            refs += s.reserve([fast], [1000])
+            value = value_of(fast, 2000)
+            table = np.array([[0, i * 1000, r.payload_offset, 1000] for i, r in enumerate(refs)])
+            with pytest.raises(WriteLeaseLost) as caught:
+                s.write_blocks(refs, [value], table.astype(np.uint64))  # the engine's save
+            if caught.value.lost == [0]:  # "fast" made it within its lease: the case we want
+                break
+            assert caught.value.lost == [0, 1]  # a loaded machine: "fast" expired too; again
+        else:
+            pytest.fail("in 20 tries no fresh write was committed within a 1 s lease")
+        assert isinstance(caught.value, RpcError) and "1 of 2" in str(caught.value)
+        assert s.get(slow) is None
+        assert s.get(fast) == value[1000:]  # committed, as the error says
 
 
 def _writer(spec: str, mode: str, prefix: str, n: int, size: int, out: Any) -> None:

@@ -53,7 +53,7 @@ import numpy as np
 
 from beluga.chaos.values import HEADER_BYTES, make_value, verify
 from beluga.coherence import digest
-from beluga.errors import RpcError
+from beluga.errors import RpcError, WriteLeaseLost
 from beluga.kv.store import BlockRef, KVStore
 
 READ_PATHS = ("get", "get_into", "batch_get_into", "get_batch", "inplace")
@@ -167,7 +167,7 @@ class _Role:
     def failed(self, e: BaseException) -> None:
         """A call raised: report it; a broken connection is replaced."""
         self.error(e)
-        if isinstance(e, RpcError) and not _lost_lease(e):
+        if isinstance(e, RpcError) and not isinstance(e, WriteLeaseLost):
             self.disconnect()
 
     def run(self) -> None:
@@ -192,13 +192,17 @@ class _Role:
         raise NotImplementedError
 
 
-def _lost_lease(e: BaseException) -> bool:
-    """Whether the server answered that a commit lost its write lease (a definite no)."""
-    return isinstance(e, RpcError) and "lost their write lease" in str(e)
-
-
-def _outcome(e: BaseException) -> str:
-    return "lease" if _lost_lease(e) else f"error:{type(e).__name__}"
+def _report_failure(role: _Role, done: list[tuple[int, int]], e: BaseException) -> None:
+    """Report each write of a failed call: refused by the server (a definite no), committed
+    (the server answered yes for the rest of a call that lost some leases), or unknown."""
+    if isinstance(e, WriteLeaseLost):
+        lost = set(e.lost)
+        role.send("done", _now(), [w for i, w in enumerate(done) if i in lost], "lease")
+        kept = [w for i, w in enumerate(done) if i not in lost]
+        if kept:
+            role.send("done", _now(), kept, "ack")
+        return
+    role.send("done", _now(), done, f"error:{type(e).__name__}")
 
 
 class _Writer(_Role):
@@ -248,7 +252,7 @@ class _Writer(_Role):
         try:
             call(keys, values)
         except Exception as e:
-            self.send("done", _now(), done, _outcome(e))
+            _report_failure(self, done, e)
             raise
         self.send("done", _now(), done, "ack")
 
@@ -276,7 +280,7 @@ class _InPlaceWriter(_Writer):
             table = np.array(rows, dtype=np.uint64)
             store.write_blocks(refs, [b"".join(values)], table)
         except Exception as e:
-            self.send("done", _now(), done, _outcome(e))
+            _report_failure(self, done, e)
             raise
         self.send("done", _now(), done, "ack")
 

@@ -92,7 +92,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from beluga.errors import BelugaError, CapacityError, RpcError
+from beluga.errors import BelugaError, CapacityError, RpcError, WriteLeaseLost
 from beluga.kv import MAX_KEY_BYTES, KVStore
 
 __all__ = [
@@ -496,6 +496,15 @@ class MooncakeDistributedStore:
                         k: i for (k, i), p in zip(chosen.items(), present, strict=True) if not p
                     }
                 store.batch_put_from(list(chosen), [values[i] for i in chosen.values()])
+            except WriteLeaseLost as exc:  # the server answered: the rest are committed
+                log.warning("put of %d values: %s", len(todo), exc)
+                refused = set(exc.lost)
+                lost = {k for n, k in enumerate(chosen) if n in refused}
+                codes = [
+                    RPC_FAIL if c == OK and bytes(keys[i] or b"") in lost else c
+                    for i, c in enumerate(codes)
+                ]
+                named = {k: i for k, i in named.items() if k not in lost}
             except _FAILURES as exc:
                 log.warning("put of %d values failed: %s", len(todo), exc)
                 code = _code_of(exc)

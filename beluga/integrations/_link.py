@@ -38,7 +38,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 
-from beluga.errors import BackendUnavailableError, BelugaError, PoolError, RpcError
+from beluga.errors import (
+    BackendUnavailableError,
+    BelugaError,
+    PoolError,
+    RpcError,
+    WriteLeaseLost,
+)
 from beluga.kv import KVStore
 
 log = logging.getLogger("beluga.integrations")
@@ -47,7 +53,6 @@ log = logging.getLogger("beluga.integrations")
 #: transport, the pool, its device, and the OS refusing to map or open it
 UNAVAILABLE = (RpcError, PoolError, BackendUnavailableError, OSError)
 # what KVStore._commit says when the server took a write's lease back
-_LOST_LEASE = "lost their write lease"
 
 # Pool specs this process has warned about: an engine holds several links (vLLM's
 # scheduler and worker connectors), and an outage is reported once per process.
@@ -225,7 +230,7 @@ def lost_lease(error: BaseException) -> bool:
     The server is alive (it answered); the write was slow, or the server
     restarted meanwhile.  Not an outage: put the values again.
     """
-    return isinstance(error, RpcError) and _LOST_LEASE in str(error)
+    return isinstance(error, WriteLeaseLost)
 
 
 def write_once_more(write: Callable[[], None], *, who: str) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 
 from beluga._native import _core
 from beluga.coherence import digest
-from beluga.errors import BelugaError, RpcError
+from beluga.errors import BelugaError, WriteLeaseLost
 from beluga.kv import protocol as p
 from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
@@ -240,18 +240,24 @@ class KVStore:
             self._ref(d, g.block, g.version, n) for (d, n, _), g in zip(items, grants, strict=True)
         ]
 
-    def _commit(self, refs: list[BlockRef]) -> None:
-        done = p.decode_flags(
-            self.rpc.call(
-                p.StoreOp.COMMIT, p.encode_commit([(r.digest, r.block, r.version) for r in refs])
+    def _commit(self, refs: Sequence[BlockRef]) -> list[int]:
+        """Commit ``refs`` (one COMMIT per RPC batch); the positions the server refused."""
+        lost: list[int] = []
+        for s in self._batches(p.StoreOp.COMMIT, len(refs)):
+            done = p.decode_flags(
+                self.rpc.call(
+                    p.StoreOp.COMMIT,
+                    p.encode_commit([(r.digest, r.block, r.version) for r in refs[s]]),
+                )
             )
-        )
-        if not all(done):
-            raise RpcError(
-                f"{done.count(False)} of {len(done)} writes lost their write lease "
-                "before commit (the server restarted or the write took too long); "
-                "put them again"
-            )
+            lost += [s.start + i for i, ok in enumerate(done) if not ok]
+        return lost
+
+    def _commit_all(self, refs: Sequence[BlockRef]) -> None:
+        """Commit ``refs``; WriteLeaseLost names those the server refused (the rest are in)."""
+        lost = self._commit(refs)
+        if lost:
+            raise WriteLeaseLost(lost, len(refs))
 
     def abort(self, refs: Sequence[BlockRef]) -> None:
         """Give back extents reserved by :meth:`reserve` that will not be sealed."""
@@ -272,6 +278,7 @@ class KVStore:
         raw = [key_bytes(k) for k in keys]
         views = [as_buffer(v) for v in values]
         digests = [digest(k) for k in raw]
+        lost: list[int] = []
         for s in self._batches(p.StoreOp.ALLOC, len(raw)):
             refs = self._alloc(digests[s], [len(v) for v in views[s]], [len(k) for k in raw[s]])
             try:
@@ -289,9 +296,13 @@ class KVStore:
             except BaseException:
                 self.abort(refs)
                 raise
-            self._commit(refs)
+            refused = self._commit(refs)
+            lost += [s.start + i for i in refused]
             if tier and self.tier is not None and self.tier.config.write_through:
-                self._to_tier(digests[s], views[s])
+                kept = [i for i in range(len(refs)) if i not in refused]
+                self._to_tier([digests[s][i] for i in kept], [views[s][i] for i in kept])
+        if lost:
+            raise WriteLeaseLost(lost, len(raw))
 
     # -- in-place writes and reads (the KV data path) ------------------------
 
@@ -349,8 +360,7 @@ class KVStore:
                 writer=self.rpc.host_id,
                 writer_gen=self.rpc.entry.generation,
             )
-        for s in self._batches(p.StoreOp.COMMIT, len(refs)):
-            self._commit(list(refs[s]))
+        self._commit_all(refs)
 
     def locate(self, keys: Sequence[Key], prefix: bool = True) -> list[BlockRef | None]:
         """Where keys live, from the pool index (no RPC); with ``prefix``, up to and
@@ -382,8 +392,9 @@ class KVStore:
         source bytes as they are stored, so bytes in an extent that this
         writer did not put there can never be sealed in.  ``mover``: a
         ``GpuPool`` for a KV cache on its GPU (its kernel moves the bytes and
-        the checksum is taken from the pool afterwards).  Raises ``RpcError``
-        when a write lease ran out first: put those values again.
+        the checksum is taken from the pool afterwards).  Raises
+        ``WriteLeaseLost`` naming the blocks whose write lease ran out first
+        (the others are committed): put those values again.
         """
         host, gen = self.rpc.host_id, self.rpc.entry.generation
         try:
@@ -408,8 +419,7 @@ class KVStore:
         except BaseException:
             self.abort(refs)  # nothing was sealed: give the extents back
             raise
-        for s in self._batches(p.StoreOp.COMMIT, len(refs)):
-            self._commit(list(refs[s]))
+        self._commit_all(refs)
 
     def read_blocks(
         self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any = None

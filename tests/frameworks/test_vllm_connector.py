@@ -433,7 +433,7 @@ def losing_leases(monkeypatch: pytest.MonkeyPatch, times: int) -> list[int]:
             return real(store, refs, *args, **kwargs)
         lost[0] += 1
         store.abort(refs)
-        store._commit(list(refs))
+        store._commit_all(list(refs))
 
     monkeypatch.setattr(KVStore, "write_blocks", write_blocks)
     return lost
