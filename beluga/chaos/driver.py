@@ -893,12 +893,20 @@ class ChaosDriver:
         rewrites it (excused as corrupted), but a read may never return other bytes."""
         assert self.pool is not None
         sb = self.pool.superblock
-        before = time.monotonic()
-        hit, bucket = faults.corrupt_index(self.pool.memory, sb, self.rng)
-        for d, key in self.by_digest.items():
-            if bucket in _core.ix_hash(d, sb.nbuckets)[1:]:
-                self.history.corrupted(key, before)
-        self._record("corrupt_index", hit.target, bytes=hit.length)
+        # Writers are frozen while we aim, as for blocks: a put tried before the store may
+        # have its commit land either side of it (its misses are excused); one tried after
+        # rewrites the bucket from the server's mirror. Unfrozen, a put tried between the
+        # timestamp and the store, and committed before it, was called a lost write.
+        frozen = self._freeze_writers()
+        try:
+            before = time.monotonic()
+            hit, bucket = faults.corrupt_index(self.pool.memory, sb, self.rng)
+            for d, key in self.by_digest.items():
+                if bucket in _core.ix_hash(d, sb.nbuckets)[1:]:
+                    self.history.corrupted(key, before)
+            self._record("corrupt_index", hit.target, bytes=hit.length)
+        finally:
+            self._thaw(frozen)
         return True
 
     # -- the end: quiesce, audit, restart, audit -----------------------------

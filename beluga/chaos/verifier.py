@@ -263,7 +263,8 @@ class History:
                     reason="uncommitted",
                     detail=f"serial "
                     f"{serial:#x}: its commit was refused "
-                    "(lost write lease) yet a read returned it",
+                    f"(lost write lease; {op.kind} by {op.role} tried at {self._at(op.t_try)}, "
+                    f"refused at {self._at(op.t_done)}) yet a read returned it",
                 ),
             )
 
