@@ -81,7 +81,7 @@ def rig() -> Iterator[Rig]:
 
 def _caches(num_blocks: int, device: str = "cpu") -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    shape = (2, num_blocks, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    shape = (2, num_blocks, SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim)
     return [
         torch.randn(shape, generator=gen).to(torch.bfloat16).to(device)
         for _ in range(SPEC.num_layers)
@@ -189,7 +189,7 @@ def sparse(rig: Rig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(pool offsets of a 512-token sequence, chosen positions, output buffer)."""
     offsets = np.arange(SEQUENCE_BLOCKS) * rig.stride
     rng = np.random.default_rng(0)
-    tokens = SEQUENCE_BLOCKS * SPEC.block_size
+    tokens = SEQUENCE_BLOCKS * SPEC.block_tokens
     shape = (SPEC.num_layers, SPEC.num_kv_heads, tokens)
     shuffled = rng.permuted(np.broadcast_to(np.arange(tokens), shape), axis=-1)
     positions = np.sort(shuffled[..., :TOP_K])

@@ -107,13 +107,13 @@ def test_round_trip_with_pieces_in_any_order(pool: Pool, order: str, mode: str) 
 
 def test_rows_that_run_across_adjacent_blocks(pool: Pool) -> None:
     """A block that fills its whole extent, next to another: one row covers both."""
-    bs = pool.superblock.block_size
-    blocks = blocks_of(pool, 0, 2, bs)
-    data = np.frombuffer(random.Random(1).randbytes(2 * bs), dtype=np.uint8)
-    one_row = np.array([[0, 0, blocks[0]["payload"], 2 * bs]], dtype=np.uint64)
+    block_bytes = pool.superblock.block_size
+    blocks = blocks_of(pool, 0, 2, block_bytes)
+    data = np.frombuffer(random.Random(1).randbytes(2 * block_bytes), dtype=np.uint8)
+    one_row = np.array([[0, 0, blocks[0]["payload"], 2 * block_bytes]], dtype=np.uint64)
     write(pool.memory, blocks, data, one_row)
-    res, out = read(pool.memory, blocks, one_row, bs)
-    assert res == [bs, bs] and out.tobytes() == data.tobytes()
+    res, out = read(pool.memory, blocks, one_row, block_bytes)
+    assert res == [block_bytes, block_bytes] and out.tobytes() == data.tobytes()
 
 
 def test_a_corrupted_payload_is_a_miss_for_its_block_alone(pool: Pool) -> None:

@@ -200,5 +200,10 @@ def test_model_shapes_are_checked_and_describe_their_kv() -> None:
     with pytest.raises(ValueError, match="head_dim"):
         ModelShape(head_dim=0)
     spec = QWEN2_7B.kv_spec("bfloat16")
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size) == (28, 4, 128, 16)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_tokens) == (
+        28,
+        4,
+        128,
+        16,
+    )
     assert BlockFormat(spec, "HND").nbytes == 28 * 2 * 16 * 4 * 128 * 2

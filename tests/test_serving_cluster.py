@@ -27,7 +27,7 @@ from tests.conftest import PREFIX, SHM
 
 SHAPE = ModelShape(num_layers=2)
 SEED = 9
-BS = SHAPE.block_size
+BS = SHAPE.block_tokens
 TOLERANCE = 1e-4
 
 

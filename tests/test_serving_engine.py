@@ -32,7 +32,7 @@ from beluga.transfer import BlockFormat
 
 TOLERANCE = 1e-4
 SHAPE = ModelShape(num_layers=2)
-BS = SHAPE.block_size
+BS = SHAPE.block_tokens
 
 
 @pytest.fixture(scope="module")

@@ -232,13 +232,13 @@ def test_an_explicit_identity_overrides_the_fingerprint(shm_path: str) -> None:
     try:
         with KVStore(shm_path) as store:
             named = ModelIdentity.explicit("qwen2-tiny", "r1")
-            tokens = list(range(3 * SHAPE.block_size + 1))
+            tokens = list(range(3 * SHAPE.block_tokens + 1))
             ServingEngine(model, store, identity=named).serve(tokens)
             plain = ServingEngine(model, store)
             assert plain.identity == model.identity != named
             assert plain.serve(tokens).cached_tokens == 0
             same = ServingEngine(ModelEngine(SHAPE, seed=5), store, identity=named)
-            assert same.serve(tokens).cached_tokens == 3 * SHAPE.block_size
+            assert same.serve(tokens).cached_tokens == 3 * SHAPE.block_tokens
     finally:
         server.stop()
         thread.join(10)

@@ -316,7 +316,7 @@ def test_stress_writers_and_readers_racing_eviction(pool: Pool, mode: str) -> No
 
 def test_prefix_hashes_chain_like_vllm() -> None:
     tokens = list(range(100))
-    keys = prefix_hashes(tokens, block_size=16, seed="s")
+    keys = prefix_hashes(tokens, block_tokens=16, seed="s")
     assert len(keys) == 6  # only full blocks
     parent = sha256("s")
     assert seed_hash(sha256, "s") == parent

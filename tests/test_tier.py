@@ -37,7 +37,7 @@ from beluga.serving.model import ModelEngine, ModelShape
 from .test_store import value_of
 
 SHAPE = ModelShape(num_layers=2)
-BS = SHAPE.block_size
+BS = SHAPE.block_tokens
 TOLERANCE = 1e-4
 
 

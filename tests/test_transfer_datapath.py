@@ -35,7 +35,7 @@ POOL_SLOTS = 8
 
 
 def spec_of(dtype: str = "bfloat16") -> KVSpec:
-    return KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype=dtype)
+    return KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_tokens=16, dtype=dtype)
 
 
 def random_tensor(shape: tuple[int, ...], dtype: str, gen: torch.Generator) -> torch.Tensor:
@@ -51,7 +51,7 @@ class Engine:
     def __init__(self, kind: str, spec: KVSpec, num_blocks: int, seed: int | None) -> None:
         self.kind = kind
         gen = torch.Generator().manual_seed(seed or 0)
-        bs, h, d = spec.block_size, spec.num_kv_heads, spec.head_dim
+        bs, h, d = spec.block_tokens, spec.num_kv_heads, spec.head_dim
 
         def make(shape: tuple[int, ...]) -> torch.Tensor:
             if seed is None:
@@ -80,7 +80,7 @@ class Engine:
         """The bytes of one engine block of one layer, K then V."""
         if self.kind == "HF":
             row, col = divmod(block, self.per_row)
-            bs = self.layout.spec.block_size
+            bs = self.layout.spec.block_tokens
             parts = [t[row, :, col * bs : (col + 1) * bs] for t in self.kv[layer]]
             return torch.stack(parts).contiguous().view(torch.uint8)
         return self.tensors[layer][:, block].contiguous().view(torch.uint8)
@@ -89,7 +89,7 @@ class Engine:
         """One token's head_dim vector (NHD, HND and HF engines)."""
         if self.kind == "HF":
             row, col = divmod(block, self.per_row)
-            return self.kv[layer][kv][row, head, col * self.layout.spec.block_size + token]
+            return self.kv[layer][kv][row, head, col * self.layout.spec.block_tokens + token]
         if self.kind == "NHD":
             return self.tensors[layer][kv, block, token, head]
         return self.tensors[layer][kv, block, head, token]
@@ -214,7 +214,7 @@ def test_runs_adjacent_on_both_sides_are_merged() -> None:
     one_block = Engine("NHD", spec, 1, seed=6)  # K and V of a layer touch, as in the pool
     table = block_table(one_block.layout, np.array([0]), np.array([0]))
     assert len(table) == spec.num_layers and set(table[:, 3]) == {2 * spec.section_bytes}
-    hf_one = Engine("HF", spec, 1, seed=6)  # seq == block_size: the heads touch
+    hf_one = Engine("HF", spec, 1, seed=6)  # seq == block_tokens: the heads touch
     assert len(block_table(hf_one.layout, np.array([0]), np.array([0]))) == spec.num_layers * 2
 
 
@@ -288,14 +288,14 @@ def test_sparse_fetch_gets_exactly_the_chosen_fragments(
     offsets = np.array([stride * s for s in (7, 2, 0, 5)])
     gather_write(writer, engine.layout, sequence, offsets, block_bytes=stride)
     reader.load(0, len(pool))
-    positions = top_k(spec, tokens=4 * spec.block_size, k=5, seed=9, runs=runs)
+    positions = top_k(spec, tokens=4 * spec.block_tokens, k=5, seed=9, runs=runs)
     out = torch.zeros(sparse_shape(fmt, positions), dtype=getattr(torch, dtype))
     moved = sparse_fetch(
         reader, fmt, offsets, positions, out.view(torch.uint8).numpy(), block_bytes=stride
     )
     assert moved == out.numel() * out.element_size()
     for layer, kv, head, j in np.ndindex(*out.shape[:4]):
-        block, token = divmod(int(positions[layer, head, j]), spec.block_size)
+        block, token = divmod(int(positions[layer, head, j]), spec.block_tokens)
         expect = engine.vector(sequence[block], layer, kv, token, head)
         assert torch.equal(out[layer, kv, head, j].view(torch.uint8), expect.view(torch.uint8))
 

@@ -34,7 +34,7 @@ from beluga.serving.model import ModelEngine, ModelShape
 from beluga.transfer import KVLayout, KVSpec, block_table, gather_write, scatter_read
 from beluga.transfer.gpu import GpuPool, _merged_ranges
 
-SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16")
+SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_tokens=16, dtype="bfloat16")
 BLOCK = 8192  # a pool block: one 6 KiB engine block, rounded up to whole pages
 GEOMETRY = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=BLOCK)
 NUM_BLOCKS = 6
@@ -85,7 +85,7 @@ def pool(shm_path: str) -> Iterator[Pool]:
 
 
 def caches(device: str, seed: int | None) -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    shape = (2, NUM_BLOCKS, SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim)
     if seed is None:
         return [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(3)]
     gen = torch.Generator().manual_seed(seed)

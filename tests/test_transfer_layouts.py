@@ -11,7 +11,7 @@ import torch
 from beluga.errors import KVLayoutError
 from beluga.transfer import BlockFormat, KVLayout, KVSpec, host_bytes
 
-SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_tokens=4, dtype="float32")
 NB = 3  # engine blocks per vLLM cache
 
 
@@ -23,7 +23,7 @@ def numbered(shape: tuple[int, ...], layer: int) -> torch.Tensor:
 
 def vllm_caches(order: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(registered tensors, tensors indexed [kv, block, token, head]) for each vLLM form."""
-    bs, h, d = SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim
+    bs, h, d = SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim
     if order == "NHD":
         regs = [numbered((2, NB, bs, h, d), layer) for layer in range(SPEC.num_layers)]
         return regs, regs
@@ -39,7 +39,11 @@ def vector_at(layout: KVLayout, buffer: int, offset: int) -> np.ndarray:
 def all_coordinates(num_blocks: int) -> itertools.product:
     s = SPEC
     return itertools.product(
-        range(num_blocks), range(s.num_layers), range(2), range(s.block_size), range(s.num_kv_heads)
+        range(num_blocks),
+        range(s.num_layers),
+        range(2),
+        range(s.block_tokens),
+        range(s.num_kv_heads),
     )
 
 
@@ -56,7 +60,7 @@ def test_flash_attention_locate_agrees_with_tensor_indexing(order: str) -> None:
 
 
 def test_hugging_face_locate_maps_blocks_to_batch_rows_and_sequence_slices() -> None:
-    bs = SPEC.block_size
+    bs = SPEC.block_tokens
     shape = (2, SPEC.num_kv_heads, 3 * bs + 1, SPEC.head_dim)  # a partial last block
     kv = [(numbered(shape, 2 * i), numbered(shape, 2 * i + 1)) for i in range(SPEC.num_layers)]
     layout = KVLayout.hugging_face(SPEC, kv)
@@ -73,7 +77,7 @@ def test_hugging_face_locate_maps_blocks_to_batch_rows_and_sequence_slices() -> 
 
 def test_cpu_attention_moves_whole_blocks_only() -> None:
     s = SPEC
-    caches = [numbered((2, NB, s.num_kv_heads, s.block_size, s.head_dim), i) for i in range(3)]
+    caches = [numbered((2, NB, s.num_kv_heads, s.block_tokens, s.head_dim), i) for i in range(3)]
     layout = KVLayout.cpu_attention(SPEC, caches)
     assert layout.format.order == "CPU" and not layout.format.token_addressable
     with pytest.raises(ValueError, match="packed for the CPU"):
@@ -97,7 +101,7 @@ def test_bf16_tensors_become_byte_buffers_without_a_copy() -> None:
 
 @pytest.mark.parametrize("dtype,itemsize", [("float16", 2), ("bfloat16", 2), ("float32", 4)])
 def test_pool_block_size_follows_the_model_shape(dtype: str, itemsize: int) -> None:
-    spec = KVSpec(num_layers=28, num_kv_heads=4, head_dim=128, block_size=16, dtype=dtype)
+    spec = KVSpec(num_layers=28, num_kv_heads=4, head_dim=128, block_tokens=16, dtype=dtype)
     for order in ("NHD", "HND", "CPU"):
         assert BlockFormat(spec, order).nbytes == 28 * 2 * 16 * 4 * 128 * itemsize
 
@@ -118,7 +122,7 @@ def test_fragment_offsets_follow_the_inner_order() -> None:
     [
         {"num_layers": 0},
         {"head_dim": -1},
-        {"block_size": True},
+        {"block_tokens": True},
         {"num_kv_heads": 2.0},
         {"dtype": "int8"},
     ],
@@ -135,7 +139,7 @@ def test_block_format_refuses_an_unknown_order() -> None:
 
 
 def nhd(nb: int = NB, d: int = SPEC.head_dim) -> torch.Tensor:
-    return torch.zeros(2, nb, SPEC.block_size, SPEC.num_kv_heads, d)
+    return torch.zeros(2, nb, SPEC.block_tokens, SPEC.num_kv_heads, d)
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,13 @@ from beluga.coherence import attach
 from beluga.errors import KVLayoutError
 from beluga.transfer import KVLayout, KVSpec, gather_write, scatter_read
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4, dtype="bfloat16")
 NB = 5
 
 
 def five_d(kind: str, gen: torch.Generator) -> list[torch.Tensor]:
     """Old-style caches: [2, nb, H, bs, D] (CPU, HND) or [2, nb, bs, H, D] (NHD)."""
-    bs, h, d = SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim
+    bs, h, d = SPEC.block_tokens, SPEC.num_kv_heads, SPEC.head_dim
     shape = (2, NB, bs, h, d) if kind == "NHD" else (2, NB, h, bs, d)
     return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(SPEC.num_layers)]
 

@@ -130,11 +130,11 @@ class Settings:
         return lv_eval_trace(self.trace, self.shape.vocab_size, self.seed)
 
 
-def blocks_needed(trace: Sequence[TraceRequest], shape: TraceShape, block_size: int) -> int:
-    """Distinct full blocks a trace stores: each document's once, then each question's own."""
-    shared = shape.context_tokens // block_size
+def blocks_needed(trace: Sequence[TraceRequest], shape: TraceShape, block_tokens: int) -> int:
+    """Distinct full engine blocks a trace stores: each document's once, then each question's."""
+    shared = shape.context_tokens // block_tokens
     documents = len({r.document for r in trace})
-    return documents * shared + sum(len(r.token_ids) // block_size - shared for r in trace)
+    return documents * shared + sum(len(r.token_ids) // block_tokens - shared for r in trace)
 
 
 def summarize(records: Sequence[Record], engines: int) -> dict[str, Any]:
@@ -206,8 +206,10 @@ def pool_cluster(
     """
     fmt = settings.format
     geometry = kv_geometry(fmt, max_hosts=max(8, settings.engines + 2))
-    need = blocks_needed(settings.requests(), settings.trace, fmt.spec.block_size)
-    need = need * len(settings.schedulers) + settings.engines * WARMUP_TOKENS // fmt.spec.block_size
+    need = blocks_needed(settings.requests(), settings.trace, fmt.spec.block_tokens)
+    need = (
+        need * len(settings.schedulers) + settings.engines * WARMUP_TOKENS // fmt.spec.block_tokens
+    )
     size = kv_pool_size(int(need * HEADROOM) + 1, geometry)
     spec = pool or f"/dev/shm/beluga-e2e-{uuid.uuid4().hex[:8]}"
     say(f"creating a {size >> 20} MiB pool for {fmt.fingerprint}")

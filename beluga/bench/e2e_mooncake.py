@@ -79,21 +79,26 @@ COLUMNS = [
 
 
 def system_row(
-    system: str, pass_no: int, records: Sequence[Record], engines: int, block_size: int, nbytes: int
+    system: str,
+    pass_no: int,
+    records: Sequence[Record],
+    engines: int,
+    block_tokens: int,
+    nbytes: int,
 ) -> dict[str, Any]:
     """One row: :func:`e2e.summarize`, plus per-block costs and the share of TTFT loading KV.
 
     Per-block figures are None where no block moved (pass 2 saves nothing;
     pass 1 loads only what earlier requests of the same pass stored).
     """
-    loaded_blocks = sum(r.served.cached_tokens // block_size for r in records)
+    loaded_blocks = sum(r.served.cached_tokens // block_tokens for r in records)
     saved_blocks = sum(r.served.saved_blocks for r in records)
     lookup = sum(r.served.timings.lookup for r in records)
     load = sum(r.served.timings.load for r in records)
     save = sum(r.served.timings.save for r in records)
     service = sum(r.served.timings.ttft for r in records)
     ttft = sum(r.ttft for r in records)
-    keys = sum(r.served.num_tokens // block_size for r in records)  # one per full block
+    keys = sum(r.served.num_tokens // block_tokens for r in records)  # one per full block
 
     def per_block(seconds: float, blocks: int) -> float | None:
         return 1e3 * seconds / blocks if blocks else None
@@ -184,8 +189,8 @@ def paper_scale(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def segment_bytes(settings: e2e.Settings) -> int:
     """A Mooncake segment that holds every block the trace stores, with headroom."""
-    need = e2e.blocks_needed(settings.requests(), settings.trace, settings.shape.block_size)
-    need += settings.engines * e2e.WARMUP_TOKENS // settings.shape.block_size
+    need = e2e.blocks_needed(settings.requests(), settings.trace, settings.shape.block_tokens)
+    need += settings.engines * e2e.WARMUP_TOKENS // settings.shape.block_tokens
     return int(need * settings.format.nbytes * SEGMENT_HEADROOM) + SEGMENT_SLACK
 
 
@@ -206,7 +211,7 @@ def mooncake_cluster(
         build = MooncakeEngines(
             mooncake.metadata_url,
             mooncake.master_address,
-            staging_blocks=settings.trace.max_prompt_tokens // settings.shape.block_size,
+            staging_blocks=settings.trace.max_prompt_tokens // settings.shape.block_tokens,
         )
         config = EngineConfig(
             settings.shape, seed=settings.seed, threads=settings.threads, device=settings.device
@@ -265,7 +270,7 @@ def run(
     fmt = settings.format
     rows = [
         system_row(
-            system, p, records[(system, p)], settings.engines, fmt.spec.block_size, fmt.nbytes
+            system, p, records[(system, p)], settings.engines, fmt.spec.block_tokens, fmt.nbytes
         )
         for system in SYSTEMS
         for p in (1, 2)

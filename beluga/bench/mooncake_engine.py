@@ -73,14 +73,14 @@ class MooncakeServingEngine:
         self.format = kv_format(model)
         self.identity = identity if identity is not None else model.identity
         spec = self.format.spec
-        self.block_size = spec.block_size
-        # one pool block payload per slot: [layers, K/V, kv heads, block tokens, head dim]
+        self.block_tokens = spec.block_tokens
+        # one engine block's value per slot: [layers, K/V, kv heads, block tokens, head dim]
         self.staging = np.zeros((staging_blocks, self.format.nbytes), dtype=np.uint8)
         client.register_buffer(self.staging)
         self.slots = list(self.staging)
         self.staged = torch.from_numpy(self.staging).view(torch.float32)
         self.staged = self.staged.view(
-            staging_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim
+            staging_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_tokens, spec.head_dim
         )
 
     def close(self) -> None:
@@ -100,7 +100,7 @@ class MooncakeServingEngine:
         keys = self.keys(token_ids, salt)
         found = _leading(self.client.batch_is_exist(keys)) if keys else 0
         looked_up = clock()
-        loadable = min(found, (len(token_ids) - 1) // self.block_size)
+        loadable = min(found, (len(token_ids) - 1) // self.block_tokens)
         prefix, loaded_blocks = self._load(keys[:loadable])
         loaded = clock()
         out = self.model.prefill(token_ids, prefix)
@@ -136,7 +136,7 @@ class MooncakeServingEngine:
             return prefix, intact
         if intact == 0:
             return None, 0
-        tokens = intact * self.block_size
+        tokens = intact * self.block_tokens
         cut = [(k[:, :, :tokens].contiguous(), v[:, :, :tokens].contiguous()) for k, v in prefix]
         return cut, intact
 
@@ -151,7 +151,7 @@ class MooncakeServingEngine:
 
     def _scatter(self, prefix: KV, first: int, count: int) -> None:
         """Staging slots ``0 .. count`` into blocks ``first ..`` of a prefix."""
-        bs = self.block_size
+        bs = self.block_tokens
         for layer, pair in enumerate(prefix):
             for kind, tensor in enumerate(pair):
                 span = tensor[0, :, first * bs : (first + count) * bs, :]
@@ -160,7 +160,7 @@ class MooncakeServingEngine:
 
     def _gather(self, kv: KV, first: int, end: int) -> None:
         """Blocks ``first .. end`` of a prefill's KV into staging slots ``0 ..``."""
-        bs, count = self.block_size, end - first
+        bs, count = self.block_tokens, end - first
         for layer, pair in enumerate(kv):
             for kind, tensor in enumerate(pair):
                 span = tensor[0, :, first * bs : end * bs, :]

@@ -149,25 +149,25 @@ class Plan:
     sizes: list[int]
     budget: int
     least: int
-    block_size: int  # the pool's; a round of puts is sized by the blocks it fills
+    block_bytes: int  # a pool block's; a round of puts is sized by the pool blocks it fills
 
     def iterations(self, nbytes: int) -> int:
         return iterations_for(nbytes, self.budget, lo=self.least)
 
     def footprint(self, nbytes: int) -> int:
-        return -(-nbytes // self.block_size) * self.block_size
+        return -(-nbytes // self.block_bytes) * self.block_bytes
 
 
-def data_bytes(sizes: Sequence[int], block_size: int = 64 * KiB) -> int:
+def data_bytes(sizes: Sequence[int], block_bytes: int = 64 * KiB) -> int:
     """Data-area bytes a run fills: a round of puts and the stored values."""
-    plan = Plan(list(sizes), 0, 0, block_size)
+    plan = Plan(list(sizes), 0, 0, block_bytes)
     stored = sum(plan.footprint(n) for n in sizes) + BATCH * plan.footprint(BATCH_VALUE)
     return ROUND_BYTES + stored
 
 
-def scratch_bytes(sizes: Sequence[int], block_size: int = 64 * KiB) -> int:
+def scratch_bytes(sizes: Sequence[int], block_bytes: int = 64 * KiB) -> int:
     """Data-area bytes of a scratch pool for a run: what it fills, twice over."""
-    return 2 * data_bytes(sizes, block_size)
+    return 2 * data_bytes(sizes, block_bytes)
 
 
 def serve_in_child(spec: str, ready: Any) -> None:

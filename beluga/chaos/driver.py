@@ -139,7 +139,7 @@ class ChaosConfig:
     max_reuse_wait_s: float = 2.0  # past the lease, waiting for the extent to be reused
     pool_path: str | None = None  # default: a unique /dev/shm/beluga-chaos-* file
     pool_bytes: int = 64 << 20  # freed extents are reused within seconds; nothing is evicted
-    block_size: int = 16 << 10
+    block_size: int = 16 << 10  # pool block, bytes (Geometry.block_size)
     max_value_blocks: int = 3
     role_pause_s: float = 0.002
     settle_s: float = 1.5
@@ -455,7 +455,7 @@ class ChaosDriver:
             coherence=self._coherence(kind, slot) if kind != "auditor" else "native",
             keys=tuple(self.keys),
             own=own,
-            block_size=cfg.block_size,
+            block_bytes=cfg.block_size,
             max_value=cfg.block_size * cfg.max_value_blocks,
             rpc_timeout_s=cfg.rpc_timeout_s,
             connect_timeout_s=cfg.connect_timeout_s,

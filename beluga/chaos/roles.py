@@ -77,24 +77,24 @@ class RoleSpec:
     coherence: str
     keys: tuple[str, ...]  # every key of the run, by id
     own: tuple[int, ...]  # ids of the keys this writer slot owns
-    block_size: int
+    block_bytes: int  # a pool block's
     max_value: int
     rpc_timeout_s: float
     connect_timeout_s: float
     pause_s: float
 
 
-def value_size(rng: random.Random, block_size: int, max_value: int) -> int:
-    """A value length: small, one block, exact block multiples, or several blocks."""
+def value_size(rng: random.Random, block_bytes: int, max_value: int) -> int:
+    """A value length: small, one pool block, exact block multiples, or several blocks."""
     r = rng.random()
     if r < 0.25:
         n = rng.randrange(HEADER_BYTES, 1024)
     elif r < 0.6:
-        n = rng.randrange(1024, block_size + 1)
+        n = rng.randrange(1024, block_bytes + 1)
     elif r < 0.8:
-        n = block_size * rng.randrange(1, max(2, max_value // block_size + 1))
+        n = block_bytes * rng.randrange(1, max(2, max_value // block_bytes + 1))
     else:
-        n = rng.randrange(block_size + 1, max_value + 1)
+        n = rng.randrange(block_bytes + 1, max_value + 1)
     return min(max(n, HEADER_BYTES), max_value)
 
 
@@ -218,7 +218,7 @@ class _Writer(_Role):
         return self.spec.incarnation << 32 | self.counter
 
     def value(self, key: int, serial: int) -> bytes:
-        n = value_size(self.rng, self.spec.block_size, self.spec.max_value)
+        n = value_size(self.rng, self.spec.block_bytes, self.spec.max_value)
         return make_value(self.digests[key], self.spec.slot, serial, n)
 
     def stats(self, store: KVStore) -> None:
@@ -292,7 +292,7 @@ class _InPlaceWriter(_Writer):
         half = len(value) // 2
         table = np.array([[0, 0, ref.payload_offset, half]], dtype=np.uint64)
         store.mem.gather_write([value], table)  # the stores that landed before the stop
-        nblocks = ref.capacity // self.spec.block_size
+        nblocks = ref.capacity // self.spec.block_bytes
         self.send("mid", _now(), key, serial, ref.block, nblocks, ref.version)
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(0.005)  # resumed: the copy goes on (write_blocks stores it all again)

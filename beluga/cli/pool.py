@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--block-size",
         type=parse_size,
         default=Geometry.block_size,
-        help="data block size (default 64K)",
+        help="pool block size in bytes, a 4K multiple (default 64K)",
     )
     c.add_argument(
         "--rpc-per-host",

@@ -1,10 +1,11 @@
 """Block keys compatible with vLLM's prefix caching.
 
-A request's tokens are cut into blocks of ``block_size`` (16 by default, vLLM's
-size); block i's hash hashes (hash of block i-1, the block's token ids, extra
-keys), the first block chaining from a seed hash (:func:`prefix_hashes`).  So
-a request's cached prefix is the longest run of leading keys that the store
-holds: one batched lookup.  Only full blocks get keys.
+A request's tokens are cut into engine blocks of ``block_tokens`` tokens (16
+by default, vLLM's block size); block i's hash hashes (hash of block i-1, the
+block's token ids, extra keys), the first block chaining from a seed hash
+(:func:`prefix_hashes`).  So a request's cached prefix is the longest run of
+leading keys that the store holds: one batched lookup.  Only full blocks get
+keys.
 
 The hashes name tokens, not the model that computed their KV, so a store key
 is a hash inside a :class:`~beluga.kv.identity.KVNamespace` (the model's
@@ -29,7 +30,7 @@ from typing import Any
 from beluga.kv.identity import KVNamespace
 
 HashFn = Callable[[Any], bytes]
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_SEED = "beluga"
 
 
@@ -79,7 +80,7 @@ def hash_block(
 
 def prefix_hashes(
     token_ids: Sequence[int],
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
     hash_fn: HashFn | str = sha256,
     extra_keys: tuple[Any, ...] | None = None,
     seed: str | None = None,
@@ -88,13 +89,13 @@ def prefix_hashes(
 
     They say nothing about the model: store KV under :func:`block_keys`.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, not {block_size}")
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, not {block_tokens}")
     fn = hash_function(hash_fn) if isinstance(hash_fn, str) else hash_fn
     hashes: list[bytes] = []
     parent = seed_hash(fn, seed)
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(fn, parent, token_ids[start : start + block_size], extra_keys)
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        parent = hash_block(fn, parent, token_ids[start : start + block_tokens], extra_keys)
         hashes.append(parent)
     return hashes
 
@@ -102,7 +103,7 @@ def prefix_hashes(
 def block_keys(
     token_ids: Sequence[int],
     namespace: KVNamespace,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
     hash_fn: HashFn | str = sha256,
     extra_keys: tuple[Any, ...] | None = None,
     seed: str | None = None,
@@ -119,5 +120,5 @@ def block_keys(
             f"{type(namespace).__name__}"
         )
     return [
-        namespace.key(h) for h in prefix_hashes(token_ids, block_size, hash_fn, extra_keys, seed)
+        namespace.key(h) for h in prefix_hashes(token_ids, block_tokens, hash_fn, extra_keys, seed)
     ]

@@ -54,7 +54,7 @@ PREFIX = "beluga_"
 STATS_METRICS: dict[str, tuple[str, str]] = {
     "capacity_bytes": ("gauge", "Bytes of the pool's data area"),
     "used_bytes": ("gauge", "Bytes of the data area in allocated blocks"),
-    "block_size": ("gauge", "Bytes per block of the data area"),
+    "block_size": ("gauge", "Bytes per pool block of the data area"),
     "blocks_total": ("gauge", "Blocks in the data area"),
     "blocks_used": ("gauge", "Blocks allocated (committed, being written, or retiring)"),
     "keys": ("gauge", "Keys in the index"),

@@ -437,11 +437,11 @@ class MetadataService:
                 self.counters["dead_writer_reclaims"] += 1
 
     def stats(self) -> dict[str, object]:
-        bs = self.sb.block_size
+        block_bytes = self.sb.block_size
         return {
-            "capacity_bytes": self.sb.nblocks * bs,
-            "used_bytes": self.alloc.used * bs,
-            "block_size": bs,
+            "capacity_bytes": self.sb.nblocks * block_bytes,
+            "used_bytes": self.alloc.used * block_bytes,
+            "block_size": block_bytes,
             "blocks_total": self.sb.nblocks,
             "blocks_used": self.alloc.used,
             "keys": len(self.index),

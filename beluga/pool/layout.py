@@ -98,7 +98,7 @@ class Geometry:
 
     max_hosts: int = 32
     rpc_bytes_per_host: int = 1 << 20
-    block_size: int = 64 << 10
+    block_size: int = 64 << 10  # pool block, bytes
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_hosts <= 4096:
@@ -125,7 +125,7 @@ class Superblock:
     index: Region  # the pool-resident hash index, then the hosts' hint lines
     headers: Region  # block header table (data area, part 1)
     payloads: Region  # block payloads (data area, part 3)
-    block_size: int
+    block_size: int  # pool block, bytes
     nblocks: int
     nbuckets: int = 0  # index buckets (a power of two)
     label: str = ""
@@ -223,7 +223,7 @@ def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
     if nblocks < 1:
         need = data_off + REGION_ALIGN + align_up(geometry.block_size)
         raise ValueError(
-            f"a {pool_size}-byte pool cannot hold one {geometry.block_size}-byte block after "
+            f"a {pool_size}-byte pool cannot hold one {geometry.block_size}-byte pool block after "
             f"{data_off} bytes of superblock, host table, RPC area and index; use at least "
             f"{align_up(need)} bytes, or fewer --max-hosts"
         )

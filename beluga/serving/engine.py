@@ -18,7 +18,7 @@ compute
     prefill only the tokens after the prefix; the first token is ready here,
     so time to first token is lookup + load + compute;
 save
-    reserve pool blocks for the new full blocks, then ``KVStore.write_blocks``:
+    reserve pool blocks for the new full engine blocks, then ``KVStore.write_blocks``:
     one C call moves them, checksums what it stores and seals each header;
     then one commit.
 
@@ -63,21 +63,21 @@ KV_ORDER = "HND"  # Hugging Face caches are [batch, heads, tokens, dim]: HND blo
 
 
 def kv_format(model: ModelEngine) -> BlockFormat:
-    """The pool block format of a model's KV cache."""
+    """The block format of a model's KV cache."""
     return BlockFormat(model.kv_spec, KV_ORDER)
 
 
 def kv_geometry(
     fmt: BlockFormat, *, max_hosts: int = 8, rpc_bytes_per_host: int = 256 << 10
 ) -> Geometry:
-    """A pool geometry whose blocks each hold one KV block of ``fmt``."""
+    """A pool geometry whose pool blocks each hold one engine block of ``fmt``."""
     return Geometry(
         max_hosts=max_hosts, rpc_bytes_per_host=rpc_bytes_per_host, block_size=fmt.pool_block_bytes
     )
 
 
 def kv_pool_size(blocks: int, geometry: Geometry) -> int:
-    """The smallest pool size (a 2 MiB multiple) with room for ``blocks`` blocks."""
+    """The smallest pool size (a 2 MiB multiple) with room for ``blocks`` pool blocks."""
     return pool_size_for(blocks, geometry)
 
 
@@ -89,12 +89,13 @@ def create_kv_pool(
     geometry: Geometry | None = None,
     coherence: str | None = None,
 ) -> Pool:
-    """A new pool for blocks of ``fmt``: labelled with its fingerprint, blocks sized to fit."""
+    """A new pool for ``fmt``: labelled with its fingerprint, pool blocks sized to fit."""
     geometry = geometry or kv_geometry(fmt)
     if geometry.block_size < fmt.nbytes:
         raise ValueError(
-            f"geometry.block_size {geometry.block_size} cannot hold one {fmt.nbytes}-byte KV "
-            f"block; use kv_geometry(fmt) or a block size of at least {fmt.pool_block_bytes}"
+            f"geometry.block_size (a pool block, {geometry.block_size} bytes) cannot hold one "
+            f"{fmt.nbytes}-byte engine block; use kv_geometry(fmt) or a block_size of at least "
+            f"{fmt.pool_block_bytes}"
         )
     return Pool.create(spec, size, geometry=geometry, label=fmt.fingerprint, coherence=coherence)
 
@@ -116,9 +117,9 @@ def check_kv_pool(pool: Pool, fmt: BlockFormat) -> None:
         )
     if sb.block_size < fmt.nbytes:
         raise KVLayoutError(
-            f"pool {pool.spec} has {sb.block_size}-byte blocks, too small for one "
-            f"{fmt.nbytes}-byte KV block of {fmt.fingerprint!r}; recreate it with a block size "
-            f"of at least {fmt.pool_block_bytes}"
+            f"pool {pool.spec} has {sb.block_size}-byte pool blocks, too small for one "
+            f"{fmt.nbytes}-byte engine block of {fmt.fingerprint!r}; recreate it with a block "
+            f"size of at least {fmt.pool_block_bytes}"
         )
 
 
@@ -144,7 +145,7 @@ def kv_block_keys(
     """
     extra = None if salt is None else (salt,)
     return block_keys(
-        token_ids, kv_namespace(model, fmt), fmt.spec.block_size, hash_fn, extra, seed
+        token_ids, kv_namespace(model, fmt), fmt.spec.block_tokens, hash_fn, extra, seed
     )
 
 
@@ -208,7 +209,7 @@ class ServingEngine:
         self.format = kv_format(model)
         check_kv_pool(store.pool, self.format)
         self.identity = identity if identity is not None else model.identity
-        self.block_size = self.format.spec.block_size
+        self.block_tokens = self.format.spec.block_tokens
         self.block_bytes = store.pool.superblock.block_size
         self.hash_fn = hash_function(hash_fn) if isinstance(hash_fn, str) else hash_fn
         self.hash_seed = hash_seed
@@ -243,7 +244,7 @@ class ServingEngine:
         found = self._locate(keys)
         looked_up = clock()
         # the last token is always computed (its logits pick the next token)
-        loadable = found[: (len(token_ids) - 1) // self.block_size]
+        loadable = found[: (len(token_ids) - 1) // self.block_tokens]
         prefix, used = self._load(loadable)
         loaded = clock()
         out = self.model.prefill(token_ids, prefix)
@@ -286,7 +287,7 @@ class ServingEngine:
             return prefix, refs
         if intact == 0:
             return None, []
-        tokens = intact * self.block_size
+        tokens = intact * self.block_tokens
         cut = [(k[:, :, :tokens].contiguous(), v[:, :, :tokens].contiguous()) for k, v in prefix]
         return cut, refs[:intact]
 

@@ -2,21 +2,22 @@
 
 This is the model half of serving.  :meth:`ModelEngine.prefill` takes a
 prompt and, optionally, the KV of its first ``n`` tokens (``n`` a multiple of
-the block size, read back from pool blocks) and computes only the remaining
-tokens, at the positions they have in the whole prompt so that RoPE and the
-causal mask match a full recomputation.  The model is a real Qwen2 or Llama
-implementation (grouped-query attention, RoPE, RMSNorm) with seeded random
-weights built from a config, so nothing is downloaded; what matters here is
-that the logits with a cached prefix equal full recomputation, not the text.
+``block_tokens``, the tokens of an engine block, read back from the pool) and
+computes only the remaining tokens, at the positions they have in the whole
+prompt so that RoPE and the causal mask match a full recomputation.  The model
+is a real Qwen2 or Llama implementation (grouped-query attention, RoPE,
+RMSNorm) with seeded random weights built from a config, so nothing is
+downloaded; what matters here is that the logits with a cached prefix equal
+full recomputation, not the text.
 
 KV moves between the engine and the pool in the Hugging Face layout
-(``[1, kv_heads, tokens, head_dim]`` per layer, HND pool blocks):
+(``[1, kv_heads, tokens, head_dim]`` per layer, the HND block format):
 
 - :meth:`ModelEngine.kv_layout` describes a prefill's KV (or a prefix) for
   :func:`beluga.transfer.block_moves`, whose tables the store's block calls
   (``KVStore.write_blocks`` / ``read_blocks``) move and checksum;
-- :meth:`ModelEngine.empty_prefix` is a fresh cached prefix of whole blocks
-  to read pool blocks into, for :meth:`ModelEngine.prefill`.
+- :meth:`ModelEngine.empty_prefix` is a fresh cached prefix of whole engine
+  blocks to read pool values into, for :meth:`ModelEngine.prefill`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class ModelShape:
     intermediate_size: int = 512
     vocab_size: int = 1024
     max_positions: int = 4096
-    block_size: int = 16
+    block_tokens: int = 16  # tokens per engine block
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -72,8 +73,8 @@ class ModelShape:
         self.kv_spec()  # the remaining dimensions are checked there
 
     def kv_spec(self, dtype: str = "float32") -> KVSpec:
-        """What one pool block of this model holds, for a KV cache of ``dtype``."""
-        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, dtype)
+        """The KV shape of this model's engine blocks, for a KV cache of ``dtype``."""
+        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.block_tokens, dtype)
 
 
 QWEN2_7B = ModelShape(
@@ -96,12 +97,12 @@ class Prefill:
     logits: torch.Tensor  # [computed tokens, vocab]: one row per token not in the prefix
     kv: KV  # per layer (key, value), each [1, kv_heads, all tokens, head_dim]
     num_cached: int  # tokens whose KV came from the cached prefix
-    block_size: int
+    block_tokens: int  # tokens per engine block
 
     @property
     def num_full_blocks(self) -> int:
-        """Complete blocks of the prompt: the ones that can be saved to the pool."""
-        return self.kv[0][0].shape[2] // self.block_size
+        """Complete engine blocks of the prompt: the ones that can be saved to the pool."""
+        return self.kv[0][0].shape[2] // self.block_tokens
 
 
 class ModelEngine:
@@ -110,7 +111,7 @@ class ModelEngine:
     It runs on the CPU, or on ``device`` (a CUDA device): its KV cache then
     lives there and moves through a :class:`beluga.transfer.gpu.GpuPool`.
     The weights are drawn on the CPU either way, so one seed is one model,
-    and :attr:`identity` (which keys its pool blocks) tells seeds and
+    and :attr:`identity` (which keys its blocks in the pool) tells seeds and
     families apart.
     """
 
@@ -151,7 +152,7 @@ class ModelEngine:
 
         ``cached_prefix_kv`` is the per-layer (key, value) of the first ``n``
         tokens, each ``[1, kv_heads, n, head_dim]`` float32, ``n`` a multiple of
-        the block size and smaller than the prompt (the last token is always
+        ``block_tokens`` and smaller than the prompt (the last token is always
         computed: its logits choose the next token).
         """
         ids = self._check_tokens(token_ids).to(self.device)
@@ -162,16 +163,16 @@ class ModelEngine:
             input_ids=ids[cached:].unsqueeze(0), position_ids=positions, cache=cache, use_cache=True
         )
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return Prefill(out.logits[0], kv, cached, self.shape.block_size)
+        return Prefill(out.logits[0], kv, cached, self.shape.block_tokens)
 
     def kv_layout(self, kv: KV) -> KVLayout:
         """The layout of a prefill's KV, or of a prefix, for moving whole blocks."""
         return KVLayout.hugging_face(self.kv_spec, kv)
 
     def empty_prefix(self, blocks: int) -> KV:
-        """A cached prefix of ``blocks`` whole blocks to read pool blocks into."""
+        """A cached prefix of ``blocks`` whole engine blocks to read pool values into."""
         s = self.kv_spec
-        shape = (1, s.num_kv_heads, blocks * s.block_size, s.head_dim)
+        shape = (1, s.num_kv_heads, blocks * s.block_tokens, s.head_dim)
         return [
             (
                 torch.empty(shape, dtype=torch.float32, device=self.device),
@@ -196,7 +197,7 @@ class ModelEngine:
         """The number of cached tokens, once the prefix is known to fit this model and prompt."""
         KVLayout.hugging_face(self.kv_spec, prefix)  # shapes, dtype, layers, contiguity
         batch, _, cached, _ = prefix[0][0].shape
-        bs = self.shape.block_size
+        bs = self.shape.block_tokens
         if batch != 1 or cached % bs or cached >= num_tokens:
             raise ValueError(
                 f"a cached prefix must be [1, kv_heads, n, head_dim] with n a multiple of {bs} "

@@ -1,7 +1,7 @@
-"""The KV data path: engine KV layouts, pool block format, gather/scatter, sparse fetch.
+"""The KV data path: engine KV layouts, block format, gather/scatter, sparse fetch.
 
 - :mod:`beluga.transfer.format`: :class:`KVSpec` (a model's KV shape) and
-  :class:`BlockFormat` (the bytes of one pool block).
+  :class:`BlockFormat` (how one engine block's KV lies in its pool value).
 - :mod:`beluga.transfer.layouts`: :class:`KVLayout`, built from an engine's
   registered KV tensors (vLLM FlashAttention NHD/HND, vLLM CPU_ATTN, Hugging
   Face); needs torch.

@@ -7,8 +7,8 @@ offset, length)`` run by one ``Memory.gather_write`` or
 moves, then writes with non-temporal stores and one SFENCE, or invalidates
 every range, fences once and loads.  One call per batch is the point of a
 CXL pool: there is no scatter-gather list limit to batch around and no
-per-piece call to pay for, so a 16-token block of a 28-layer model is 56
-pieces in one call, not 56 calls.
+per-piece call to pay for, so a 16-token engine block of a 28-layer model is
+56 pieces in one call, not 56 calls.
 
 The table is built with numpy index arithmetic over whole arrays (no Python
 loop per piece), and runs that are adjacent on both sides are merged.
@@ -187,7 +187,7 @@ def sparse_table(fmt: BlockFormat, pool_offsets: np.ndarray, positions: np.ndarr
     layer = np.arange(num_layers, dtype=np.int64)[:, None, None, None]
     kv = np.arange(2, dtype=np.int64)[None, :, None, None]
     head = np.arange(heads, dtype=np.int64)[None, None, :, None]
-    block, token = np.divmod(positions[:, None], s.block_size)
+    block, token = np.divmod(positions[:, None], s.block_tokens)
     fragment = s.head_dim * s.itemsize
     table = np.empty((num_layers, 2, heads, k, 4), dtype=np.uint64)
     table[..., 0] = 0
@@ -208,10 +208,11 @@ def sparse_fetch(
 ) -> int:
     """Fetch the K and V of chosen tokens, per layer and KV head, from a sequence's pool blocks.
 
-    ``pool_offsets[i]`` is the pool block holding tokens ``[i * block_size,
-    (i + 1) * block_size)``; ``positions`` is an int array ``[layers,
-    kv_heads, k]`` of token positions (top-k per layer and head); ``out`` is a
-    writable buffer that receives ``sparse_shape(fmt, positions)`` elements.
+    ``pool_offsets[i]`` is the payload offset of the pool value holding engine
+    block ``i``, tokens ``[i * block_tokens, (i + 1) * block_tokens)``;
+    ``positions`` is an int array ``[layers, kv_heads, k]`` of token positions
+    (top-k per layer and head); ``out`` is a writable buffer that receives
+    ``sparse_shape(fmt, positions)`` elements.
     Returns the bytes moved.
     """
     if not fmt.token_addressable:
@@ -232,7 +233,7 @@ def sparse_fetch(
     pos = pos.astype(np.int64)
     offs = np.asarray(pool_offsets)
     offs = _pool_offsets(offs, offs.size, fmt, mem.size, block_bytes)
-    limit = len(offs) * s.block_size
+    limit = len(offs) * s.block_tokens
     if pos.size and (pos.min() < 0 or pos.max() >= limit):
         raise ValueError(
             f"token positions must be in 0..{limit - 1}: the {len(offs)} pool blocks given "

@@ -1,20 +1,23 @@
-"""The canonical pool block: one engine block of KV for every layer, K and V.
+"""The block format: how one engine block's KV, every layer, K and V, lies in the pool.
 
-A pool block holds ``block_size`` tokens (16 by default, vLLM's block size) of
-every layer.  Its payload is ``2 * num_layers`` equal sections, in the order::
+An engine block is ``block_tokens`` tokens (16 by default, vLLM's block size);
+its KV of every layer is one pool value, whose extent is one pool block of at
+least :attr:`BlockFormat.nbytes` bytes.  The value's payload is
+``2 * num_layers`` equal sections, in the order::
 
     layer 0 K | layer 0 V | layer 1 K | layer 1 V | ... | layer L-1 V
 
-Each section is one block of one layer's K or V in one of three inner orders:
+Each section is one engine block of one layer's K or V in one of three inner
+orders:
 
 ``NHD``
-    ``[block_size, num_kv_heads, head_dim]``: vLLM FlashAttention (NHD).
+    ``[block_tokens, num_kv_heads, head_dim]``: vLLM FlashAttention (NHD).
 ``HND``
-    ``[num_kv_heads, block_size, head_dim]``: vLLM FlashAttention with the HND
+    ``[num_kv_heads, block_tokens, head_dim]``: vLLM FlashAttention with the HND
     stride order, and Hugging Face ``[batch, heads, seq, dim]`` caches, so those
     two kinds of engine can read each other's blocks.
 ``CPU``
-    ``[num_kv_heads, block_size * head_dim]``: vLLM's CPU_ATTN backend, which
+    ``[num_kv_heads, block_tokens * head_dim]``: vLLM's CPU_ATTN backend, which
     repacks each head's slab for its ISA (AMX tiles).  The slab moves whole;
     no single token inside it can be addressed.
 
@@ -40,16 +43,16 @@ ORDERS = ("NHD", "HND", "CPU")
 
 @dataclass(frozen=True)
 class KVSpec:
-    """The shape of one model's KV cache; it fixes what a pool block holds."""
+    """The shape of one model's KV cache; it fixes what one engine block's pool value holds."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    block_size: int = 16
+    block_tokens: int = 16  # tokens per engine block
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KVSpec.{name} must be a positive int, not {value!r}")
@@ -64,13 +67,13 @@ class KVSpec:
 
     @property
     def section_bytes(self) -> int:
-        """Bytes of one block of one layer's K (or V)."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one engine block of one layer's K (or V)."""
+        return self.block_tokens * self.num_kv_heads * self.head_dim * self.itemsize
 
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """The byte layout of one pool block for a model shape and an inner order."""
+    """The byte layout of one engine block's pool value for a model shape and an inner order."""
 
     spec: KVSpec
     order: str
@@ -81,17 +84,17 @@ class BlockFormat:
 
     @property
     def nbytes(self) -> int:
-        """Payload bytes of one pool block (the pool's block size must be at least this)."""
+        """Payload bytes of one engine block's value (a pool block must hold at least this)."""
         return 2 * self.spec.num_layers * self.spec.section_bytes
 
     @property
     def pool_block_bytes(self) -> int:
-        """The smallest pool block size (whole 4 KiB pages) that holds one block."""
+        """The smallest pool block size, bytes (whole 4 KiB pages), that holds one engine block."""
         return -(-self.nbytes // PAGE) * PAGE
 
     @property
     def fingerprint(self) -> str:
-        """Everything that fixes the block's bytes, short enough for a pool label (64 bytes).
+        """Everything that fixes an engine block's bytes, short enough for a pool label (64 bytes).
 
         Engines put it in their block keys' extra keys, so blocks of two formats
         never share a key, and a pool made for KV blocks carries it as its label,
@@ -100,7 +103,7 @@ class BlockFormat:
         s = self.spec
         return (
             f"beluga-kv/{self.order}/{s.dtype}/"
-            f"L{s.num_layers}H{s.num_kv_heads}D{s.head_dim}B{s.block_size}"
+            f"L{s.num_layers}H{s.num_kv_heads}D{s.head_dim}B{s.block_tokens}"
         )
 
     @property
@@ -111,7 +114,7 @@ class BlockFormat:
     def fragment_offsets(
         self, layer: np.ndarray, kv: np.ndarray, token: np.ndarray, head: np.ndarray
     ) -> np.ndarray:
-        """Byte offsets, inside a block, of the head_dim vectors named (broadcast arrays)."""
+        """Byte offsets, in an engine block's value, of the named head_dim vectors (broadcast)."""
         if not self.token_addressable:
             raise ValueError(
                 "tokens inside a CPU_ATTN block are packed for the CPU's ISA and cannot be "
@@ -122,6 +125,6 @@ class BlockFormat:
         if self.order == "NHD":
             inner = token * s.num_kv_heads + head
         else:
-            inner = head * s.block_size + token
+            inner = head * s.block_tokens + token
         section = (layer * 2 + kv) * (s.section_bytes // s.itemsize)
         return (section + inner * s.head_dim) * s.itemsize

@@ -9,7 +9,7 @@ host memory, the buffers the data path hands to the C core; uint8 tensors
 for a cache on a CUDA device, whose addresses the GPU path
 (:mod:`beluga.transfer.gpu`) hands to its kernel.
 
-Layouts (per layer; ``nb`` blocks of ``bs`` tokens, ``H`` KV heads of ``D``):
+Layouts (per layer; ``nb`` engine blocks of ``bs`` tokens, ``H`` KV heads of ``D``):
 
 ``KVLayout.flash_attention(spec, tensors, "NHD")``
     vLLM FlashAttention, ``[2, nb, bs, H, D]`` contiguous.
@@ -27,7 +27,7 @@ picks the memory order).  Both classmethods above accept it too:
 ``cpu_attention`` when it is contiguous (each head's K slab, then its V
 slab), ``flash_attention`` when memory is ``[nb, H, bs, 2*D]`` ("HND") or
 ``[nb, bs, H, 2*D]`` ("NHD", a contiguous tensor or the logical view with
-permuted strides).  The pool block format is the same either way, so engines
+permuted strides).  The block format is the same either way, so engines
 of both generations share blocks.
 
 ``KVLayout.hugging_face(spec, [(key, value), ...])``
@@ -150,7 +150,7 @@ class KVLayout:
         _check_layers(spec, kv_caches, "KV cache tensors")
         if kv_caches[0].dim() == 4:
             return cls._flash_attention_views(spec, kv_caches, order)
-        bs, heads, dim = spec.block_size, spec.num_kv_heads, spec.head_dim
+        bs, heads, dim = spec.block_tokens, spec.num_kv_heads, spec.head_dim
         physical = []
         num_blocks = _num_blocks(kv_caches)
         logical = (2, num_blocks, bs, heads, dim)
@@ -188,7 +188,7 @@ class KVLayout:
     def cpu_attention(cls, spec: KVSpec, kv_caches: Sequence[torch.Tensor]) -> KVLayout:
         """vLLM CPU_ATTN per-layer caches: whole blocks only (the slabs are ISA-packed)."""
         _check_layers(spec, kv_caches, "KV cache tensors")
-        bs, heads, dim = spec.block_size, spec.num_kv_heads, spec.head_dim
+        bs, heads, dim = spec.block_tokens, spec.num_kv_heads, spec.head_dim
         per_block = bs * heads * dim
         if kv_caches[0].dim() == 4:
             num_blocks = _num_view_blocks(kv_caches)
@@ -234,7 +234,7 @@ class KVLayout:
         cls, spec: KVSpec, kv_caches: Sequence[torch.Tensor], order: str
     ) -> KVLayout:
         """vLLM's 4-D per-layer views: K and V side by side in each token's last axis."""
-        bs, heads, dim = spec.block_size, spec.num_kv_heads, spec.head_dim
+        bs, heads, dim = spec.block_tokens, spec.num_kv_heads, spec.head_dim
         num_blocks = _num_view_blocks(kv_caches)
         logical = (num_blocks, heads, bs, 2 * dim)
         in_memory = logical if order == "HND" else (num_blocks, bs, heads, 2 * dim)
@@ -293,10 +293,10 @@ class KVLayout:
                         "every layer's key and value must have one shape"
                     )
         batch, heads, seq, dim = shape
-        per_row = seq // spec.block_size
+        per_row = seq // spec.block_tokens
         strides = _Strides(
             kv=0,
-            block=spec.block_size * dim,
+            block=spec.block_tokens * dim,
             blocks_per_row=per_row,
             row=heads * seq * dim,
             token=dim,
@@ -366,7 +366,7 @@ class KVLayout:
         checks = (
             ("layer", layer, s.num_layers),
             ("kv", kv, 2),
-            ("token", token, s.block_size),
+            ("token", token, s.block_tokens),
             ("head", head, s.num_kv_heads),
         )
         for name, value, limit in checks:
