@@ -421,7 +421,7 @@ class BelugaScheduler:
         self, vllm_config: VllmConfig, kv: EngineKV, link: StoreLink, asynchronous: bool = False
     ) -> None:
         self.kv = kv
-        self.block_size = kv.spec.block_size
+        self.block_size = kv.spec.block_tokens
         self.link = link
         self.asynchronous = asynchronous
         self._saving: set[str] = set()  # requests with an asynchronous save queued
