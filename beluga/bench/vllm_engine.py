@@ -135,16 +135,16 @@ def serve(
     params: Any,
     concurrency: int,
     counters: Callable[[], dict[str, float]],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict[str, Any]]:
     """Drive ``engine`` (an ``LLMEngine``) with at most ``concurrency`` prompts in flight.
 
     A prompt arrives as soon as the trace has one and fewer than
     ``concurrency`` are in flight; the results, in trace order.
+    ``counters``: the connector's totals now; ``clock``: seconds now.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, not {concurrency}")
-    from vllm.inputs import TokensPrompt
-
     results: list[dict[str, Any]] = [{} for _ in prompts]
     waiting = list(enumerate(prompts))[::-1]  # popped from the end: trace order
     in_flight: dict[str, _InFlight] = {}
@@ -152,11 +152,11 @@ def serve(
         while waiting and len(in_flight) < concurrency:
             index, ids = waiting.pop()
             request_id = f"trace-{index}"  # outputs carry it (vLLM adds a suffix inside)
-            arrival = time.perf_counter()
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+            arrival = clock()
+            engine.add_request(request_id, {"prompt_token_ids": ids}, params)  # a TokensPrompt
             in_flight[request_id] = _InFlight(index, arrival, counters())
         for out in engine.step():
-            now = time.perf_counter()
+            now = clock()
             flight = in_flight[out.request_id]
             if flight.ttft is None and out.outputs[0].token_ids:
                 flight.ttft = now - flight.arrival
