@@ -162,7 +162,7 @@ def engine_output(ttft_s: list[float], load_s: float, loaded: int) -> dict[str, 
     results = [{"ttft_seconds": t, "num_cached_tokens": 32 * i} for i, t in enumerate(ttft_s)]
     return {
         "results": results,
-        "counters": {"load_seconds": load_s, "loaded_blocks": loaded},
+        "counters": {"load_seconds": load_s, "loaded_blocks": loaded, "save_seconds": 0.25},
         "wall_s": 9.5,
     }
 
@@ -175,7 +175,7 @@ def test_a_row_has_nearest_rank_percentiles_and_the_load_share() -> None:
     assert r["ttft_ms_mean"] == pytest.approx(550.0)
     assert r["ttft_ms_first"] == pytest.approx(250.0)  # the first request of each prefix
     assert r["load_ms_mean"] == pytest.approx(55.0) and r["loaded_blocks"] == 12
-    assert r["load_share"] == pytest.approx(0.1)
+    assert r["load_share"] == pytest.approx(0.1) and r["save_s"] == 0.25
     assert r["cached_tokens_mean"] == pytest.approx(32 * 4.5)
     assert r["ttft_ms"] == pytest.approx([1e3 * t for t in ttft])
     assert (r["pass"], r["mode"], r["requests"], r["wall_s"]) == (2, "Beluga async", 10, 9.5)

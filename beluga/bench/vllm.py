@@ -66,6 +66,7 @@ COLUMNS = [
     ("loaded_blocks", "loaded blocks"),
     ("load_ms_mean", "load ms"),
     ("load_share", "load share"),
+    ("save_s", "save s"),
     ("wall_s", "pass s"),
 ]
 
@@ -74,8 +75,8 @@ COLUMNS = [
 class Trace:
     """The requests each engine serves, and how many of them at once."""
 
-    prefixes: int = 4
-    per_prefix: int = 4
+    prefixes: int = 8  # more than in flight: loads overlap other requests' work
+    per_prefix: int = 2
     prefix_tokens: int = 1024
     suffix_tokens: int = 64
     max_tokens: int = 1  # tokens generated per request: 1 times the first alone
@@ -206,6 +207,7 @@ def row(pass_no: int, mode: str, out: dict[str, Any], prefixes: int) -> dict[str
         "loaded_blocks": out["counters"]["loaded_blocks"],
         "load_ms_mean": load_ms / len(results),
         "load_share": load_ms / sum(ttft),
+        "save_s": out["counters"]["save_seconds"],
         "wall_s": out["wall_s"],
         "ttft_ms": ttft,
     }
