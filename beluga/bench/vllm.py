@@ -79,7 +79,7 @@ class Trace:
     per_prefix: int = 2
     prefix_tokens: int = 1024
     suffix_tokens: int = 64
-    max_tokens: int = 1  # tokens generated per request: 1 times the first alone
+    max_tokens: int = 1  # tokens generated per request (1: the first token alone)
     concurrency: int = 4  # requests in flight; 1: each served alone
 
     def __post_init__(self) -> None:
@@ -174,10 +174,10 @@ def run(
             "concurrency": trace.concurrency,
         }
         for number, (mode, extra) in enumerate(MODES.items()):
-            with _pool_for(extra, model, trace.pool_blocks(), idle_after_s) as pool:
+            with _pool_for(extra, model, trace.pool_blocks(), idle_after_s) as pool_keys:
                 for pass_no in (1, 2):
                     name = f"mode{number}-pass{pass_no}"
-                    out = _engine(python, env, tmp, name, {**job, **pool})
+                    out = _engine(python, env, tmp, name, {**job, **pool_keys})
                     rows.append(row(pass_no, mode, out, trace.prefixes))
     rows.sort(key=lambda r: r["pass"])  # stable: modes stay in table order
     return {
