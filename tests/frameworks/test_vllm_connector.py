@@ -10,8 +10,10 @@ real ``vllm.v1.core.sched.scheduler.Scheduler`` that builds the connector from
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -144,19 +146,22 @@ def vllm_config(
 
 
 def kv_cache_config(
-    dtype: torch.dtype = torch.bfloat16, groups: int = 1, tp: int = 1
+    dtype: torch.dtype = torch.bfloat16, groups: int = 1, tp: int = 1, num_blocks: int = 64
 ) -> KVCacheConfig:
     """One rank's KV cache config (of ``tp``: the rank's share of the KV heads)."""
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS // tp, head_size=DIM, dtype=dtype)
     return KVCacheConfig(
-        num_blocks=64,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec) for _ in range(groups)],
     )
 
 
-def scheduler(config: VllmConfig) -> Scheduler:
-    kv_cache = kv_cache_config(tp=config.parallel_config.tensor_parallel_size)
+def scheduler(config: VllmConfig, num_blocks: int = 64) -> Scheduler:
+    """vLLM's scheduler for ``config`` over ``num_blocks`` KV blocks (one is vLLM's null block)."""
+    kv_cache = kv_cache_config(
+        tp=config.parallel_config.tensor_parallel_size, num_blocks=num_blocks
+    )
     config.cache_config.num_gpu_blocks = kv_cache.num_blocks
     return Scheduler(
         vllm_config=config,
@@ -696,14 +701,21 @@ def async_config(
     return vllm_config(model_dir, pool, connector=transfer)
 
 
-def engine_step(sched: Scheduler, conn: BelugaConnector) -> SchedulerOutput:
+def engine_step(
+    sched: Scheduler,
+    conn: BelugaConnector,
+    model: Callable[[SchedulerOutput], None] | None = None,
+) -> SchedulerOutput:
     """One engine step: schedule, the worker's connector calls as vLLM's model runner makes
-    them (one sampled token per scheduled request), and the scheduler's update."""
+    them around ``model`` (the forward), one sampled token per scheduled request, and the
+    scheduler's update."""
     out = sched.schedule()
     meta = out.kv_connector_metadata
     conn.handle_preemptions(meta)
     conn.bind_connector_metadata(meta)
     conn.start_load_kv(None)
+    if model is not None:
+        model(out)
     conn.wait_for_save()
     sending, recving = conn.get_finished(out.finished_req_ids)
     errors = conn.get_block_ids_with_load_errors()
@@ -723,11 +735,17 @@ def engine_step(sched: Scheduler, conn: BelugaConnector) -> SchedulerOutput:
     return out
 
 
-def run_until(sched: Scheduler, conn: BelugaConnector, done: object, steps: int = 200) -> None:
+def run_until(
+    sched: Scheduler,
+    conn: BelugaConnector,
+    done: object,
+    steps: int = 200,
+    model: Callable[[SchedulerOutput], None] | None = None,
+) -> None:
     for _ in range(steps):
         if done():  # type: ignore[operator]
             return
-        engine_step(sched, conn)
+        engine_step(sched, conn, model)
         threading.Event().wait(0.005)  # let the transfer threads run
     raise AssertionError("the engine did not get there")
 
@@ -860,3 +878,110 @@ def test_the_async_option_is_checked(model_dir: str) -> None:
             KVConnectorRole.WORKER,
             kv_cache_config(),
         )
+
+
+# -- preemption while asynchronous saves are in flight --
+
+
+def kv_of(tokens: Sequence[int]) -> torch.Tensor:
+    """The KV of the last of ``tokens``, [layer, head, K|V], a function of the whole prefix
+    (as a model's is): the same prefix always gets the same KV, another prefix other KV."""
+    digest = hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
+    return torch.randn((LAYERS, HEADS, 2 * DIM), generator=gen).to(torch.bfloat16)
+
+
+def forward(sched: Scheduler, out: SchedulerOutput, caches: dict[str, torch.Tensor]) -> set[int]:
+    """Write the KV of every token the step computes into its slot, as the model does; the
+    engine blocks written."""
+    starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    written: set[int] = set()
+    for req_id, count in out.num_scheduled_tokens.items():
+        tokens = sched.requests[req_id].all_token_ids
+        (block_ids,) = sched.kv_cache_manager.get_block_ids(req_id)
+        for pos in range(starts[req_id], starts[req_id] + count):
+            block, kv = block_ids[pos // BS], kv_of(tokens[: pos + 1])
+            for layer, name in enumerate(LAYER_NAMES):
+                caches[name][block, :, pos % BS] = kv[layer]
+            written.add(block)
+    return written
+
+
+def holds_the_kv_of(caches: dict[str, torch.Tensor], block: int, tokens: Sequence[int]) -> bool:
+    """Whether engine ``block`` holds the KV of ``tokens``, a full block of them, slot by slot."""
+    first = len(tokens) - BS
+    return all(
+        torch.equal(caches[name][block, :, slot], kv_of(tokens[: first + slot + 1])[layer])
+        for layer, name in enumerate(LAYER_NAMES)
+        for slot in range(BS)
+    )
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["with-the-wait", "without-it"])
+def test_a_preempted_requests_saves_end_before_its_blocks_are_reused(
+    model_dir: str, served_pool: str, waits: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM preempts a request while its blocks' saves are in flight, and gives a block to
+    another request, whose next forward writes into it.
+
+    The worker must end those saves first (``handle_preemptions``), or a save copies the
+    other request's KV and seals it, with a valid checksum, under the preempted request's
+    key: the request loads it when it resumes.  The second case takes the wait away, to
+    show that this test sees that race: each save is held until vLLM has preempted, then
+    until a block of the preempted request is written again, or (with the wait, where that
+    cannot come first) briefly.
+    """
+    config = async_config(model_dir, served_pool)
+    sched, caches = scheduler(config, num_blocks=5), cpu_caches(5, seed=None)  # 4 usable
+    conn = worker(config, caches)
+    full = free_blocks(sched)
+    preempted, reused = threading.Event(), threading.Event()
+    real_save, real_schedule = BelugaWorker._save, sched.schedule
+
+    def held_save(self: BelugaWorker, *args: object) -> None:
+        assert preempted.wait(30), "vLLM never preempted the request"
+        reused.wait(0.2 if waits else 30)
+        real_save(self, *args)
+
+    def schedule() -> SchedulerOutput:
+        out = real_schedule()
+        if "a" in (out.preempted_req_ids or ()):
+            preempted.set()
+        return out
+
+    monkeypatch.setattr(BelugaWorker, "_save", held_save)
+    monkeypatch.setattr(sched, "schedule", schedule)
+    if not waits:
+        monkeypatch.setattr(BelugaWorker, "handle_preemptions", lambda self, meta: None)
+    a_tokens = list(range(1, 2 * BS + 1))  # two full blocks, saved by the first step
+    sched.add_request(request(list(range(500, 500 + 2 * BS - 1)), "b"))
+    sched.add_request(request(a_tokens, "a"))  # the later one: vLLM preempts it first
+    resumed: list[bool] = []  # on A's first step after it resumed: its second block's KV
+
+    def model(out: SchedulerOutput) -> None:
+        if preempted.is_set() and "a" in out.num_scheduled_tokens and not resumed:
+            (a_blocks,) = sched.kv_cache_manager.get_block_ids("a")
+            resumed.append(holds_the_kv_of(caches, a_blocks[1], a_tokens))
+        if forward(sched, out, caches) & first_blocks:
+            reused.set()
+
+    first_blocks: set[int] = set()
+    out = engine_step(sched, conn, model)
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    first_blocks.update(sched.kv_cache_manager.get_block_ids("a")[0])
+    run_until(sched, conn, lambda: not sched.requests, model=model)
+    assert preempted.is_set() and reused.is_set()  # the race was set up
+    assert resumed == [waits]  # A resumed with its own second block's KV, from the pool
+    assert free_blocks(sched) == full
+    # what the pool holds under A's keys, as another engine reads it
+    dst = cpu_caches(2, seed=None)
+    reader = worker(vllm_config(model_dir, served_pool), dst)
+    with KVStore(served_pool) as store:
+        refs = store.locate(pooled(conn, *request(a_tokens).block_hashes))
+    assert all(r is not None for r in refs)
+    assert step(reader, BelugaMetadata(loads=[LoadSpec("r", [0, 1], [refs])])) == set()
+    assert [holds_the_kv_of(dst, i, a_tokens[: (i + 1) * BS]) for i in range(2)] == [True, waits]
+    for conn_ in (sched.connector, conn, reader):
+        conn_.shutdown()
