@@ -9,6 +9,10 @@ is configured for a pool that does not exist: it must serve the same tokens
 with one warning.  Engine F serves a fine-tune of the model from a directory
 of the same name: it must find none of the model's blocks.  The models are
 tiny random-weight Llamas written by the test: nothing is downloaded.
+
+The same holds for an MLA model (a tiny random DeepSeek-V2, on vLLM's CPU MLA
+backend): its latent KV is saved once and loaded by another engine, which
+generates what recomputation generates.
 """
 
 from __future__ import annotations
@@ -134,3 +138,86 @@ def test_a_missing_pool_serves_correct_tokens_with_one_warning(runs: dict[str, A
     assert all(r["num_cached_tokens"] == 0 for r in result["results"])
     warnings = [line for line in stderr.splitlines() if "is unavailable" in line]
     assert len(warnings) == 1, warnings
+
+
+# -- MLA: a DeepSeek-V2 whose KV is one latent vector per token, the same on every rank --
+
+MLA_BLOCK = 16  # the CPU MLA kernel's only block size
+
+
+def write_tiny_deepseek(path: str) -> str:
+    """A seeded random-weight DeepSeek-V2 with MLA, as small as vLLM's CPU MLA kernel allows.
+
+    The latent is ``kv_lora_rank + qk_rope_head_dim`` = 576 wide: the only
+    width the CPU decode kernel compiles for.
+    """
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=2048,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mla_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("mla")
+    model = write_tiny_deepseek(str(tmp / "deepseek"))
+    rng = random.Random(8)
+    # A's prompts and outputs stay short of a fourth block: A saves the prefixes alone
+    prefixes = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * MLA_BLOCK + 2)] for _ in "ab"]
+    served = [p + [rng.randrange(1, 500) for _ in range(3)] for p in prefixes]
+    sharing = [p + [rng.randrange(1, 500) for _ in range(17)] for p in prefixes]
+    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
+    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=64 << 10))
+    server = MetadataServer(pool)
+    thread = server.start_thread()
+    try:
+        job = {"model": model, "max_tokens": 8, "block_size": MLA_BLOCK}
+        out = {
+            "A": engine(tmp, "A", {**job, "prompts": served, "pool": path}),
+            "B": engine(tmp, "B", {**job, "prompts": sharing, "pool": path}),
+            "C": engine(tmp, "C", {**job, "prompts": sharing}),
+        }
+        yield out
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        server.close()
+        pool.close()
+        Pool.destroy(path)
+
+
+def test_an_mla_engine_saves_its_latent_kv_once_and_another_loads_it(
+    mla_runs: dict[str, Any],
+) -> None:
+    assert mla_runs["A"][0]["counters"]["saved_blocks"] == 2 * PREFIX_BLOCKS
+    for r in mla_runs["B"][0]["results"]:
+        assert r["num_cached_tokens"] == PREFIX_BLOCKS * MLA_BLOCK
+        assert r["loaded_blocks"] == PREFIX_BLOCKS
+    assert mla_runs["B"][0]["counters"]["load_errors"] == 0
+    assert tokens(mla_runs["B"]) == tokens(mla_runs["C"])
+    assert all(r["num_cached_tokens"] == 0 for r in mla_runs["C"][0]["results"])
