@@ -256,8 +256,8 @@ class EngineKV:
     shard is one rank's KV heads (``spec``): one namespace per rank, each
     naming the TP size and the rank, so an engine of another TP size, or
     another rank, never reads a shard as its own.  With MLA every rank holds
-    the same latent KV (``replicated``): one shard, whose namespace names
-    neither, so rank 0 saves it once and every rank of any TP size loads it.
+    the same latent KV: one shard, whose namespace names neither, so rank 0
+    saves it once and every rank of any TP size loads it.
     """
 
     spec: KVSpec
@@ -270,10 +270,6 @@ class EngineKV:
     @property
     def block_bytes(self) -> int:
         return 2 * self.spec.num_layers * self.spec.section_bytes
-
-    @property
-    def replicated(self) -> bool:
-        return len(self.namespaces) == 1 and self.tp_size > 1
 
     def shard(self, rank: int) -> int:
         """The shard tensor-parallel ``rank`` holds."""
@@ -329,7 +325,7 @@ def _cpu_mla_backend(vllm_config: VllmConfig) -> str:
     return "AMX_MLA" if amx and platform.machine() in ("x86_64", "AMD64") else "CPU_MLA"
 
 
-def _mla_kv(vllm_config: VllmConfig, spec: Any, num_layers: int, block_size: int) -> KVSpec:
+def _mla_kv(spec: Any, num_layers: int, block_size: int) -> KVSpec:
     """MLA's latent cache as a pool block; refused unless it is the plain one vLLM's CPU writes.
 
     A layer's block of latent KV is one ``[block_size, kv_lora_rank + rope_dim]``
@@ -394,7 +390,7 @@ def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) ->
     layer_names = tuple(groups[0].layer_names)
     attention = ""
     if kind == "MLAAttentionSpec":
-        kv = _mla_kv(vllm_config, spec, len(layer_names), block_size)
+        kv = _mla_kv(spec, len(layer_names), block_size)
         attention = _cpu_mla_backend(vllm_config)
     elif kind == "FullAttentionSpec" and getattr(spec, "head_size_v", spec.head_size) == (
         spec.head_size
@@ -551,17 +547,17 @@ class BelugaScheduler:
         One index lookup per shard; a block is a hit only when all its shards
         are in the pool, so every rank loads the same blocks.
         """
-        per_rank: list[list[BlockRef]] = []
+        per_shard: list[list[BlockRef]] = []
         for shard in range(len(self.kv.namespaces)):
             refs: list[BlockRef] = []
             for ref in store.locate([self.kv.key(h, shard) for h in hashes], prefix=True):
                 if ref is None or ref.length != self.kv.block_bytes:
                     break
                 refs.append(ref)
-            per_rank.append(refs)
+            per_shard.append(refs)
             hashes = hashes[: len(refs)]  # the next rank needs no more than this one has
-        hits = min(len(refs) for refs in per_rank)
-        return [refs[:hits] for refs in per_rank]
+        hits = min(len(refs) for refs in per_shard)
+        return [refs[:hits] for refs in per_shard]
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
