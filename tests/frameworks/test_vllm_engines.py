@@ -10,6 +10,10 @@ with one warning.  Engine F serves a fine-tune of the model from a directory
 of the same name: it must find none of the model's blocks.  The models are
 tiny random-weight Llamas written by the test: nothing is downloaded.
 
+With tensor parallelism (two ranks, each a worker process): a TP=2 engine
+saves each rank's shard, a second TP=2 engine loads them and generates the
+first one's tokens, and a TP=1 engine finds none of them.
+
 The same holds for an MLA model (a tiny random DeepSeek-V2, on vLLM's CPU MLA
 backend): its latent KV is saved once and loaded by another engine, which
 generates what recomputation generates.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import uuid
@@ -48,20 +53,45 @@ BLOCK = 32  # the CPU attention's block size
 PREFIX_BLOCKS = 3
 
 
-def engine(tmp: Path, name: str, job: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """Run one engine process; its results and its stderr."""
+# beluga.bench.vllm_engine's engine, with two tensor-parallel workers in processes of their own
+TP2 = """
+import functools, sys, vllm
+from beluga.bench import vllm_engine
+if __name__ == "__main__":
+    vllm.LLM = functools.partial(
+        vllm.LLM, tensor_parallel_size=2, distributed_executor_backend="mp"
+    )
+    sys.exit(vllm_engine.main(sys.argv[1:]))
+"""
+
+
+def engine(tmp: Path, name: str, job: dict[str, Any], tp: int = 1) -> tuple[dict[str, Any], str]:
+    """Run one engine process (``tp``: 1, or 2 with a worker process per rank); its results
+    and its stderr."""
     job_file, out_file = tmp / f"{name}.json", tmp / f"{name}.out.json"
     job_file.write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # vLLM's CPU workers bind one NUMA node each unless told which cores: one core per rank
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    start = ["-m", "beluga.bench.vllm_engine"] if tp == 1 else ["-c", TP2]
     proc = subprocess.run(
-        [sys.executable, "-m", "beluga.bench.vllm_engine", str(job_file), str(out_file)],
+        [sys.executable, *start, str(job_file), str(out_file)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,  # a hung engine; two TP ranks on two busy cores take minutes
     )
+    remove_tp_shared_memory(proc.stdout + proc.stderr)  # vLLM logs to stdout
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
     return json.loads(out_file.read_text()), proc.stderr
+
+
+def remove_tp_shared_memory(log: str) -> None:
+    """Remove what vLLM's CPU workers leave in /dev/shm: it kills them before they unlink
+    their tensor-parallel group's buffers, named after the engine's distributed init file."""
+    for ident in set(re.findall(r"distributed_init_method=file://\S*/(vllm_dist_\w+)", log)):
+        for leftover in Path("/dev/shm").glob(f"{ident}-*cpushm*"):
+            leftover.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +251,49 @@ def test_an_mla_engine_saves_its_latent_kv_once_and_another_loads_it(
     assert mla_runs["B"][0]["counters"]["load_errors"] == 0
     assert tokens(mla_runs["B"]) == tokens(mla_runs["C"])
     assert all(r["num_cached_tokens"] == 0 for r in mla_runs["C"][0]["results"])
+
+
+# -- tensor parallelism: two ranks, each a worker process with its own connector --
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("tp")
+    model = write_tiny_model(str(tmp / "model"))
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 14)] for _ in range(2)]
+    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
+    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=16 << 10))
+    server = MetadataServer(pool)
+    thread = server.start_thread()
+    try:
+        job = {"model": model, "max_tokens": 8, "prompts": prompts, "pool": path}
+        out = {"A": engine(tmp, "A", job, tp=2)}
+        with KVStore(pool) as store:
+            out["stats"] = store.stats()
+        out["B"] = engine(tmp, "B", job, tp=2)
+        out["one"] = engine(tmp, "one", job)
+        yield out
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        server.close()
+        pool.close()
+        Pool.destroy(path)
+
+
+def test_a_tp2_engine_loads_another_tp2_engines_shards_and_generates_its_tokens(
+    tp_runs: dict[str, Any],
+) -> None:
+    assert tp_runs["stats"]["keys"] == 2 * 2 * PREFIX_BLOCKS  # a shard per rank per block
+    assert all(r["num_cached_tokens"] == 0 for r in tp_runs["A"][0]["results"])
+    for r in tp_runs["B"][0]["results"]:  # B's own cache was empty: the prefix came from A
+        assert r["num_cached_tokens"] == PREFIX_BLOCKS * BLOCK
+    assert tp_runs["B"][0]["counters"]["hit_blocks"] == 2 * PREFIX_BLOCKS
+    assert tokens(tp_runs["B"]) == tokens(tp_runs["A"])
+
+
+def test_a_tp1_engine_never_reads_tp2_shards(tp_runs: dict[str, Any]) -> None:
+    result, _ = tp_runs["one"]
+    assert all(r["num_cached_tokens"] == 0 for r in result["results"])
+    assert result["counters"].get("hit_blocks", 0) == 0
