@@ -10,6 +10,11 @@ with one warning.  Engine F serves a fine-tune of the model from a directory
 of the same name: it must find none of the model's blocks.  The models are
 tiny random-weight Llamas written by the test: nothing is downloaded.
 
+A model that mixes sliding-window and full-attention layers runs with the
+connector in one KV cache group (vLLM turns its hybrid KV cache manager off
+for a connector without SupportsHMA): an engine loads another's prefix,
+longer than the window, and generates the first one's tokens.
+
 With tensor parallelism (two ranks, each a worker process): a TP=2 engine
 saves each rank's shard, a second TP=2 engine loads them and generates the
 first one's tokens, and a TP=1 engine finds none of them.
@@ -35,7 +40,7 @@ from typing import Any
 
 import pytest
 
-from beluga.bench.vllm_engine import write_tiny_model
+from beluga.bench.vllm_engine import MODELS, write_tiny_model
 from beluga.kv import KVStore, MetadataServer
 from beluga.pool import Geometry, Pool
 from tests.frameworks.conftest import SETUP
@@ -297,3 +302,48 @@ def test_a_tp1_engine_never_reads_tp2_shards(tp_runs: dict[str, Any]) -> None:
     result, _ = tp_runs["one"]
     assert all(r["num_cached_tokens"] == 0 for r in result["results"])
     assert result["counters"].get("hit_blocks", 0) == 0
+
+
+# -- sliding window: vLLM keeps every block of every layer for a connector without HMA --
+
+
+def write_tiny_sliding_window_llama(path: str, window: int) -> str:
+    """A seeded random tiny Llama whose first layer attends to a sliding window only."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **MODELS["tiny"],
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=window,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_a_sliding_window_model_loads_a_prefix_longer_than_its_window(tmp_path: Path) -> None:
+    model = write_tiny_sliding_window_llama(str(tmp_path / "model"), window=BLOCK)
+    rng = random.Random(10)
+    prompts = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 14)] for _ in "ab"]
+    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
+    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=16 << 10))
+    server = MetadataServer(pool)
+    thread = server.start_thread()
+    try:
+        job = {"model": model, "max_tokens": 8, "prompts": prompts, "pool": path}
+        first, second = engine(tmp_path, "A", job), engine(tmp_path, "B", job)
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        server.close()
+        pool.close()
+        Pool.destroy(path)
+    assert first[0]["counters"]["saved_blocks"] == 2 * PREFIX_BLOCKS
+    for r in second[0]["results"]:
+        assert r["num_cached_tokens"] == PREFIX_BLOCKS * BLOCK
+        assert r["loaded_blocks"] == PREFIX_BLOCKS
+    assert second[0]["counters"]["load_errors"] == 0
+    assert tokens(second) == tokens(first)  # loaded, not recomputed: the same tokens
