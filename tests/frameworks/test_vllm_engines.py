@@ -9,6 +9,19 @@ is configured for a pool that does not exist: it must serve the same tokens
 with one warning.  Engine F serves a fine-tune of the model from a directory
 of the same name: it must find none of the model's blocks.  The models are
 tiny random-weight Llamas written by the test: nothing is downloaded.
+
+A model that mixes sliding-window and full-attention layers runs with the
+connector in one KV cache group (vLLM turns its hybrid KV cache manager off
+for a connector without SupportsHMA): an engine loads another's prefix,
+longer than the window, and generates the first one's tokens.
+
+With tensor parallelism (two ranks, each a worker process): a TP=2 engine
+saves each rank's shard, a second TP=2 engine loads them and generates the
+first one's tokens, and a TP=1 engine finds none of them.
+
+The same holds for an MLA model (a tiny random DeepSeek-V2, on vLLM's CPU MLA
+backend): its latent KV is saved once and loaded by another engine, which
+generates what recomputation generates.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import uuid
@@ -26,7 +40,7 @@ from typing import Any
 
 import pytest
 
-from beluga.bench.vllm_engine import write_tiny_model
+from beluga.bench.vllm_engine import MODELS, write_tiny_model
 from beluga.kv import KVStore, MetadataServer
 from beluga.pool import Geometry, Pool
 from tests.frameworks.conftest import SETUP
@@ -44,20 +58,45 @@ BLOCK = 32  # the CPU attention's block size
 PREFIX_BLOCKS = 3
 
 
-def engine(tmp: Path, name: str, job: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """Run one engine process; its results and its stderr."""
+# beluga.bench.vllm_engine's engine, with two tensor-parallel workers in processes of their own
+TP2 = """
+import functools, sys, vllm
+from beluga.bench import vllm_engine
+if __name__ == "__main__":
+    vllm.LLM = functools.partial(
+        vllm.LLM, tensor_parallel_size=2, distributed_executor_backend="mp"
+    )
+    sys.exit(vllm_engine.main(sys.argv[1:]))
+"""
+
+
+def engine(tmp: Path, name: str, job: dict[str, Any], tp: int = 1) -> tuple[dict[str, Any], str]:
+    """Run one engine process (``tp``: 1, or 2 with a worker process per rank); its results
+    and its stderr."""
     job_file, out_file = tmp / f"{name}.json", tmp / f"{name}.out.json"
     job_file.write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # vLLM's CPU workers bind one NUMA node each unless told which cores: one core per rank
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    start = ["-m", "beluga.bench.vllm_engine"] if tp == 1 else ["-c", TP2]
     proc = subprocess.run(
-        [sys.executable, "-m", "beluga.bench.vllm_engine", str(job_file), str(out_file)],
+        [sys.executable, *start, str(job_file), str(out_file)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,  # a hung engine; two TP ranks on two busy cores take minutes
     )
+    remove_tp_shared_memory(proc.stdout + proc.stderr)  # vLLM logs to stdout
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
     return json.loads(out_file.read_text()), proc.stderr
+
+
+def remove_tp_shared_memory(log: str) -> None:
+    """Remove what vLLM's CPU workers leave in /dev/shm: it kills them before they unlink
+    their tensor-parallel group's buffers, named after the engine's distributed init file."""
+    for ident in set(re.findall(r"distributed_init_method=file://\S*/(vllm_dist_\w+)", log)):
+        for leftover in Path("/dev/shm").glob(f"{ident}-*cpushm*"):
+            leftover.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +173,177 @@ def test_a_missing_pool_serves_correct_tokens_with_one_warning(runs: dict[str, A
     assert all(r["num_cached_tokens"] == 0 for r in result["results"])
     warnings = [line for line in stderr.splitlines() if "is unavailable" in line]
     assert len(warnings) == 1, warnings
+
+
+# -- MLA: a DeepSeek-V2 whose KV is one latent vector per token, the same on every rank --
+
+MLA_BLOCK = 16  # the CPU MLA kernel's only block size
+
+
+def write_tiny_deepseek(path: str) -> str:
+    """A seeded random-weight DeepSeek-V2 with MLA, as small as vLLM's CPU MLA kernel allows.
+
+    The latent is ``kv_lora_rank + qk_rope_head_dim`` = 576 wide: the only
+    width the CPU decode kernel compiles for.
+    """
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=2048,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mla_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("mla")
+    model = write_tiny_deepseek(str(tmp / "deepseek"))
+    rng = random.Random(8)
+    # A's prompts and outputs stay short of a fourth block: A saves the prefixes alone
+    prefixes = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * MLA_BLOCK + 2)] for _ in "ab"]
+    served = [p + [rng.randrange(1, 500) for _ in range(3)] for p in prefixes]
+    sharing = [p + [rng.randrange(1, 500) for _ in range(17)] for p in prefixes]
+    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
+    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=64 << 10))
+    server = MetadataServer(pool)
+    thread = server.start_thread()
+    try:
+        job = {"model": model, "max_tokens": 8, "block_size": MLA_BLOCK}
+        out = {
+            "A": engine(tmp, "A", {**job, "prompts": served, "pool": path}),
+            "B": engine(tmp, "B", {**job, "prompts": sharing, "pool": path}),
+            "C": engine(tmp, "C", {**job, "prompts": sharing}),
+        }
+        yield out
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        server.close()
+        pool.close()
+        Pool.destroy(path)
+
+
+def test_an_mla_engine_saves_its_latent_kv_once_and_another_loads_it(
+    mla_runs: dict[str, Any],
+) -> None:
+    assert mla_runs["A"][0]["counters"]["saved_blocks"] == 2 * PREFIX_BLOCKS
+    for r in mla_runs["B"][0]["results"]:
+        assert r["num_cached_tokens"] == PREFIX_BLOCKS * MLA_BLOCK
+        assert r["loaded_blocks"] == PREFIX_BLOCKS
+    assert mla_runs["B"][0]["counters"]["load_errors"] == 0
+    assert tokens(mla_runs["B"]) == tokens(mla_runs["C"])
+    assert all(r["num_cached_tokens"] == 0 for r in mla_runs["C"][0]["results"])
+
+
+# -- tensor parallelism: two ranks, each a worker process with its own connector --
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("tp")
+    model = write_tiny_model(str(tmp / "model"))
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 14)] for _ in range(2)]
+    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
+    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=16 << 10))
+    server = MetadataServer(pool)
+    thread = server.start_thread()
+    try:
+        job = {"model": model, "max_tokens": 8, "prompts": prompts, "pool": path}
+        out = {"A": engine(tmp, "A", job, tp=2)}
+        with KVStore(pool) as store:
+            out["stats"] = store.stats()
+        out["B"] = engine(tmp, "B", job, tp=2)
+        out["one"] = engine(tmp, "one", job)
+        yield out
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        server.close()
+        pool.close()
+        Pool.destroy(path)
+
+
+def test_a_tp2_engine_loads_another_tp2_engines_shards_and_generates_its_tokens(
+    tp_runs: dict[str, Any],
+) -> None:
+    assert tp_runs["stats"]["keys"] == 2 * 2 * PREFIX_BLOCKS  # a shard per rank per block
+    assert all(r["num_cached_tokens"] == 0 for r in tp_runs["A"][0]["results"])
+    for r in tp_runs["B"][0]["results"]:  # B's own cache was empty: the prefix came from A
+        assert r["num_cached_tokens"] == PREFIX_BLOCKS * BLOCK
+    assert tp_runs["B"][0]["counters"]["hit_blocks"] == 2 * PREFIX_BLOCKS
+    assert tokens(tp_runs["B"]) == tokens(tp_runs["A"])
+
+
+def test_a_tp1_engine_never_reads_tp2_shards(tp_runs: dict[str, Any]) -> None:
+    result, _ = tp_runs["one"]
+    assert all(r["num_cached_tokens"] == 0 for r in result["results"])
+    assert result["counters"].get("hit_blocks", 0) == 0
+
+
+# -- sliding window: vLLM keeps every block of every layer for a connector without HMA --
+
+
+def write_tiny_sliding_window_llama(path: str, window: int) -> str:
+    """A seeded random tiny Llama whose first layer attends to a sliding window only."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **MODELS["tiny"],
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=window,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_a_sliding_window_model_loads_a_prefix_longer_than_its_window(tmp_path: Path) -> None:
+    model = write_tiny_sliding_window_llama(str(tmp_path / "model"), window=BLOCK)
+    rng = random.Random(10)
+    prompts = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 14)] for _ in "ab"]
+    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
+    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=16 << 10))
+    server = MetadataServer(pool)
+    thread = server.start_thread()
+    try:
+        job = {"model": model, "max_tokens": 8, "prompts": prompts, "pool": path}
+        first, second = engine(tmp_path, "A", job), engine(tmp_path, "B", job)
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        server.close()
+        pool.close()
+        Pool.destroy(path)
+    assert first[0]["counters"]["saved_blocks"] == 2 * PREFIX_BLOCKS
+    for r in second[0]["results"]:
+        assert r["num_cached_tokens"] == PREFIX_BLOCKS * BLOCK
+        assert r["loaded_blocks"] == PREFIX_BLOCKS
+    assert second[0]["counters"]["load_errors"] == 0
+    assert tokens(second) == tokens(first)  # loaded, not recomputed: the same tokens
