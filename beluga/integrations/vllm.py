@@ -71,9 +71,12 @@ fingerprint: engines with the same model name and revision share blocks;
 required when the weights are not files Beluga can read, e.g. a remote
 loader), ``namespace`` (one more partition of the keys, e.g. per tenant),
 ``transfer`` (``"whole"`` or ``"layerwise"``: how synchronous loads are
-split; saves and asynchronous loads are whole), ``async`` (true by default:
-loads and saves run on the worker's two transfer threads, off the engine
-step; false: the step that needs them waits), ``timeout_s``, ``retry_s``.
+split; saves and asynchronous loads are whole), ``async`` (``"auto"`` by
+default: saves run on the worker's save thread, off the engine step, and a
+request's load runs on its load thread when it moves at least
+``async_min_bytes``, 64 MiB a rank, else inside the step that needs it, which
+a short load delays less than a step; true: every load off the step; false:
+loads and saves in the step), ``timeout_s``, ``retry_s``.
 When the pool or its server is unavailable the engine serves on, recomputing
 prefixes, with one warning per outage (see :mod:`beluga.integrations._link`);
 a save whose write lease ran out is put again once, then counted
@@ -126,13 +129,33 @@ TRANSFERS = ("whole", "layerwise")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-def asynchronous(extra: dict[str, Any]) -> bool:
-    """The ``async`` option (true unless set false): loads and saves off the engine step."""
-    value = extra.get("async", True)
+#: ``"async": "auto"``: a request's load runs off the engine step when it moves at least
+#: this many bytes (per rank); a smaller one is read inside the step that needs it
+ASYNC_MIN_BYTES = 64 << 20
+
+
+def async_threshold(extra: dict[str, Any]) -> int | None:
+    """The smallest load (bytes per rank) that runs off the engine step; None: none does.
+
+    From the ``async`` option: ``"auto"`` (the default) loads asynchronously from
+    ``async_min_bytes`` (64 MiB) up, true always, false never.  Saves run off
+    the step unless ``async`` is false.
+    """
+    value = extra.get("async", "auto")
     text = str(value).lower()
+    if text == "auto":
+        least = extra.get("async_min_bytes", ASYNC_MIN_BYTES)
+        if isinstance(least, bool) or not isinstance(least, int) or least < 0:
+            raise ValueError(
+                f"kv_connector_extra_config 'async_min_bytes' must be a whole number of "
+                f"bytes >= 0, not {least!r}"
+            )
+        return least
     if isinstance(value, bool) or text in _TRUE + _FALSE:
-        return text in _TRUE
-    raise ValueError(f"kv_connector_extra_config 'async' must be true or false, not {value!r}")
+        return 0 if text in _TRUE else None
+    raise ValueError(
+        f"kv_connector_extra_config 'async' must be true, false or \"auto\", not {value!r}"
+    )
 
 
 #: what the connector counts, and what each count means (also its Prometheus help)
@@ -446,6 +469,7 @@ class LoadSpec:
     req_id: str
     engine_blocks: list[int]
     refs: list[list[BlockRef]]
+    asynchronous: bool = False  # off the engine step (the request waits for get_finished)
 
 
 @dataclass
@@ -489,15 +513,20 @@ class BelugaScheduler:
     """
 
     def __init__(
-        self, vllm_config: VllmConfig, kv: EngineKV, link: StoreLink, asynchronous: bool = False
+        self,
+        vllm_config: VllmConfig,
+        kv: EngineKV,
+        link: StoreLink,
+        async_min_bytes: int | None = None,
     ) -> None:
         self.kv = kv
-        self.block_size = kv.spec.block_tokens
+        self.block_tokens = kv.spec.block_tokens
         self.link = link
-        self.asynchronous = asynchronous
+        self.async_min_bytes = async_min_bytes
+        self.asynchronous = async_min_bytes is not None  # saves run off the step
         self._saving: set[str] = set()  # requests with an asynchronous save queued
         self._tally = _Tally()
-        self._hits: dict[str, tuple[int, list[list[BlockRef]]]] = {}
+        self._hits: dict[str, tuple[int, list[list[BlockRef]], bool]] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
         if not vllm_config.cache_config.enable_prefix_caching:
@@ -519,9 +548,9 @@ class BelugaScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        first = num_computed_tokens // self.block_size
+        first = num_computed_tokens // self.block_tokens
         # at least one token is left to compute: it produces the next token's logits
-        last = (request.num_tokens - 1) // self.block_size
+        last = (request.num_tokens - 1) // self.block_tokens
         hashes = self._block_hashes(request)[first:last]
         self._hits.pop(request.request_id, None)
         if not hashes:
@@ -537,9 +566,14 @@ class BelugaScheduler:
                 return 0, False
         hits = len(refs[0])
         self._tally.add(lookups=1, hit_blocks=hits, miss_blocks=len(hashes) - hits)
+        load_async = (
+            hits > 0
+            and self.async_min_bytes is not None
+            and hits * self.kv.block_bytes >= self.async_min_bytes
+        )
         if hits:
-            self._hits[request.request_id] = (first, refs)
-        return hits * self.block_size, self.asynchronous and hits > 0
+            self._hits[request.request_id] = (first, refs, load_async)
+        return hits * self.block_tokens, load_async
 
     def _locate(self, store: KVStore, hashes: list[bytes]) -> list[list[BlockRef]]:
         """Each shard's pool blocks of the longest prefix of ``hashes`` that every shard has.
@@ -562,14 +596,14 @@ class BelugaScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        first, refs = self._hits.pop(request.request_id, (0, []))
+        first, refs, load_async = self._hits.pop(request.request_id, (0, [], False))
         (block_ids,) = blocks.get_block_ids()
-        count = num_external_tokens // self.block_size
+        count = num_external_tokens // self.block_tokens
         if count:
             engine = list(block_ids[first : first + count])
             shards = [rank_refs[:count] for rank_refs in refs]
-            self._pending_loads.append(LoadSpec(request.request_id, engine, shards))
-        computed = request.num_computed_tokens // self.block_size
+            self._pending_loads.append(LoadSpec(request.request_id, engine, shards, load_async))
+        computed = request.num_computed_tokens // self.block_tokens
         self._tracked[request.request_id] = _Tracked(
             request, list(block_ids), max(first + count, computed)
         )
@@ -601,7 +635,7 @@ class BelugaScheduler:
     def _collect_saves(self, tracked: _Tracked, computed_after: int, meta: BelugaMetadata) -> None:
         """Queue the blocks whose KV is complete once this step's forward has run."""
         hashed = len(tracked.request.block_hashes) // self.kv.hash_ratio
-        done = min(computed_after // self.block_size, hashed, len(tracked.block_ids))
+        done = min(computed_after // self.block_tokens, hashed, len(tracked.block_ids))
         if done <= tracked.saved or not self.link.available():
             return  # the common decode step: no block completed
         hashes = self._block_hashes(tracked.request)
@@ -643,7 +677,12 @@ class BelugaWorker:
     """
 
     def __init__(
-        self, kv: EngineKV, link: StoreLink, transfer: str, rank: int, asynchronous: bool = False
+        self,
+        kv: EngineKV,
+        link: StoreLink,
+        transfer: str,
+        rank: int,
+        asynchronous: bool = False,
     ) -> None:
         self.shard = kv.shard(rank)
         self.kv = kv
@@ -712,12 +751,16 @@ class BelugaWorker:
         """
         if meta is None or not meta.loads or self._layout is None:
             return
-        if self._loader is not None:
-            for load in meta.loads:
+        now = []
+        for load in meta.loads:
+            if load.asynchronous and self._loader is not None:
                 self._loading[load.req_id] = self._loader.submit(self._load_one, load)
+            else:
+                now.append(load)
+        if not now:
             return
-        engine = np.array([b for load in meta.loads for b in load.engine_blocks], dtype=np.int64)
-        refs = [r for load in meta.loads for r in load.refs[self.shard]]
+        engine = np.array([b for load in now for b in load.engine_blocks], dtype=np.int64)
+        refs = [r for load in now for r in load.refs[self.shard]]
         if self._transfer == "layerwise":
             self._layer_loads = (engine, refs, list(self._layer_layouts))
             return
@@ -906,7 +949,7 @@ class BelugaConnector(KVConnectorBase_V1):
             raise ValueError(
                 f"kv_connector_extra_config 'transfer' must be one of {TRANSFERS}, not {transfer!r}"
             )
-        is_async = asynchronous(extra)
+        threshold = async_threshold(extra)
         self.kv = engine_kv(vllm_config, kv_cache_config)
         self.link = StoreLink(
             str(extra.get("pool") or os.environ.get("BELUGA_POOL", "")),
@@ -918,9 +961,11 @@ class BelugaConnector(KVConnectorBase_V1):
         self.scheduler: BelugaScheduler | None = None
         self.worker: BelugaWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = BelugaScheduler(vllm_config, self.kv, self.link, is_async)
+            self.scheduler = BelugaScheduler(vllm_config, self.kv, self.link, threshold)
         else:
-            self.worker = BelugaWorker(self.kv, self.link, transfer, tp_rank(vllm_config), is_async)
+            self.worker = BelugaWorker(
+                self.kv, self.link, transfer, tp_rank(vllm_config), threshold is not None
+            )
 
     # ==============================
     # Scheduler side

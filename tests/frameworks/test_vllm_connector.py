@@ -900,10 +900,50 @@ def test_a_failed_async_load_follows_vllms_failure_policy(
     conn.shutdown()
 
 
-def test_the_async_option_is_checked(model_dir: str) -> None:
-    with pytest.raises(ValueError, match="'async' must be true or false"):
+@pytest.mark.parametrize("bigger", [False, True])
+def test_auto_loads_a_small_prefix_in_the_step_and_a_big_one_off_it(
+    model_dir: str, served_pool: str, monkeypatch: pytest.MonkeyPatch, bigger: bool
+) -> None:
+    # "auto" (the default): a load of at least async_min_bytes runs on the load thread and
+    # the request waits for it; a smaller one is read in the step that schedules it
+    prefix = saved_by_async_engine(model_dir, served_pool, monkeypatch)
+    probe = BelugaConnector(
+        async_config(model_dir, served_pool), KVConnectorRole.WORKER, kv_cache_config()
+    )
+    least = 3 * probe.kv.block_bytes  # the prefix's bytes
+    probe.shutdown()
+    config = async_config(
+        model_dir, served_pool, **{"async": "auto", "async_min_bytes": least + bigger}
+    )
+    sched, dst = scheduler(config), cpu_caches(8, seed=None)
+    conn = worker(config, dst)
+    sched.add_request(request(TOKENS, "b"))
+    out = engine_step(sched, conn)
+    if bigger:  # 3 blocks are below the threshold: loaded and prefilled in the first step
+        (new,) = out.scheduled_new_reqs
+        assert new.req_id == "b" and new.num_computed_tokens == 3 * BS
+        for name, saved in zip(LAYER_NAMES, prefix, strict=True):
+            assert torch.equal(dst[name][new.block_ids[0][:3]], saved)
+    else:  # at the threshold: off the step, the request waits for the load thread
+        assert not out.scheduled_new_reqs
+        assert sched.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    run_until(sched, conn, lambda: not sched.requests)
+    sched.connector.shutdown()
+    conn.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"async": "maybe"}, "'async' must be true, false or \"auto\""),
+        ({"async": "auto", "async_min_bytes": -1}, "'async_min_bytes' must be a whole number"),
+        ({"async": "auto", "async_min_bytes": "64M"}, "'async_min_bytes' must be a whole number"),
+    ],
+)
+def test_the_async_options_are_checked(model_dir: str, extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         BelugaConnector(
-            vllm_config(model_dir, "unused", **{"async": "maybe"}),
+            vllm_config(model_dir, "unused", **extra),
             KVConnectorRole.WORKER,
             kv_cache_config(),
         )
