@@ -26,6 +26,7 @@ generates what recomputation generates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -99,6 +100,23 @@ def remove_tp_shared_memory(log: str) -> None:
             leftover.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def served_pool(block_bytes: int) -> Iterator[tuple[str, Pool]]:
+    """A scratch pool of ``block_bytes`` pool blocks with its metadata server on a thread."""
+    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
+    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=block_bytes))
+    server = MetadataServer(pool)
+    thread = server.start_thread()
+    try:
+        yield path, pool
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        server.close()
+        pool.close()
+        Pool.destroy(path)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("engines")
@@ -108,11 +126,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     prefixes = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 5)] for _ in range(3)]
     served = [p + [rng.randrange(1, 500) for _ in range(9)] for p in prefixes]
     sharing = [p + [rng.randrange(1, 500) for _ in range(17)] for p in prefixes]
-    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
-    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=16 << 10))
-    server = MetadataServer(pool)
-    thread = server.start_thread()
-    try:
+    with served_pool(16 << 10) as (path, pool):
         job = {"model": model, "max_tokens": 8}
         layerwise = {"transfer": "layerwise"}
         out = {
@@ -126,12 +140,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             out["stats"] = store.stats()
         out["F"] = engine(tmp, "F", {**job, "model": fine_tune, "prompts": sharing, "pool": path})
         yield out
-    finally:
-        server.stop()
-        thread.join(timeout=10)
-        server.close()
-        pool.close()
-        Pool.destroy(path)
 
 
 def tokens(run: tuple[dict[str, Any], str]) -> list[list[int]]:
@@ -226,11 +234,7 @@ def mla_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     prefixes = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * MLA_BLOCK + 2)] for _ in "ab"]
     served = [p + [rng.randrange(1, 500) for _ in range(3)] for p in prefixes]
     sharing = [p + [rng.randrange(1, 500) for _ in range(17)] for p in prefixes]
-    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
-    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=64 << 10))
-    server = MetadataServer(pool)
-    thread = server.start_thread()
-    try:
+    with served_pool(64 << 10) as (path, _):
         job = {"model": model, "max_tokens": 8, "block_size": MLA_BLOCK}
         out = {
             "A": engine(tmp, "A", {**job, "prompts": served, "pool": path}),
@@ -238,12 +242,6 @@ def mla_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
             "C": engine(tmp, "C", {**job, "prompts": sharing}),
         }
         yield out
-    finally:
-        server.stop()
-        thread.join(timeout=10)
-        server.close()
-        pool.close()
-        Pool.destroy(path)
 
 
 def test_an_mla_engine_saves_its_latent_kv_once_and_another_loads_it(
@@ -267,11 +265,7 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     model = write_tiny_model(str(tmp / "model"))
     rng = random.Random(9)
     prompts = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 14)] for _ in range(2)]
-    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
-    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=16 << 10))
-    server = MetadataServer(pool)
-    thread = server.start_thread()
-    try:
+    with served_pool(16 << 10) as (path, pool):
         job = {"model": model, "max_tokens": 8, "prompts": prompts, "pool": path}
         out = {"A": engine(tmp, "A", job, tp=2)}
         with KVStore(pool) as store:
@@ -279,12 +273,6 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         out["B"] = engine(tmp, "B", job, tp=2)
         out["one"] = engine(tmp, "one", job)
         yield out
-    finally:
-        server.stop()
-        thread.join(timeout=10)
-        server.close()
-        pool.close()
-        Pool.destroy(path)
 
 
 def test_a_tp2_engine_loads_another_tp2_engines_shards_and_generates_its_tokens(
@@ -328,19 +316,9 @@ def test_a_sliding_window_model_loads_a_prefix_longer_than_its_window(tmp_path: 
     model = write_tiny_sliding_window_llama(str(tmp_path / "model"), window=BLOCK)
     rng = random.Random(10)
     prompts = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 14)] for _ in "ab"]
-    path = f"/dev/shm/beluga-test-{uuid.uuid4().hex[:12]}"
-    pool = Pool.create(path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=16 << 10))
-    server = MetadataServer(pool)
-    thread = server.start_thread()
-    try:
+    with served_pool(16 << 10) as (path, _):
         job = {"model": model, "max_tokens": 8, "prompts": prompts, "pool": path}
         first, second = engine(tmp_path, "A", job), engine(tmp_path, "B", job)
-    finally:
-        server.stop()
-        thread.join(timeout=10)
-        server.close()
-        pool.close()
-        Pool.destroy(path)
     assert first[0]["counters"]["saved_blocks"] == 2 * PREFIX_BLOCKS
     for r in second[0]["results"]:
         assert r["num_cached_tokens"] == PREFIX_BLOCKS * BLOCK
