@@ -57,7 +57,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -812,8 +812,10 @@ class ChaosDriver:
 
     # -- hostile bytes -------------------------------------------------------
 
-    def _freeze_writers(self) -> list[_Role]:
-        """SIGSTOP every running writer, so no block changes hands while we aim.
+    @contextlib.contextmanager
+    def _writers_frozen(self) -> Iterator[None]:
+        """Every running writer SIGSTOPped for the block, so nothing changes hands while we
+        aim; SIGCONT after.
 
         A writer that stopped itself mid-payload sent "mid" first: draining
         the frozen writers' pipes finds it, and it stays stopped at the thaw.
@@ -829,12 +831,12 @@ class ChaosDriver:
             if not _wait_stopped(r.pid, 1.0) and r.proc.is_alive():
                 self._error("ChaosFreeze", f"{r.name} did not stop within 1 s")
         self._drain(frozen)
-        return frozen
-
-    def _thaw(self, frozen: list[_Role]) -> None:
-        for r in frozen:
-            if not r.gone and not r.mid:
-                _signal(r.pid, signal.SIGCONT)
+        try:
+            yield
+        finally:
+            for r in frozen:
+                if not r.gone and not r.mid:
+                    _signal(r.pid, signal.SIGCONT)
 
     def _fault_corrupt_rpc_line(self) -> bool:
         return self._corrupt_rpc("corrupt_rpc_line", ("request-line", "response-line"))
@@ -858,8 +860,7 @@ class ChaosDriver:
 
     def _corrupt_block(self, fault: str, injector: Callable[..., faults.Hit | None]) -> bool:
         assert self.pool is not None
-        frozen = self._freeze_writers()
-        try:
+        with self._writers_frozen():
             # the earliest moment a reader can see the hostile bytes: before the store,
             # not after it (a read that raced it is excused, not a lost write)
             before = time.monotonic()
@@ -879,8 +880,6 @@ class ChaosDriver:
                 version=None if hit.header is None else hit.header.version,
             )
             return True
-        finally:
-            self._thaw(frozen)
 
     def _fault_corrupt_header(self) -> bool:
         return self._corrupt_block("corrupt_header", faults.corrupt_header)
@@ -897,16 +896,13 @@ class ChaosDriver:
         # have its commit land either side of it (its misses are excused); one tried after
         # rewrites the bucket from the server's mirror. Unfrozen, a put tried between the
         # timestamp and the store, and committed before it, was called a lost write.
-        frozen = self._freeze_writers()
-        try:
+        with self._writers_frozen():
             before = time.monotonic()
             hit, bucket = faults.corrupt_index(self.pool.memory, sb, self.rng)
             for d, key in self.by_digest.items():
                 if bucket in _core.ix_hash(d, sb.nbuckets)[1:]:
                     self.history.corrupted(key, before)
             self._record("corrupt_index", hit.target, bytes=hit.length)
-        finally:
-            self._thaw(frozen)
         return True
 
     # -- the end: quiesce, audit, restart, audit -----------------------------

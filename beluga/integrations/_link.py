@@ -52,7 +52,6 @@ log = logging.getLogger("beluga.integrations")
 #: errors that mean "the pool is not usable now", as opposed to bugs: the RPC
 #: transport, the pool, its device, and the OS refusing to map or open it
 UNAVAILABLE = (RpcError, PoolError, BackendUnavailableError, OSError)
-# what KVStore._commit says when the server took a write's lease back
 
 # Pool specs this process has warned about: an engine holds several links (vLLM's
 # scheduler and worker connectors), and an outage is reported once per process.

@@ -296,8 +296,8 @@ class KVStore:
             except BaseException:
                 self.abort(refs)
                 raise
-            refused = self._commit(refs)
-            lost += [s.start + i for i in refused]
+            refused = set(self._commit(refs))
+            lost += sorted(s.start + i for i in refused)
             if tier and self.tier is not None and self.tier.config.write_through:
                 kept = [i for i in range(len(refs)) if i not in refused]
                 self._to_tier([digests[s][i] for i in kept], [views[s][i] for i in kept])
