@@ -125,7 +125,7 @@ def test_a_block_removed_after_the_lookup_ends_the_prefix(
     validated read drops it and everything after, and never uses its bytes."""
     tokens = prompt(7, 4 * BS + 2)
     hosts.a.serve(tokens)
-    read = hosts.b.store.read_blocks
+    read = hosts.b.store.load
     third = hosts.b.keys(tokens)[2]
 
     def read_after_removal(*args: object, **kwargs: object) -> list[bool]:
@@ -134,10 +134,12 @@ def test_a_block_removed_after_the_lookup_ends_the_prefix(
         assert got == [True, True, False, True]
         return got
 
-    monkeypatch.setattr(hosts.b.store, "read_blocks", read_after_removal)
+    monkeypatch.setattr(hosts.b.store, "load", read_after_removal)
     served = hosts.b.serve(tokens, want_logits=True)
     assert served.cached_tokens == 2 * BS
-    assert served.saved_blocks == 2  # blocks 2 and 3 are computed and saved again
+    # blocks 2 and 3 are computed again; 2 is saved, 3 is still in the pool (skipped)
+    assert served.saved_blocks == 1
+    assert hosts.a.store.batch_is_exist(hosts.b.keys(tokens)) == [True] * 4
     full = hosts.b.model.prefill(tokens).logits.numpy()
     assert served.logits is not None and max_diff(served.logits, full[2 * BS :]) <= TOLERANCE
 

@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from beluga import KVStore
+from beluga.chaos.roles import Midway, read_in_place
 from beluga.child import server_process
-from beluga.errors import CapacityError, RpcError, WriteLeaseLost
+from beluga.errors import CapacityError, RpcError
 from beluga.kv import hash_block, prefix_hashes, seed_hash, sha256
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
@@ -131,13 +132,21 @@ def test_lru_eviction_and_capacity_error(pool: Pool) -> None:
         assert s.get("v0") is None  # least recently used, evicted
         survivors = [f"v{i}" for i in range(nblocks + 50) if s.is_exist(f"v{i}")]
         assert s.get_batch(survivors) == [value_of(k, 1000) for k in survivors]
+
         # every block reserved by writes in flight: nothing can be evicted
-        refs = s.reserve([f"w{i}" for i in range(nblocks)], [1000] * nblocks)
-        with pytest.raises(CapacityError, match="nothing can be evicted"):
-            s.put("one-too-many", b"x")
-        s.abort(refs)
+        class Refused(Exception):
+            pass
+
+        def full(mem: Any, places: Any) -> None:
+            with pytest.raises(CapacityError, match="nothing can be evicted"):
+                s.put("one-too-many", b"x")
+            raise Refused  # the save gives its extents back
+
+        with pytest.raises(Refused):
+            s.save([f"w{i}" for i in range(nblocks)], Midway([bytes(1000)] * nblocks, full))
         s.put("one-more", b"y")
         assert s.get("one-more") == b"y"  # still serving
+        assert not any(s.batch_is_exist([f"w{i}" for i in range(nblocks)]))
 
 
 def test_reads_without_rpc_still_order_eviction(pool: Pool) -> None:
@@ -157,11 +166,13 @@ def test_reads_without_rpc_still_order_eviction(pool: Pool) -> None:
 
 
 def _doomed_writer(spec: str, mode: str, ready: Any) -> None:
-    with KVStore(spec, coherence=mode) as s:
-        refs = s.reserve(["never-visible"], [50_000])
-        s.mem.nt_store(refs[0].payload_offset, bytes(20_000))  # half a payload ...
+    def die(mem: Any, places: Any) -> None:
+        mem.nt_store(places[0].payload_offset, bytes(20_000))  # half a payload ...
         ready.set()
         os.kill(os.getpid(), signal.SIGKILL)  # ... and the writer dies mid-put
+
+    with KVStore(spec, coherence=mode) as s:
+        s.save(["never-visible"], Midway([bytes(50_000)], die))
 
 
 @pytest.mark.parametrize("mode", ["native", "model"])
@@ -184,43 +195,39 @@ def test_a_writer_killed_mid_put_never_becomes_visible(pool: Pool, mode: str) ->
 def test_an_expired_write_lease_returns_the_space(pool: Pool) -> None:
     with server(pool.spec, write_lease_s=0.2), KVStore(pool) as s:
         base = s.stats()["blocks_used"]
-        refs = s.reserve(["slow"], [1000])
-        deadline = time.monotonic() + 10
-        while s.stats()["lease_expiries"] < 1:
-            assert time.monotonic() < deadline, "the write lease never expired"
-            time.sleep(0.01)
-        assert s.stats()["blocks_used"] == base + 1  # quarantined: its writer still lives
-        with pytest.raises(RpcError, match="lost their write lease"):
-            s.seal(refs)
-        assert s.get("slow") is None and s.stats()["blocks_used"] == base
 
-
-def test_a_commit_that_loses_some_leases_names_them_and_keeps_the_rest(pool: Pool) -> None:
-    # One seal commits two writes: "slow" outlived its lease, "fast" did not. Before,
-    # the call raised a bare RpcError for both, so a caller (the chaos tier among them)
-    # took "fast" for refused although it was committed and readable.
-    with server(pool.spec, write_lease_s=1.0), KVStore(pool) as s:
-        for attempt in range(20):
-            slow, fast = f"slow{attempt}", f"fast{attempt}"
+        def outlive_the_lease(mem: Any, places: Any) -> None:
             expiries = s.stats()["lease_expiries"]
-            refs = s.reserve([slow], [1000])
             deadline = time.monotonic() + 10
             while s.stats()["lease_expiries"] == expiries:
                 assert time.monotonic() < deadline, "the write lease never expired"
                 time.sleep(0.01)
-            refs += s.reserve([fast], [1000])
-            value = value_of(fast, 2000)
-            table = np.array([[0, i * 1000, r.payload_offset, 1000] for i, r in enumerate(refs)])
-            with pytest.raises(WriteLeaseLost) as caught:
-                s.write_blocks(refs, [value], table.astype(np.uint64))  # the engine's save
-            if caught.value.lost == [0]:  # "fast" made it within its lease: the case we want
-                break
-            assert caught.value.lost == [0, 1]  # a loaded machine: "fast" expired too; again
-        else:
-            pytest.fail("in 20 tries no fresh write was committed within a 1 s lease")
-        assert isinstance(caught.value, RpcError) and "1 of 2" in str(caught.value)
-        assert s.get(slow) is None
-        assert s.get(fast) == value[1000:]  # committed, as the error says
+            assert s.stats()["blocks_used"] == base + 1  # quarantined: its writer still lives
+
+        saved = s.save(["slow"], Midway([b"s" * 1000], outlive_the_lease))
+        assert (saved.stored, saved.present, saved.lost) == ([], [], [0])
+        assert s.get("slow") is None and s.stats()["blocks_used"] == base
+        # a second attempt (a fresh reservation) stores what the first lost
+        saved = s.save(["slow"], Midway([b"s" * 1000], outlive_the_lease), attempts=2)
+        assert (saved.stored, saved.lost) == ([0], []) and s.get("slow") == b"s" * 1000
+        assert s.stats()["blocks_used"] == base + 1
+
+
+def test_a_commit_that_loses_some_leases_names_them_and_keeps_the_rest(pool: Pool) -> None:
+    # One commit of two writes, one of them refused: before, the call raised a bare
+    # RpcError for both, so a caller (the chaos tier among them) took the committed one
+    # for refused although it was readable.  The server refuses "slow" because its
+    # reservation is taken back (as a server does once a lease ran out) before the copy.
+    with server(pool.spec), KVStore(pool) as s:
+        values = [value_of("slow", 1000), value_of("fast", 1000)]
+
+        def take_back_the_first(mem: Any, places: Any) -> None:
+            s._abort(places[:1])
+
+        saved = s.save(["slow", "fast"], Midway(values, take_back_the_first), replace=True)
+        assert (saved.stored, saved.lost) == ([1], [0])
+        assert s.get("slow") is None
+        assert s.get("fast") == values[1]  # committed, as the answer says
 
 
 def _writer(spec: str, mode: str, prefix: str, n: int, size: int, out: Any) -> None:
@@ -351,7 +358,7 @@ def test_a_server_refuses_a_pool_of_another_layout(pool: Pool, shm_path: str) ->
 
 def read_every_path(s: KVStore, key: str, size: int) -> dict[str, bytes | None]:
     """One key through every read path: get, get_into, batch_get_into, get_batch, and the
-    in-place path of the data path (locate, then one validated read_blocks)."""
+    in-place path of the data path (locate, then one validated load)."""
     out: dict[str, bytes | None] = {"get": s.get(key), "get_batch": s.get_batch([key])[0]}
     buf = bytearray(size)
     n = s.get_into(key, buf)
@@ -359,31 +366,23 @@ def read_every_path(s: KVStore, key: str, size: int) -> dict[str, bytes | None]:
     buf = bytearray(size)
     (n,) = s.batch_get_into([key], [buf])
     out["batch_get_into"] = None if n < 0 else bytes(buf[:n])
-    (ref,) = s.locate([key], prefix=False)
-    copy = None
-    if ref is not None:
-        buf = bytearray(ref.length)
-        table = np.array([[0, 0, ref.payload_offset, ref.length]], dtype=np.uint64)
-        copy = bytes(buf) if s.read_blocks([ref], [buf], table) == [True] else None
-    out["in_place"] = copy
+    (out["in_place"],) = read_in_place(s, [key])
     return out
 
 
 def _stalled_writer(spec: str, size: int, ready: Any, go: Any, out: Any) -> None:
     """An in-place write that stops half way (the parent SIGSTOPs it there), then finishes."""
     try:
-        with KVStore(spec) as s:
-            (ref,) = s.reserve(["stalled"], [size])
-            data = value_of("stalled", size)
-            s.mem.nt_store(ref.payload_offset, data[: size // 2])  # half its copy landed ...
+        data = value_of("stalled", size)
+
+        def stop_half_way(mem: Any, places: Any) -> None:
+            mem.nt_store(places[0].payload_offset, data[: size // 2])  # half its copy landed ...
             ready.set()
             go.wait(60)  # ... then it stopped, past its lease, while others reuse the pool
-            table = np.array([[0, 0, ref.payload_offset, size]], dtype=np.uint64)
-            try:
-                s.write_blocks([ref], [data], table)  # the copy goes on, seal, commit
-                out.put("sealed")
-            except RpcError as e:
-                out.put(f"refused: {e}")
+
+        with KVStore(spec) as s:  # the copy goes on, seal, commit
+            saved = s.save(["stalled"], Midway([data], stop_half_way), replace=True)
+            out.put("sealed" if saved.stored else "refused: its write lease was lost")
     except BaseException as e:
         out.put(f"error: {e!r}")
 

@@ -1,8 +1,10 @@
-"""The store's validated read when a batch names one pool block more than once.
+"""The store's one data path: ``KVStore.save(keys, source)`` and ``KVStore.load(refs, sink)``.
 
-Two vLLM requests of one step can load one pool block into two engine blocks:
-``KVStore.read_blocks`` validates each block once for all its rows, and every
-copy is still checked.
+Saves skip what the pool holds or another writer is writing (duplicate work
+costs no capacity), give every extent back when the move fails, and report
+each key's outcome; loads validate every block, also one named twice in a
+batch (two vLLM requests of one step can load one pool block into two
+engine blocks), and refuse a value whose length is not the sink's.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from beluga.kv import BlockRef, KVStore, MetadataServer
+from beluga.chaos.roles import Midway
+from beluga.kv import KVStore, MetadataServer
 from beluga.pool import Geometry, Pool
+from beluga.transfer import Buffers, Pieces
 
 SIZE = 5000
 
@@ -36,34 +41,35 @@ def store(shm_path: str) -> Iterator[KVStore]:
         Pool.destroy(shm_path)
 
 
+def data(key: bytes, size: int = SIZE) -> bytes:
+    return random.Random(key).randbytes(size)
+
+
 def values(store: KVStore, keys: list[bytes]) -> list[bytes]:
-    data = [random.Random(k).randbytes(SIZE) for k in keys]
-    store.batch_put_from(keys, data)
-    return data
+    out = [data(k) for k in keys]
+    store.batch_put_from(keys, out)
+    return out
 
 
-def rows(refs: list[BlockRef]) -> np.ndarray:
-    """Each ref's whole value into buffer 0, one after another (a ref may repeat a block)."""
-    table = [(0, i * SIZE, r.payload_offset, SIZE) for i, r in enumerate(refs)]
-    return np.array(table, dtype=np.uint64)
+def sinks(n: int, size: int = SIZE) -> list[np.ndarray]:
+    return [np.zeros(size, dtype=np.uint8) for _ in range(n)]
 
 
 def test_a_block_named_twice_is_read_into_both_places(store: KVStore) -> None:
     a, b = values(store, [b"a", b"b"])
     ra, rb = store.locate([b"a", b"b"])
-    refs = [ra, rb, ra]
-    out = np.zeros(3 * SIZE, dtype=np.uint8)
-    assert store.read_blocks(refs, [out], rows(refs)) == [True, True, True]
-    assert out.tobytes() == a + b + a
+    out = sinks(3)
+    assert store.load([ra, rb, ra], Buffers(out)) == [True, True, True]
+    assert [o.tobytes() for o in out] == [a, b, a]
 
 
 def test_another_version_of_a_block_named_twice_is_a_miss(store: KVStore) -> None:
     (a,) = values(store, [b"a"])
     (ra,) = store.locate([b"a"])
     stale = dataclasses.replace(ra, version=ra.version + 1)  # as if located at another time
-    out = np.zeros(2 * SIZE, dtype=np.uint8)
-    assert store.read_blocks([ra, stale], [out], rows([ra, stale])) == [True, False]
-    assert out[:SIZE].tobytes() == a
+    out = sinks(2)
+    assert store.load([ra, stale], Buffers(out)) == [True, False]
+    assert out[0].tobytes() == a
 
 
 def test_a_corrupted_block_named_twice_is_a_miss_in_both_places(store: KVStore) -> None:
@@ -74,30 +80,82 @@ def test_a_corrupted_block_named_twice_is_a_miss_in_both_places(store: KVStore) 
     with Pool.attach(store.pool.spec) as hostile:
         hostile.memory.nt_store(ra.payload_offset + 77, bytes([value[77] ^ 0xFF]))
         hostile.memory.sfence()
-    refs = [ra, rb, ra]
-    out = np.zeros(3 * SIZE, dtype=np.uint8)
-    assert store.read_blocks(refs, [out], rows(refs)) == [False, True, False]
+    assert store.load([ra, rb, ra], Buffers(sinks(3))) == [False, True, False]
 
 
-def test_a_write_context_commits_a_fill_and_gives_back_the_rest(store: KVStore) -> None:
-    """writing(): the fill seals and commits; anything else before it frees the extents."""
-    data = [random.Random(k).randbytes(SIZE) for k in (b"a", b"b")]
-    with store.writing([b"a", b"b"], [SIZE, SIZE]) as w:
-        table = np.array(
-            [(i, 0, off, SIZE) for i, off in enumerate(w.payload_offsets)], dtype=np.uint64
-        )
-        w.fill(data, table)
-        with pytest.raises(ValueError, match="already filled"):
-            w.fill(data, table)
-    assert store.get_batch([b"a", b"b"]) == data
-    used = store.stats()["blocks_used"]
-    with (
-        pytest.raises(RuntimeError, match="building the table failed"),
-        store.writing([b"c"], [SIZE]),
-    ):
-        raise RuntimeError("building the table failed")
-    with store.writing([b"d"], [SIZE]):
-        pass  # never filled
+def test_a_load_takes_only_values_of_the_sinks_length(store: KVStore) -> None:
+    a, _ = values(store, [b"a", b"b"])
+    refs = store.locate([b"a", b"missing", b"b"], prefix=False)
+    assert refs[1] is None
+    out = [np.zeros(SIZE, np.uint8), np.zeros(SIZE, np.uint8), np.zeros(SIZE - 1, np.uint8)]
+    assert store.load(refs, Buffers(out)) == [True, False, False]
+    assert out[0].tobytes() == a and not out[2].any()  # nothing copied into a short sink
+    with pytest.raises(ValueError, match="2 refs but 3 values"):
+        store.load(refs[:2], Buffers(out))
+
+
+def test_pieces_are_one_value_each_way(store: KVStore) -> None:
+    header, payload = b"h" * 64, data(b"p")
+    saved = store.save([b"chunk"], Pieces([[header, payload]]))
+    assert saved.stored == [0] and store.get(b"chunk") == header + payload
+    got_header, got_payload = bytearray(64), np.zeros(SIZE, np.uint8)
+    refs = store.locate([b"chunk"])
+    assert store.load(refs, Pieces([[got_header, got_payload]])) == [True]
+    assert bytes(got_header) == header and got_payload.tobytes() == payload
+
+
+def test_a_save_skips_what_is_committed_and_costs_it_no_capacity(store: KVStore) -> None:
+    saved = store.save([b"a", b"b"], Buffers([data(b"a"), data(b"b")]))
+    assert (saved.stored, saved.present, saved.lost) == ([0, 1], [], [])
+    used, (ra,) = store.stats()["blocks_used"], store.locate([b"a"])
+    saved = store.save([b"a", b"c", b"c"], Buffers([b"other" * 10, data(b"c"), data(b"c")]))
+    # "a" is committed: its value stays; "c" twice in one batch is written once
+    assert (saved.stored, saved.present) == ([1], [0, 2])
+    assert store.get(b"a") == data(b"a") and store.locate([b"a"]) == [ra]
     stats = store.stats()
-    assert stats["blocks_used"] == used and stats["writes_in_flight"] == 0
-    assert not store.is_exist(b"c") and not store.is_exist(b"d")
+    assert stats["blocks_used"] == used + 1 and stats["duplicate_writes_skipped"] == 2
+    saved = store.save([b"a"], Buffers([b"new"]), replace=True)  # a put replaces
+    assert saved.stored == [0] and store.get(b"a") == b"new"
+
+
+def test_a_key_another_writer_is_writing_is_skipped_until_it_commits(
+    store: KVStore, shm_path: str
+) -> None:
+    with KVStore(shm_path) as other:
+        answers: list[Any] = []
+
+        def meanwhile(mem: Any, places: Any) -> None:  # "k" is reserved, not yet committed
+            answers.append(other.save([b"k", b"j"], Buffers([b"second", b"j"])))
+            assert other.get(b"k") is None
+
+        first = store.save([b"k"], Midway([b"first"], meanwhile))
+        (second,) = answers
+        assert first.stored == [0] and (second.stored, second.present) == ([1], [0])
+        assert other.get(b"k") == b"first" and other.get(b"j") == b"j"
+
+
+def test_a_failed_move_gives_every_extent_back(store: KVStore) -> None:
+    before = store.stats()
+
+    def fail(mem: Any, places: Any) -> None:
+        raise RuntimeError("building the table failed")
+
+    with pytest.raises(RuntimeError, match="building the table failed"):
+        store.save([b"c", b"d"], Midway([data(b"c"), data(b"d")], fail))
+    after = store.stats()
+    assert after["blocks_used"] == before["blocks_used"] and after["writes_in_flight"] == 0
+    assert store.batch_is_exist([b"c", b"d"]) == [False, False]
+    saved = store.save([b"c"], Buffers([data(b"c")]))  # nothing is left half-written
+    assert saved.stored == [0] and store.get(b"c") == data(b"c")
+
+
+def test_bad_saves_are_refused_before_anything_is_reserved(store: KVStore) -> None:
+    before = store.stats()
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        store.save([b"a", b"b"], Buffers([b"x"]))
+    with pytest.raises(ValueError, match="attempts is at least 1"):
+        store.save([b"a"], Buffers([b"x"]), attempts=0)
+    with pytest.raises(ValueError, match=r"a key is 1\.\.256 bytes"):
+        store.save([b""], Buffers([b"x"]))
+    after = store.stats()
+    assert after["blocks_used"] == before["blocks_used"] and after["writes_in_flight"] == 0

@@ -55,6 +55,7 @@ from beluga.chaos.values import HEADER_BYTES, make_value, verify
 from beluga.coherence import digest
 from beluga.errors import RpcError, WriteLeaseLost
 from beluga.kv.store import BlockRef, KVStore
+from beluga.transfer import Buffers
 
 READ_PATHS = ("get", "get_into", "batch_get_into", "get_batch", "inplace")
 _COUNTERS = ("evictions", "blocks_used", "keys", "writes_in_flight", "retiring_extents")
@@ -258,8 +259,8 @@ class _Writer(_Role):
 
 
 class _InPlaceWriter(_Writer):
-    """The engine's write path: reserve, then ``KVStore.write_blocks`` (move, checksum,
-    seal, commit) through one table."""
+    """The engine's write path: one ``KVStore.save`` (reserve, move with the checksum
+    fused, seal, commit) through one table, replacing what the keys held."""
 
     def step(self, store: KVStore) -> None:
         self.stats(store)
@@ -268,54 +269,66 @@ class _InPlaceWriter(_Writer):
         values = [self.value(k, s) for k, s in zip(keys, serials, strict=True)]
         self.send("try", _now(), [(k, s, "put") for k, s in zip(keys, serials, strict=True)])
         done = list(zip(keys, serials, strict=True))
-        refs: list[BlockRef] = []
+        stall = None
+        if self.pause_requested:
+            self.pause_requested = False
+
+            def stall(mem: Any, places: Sequence[Any]) -> None:
+                self.stall_midway(mem, places[0], values[0], keys[0], serials[0])
+
         try:
-            refs = store.reserve([self.spec.keys[k] for k in keys], [len(v) for v in values])
-            if self.pause_requested:
-                self.stall_midway(store, refs[0], values[0], keys[0], serials[0])
-            rows, at = [], 0
-            for ref, value in zip(refs, values, strict=True):
-                rows.append((0, at, ref.payload_offset, len(value)))
-                at += len(value)
-            table = np.array(rows, dtype=np.uint64)
-            store.write_blocks(refs, [b"".join(values)], table)
+            saved = store.save(
+                [self.spec.keys[k] for k in keys], Midway(values, stall), replace=True
+            )
+            if saved.lost:
+                raise WriteLeaseLost(saved.lost, len(keys))
         except Exception as e:
             _report_failure(self, done, e)
             raise
         self.send("done", _now(), done, "ack")
 
-    def stall_midway(
-        self, store: KVStore, ref: BlockRef, value: bytes, key: int, serial: int
-    ) -> None:
+    def stall_midway(self, mem: Any, ref: BlockRef, value: bytes, key: int, serial: int) -> None:
         """Stop with half a payload stored, as a writer stopped inside its copy would be."""
-        self.pause_requested = False
         half = len(value) // 2
         table = np.array([[0, 0, ref.payload_offset, half]], dtype=np.uint64)
-        store.mem.gather_write([value], table)  # the stores that landed before the stop
+        mem.gather_write([value], table)  # the stores that landed before the stop
         nblocks = ref.capacity // self.spec.block_bytes
         self.send("mid", _now(), key, serial, ref.block, nblocks, ref.version)
         os.kill(os.getpid(), signal.SIGSTOP)
-        time.sleep(0.005)  # resumed: the copy goes on (write_blocks stores it all again)
+        time.sleep(0.005)  # resumed: the copy goes on (the whole payload is stored again)
+
+
+class Midway(Buffers):
+    """Values whose save runs ``hook(mem, places)`` between its reservation and its copy.
+
+    Whatever happens to a writer there happens to this one: the chaos writer
+    stops itself with half a payload stored; tests let its lease run out,
+    kill it, or take its extents from it.  The hook runs once, on the first
+    attempt (None: a plain :class:`~beluga.transfer.Buffers`).  Not
+    thread-safe; the hook runs on the saving thread.
+    """
+
+    def __init__(
+        self, values: Sequence[Any], hook: Callable[[Any, Sequence[Any]], None] | None
+    ) -> None:
+        super().__init__(values)
+        self.hook = hook
+
+    def moves(
+        self, mem: Any, chosen: Sequence[int], places: Sequence[Any], *, write: bool
+    ) -> tuple[list[Any], np.ndarray]:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook(mem, places)
+        return super().moves(mem, chosen, places, write=write)
 
 
 def read_in_place(store: KVStore, keys: Sequence[str]) -> list[bytes | None]:
-    """The serving engine's read path: locate, then one validated ``read_blocks``."""
+    """The serving engine's read path: locate, then one validated ``KVStore.load``."""
     refs = store.locate(keys, prefix=False)
-    out: list[bytes | None] = [None] * len(keys)
-    present = [(i, r) for i, r in enumerate(refs) if r is not None]
-    if not present:
-        return out
-    offsets = np.cumsum([0] + [r.length for _, r in present])
-    buf = bytearray(int(offsets[-1]))
-    table = np.array(
-        [[0, offsets[j], r.payload_offset, r.length] for j, (_, r) in enumerate(present)],
-        dtype=np.uint64,
-    )
-    intact = store.read_blocks([r for _, r in present], [buf], table)
-    for j, ((i, _), ok) in enumerate(zip(present, intact, strict=True)):
-        if ok:
-            out[i] = bytes(buf[offsets[j] : offsets[j + 1]])
-    return out
+    bufs = [bytearray(r.length if r is not None else 0) for r in refs]
+    intact = store.load(refs, Buffers(bufs))
+    return [bytes(b) if ok else None for b, ok in zip(bufs, intact, strict=True)]
 
 
 class _Reader(_Role):

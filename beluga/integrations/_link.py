@@ -24,8 +24,9 @@ is absent, dead or does not answer), the pool (missing, foreign, in the wrong
 state) and its device.  Anything else an integration meets is a bug and
 raises: a :class:`~beluga.errors.KVLayoutError`, a ``ValueError`` or a
 ``TypeError`` must not pass for a dead server and switch the cache off.  A
-write whose lease ran out before its commit (a slow write, not a dead server:
-:func:`lost_lease`) is put again once by :func:`write_once_more`.
+write whose lease ran out before its commit (a slow write, not a dead server)
+is the store's to retry: integrations save with ``KVStore.save(...,
+attempts=2)`` and count what is still lost.
 """
 
 from __future__ import annotations
@@ -36,14 +37,13 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from beluga.errors import (
     BackendUnavailableError,
     BelugaError,
     PoolError,
     RpcError,
-    WriteLeaseLost,
 )
 from beluga.kv import KVStore
 
@@ -221,33 +221,6 @@ class StoreLink:
         self._store = None
         self._borrowed = {}
         self._next_try = 0.0
-
-
-def lost_lease(error: BaseException) -> bool:
-    """Whether ``error`` is a commit refused because the write outlived its lease.
-
-    The server is alive (it answered); the write was slow, or the server
-    restarted meanwhile.  Not an outage: put the values again.
-    """
-    return isinstance(error, WriteLeaseLost)
-
-
-def write_once_more(write: Callable[[], None], *, who: str) -> bool:
-    """Run ``write``, and once more if its lease was lost; False if it was lost twice.
-
-    Any other error propagates (an outage is the caller's to report).  The
-    caller counts a False: the blocks are not in the pool, and nothing else
-    is wrong.
-    """
-    for attempt in (1, 2):
-        try:
-            write()
-            return True
-        except RpcError as e:
-            if not lost_lease(e):
-                raise
-            log.debug("%s: write lost its lease (attempt %d of 2): %s", who, attempt, e)
-    return False
 
 
 def _close_quietly(store: KVStore) -> None:

@@ -19,13 +19,14 @@ chunks.
 
 A stored value is a 64-byte header (shape, dtype and memory format of the
 MemoryObj, so a reader can allocate before copying) followed by the chunk's
-bytes.  Both directions go through the store's one block API: a put
-reserves the batch's pool blocks (one RPC), then one ``KVStore.write_blocks``
-moves every header and payload straight from the MemoryObjs, sealing each
-block with the CRC32C of the bytes it stored, and commits.  A get locates the
+bytes.  Both directions go through the store's one data path: a put is one
+``KVStore.save`` of each chunk's header and payload (one reserve RPC, every
+header and payload moved straight from the MemoryObjs in one C call, each
+block sealed with the CRC32C of the bytes it stored, one commit; a chunk the
+pool holds already is skipped).  A get locates the
 batch (one RPC), peeks at the headers (unchecked, only to size the reads),
 allocates MemoryObjs from LMCache's CPU backend, and reads header and payload
-into them with one ``KVStore.read_blocks``: a chunk is kept only if its block
+into them with one ``KVStore.load``: a chunk is kept only if its block
 validated (this key and version, its checksum over the bytes as copied) and
 its header is the one peeked at.  A replaced, evicted or corrupted block is a
 miss, never data.
@@ -54,7 +55,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from beluga.errors import CapacityError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
-from beluga.transfer import host_bytes
+from beluga.transfer import Pieces, host_bytes
 
 _HEADER = struct.Struct("<4sBB2x16s5q")  # magic, format, ndim, dtype name, shape
 _MAGIC = b"BLMC"
@@ -118,20 +119,6 @@ def _header_at(headers: np.ndarray, j: int) -> bytes:
 
 def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
     return shape.numel() * dtype.itemsize
-
-
-def _table(refs: Sequence[BlockRef], sizes: Sequence[int]) -> np.ndarray:
-    """Rows that move each block's header (buffer 0, one after another) and its payload.
-
-    Buffer 0 holds the headers; buffer ``i + 1`` is chunk ``i``'s payload.
-    Together the rows cover each block's value exactly once, so the store
-    checksums the bytes as they move.
-    """
-    h = _HEADER.size
-    rows = [(0, i * h, r.payload_offset, h) for i, r in enumerate(refs)]
-    for i, (r, n) in enumerate(zip(refs, sizes, strict=True)):
-        rows.append((i + 1, 0, r.payload_offset + h, n))
-    return np.array(rows, dtype=np.uint64)
 
 
 class BelugaBackend(StoragePluginInterface):
@@ -243,11 +230,12 @@ class BelugaBackend(StoragePluginInterface):
         return None
 
     def _put(self, store: KVStore, batch: list[tuple[CacheEngineKey, MemoryObj]]) -> None:
-        payloads = [host_bytes(obj.tensor) for _, obj in batch]
-        headers = np.frombuffer(b"".join(_header(obj) for _, obj in batch), dtype=np.uint8)
-        keys = [self.pool_key(k) for k, _ in batch]
-        with store.writing(keys, [_HEADER.size + p.size for p in payloads]) as w:
-            w.fill([headers, *payloads], _table(w.refs, [p.size for p in payloads]))
+        """Each chunk's header and payload, one value per key (a chunk the pool holds is
+        skipped); a chunk whose write lease ran out twice is dropped, as a full pool's."""
+        values = Pieces([[_header(obj), host_bytes(obj.tensor)] for _, obj in batch])
+        saved = store.save([self.pool_key(k) for k, _ in batch], values, attempts=2)
+        if saved.lost:
+            log.debug("LMCache BelugaBackend: %d chunks lost their write lease", len(saved.lost))
 
     # -- gets ----------------------------------------------------------------
 
@@ -301,10 +289,10 @@ class BelugaBackend(StoragePluginInterface):
         if not wanted:
             return
         payloads = [host_bytes(objs[j].tensor) for j in wanted]  # type: ignore[union-attr]
-        headers = np.zeros(len(wanted) * _HEADER.size, dtype=np.uint8)
-        chosen = [refs[j] for j in wanted]
-        table = _table(chosen, [p.size for p in payloads])
-        valid = store.read_blocks(chosen, [headers, *payloads], table)
+        h = _HEADER.size
+        headers = np.zeros(len(wanted) * h, dtype=np.uint8)
+        sink = Pieces([[headers[n * h : (n + 1) * h], p] for n, p in enumerate(payloads)])
+        valid = store.load([refs[j] for j in wanted], sink)
         for n, j in enumerate(wanted):
             if not valid[n] or _header_at(headers, n) != _header_at(peeked, j):
                 objs[j].ref_count_down()  # type: ignore[union-attr]

@@ -11,11 +11,11 @@ With ``interface_v1`` SGLang calls the zero-copy batch methods:
 ``batch_set_v1`` / ``batch_get_v1`` name pages of its host KV pool by index,
 the host pool says where their bytes are (``get_page_buffer_meta``), and each
 batch moves straight between those bytes and the pool, with no staging copy
-on either side, through the store's one block API: one
-``KVStore.write_blocks`` after one reserve RPC (each block sealed with the
-CRC32C of the bytes it stored, then committed), or one ``KVStore.read_blocks``
-after one lookup RPC (each block's header and the checksum of the bytes as
-copied checked).  A page whose pool block is replaced, evicted or corrupted
+on either side, through the store's one data path: one ``KVStore.save`` of
+the pages' pieces (one reserve RPC, each block sealed with the CRC32C of the
+bytes it stored, one commit; pages the pool holds already are skipped), or
+one ``KVStore.load`` after a one-sided lookup (each block's header and the
+checksum of the bytes as copied checked).  A page whose pool block is replaced, evicted or corrupted
 is reported as not read.  ``batch_exists`` is one prefix lookup.  The older
 per-key methods (get/set/batch_get/batch_set/exists) work too, through the
 store's buffer API.
@@ -35,14 +35,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from beluga.errors import CapacityError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.kv import KVNamespace, KVStore, ModelIdentity, resolve_model
-from beluga.kv.store import as_buffer
+from beluga.transfer import Buffers, Pieces
 
 SETTING = "--hicache-storage-backend-extra-config 'model_revision' (or 'model_path')"
 # what the host KV pool says about its pages, when it says it (MHA, MLA and other pools)
@@ -153,17 +152,6 @@ class BelugaHiCacheStorage(HiCacheStorage):
         pieces = list(zip(ptrs, sizes, strict=True))
         return [pieces[i * per : (i + 1) * per] for i in range(len(keys))]
 
-    @staticmethod
-    def _table(pages: list[list[tuple[int, int]]], offsets: list[int]) -> tuple[list, np.ndarray]:
-        """Buffers and the scatter-gather table joining each page's pieces to its pool block."""
-        buffers, rows = [], []
-        for pieces, offset in zip(pages, offsets, strict=True):
-            for address, size in pieces:
-                rows.append((len(buffers), 0, offset, size))
-                buffers.append(as_buffer((address, size), writable=True))
-                offset += size
-        return buffers, np.array(rows, dtype=np.uint64).reshape(-1, 4)
-
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
@@ -179,21 +167,18 @@ class BelugaHiCacheStorage(HiCacheStorage):
     def _set_pages(
         self, store: KVStore, pool_keys: list[bytes], pages: list[list[tuple[int, int]]]
     ) -> list[bool]:
+        """Save pages (a page the pool holds already, or another host is saving, is skipped);
+        which are in the pool or on their way."""
         try:
-            present = store.batch_is_exist(pool_keys)
-            new = [i for i, there in enumerate(present) if not there]
-            if new:
-                with store.writing(
-                    [pool_keys[i] for i in new], [sum(s for _, s in pages[i]) for i in new]
-                ) as w:
-                    w.fill(*self._table([pages[i] for i in new], w.payload_offsets))
+            saved = store.save(pool_keys, Pieces(pages), attempts=2)
         except CapacityError as e:
             log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(pages), e)
             return [False] * len(pages)
         except UNAVAILABLE as e:
             self.link.lost(e, store)
             return [False] * len(pages)
-        return [True] * len(pages)
+        lost = set(saved.lost)
+        return [i not in lost for i in range(len(pages))]
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
@@ -210,25 +195,12 @@ class BelugaHiCacheStorage(HiCacheStorage):
     def _get_pages(
         self, store: KVStore, pool_keys: list[bytes], pages: list[list[tuple[int, int]]]
     ) -> list[bool]:
+        """Read pages straight into the host pool, each validated; which were read."""
         try:
-            located = store.locate(pool_keys, prefix=False)
-            found = [
-                (i, r)
-                for i, r in enumerate(located)
-                if r is not None and r.length == sum(s for _, s in pages[i])
-            ]
-            ok = [False] * len(pool_keys)
-            if found:
-                buffers, table = self._table(
-                    [pages[i] for i, _ in found], [r.payload_offset for _, r in found]
-                )
-                valid = store.read_blocks([r for _, r in found], buffers, table)
-                for (i, _), good in zip(found, valid, strict=True):
-                    ok[i] = good
+            return store.load(store.locate(pool_keys, prefix=False), Pieces(pages))
         except UNAVAILABLE as e:
             self.link.lost(e, store)
             return [False] * len(pool_keys)
-        return ok
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Leading pages present: one batched prefix lookup."""
@@ -298,14 +270,14 @@ class BelugaHiCacheStorage(HiCacheStorage):
             if store is None:
                 return False
             try:
-                store.batch_put_from(pool_keys, list(data))
+                saved = store.save(pool_keys, Buffers(list(data)), attempts=2)
             except CapacityError as e:
                 log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(keys), e)
                 return False
             except UNAVAILABLE as e:
                 self.link.lost(e, store)
                 return False
-        return True
+        return not saved.lost
 
     def clear(self) -> None:
         """Nothing to do: pages stay in the pool for other engines, and the server evicts LRU."""

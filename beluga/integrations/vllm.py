@@ -42,14 +42,15 @@ Worker side (the model runner, :class:`BelugaWorker`):
     ``register_kv_caches``  detects the layout through :class:`beluga.transfer.KVLayout`;
         a layout, dtype or shape that cannot be moved is refused here, at start.
     ``start_load_kv``       reads its rank's shard of every block of the step with one validated
-        ``KVStore.read_blocks``: one per request on the load thread when
+        ``KVStore.load``: one per request on the load thread when
         asynchronous; otherwise now (``"transfer": "layerwise"``: one per layer, in
         ``wait_for_layer_load``; each of those checksums the whole block from the pool).
     ``save_kv_layer``       nothing (in the connector): a block is sealed with the
         checksum of the bytes its writer stored, so it moves whole, in ``wait_for_save``.
-    ``wait_for_save``       ``KVStore.writing``, then one fill (on the save thread when
-        asynchronous): the step's blocks (this rank's shards) are moved, sealed
-        and committed before any other engine can find them.
+    ``wait_for_save``       one ``KVStore.save`` (on the save thread when asynchronous):
+        the step's blocks (this rank's shards) are moved, sealed and committed
+        before any other engine can find them; blocks the pool holds already,
+        or another engine is saving, are skipped.
     ``get_block_ids_with_load_errors``  engine blocks whose pool block vanished,
         changed or failed its checksum during the read; vLLM recomputes them or
         fails the request (its ``kv_load_failure_policy``), so a race or a
@@ -113,9 +114,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from beluga.errors import CapacityError, KVLayoutError
-from beluga.integrations._link import UNAVAILABLE, StoreLink, log, write_once_more
+from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
-from beluga.transfer import KVLayout, KVSpec, block_moves
+from beluga.transfer import EngineBlocks, KVLayout, KVSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -167,6 +168,8 @@ STATS = {
     "load_bytes": "Bytes loaded from the pool into the KV cache.",
     "load_seconds": "Seconds spent loading from the pool.",
     "saved_blocks": "Blocks saved from the KV cache into the pool.",
+    "save_skipped": "Blocks not saved because the pool held them or another engine was "
+    "saving them.",
     "save_bytes": "Bytes saved into the pool.",
     "save_seconds": "Seconds spent saving into the pool.",
     "load_errors": "Blocks that vanished, changed or failed their checksum while loading "
@@ -801,14 +804,10 @@ class BelugaWorker:
     def _read_from(
         self, store: KVStore, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
     ) -> np.ndarray:
-        offsets = np.array([r.payload_offset + at for r in refs], dtype=np.int64)
-        nbytes = layout.format.nbytes
-        buffers, table = block_moves(
-            store.mem, layout, engine, offsets, block_bytes=nbytes, write=False
-        )
+        sink = EngineBlocks(layout, engine, at=at, value_bytes=self.kv.block_bytes)
         # the store checks each block's header and the checksum of what was copied
-        valid = np.array(store.read_blocks(refs, buffers, table), dtype=bool)
-        self._tally.add(load_bytes=int(valid.sum()) * nbytes)
+        valid = np.array(store.load(refs, sink), dtype=bool)
+        self._tally.add(load_bytes=int(valid.sum()) * layout.format.nbytes)
         return valid
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -847,17 +846,22 @@ class BelugaWorker:
         self._save_all(meta.saves)
 
     def _save_all(self, saves: SaveSpec) -> None:
-        """Save blocks; an outage, a full pool or a lost lease is counted, not raised."""
+        """Save blocks; an outage, a full pool or a lost lease is counted, not raised.
+
+        A block committed already, or being saved by another engine, is
+        skipped by the store (it costs no pool capacity); a write whose lease
+        ran out is tried once more.
+        """
         layout = self._layout
         if layout is None:
             return
         with self.link.connected() as store:
             if store is None:
                 return
+            keys = [self.kv.key(h, self.shard) for h in saves.hashes]
             try:
-                saved = write_once_more(
-                    lambda: self._save(store, saves, layout), who="BelugaConnector"
-                )
+                with self._tally.timed("save_seconds"):
+                    saved = store.save(keys, EngineBlocks(layout, saves.engine_blocks), attempts=2)
             except CapacityError as e:
                 self._tally.add(save_full=len(saves.hashes))
                 log.debug("BelugaConnector: no room for %d blocks: %s", len(saves.hashes), e)
@@ -865,25 +869,13 @@ class BelugaWorker:
                 self._tally.add(pool_errors=1)
                 self.link.lost(e, store)
             else:
-                if not saved:
-                    self._tally.add(lease_losses=len(saves.hashes))
-
-    def _save(self, store: KVStore, saves: SaveSpec, layout: KVLayout) -> None:
-        """Reserve pool blocks for the step's saves, fill them, seal and commit them."""
-        nbytes = layout.format.nbytes
-        keys = [self.kv.key(h, self.shard) for h in saves.hashes]
-        with store.writing(keys, [self.kv.block_bytes] * len(keys)) as w:
-            buffers, table = block_moves(
-                store.mem,
-                layout,
-                saves.engine_blocks,
-                w.payload_offsets,
-                block_bytes=nbytes,
-                write=True,
-            )
-            with self._tally.timed("save_seconds"):
-                w.fill(buffers, table)
-        self._tally.add(saved_blocks=len(w.refs), save_bytes=len(w.refs) * nbytes)
+                n = len(saved.stored)
+                self._tally.add(
+                    saved_blocks=n,
+                    save_bytes=n * layout.format.nbytes,
+                    save_skipped=len(saved.present),
+                    lease_losses=len(saved.lost),
+                )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Failed blocks of this step's loads and of the loads ``get_finished`` reported."""

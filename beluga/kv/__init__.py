@@ -10,16 +10,16 @@ from beluga.kv.hashing import (
 )
 from beluga.kv.identity import KVNamespace, ModelIdentity, resolve_model
 from beluga.kv.server import MetadataServer, serve
-from beluga.kv.store import MAX_KEY_BYTES, BlockRef, BlockWrite, KVStore
+from beluga.kv.store import MAX_KEY_BYTES, BlockRef, KVStore, Saved
 
 __all__ = [
     "MAX_KEY_BYTES",
     "BlockRef",
-    "BlockWrite",
     "KVNamespace",
     "KVStore",
     "MetadataServer",
     "ModelIdentity",
+    "Saved",
     "block_keys",
     "hash_block",
     "hash_function",

@@ -69,6 +69,10 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
     "misses": ("counter", "Lookups that did not find their key (RPC and one-sided reads)"),
     "puts": ("counter", "Values committed"),
     "removes": ("counter", "Keys removed"),
+    "duplicate_writes_skipped": (
+        "counter",
+        "Saves granted no extent: the key was committed or being written already",
+    ),
     "evictions": ("counter", "Keys evicted (LRU) to make room"),
     "lease_expiries": ("counter", "Write leases that ran out before their commit"),
     "late_commits_refused": ("counter", "Commits refused because their lease had run out"),

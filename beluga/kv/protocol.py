@@ -27,21 +27,33 @@ class StoreOp(enum.IntEnum):
 NO_BLOCK = 0xFFFFFFFF
 LOOKUP_LEASE = 1  # take a read lease on every hit
 LOOKUP_PREFIX = 2  # stop at the first miss
+#: ALLOC flag: grant nothing for a key that is committed or being written (not cancelled)
+#: already; its grant is NO_BLOCK with the reason in place of a version
+ALLOC_SKIP_PRESENT = 1
+PRESENT_COMMITTED = 1  # the key has a committed value
+PRESENT_WRITING = 2  # another write of the key is in flight (it commits, or its lease ends)
 
 _COUNT = struct.Struct("<I")
 _ALLOC_REQ = struct.Struct("<16sQH")  # digest, length, key length
 _GRANT = struct.Struct("<IQ")  # block, version
 _COMMIT_REQ = struct.Struct("<16sIQ")  # digest, block, version
 _FLAG = struct.Struct("<B")
-_LOOKUP_REQ = struct.Struct("<B")  # flags, then digests
+_FLAGS = struct.Struct("<B")  # a request's flags, before its records (LOOKUP, ALLOC)
 _LOCATION = struct.Struct("<IQQ")  # block, version, length
 _DIGEST = struct.Struct("<16s")
 
 
 @dataclass(frozen=True)
 class Grant:
+    """An extent to write (``block``, ``version``), or NO_BLOCK and why nothing was granted."""
+
     block: int
     version: int
+
+    @property
+    def present(self) -> int:
+        """0 for a grant; PRESENT_COMMITTED or PRESENT_WRITING for a key skipped."""
+        return self.version if self.block == NO_BLOCK else 0
 
 
 @dataclass(frozen=True)
@@ -65,12 +77,13 @@ def _unrecords(st: struct.Struct, data: bytes, offset: int = 0) -> list[tuple]:
     return list(st.iter_unpack(body))
 
 
-def encode_alloc(items: list[tuple[bytes, int, int]]) -> bytes:
-    return _records(_ALLOC_REQ, items)
+def encode_alloc(items: list[tuple[bytes, int, int]], flags: int = 0) -> bytes:
+    return _FLAGS.pack(flags) + _records(_ALLOC_REQ, items)
 
 
-def decode_alloc(data: bytes) -> list[tuple[bytes, int, int]]:
-    return _unrecords(_ALLOC_REQ, data)
+def decode_alloc(data: bytes) -> tuple[int, list[tuple[bytes, int, int]]]:
+    (flags,) = _FLAGS.unpack_from(data)
+    return flags, _unrecords(_ALLOC_REQ, data, _FLAGS.size)
 
 
 def encode_grants(grants: list[Grant]) -> bytes:
@@ -98,12 +111,12 @@ def decode_flags(data: bytes) -> list[bool]:
 
 
 def encode_digests(digests: list[bytes], flags: int = 0) -> bytes:
-    return _LOOKUP_REQ.pack(flags) + _COUNT.pack(len(digests)) + b"".join(digests)
+    return _FLAGS.pack(flags) + _COUNT.pack(len(digests)) + b"".join(digests)
 
 
 def decode_digests(data: bytes) -> tuple[int, list[bytes]]:
-    (flags,) = _LOOKUP_REQ.unpack_from(data)
-    return flags, [d for (d,) in _unrecords(_DIGEST, data, _LOOKUP_REQ.size)]
+    (flags,) = _FLAGS.unpack_from(data)
+    return flags, [d for (d,) in _unrecords(_DIGEST, data, _FLAGS.size)]
 
 
 def encode_locations(locations: list[Location | None]) -> bytes:
@@ -126,4 +139,4 @@ RECORD_BYTES = {
     StoreOp.LOOKUP: max(16, _LOCATION.size),
     StoreOp.REMOVE: 16,
 }
-HEADER_BYTES = _COUNT.size + _LOOKUP_REQ.size
+HEADER_BYTES = _COUNT.size + _FLAGS.size

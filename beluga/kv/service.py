@@ -281,15 +281,22 @@ class MetadataService:
     # -- operations ----------------------------------------------------------
 
     def op_alloc(self, req: Request) -> bytes:
-        items = p.decode_alloc(req.payload)
+        flags, items = p.decode_alloc(req.payload)
         limit = self.sb.nblocks * self.sb.block_size
         granted: list[p.Grant] = []
+        skip = bool(flags & p.ALLOC_SKIP_PRESENT)
+        writing = self._writing() if skip else set()
         try:
             for digest, length, _key_len in items:
                 if length > limit:
                     raise ValueError(
                         f"a value of {length} bytes exceeds the pool's {limit}-byte data area"
                     )
+                if skip and (digest in self.index or digest in writing):
+                    why = p.PRESENT_COMMITTED if digest in self.index else p.PRESENT_WRITING
+                    granted.append(p.Grant(p.NO_BLOCK, why))
+                    self.counters["duplicate_writes_skipped"] += 1
+                    continue
                 n = self.extent(length)
                 first = self._allocate(n)
                 version = self._next_version()
@@ -303,15 +310,23 @@ class MetadataService:
                     self.clock() + self.write_lease_s,
                 )
                 granted.append(p.Grant(first, version))
+                if skip:  # a key twice in one batch is written once
+                    writing.add(digest)
         except BaseException:
             for g in granted:  # all or nothing (no header was written yet)
-                pend = self.pending.pop(g.block)
-                self.alloc.release(g.block, pend.nblocks)
+                if g.block != p.NO_BLOCK:
+                    pend = self.pending.pop(g.block)
+                    self.alloc.release(g.block, pend.nblocks)
             raise
         while self.alloc.used > self.high * self.alloc.nblocks:
             if not self._evict_one() or self.alloc.used <= self.low * self.alloc.nblocks:
                 break
         return p.encode_grants(granted)
+
+    def _writing(self) -> set[bytes]:
+        """Keys being written under a live lease (a cancelled write never commits, so an
+        ALLOC_SKIP_PRESENT request may write its key again)."""
+        return {pend.digest for pend in self.pending.values() if not pend.cancelled}
 
     def op_commit(self, req: Request) -> bytes:
         done = []
@@ -453,6 +468,7 @@ class MetadataService:
             "misses": self.counters["misses"] + self.ix.misses,
             "puts": self.counters["puts"],
             "removes": self.counters["removes"],
+            "duplicate_writes_skipped": self.counters["duplicate_writes_skipped"],
             "evictions": self.counters["evictions"],
             "lease_expiries": self.counters["lease_expiries"],
             "late_commits_refused": self.counters["late_commits_refused"],

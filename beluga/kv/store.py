@@ -1,7 +1,13 @@
-"""KVStore: the client API, shaped after Mooncake Store's.
+"""KVStore: the client API, shaped after Mooncake Store's, and the one data path.
 
-Writes go allocate (one RPC per batch) -> copy into the pool and publish the
-header (no server involved) -> commit (one RPC per batch).  Reads need no
+Every caller that moves values (the serving engine, the vLLM worker, SGLang,
+LMCache, the Mooncake drop-in, the chaos roles) goes through two calls:
+``save(keys, source)`` and ``load(refs, sink)``, with the source or sink a
+:class:`beluga.transfer.Values` that says where the caller's bytes are.  The
+store runs the protocol inside, and nobody else repeats its steps.
+
+Writes go allocate (one RPC per batch) -> copy into the pool and seal the
+headers (no server involved) -> commit (one RPC per batch).  Reads need no
 server at all: each is one call into the C core (``_core.Index``, index.c)
 that digests the key, probes the pool-resident index with loads, confirms
 the entry against the block header, copies the payload with its checksum
@@ -19,7 +25,6 @@ BLAKE2b digests.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -35,6 +40,7 @@ from beluga.kv import protocol as p
 from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
 from beluga.rpc import RpcClient
+from beluga.transfer.buffers import Buffers, Values, as_buffer
 
 log = logging.getLogger("beluga.store")
 
@@ -53,30 +59,13 @@ def key_bytes(key: Key) -> bytes:
     return raw
 
 
-def as_buffer(obj: Any, writable: bool = False) -> memoryview:
-    """A flat byte view of a value without copying it."""
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
-        address, size = obj
-        if address <= 0 or size < 0:
-            raise ValueError(f"a raw buffer is (address > 0, size >= 0), not {obj}")
-        return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
-    if type(obj).__module__.startswith("torch"):
-        if obj.device.type != "cpu" or not obj.is_contiguous():
-            raise ValueError("a torch tensor value must be a contiguous CPU tensor")
-        import torch
+@dataclass(frozen=True)
+class Saved:
+    """What one :meth:`KVStore.save` did with each of its keys (positions, ascending)."""
 
-        obj = obj.reshape(-1).view(torch.uint8).numpy()
-    try:
-        view = memoryview(obj)
-    except TypeError:
-        raise ValueError(
-            f"a value must support the buffer protocol, not {type(obj).__name__}"
-        ) from None
-    if not view.c_contiguous:
-        raise ValueError("a value buffer must be C-contiguous")
-    if writable and view.readonly:
-        raise ValueError("get_into needs a writable buffer")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    stored: list[int]  # committed by this call
+    present: list[int]  # skipped: committed already, or being written by another write
+    lost: list[int]  # every attempt's write lease ran out: not stored (save them again)
 
 
 @dataclass(frozen=True)
@@ -90,42 +79,6 @@ class BlockRef:
     header_offset: int
     payload_offset: int
     capacity: int  # bytes of the extent
-
-
-class BlockWrite:
-    """Extents reserved for one batch of in-place writes: the one write API of the
-    block protocol (:meth:`KVStore.writing`).
-
-    ``refs`` say where each payload goes; :meth:`fill` moves the bytes through
-    one scatter-gather table (any mover), seals every block with the CRC of
-    what was moved and commits them.  Leaving the ``with`` block without a
-    fill, or with an exception, gives the extents back.  Not thread-safe (one
-    writer fills one batch); not fork-safe (as its store).
-    """
-
-    def __init__(self, store: KVStore, refs: list[BlockRef]) -> None:
-        self.store = store
-        self.refs = refs
-        self.done = False
-
-    @property
-    def payload_offsets(self) -> list[int]:
-        return [r.payload_offset for r in self.refs]
-
-    def fill(self, buffers: Sequence[Any], table: Any, mover: Any = None) -> None:
-        """Move, seal and commit (see :meth:`KVStore.write_blocks`); at most once."""
-        if self.done:
-            raise ValueError("this BlockWrite was already filled; reserve a new one")
-        self.done = True  # write_blocks aborts on its own failure: never abort twice
-        self.store.write_blocks(self.refs, buffers, table, mover=mover)
-        tier = self.store.tier
-        if tier is not None and tier.config.write_through:
-            for r in self.refs:  # the committed bytes, read back from the pool
-                value = self.store.mem.read_bytes(
-                    r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
-                )
-                if isinstance(value, bytes):
-                    tier.submit(r.digest, value, "write-through")
 
 
 class KVStore:
@@ -204,11 +157,15 @@ class KVStore:
         self.index.count_tier(len(found), promoted)
         return values
 
-    def _to_tier(self, digests: Sequence[bytes], values: Sequence[Any]) -> None:
-        """Queue committed values for the tier (write-through)."""
+    def _write_through(self, refs: Sequence[BlockRef]) -> None:
+        """Queue committed values for the tier (write-through), read back from the pool."""
         assert self.tier is not None
-        for d, v in zip(digests, values, strict=True):
-            self.tier.submit(d, bytes(v), "write-through")
+        for r in refs:
+            value = self.mem.read_bytes(
+                r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
+            )
+            if isinstance(value, bytes):
+                self.tier.submit(r.digest, value, "write-through")
 
     # -- plumbing ------------------------------------------------------------
 
@@ -231,14 +188,49 @@ class KVStore:
             self._extent_bytes(length),
         )
 
-    def _alloc(
-        self, digests: list[bytes], lengths: list[int], key_lens: list[int]
-    ) -> list[BlockRef]:
-        items = list(zip(digests, lengths, key_lens, strict=True))
-        grants = p.decode_grants(self.rpc.call(p.StoreOp.ALLOC, p.encode_alloc(items)))
-        return [
-            self._ref(d, g.block, g.version, n) for (d, n, _), g in zip(items, grants, strict=True)
-        ]
+    def _reserve(
+        self,
+        chosen: Sequence[int],
+        raw: Sequence[bytes],
+        digests: Sequence[bytes],
+        lengths: Sequence[int],
+        skip: bool,
+    ) -> tuple[list[BlockRef], list[int], list[int]]:
+        """Reserve extents for keys ``chosen`` (one ALLOC per batch) and mark them WRITING.
+
+        Returns the refs, the positions they were granted for, and the positions
+        skipped (with ``skip``: a key committed or being written already).
+        """
+        refs: list[BlockRef] = []
+        granted: list[int] = []
+        present: list[int] = []
+        flags = p.ALLOC_SKIP_PRESENT if skip else 0
+        for s in self._batches(p.StoreOp.ALLOC, len(chosen)):
+            batch = chosen[s]
+            items = [(digests[i], lengths[i], len(raw[i])) for i in batch]
+            reply = self.rpc.call(p.StoreOp.ALLOC, p.encode_alloc(items, flags))
+            for i, g in zip(batch, p.decode_grants(reply), strict=True):
+                if g.present:
+                    present.append(i)
+                else:
+                    refs.append(self._ref(digests[i], g.block, g.version, lengths[i]))
+                    granted.append(i)
+        try:
+            for r, i in zip(refs, granted, strict=True):
+                self.mem.begin_write(
+                    r.header_offset,
+                    r.payload_offset,
+                    r.digest,
+                    r.version,
+                    r.length,
+                    key_len=len(raw[i]),
+                    writer=self.rpc.host_id,
+                    writer_gen=self.rpc.entry.generation,
+                )
+        except BaseException:
+            self._abort(refs)
+            raise
+        return refs, granted, present
 
     def _commit(self, refs: Sequence[BlockRef]) -> list[int]:
         """Commit ``refs`` (one COMMIT per RPC batch); the positions the server refused."""
@@ -253,119 +245,194 @@ class KVStore:
             lost += [s.start + i for i, ok in enumerate(done) if not ok]
         return lost
 
-    def _commit_all(self, refs: Sequence[BlockRef]) -> None:
-        """Commit ``refs``; WriteLeaseLost names those the server refused (the rest are in)."""
-        lost = self._commit(refs)
-        if lost:
-            raise WriteLeaseLost(lost, len(refs))
-
-    def abort(self, refs: Sequence[BlockRef]) -> None:
-        """Give back extents reserved by :meth:`reserve` that will not be sealed."""
+    def _abort(self, refs: Sequence[BlockRef]) -> None:
+        """Give back reserved extents that will not be sealed."""
         for s in self._batches(p.StoreOp.ABORT, len(refs)):
             self.rpc.call(
                 p.StoreOp.ABORT, p.encode_commit([(r.digest, r.block, r.version) for r in refs[s]])
             )
 
-    # -- writes --------------------------------------------------------------
-
-    def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any], tier: bool = True) -> None:
-        """Store many values; one ALLOC and one COMMIT RPC per batch.
-
-        With a write-through tier the values are queued for it too (``tier``:
-        False for values that came from it)."""
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        raw = [key_bytes(k) for k in keys]
-        views = [as_buffer(v) for v in values]
-        digests = [digest(k) for k in raw]
-        lost: list[int] = []
-        for s in self._batches(p.StoreOp.ALLOC, len(raw)):
-            refs = self._alloc(digests[s], [len(v) for v in views[s]], [len(k) for k in raw[s]])
-            try:
-                for r, view, k in zip(refs, views[s], raw[s], strict=True):
-                    self.mem.publish(
-                        r.header_offset,
-                        r.payload_offset,
-                        r.digest,
-                        r.version,
-                        view,
-                        key_len=len(k),
-                        writer=self.rpc.host_id,
-                        writer_gen=self.rpc.entry.generation,
-                    )
-            except BaseException:
-                self.abort(refs)
-                raise
-            refused = set(self._commit(refs))
-            lost += sorted(s.start + i for i in refused)
-            if tier and self.tier is not None and self.tier.config.write_through:
-                kept = [i for i in range(len(refs)) if i not in refused]
-                self._to_tier([digests[s][i] for i in kept], [views[s][i] for i in kept])
-        if lost:
-            raise WriteLeaseLost(lost, len(raw))
-
-    # -- in-place writes and reads (the KV data path) ------------------------
-
-    @contextlib.contextmanager
-    def writing(self, keys: Sequence[Key], lengths: Sequence[int]) -> Iterator[BlockWrite]:
-        """Reserve extents for ``keys``; the caller fills them (``w.fill(buffers, table)``).
-
-        Usage::
-
-            with store.writing(keys, lengths) as w:
-                buffers, table = block_moves(..., w.payload_offsets, ...)
-                w.fill(buffers, table)
-
-        Whatever goes wrong before the fill (building the table, a bad
-        argument) gives the extents back; the fill itself seals and commits,
-        or aborts and raises.
-        """
-        w = BlockWrite(self, self.reserve(keys, lengths))
+    def _fill(self, refs: list[BlockRef], granted: list[int], source: Values) -> list[int]:
+        """Move the source's values ``granted`` into their extents, seal and commit them;
+        the positions (of ``refs``) whose commit was refused.  Anything that fails before
+        the seal gives every extent back and raises."""
+        if not refs:
+            return []
         try:
-            yield w
-        finally:
-            if not w.done:
-                w.done = True
-                self.abort(w.refs)
+            buffers, table = source.moves(self.mem, granted, refs, write=True)
+            self._move_and_seal(refs, buffers, table, source.mover)
+        except BaseException:
+            self._abort(refs)  # nothing was committed: give the extents back
+            raise
+        return self._commit(refs)
 
-    def reserve(self, keys: Sequence[Key], lengths: Sequence[int]) -> list[BlockRef]:
-        """Reserve extents and mark them WRITING; fill the payloads, then :meth:`seal`."""
+    def _move_and_seal(
+        self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any
+    ) -> None:
+        """Fill reserved blocks through one scatter-gather table and seal their headers.
+
+        Each block's CRC32C is taken from the source bytes as they are stored,
+        so bytes in an extent that this writer did not put there can never be
+        sealed in.  ``mover``: a ``GpuPool`` for a KV cache on its GPU (its
+        kernel moves the bytes and the checksum is taken from the pool afterwards).
+        """
+        host, gen = self.rpc.host_id, self.rpc.entry.generation
+        if mover is not None and mover is not self.mem:
+            mover.gather_write(buffers, table)
+            for r in refs:
+                self.mem.seal(
+                    r.header_offset,
+                    r.payload_offset,
+                    r.digest,
+                    r.version,
+                    r.length,
+                    writer=host,
+                    writer_gen=gen,
+                )
+        else:
+            blocks = [
+                (r.header_offset, r.payload_offset, r.digest, r.version, r.length, 0, host, gen)
+                for r in refs
+            ]
+            self.mem.write_blocks(buffers, table, blocks)
+
+    def _read_blocks(
+        self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any
+    ) -> list[bool]:
+        """Copy whole blocks out of the pool through one table, each one validated.
+
+        Per block: its header is checked (this key, this version, published),
+        the CRC32C of its bytes *as copied* must be the header's, and the
+        header must not have changed meanwhile.  True where the destination
+        holds the committed value.  ``mover``: a ``GpuPool`` for a KV cache on
+        its GPU; its kernel copies, then the pool's bytes are checksummed by
+        the CPU (one more read).  ``refs`` may name one pool block twice (two
+        requests of one batch that share a prefix block): the block is
+        validated once for all its rows, and a ref of another version than
+        the first is a miss.
+        """
+        first: dict[int, int] = {}
+        unique: list[BlockRef] = []
+        for r in refs:
+            if r.block not in first:
+                first[r.block] = len(unique)
+                unique.append(r)
+        blocks = [
+            (r.header_offset, r.payload_offset, r.capacity, r.digest, r.version) for r in unique
+        ]
+        if mover is None or mover is self.mem:
+            got = self.mem.read_blocks(buffers, table, blocks)
+        else:
+            before = self._check(unique)
+            mover.scatter_read(buffers, table)
+            whole = bytearray(sum(r.length for r in unique))
+            rows, at = [], 0
+            for r in unique:
+                rows.append((0, at, r.payload_offset, r.length))
+                at += r.length
+            got = self.mem.read_blocks([whole], np.array(rows, dtype=np.uint64), blocks)
+            got = [g if ok else -1 for g, ok in zip(got, before, strict=True)]
+        valid = [g == r.length for g, r in zip(got, unique, strict=True)]
+        return [valid[first[r.block]] and unique[first[r.block]] == r for r in refs]
+
+    def _check(self, refs: Sequence[BlockRef]) -> list[bool]:
+        """Whether each block is still the published version."""
+        return [
+            self.mem.check_header(
+                r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
+            )
+            == r.length
+            for r in refs
+        ]
+
+    # -- the data path: save and load ----------------------------------------
+
+    def save(
+        self,
+        keys: Sequence[Key],
+        source: Values,
+        *,
+        replace: bool = False,
+        attempts: int = 1,
+        tier: bool = True,
+    ) -> Saved:
+        """Store one value per key from ``source``: the one write call of the data path.
+
+        Reserve (one ALLOC RPC per batch, each extent marked WRITING), move
+        every value through one scatter-gather table (non-temporal stores,
+        the CRC32C of each block taken from the bytes as they are stored),
+        seal each header, commit (one COMMIT RPC per batch).  Nobody can see a
+        value before its commit.  ``source``: a :class:`beluga.transfer.Values`
+        (:class:`~beluga.transfer.Buffers`, :class:`~beluga.transfer.Pieces`,
+        :class:`~beluga.transfer.EngineBlocks`).
+
+        Unless ``replace``, a key that is committed already, or that another
+        write (any host's) is storing under a live lease, is granted nothing
+        and skipped (``Saved.present``): duplicate work costs no pool
+        capacity and never evicts a committed value.  With ``replace`` the
+        new value replaces the old one (``put``).  A write whose lease ran out
+        is refused at its commit and tried again, ``attempts`` times in all,
+        then reported in ``Saved.lost``.  Anything that fails before the
+        seal gives every reserved extent back and raises (nothing is stored
+        for that attempt).  With a write-through tier the committed values
+        are queued for it too (``tier``: False for values that came from it).
+        """
+        lengths = list(source.lengths())
+        if len(lengths) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(lengths)} values")
+        if attempts < 1:
+            raise ValueError(f"attempts is at least 1, not {attempts}")
         raw = [key_bytes(k) for k in keys]
         digests = [digest(k) for k in raw]
-        refs: list[BlockRef] = []
-        for s in self._batches(p.StoreOp.ALLOC, len(raw)):
-            refs += self._alloc(digests[s], list(lengths[s]), [len(k) for k in raw[s]])
-        for r, k in zip(refs, raw, strict=True):
-            self.mem.begin_write(
-                r.header_offset,
-                r.payload_offset,
-                r.digest,
-                r.version,
-                r.length,
-                key_len=len(k),
-                writer=self.rpc.host_id,
-                writer_gen=self.rpc.entry.generation,
-            )
-        return refs
+        stored: list[int] = []
+        present: list[int] = []
+        committed: list[BlockRef] = []
+        todo = list(range(len(raw)))
+        for _ in range(attempts):
+            if not todo:
+                break
+            refs, granted, skipped = self._reserve(todo, raw, digests, lengths, not replace)
+            present += skipped
+            refused = set(self._fill(refs, granted, source))
+            stored += [i for j, i in enumerate(granted) if j not in refused]
+            committed += [r for j, r in enumerate(refs) if j not in refused]
+            todo = sorted(granted[j] for j in refused)
+        if tier and committed and self.tier is not None and self.tier.config.write_through:
+            self._write_through(committed)
+        return Saved(sorted(stored), sorted(present), todo)
 
-    def seal(self, refs: Sequence[BlockRef]) -> None:
-        """Checksum payloads written in place, publish their headers, and commit them."""
-        for r in refs:
-            self.mem.seal(
-                r.header_offset,
-                r.payload_offset,
-                r.digest,
-                r.version,
-                r.length,
-                writer=self.rpc.host_id,
-                writer_gen=self.rpc.entry.generation,
-            )
-        self._commit_all(refs)
+    def load(self, refs: Sequence[BlockRef | None], sink: Values) -> list[bool]:
+        """Copy values out of the pool into ``sink``, each one validated: the one read call
+        of the data path.
+
+        ``refs[i]`` (from :meth:`locate`; None for a miss) fills the sink's
+        value ``i``.  One C call moves them all through one scatter-gather
+        table; per block the header is checked (this key, this version,
+        published), the CRC32C of the bytes *as copied* must be the
+        header's, and the header must not have changed meanwhile.  True where
+        the sink holds the committed value; False for a miss, a value whose
+        length is not the sink's, and a block replaced, evicted, torn or
+        corrupted since it was located (those destination bytes are garbage).
+        """
+        lengths = list(sink.lengths())
+        if len(lengths) != len(refs):
+            raise ValueError(f"{len(refs)} refs but {len(lengths)} values to fill")
+        out = [False] * len(refs)
+        found = [(i, r) for i, r in enumerate(refs) if r is not None and r.length == lengths[i]]
+        if not found:
+            return out
+        chosen = [i for i, _ in found]
+        picked = [r for _, r in found]
+        buffers, table = sink.moves(self.mem, chosen, picked, write=False)
+        valid = self._read_blocks(picked, buffers, table, sink.mover)
+        for i, ok in zip(chosen, valid, strict=True):
+            out[i] = ok
+        return out
 
     def locate(self, keys: Sequence[Key], prefix: bool = True) -> list[BlockRef | None]:
         """Where keys live, from the pool index (no RPC); with ``prefix``, up to and
-        including the first miss.  Read them with :meth:`read_blocks`, which checks
-        every block again: a block replaced since is a miss, never other bytes."""
+        including the first miss.  Read them with :meth:`load`, which checks every
+        block again: a block replaced since is a miss, never other bytes."""
         found = self.index.locate(keys, prefix=prefix)
         if self.tier is not None and None in found:
             # misses of the pool: promote what the tier holds, then look again
@@ -380,99 +447,21 @@ class KVStore:
                 found = self.index.locate(keys, prefix=prefix)
         return [None if loc is None else self._ref(*loc) for loc in found]
 
-    def write_blocks(
-        self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any = None
-    ) -> None:
-        """Fill reserved blocks through one scatter-gather table, seal them, commit them.
+    # -- values --------------------------------------------------------------
 
-        The one write call of the block protocol for payloads moved in place:
-        ``refs`` from :meth:`reserve`, ``table`` rows of (buffer index, buffer
-        offset, pool offset, length) covering each block's payload, e.g. from
-        ``beluga.transfer.block_moves``.  Each block's CRC32C is taken from the
-        source bytes as they are stored, so bytes in an extent that this
-        writer did not put there can never be sealed in.  ``mover``: a
-        ``GpuPool`` for a KV cache on its GPU (its kernel moves the bytes and
-        the checksum is taken from the pool afterwards).  Raises
-        ``WriteLeaseLost`` naming the blocks whose write lease ran out first
-        (the others are committed): put those values again.
+    def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any], tier: bool = True) -> None:
+        """Store many values, replacing what the keys held; one ALLOC and one COMMIT RPC per
+        batch (:meth:`save` with ``replace``).
+
+        Raises ``WriteLeaseLost`` naming the values whose write lease ran out
+        (the others are committed).  With a write-through tier the values are
+        queued for it too (``tier``: False for values that came from it).
         """
-        host, gen = self.rpc.host_id, self.rpc.entry.generation
-        try:
-            if mover is not None and mover is not self.mem:
-                mover.gather_write(buffers, table)
-                for r in refs:
-                    self.mem.seal(
-                        r.header_offset,
-                        r.payload_offset,
-                        r.digest,
-                        r.version,
-                        r.length,
-                        writer=host,
-                        writer_gen=gen,
-                    )
-            else:
-                blocks = [
-                    (r.header_offset, r.payload_offset, r.digest, r.version, r.length, 0, host, gen)
-                    for r in refs
-                ]
-                self.mem.write_blocks(buffers, table, blocks)
-        except BaseException:
-            self.abort(refs)  # nothing was sealed: give the extents back
-            raise
-        self._commit_all(refs)
-
-    def read_blocks(
-        self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any = None
-    ) -> list[bool]:
-        """Copy whole blocks out of the pool through one table, each one validated.
-
-        The one read call of the block protocol for payloads moved in place:
-        ``refs`` from :meth:`locate`, ``table`` as for :meth:`write_blocks`.
-        Per block: its header is checked (this key, this version, published),
-        the CRC32C of its bytes *as copied* must be the header's, and the
-        header must not have changed meanwhile.  True where the destination
-        holds the committed value; False where the block was replaced,
-        evicted, torn or corrupted: those destination bytes are garbage.
-        ``mover``: a ``GpuPool`` for a KV cache on its GPU; its kernel copies,
-        then the pool's bytes are checksummed by the CPU (one more read).
-
-        ``refs`` may name one pool block twice (two requests of one batch that
-        share a prefix block): the block is validated once for all its rows,
-        and a ref of another version than the first is a miss.
-        """
-        first: dict[int, int] = {}
-        unique: list[BlockRef] = []
-        for r in refs:
-            if r.block not in first:
-                first[r.block] = len(unique)
-                unique.append(r)
-        blocks = [
-            (r.header_offset, r.payload_offset, r.capacity, r.digest, r.version) for r in unique
-        ]
-        if mover is None or mover is self.mem:
-            got = self.mem.read_blocks(buffers, table, blocks)
-        else:
-            before = self.check(unique)
-            mover.scatter_read(buffers, table)
-            whole = bytearray(sum(r.length for r in unique))
-            rows, at = [], 0
-            for r in unique:
-                rows.append((0, at, r.payload_offset, r.length))
-                at += r.length
-            got = self.mem.read_blocks([whole], np.array(rows, dtype=np.uint64), blocks)
-            got = [g if ok else -1 for g, ok in zip(got, before, strict=True)]
-        valid = [g == r.length for g, r in zip(got, unique, strict=True)]
-        return [valid[first[r.block]] and unique[first[r.block]] == r for r in refs]
-
-    def check(self, refs: Sequence[BlockRef]) -> list[bool]:
-        """Whether each block is still the published version (call before and after a copy)."""
-        return [
-            self.mem.check_header(
-                r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
-            )
-            == r.length
-            for r in refs
-        ]
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        saved = self.save(keys, Buffers(values), replace=True, tier=tier)
+        if saved.lost:
+            raise WriteLeaseLost(saved.lost, len(keys))
 
     def put_from(self, key: Key, value: Any) -> None:
         self.batch_put_from([key], [value])

@@ -9,8 +9,8 @@ lookup
     then one batched ``KVStore.locate`` of the longest cached prefix, under a
     read lease;
 load
-    ``KVStore.read_blocks``: the blocks go straight from the pool into the
-    model's KV cache in one C call, each validated as it moves (header,
+    ``KVStore.load`` into the model's KV cache (:class:`~beluga.transfer.EngineBlocks`):
+    the blocks go straight from the pool in one C call, each validated as it moves (header,
     CRC32C of the bytes as copied, header again); a block that changed or
     was corrupted meanwhile ends the usable prefix there, so a race costs
     recomputation, never wrong KV;
@@ -18,9 +18,9 @@ compute
     prefill only the tokens after the prefix; the first token is ready here,
     so time to first token is lookup + load + compute;
 save
-    reserve pool blocks for the new full engine blocks, then ``KVStore.write_blocks``:
-    one C call moves them, checksums what it stores and seals each header;
-    then one commit.
+    ``KVStore.save`` of the new full engine blocks: one reserve, one C call
+    that moves them, checksums what it stores and seals each header, one
+    commit; a block another engine has committed or is writing is skipped.
 
 A model on a CUDA device moves its KV with one kernel through the pool's
 registered mapping (:class:`beluga.transfer.gpu.GpuPool`) instead of the
@@ -48,7 +48,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from beluga.coherence import Memory
 from beluga.errors import KVLayoutError
 from beluga.kv.hashing import HashFn, block_keys, hash_function
 from beluga.kv.identity import KVNamespace, ModelIdentity
@@ -56,7 +55,7 @@ from beluga.kv.store import BlockRef, KVStore
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import pool_size_for
 from beluga.serving.model import KV, ModelEngine
-from beluga.transfer import BlockFormat, block_moves
+from beluga.transfer import BlockFormat, EngineBlocks
 from beluga.transfer.gpu import GpuPool
 
 KV_ORDER = "HND"  # Hugging Face caches are [batch, heads, tokens, dim]: HND blocks
@@ -210,18 +209,17 @@ class ServingEngine:
         check_kv_pool(store.pool, self.format)
         self.identity = identity if identity is not None else model.identity
         self.block_tokens = self.format.spec.block_tokens
-        self.block_bytes = store.pool.superblock.block_size
         self.hash_fn = hash_function(hash_fn) if isinstance(hash_fn, str) else hash_fn
         self.hash_seed = hash_seed
         # KV on a GPU moves through one kernel over the registered pool; on the CPU, one C call
-        self.mover: Memory | GpuPool = store.mem
+        self.gpu: GpuPool | None = None
         if model.device.type == "cuda":
-            self.mover = GpuPool(store.pool, model.device)
+            self.gpu = GpuPool(store.pool, model.device)
 
     def close(self) -> None:
         """Let go of the GPU registration, if any (before the store closes the pool)."""
-        if isinstance(self.mover, GpuPool):
-            self.mover.close()
+        if self.gpu is not None:
+            self.gpu.close()
 
     def keys(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
         """The block keys of a prompt (see :func:`kv_block_keys`)."""
@@ -274,15 +272,8 @@ class ServingEngine:
         if not refs:
             return None, []
         prefix = self.model.empty_prefix(len(refs))
-        buffers, table = block_moves(
-            self.mover,
-            self.model.kv_layout(prefix),
-            np.arange(len(refs)),
-            [r.payload_offset for r in refs],
-            block_bytes=self.block_bytes,
-            write=False,
-        )
-        intact = _leading(self.store.read_blocks(refs, buffers, table, mover=self.mover))
+        sink = EngineBlocks(self.model.kv_layout(prefix), np.arange(len(refs)), mover=self.gpu)
+        intact = _leading(self.store.load(refs, sink))
         if intact == len(refs):
             return prefix, refs
         if intact == 0:
@@ -292,17 +283,10 @@ class ServingEngine:
         return cut, refs[:intact]
 
     def _save(self, kv: KV, keys: list[bytes], first: int, end: int) -> int:
-        """Write blocks ``first .. end`` of a prefill's KV into new pool blocks, sealed."""
+        """Write blocks ``first .. end`` of a prefill's KV into new pool blocks, sealed;
+        how many were stored (a block committed already, or being written by another
+        engine, is skipped)."""
         if end <= first:
             return 0
-        with self.store.writing(keys[first:end], [self.format.nbytes] * (end - first)) as w:
-            buffers, table = block_moves(
-                self.mover,
-                self.model.kv_layout(kv),
-                np.arange(first, end),
-                w.payload_offsets,
-                block_bytes=self.block_bytes,
-                write=True,
-            )
-            w.fill(buffers, table, mover=self.mover)
-        return len(w.refs)
+        source = EngineBlocks(self.model.kv_layout(kv), np.arange(first, end), mover=self.gpu)
+        return len(self.store.save(keys[first:end], source).stored)

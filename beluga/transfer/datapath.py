@@ -20,10 +20,11 @@ checked before the C call, so bad input raises and nothing is written.
 
 ``gather_write`` makes the payload reach memory but publishes nothing, and
 ``scatter_read`` trusts what the pool holds: they are the raw moves.  Values
-go through the store's one block API, ``KVStore.write_blocks`` (the CRC32C of
-each block taken from the source as it is stored, then sealed into its
-header) and ``KVStore.read_blocks`` (header, CRC32C of the bytes as copied,
-header again), with the tables :func:`block_moves` builds.
+go through the store's one data-path API, ``KVStore.save(keys, source)``
+(reserve, the move with the CRC32C of each block taken from the source as it
+is stored, seal, commit) and ``KVStore.load(refs, sink)`` (header, CRC32C of
+the bytes as copied, header again), with :class:`EngineBlocks` as the source
+or sink: it builds its tables with :func:`block_moves`.
 
 The mover is the pool's ``Memory`` for a KV cache in host memory, or a
 :class:`beluga.transfer.gpu.GpuPool` for one on its GPU (one kernel instead
@@ -33,14 +34,17 @@ of one C call; the same table and the same checks).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from beluga.coherence import LINE, Memory
 from beluga.errors import KVLayoutError
 from beluga.transfer.format import BlockFormat
-from beluga.transfer.layouts import KVLayout
+
+if TYPE_CHECKING:
+    from beluga.transfer.buffers import Place
+    from beluga.transfer.layouts import KVLayout
 
 
 def coalesce(table: np.ndarray) -> np.ndarray:
@@ -140,6 +144,59 @@ def block_moves(
     elif len(np.unique(ids)) != len(ids):
         raise ValueError("an engine block id appears twice; each read needs its own engine block")
     return layout.buffers, block_table(layout, ids, offs)
+
+
+class EngineBlocks:
+    """Whole engine blocks of a paged KV cache: a ``KVStore.save`` source or ``load`` sink.
+
+    Value ``i`` is engine block ``block_ids[i]`` of ``layout``, in the block
+    format of :mod:`beluga.transfer.format`.  ``mover``: None for a cache in
+    host memory (the pool's ``Memory`` moves it), a ``GpuPool`` for one on
+    its GPU.  ``at`` and ``value_bytes`` let a sink fill a part of each value:
+    ``layout`` then describes the bytes ``[at, at + layout.format.nbytes)`` of
+    values of ``value_bytes`` bytes (a layer-wise load; the whole value is
+    still validated).  Stateless beyond its arguments; not thread-safe while
+    a transfer runs over its cache (nothing is, the cache's bytes are moving).
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        mover: Any = None,
+        at: int = 0,
+        value_bytes: int | None = None,
+    ) -> None:
+        self.layout = layout
+        self.block_ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        self.mover = mover
+        self.at = at
+        self.value_bytes = layout.format.nbytes if value_bytes is None else value_bytes
+        if at < 0 or at % LINE or at + layout.format.nbytes > self.value_bytes:
+            raise ValueError(
+                f"bytes [{at}, +{layout.format.nbytes}) are not a {LINE}-byte aligned part of "
+                f"a {self.value_bytes}-byte value"
+            )
+
+    def lengths(self) -> list[int]:
+        return [self.value_bytes] * len(self.block_ids)
+
+    def moves(
+        self, mem: Memory, chosen: Sequence[int], places: Sequence[Place], *, write: bool
+    ) -> tuple[list[Any], np.ndarray]:
+        if write and (self.at or self.value_bytes != self.layout.format.nbytes):
+            raise ValueError("a save stores whole values: make EngineBlocks without at/value_bytes")
+        mover = self.mover if self.mover is not None else mem
+        offs = np.array([p.payload_offset for p in places], dtype=np.int64) + self.at
+        return block_moves(
+            mover,
+            self.layout,
+            self.block_ids[np.asarray(chosen, dtype=np.int64)],
+            offs,
+            block_bytes=self.layout.format.nbytes,
+            write=write,
+        )
 
 
 def gather_write(

@@ -26,7 +26,7 @@ import pytest
 
 from beluga import KVStore
 from beluga.chaos import ChaosConfig, ChaosDriver, faults
-from beluga.chaos.roles import _report_failure, read_in_place
+from beluga.chaos.roles import Midway, _report_failure, read_in_place
 from beluga.chaos.values import HEADER_BYTES, make_value, verify
 from beluga.chaos.verifier import History
 from beluga.child import server_process
@@ -204,7 +204,7 @@ def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -
 
 def test_in_place_read_of_a_corrupted_payload_is_a_miss(chaos_pool: Pool) -> None:
     """Once a defect: the engine's read path checked headers only and returned a payload
-    that hostile bytes changed; read_blocks checksums what it copies."""
+    that hostile bytes changed; KVStore.load checksums what it copies."""
     with server_process(_serve, chaos_pool.spec, {"refresh_s": 0.02}), KVStore(chaos_pool) as s:
         value = make_value(digest(b"k"), 0, 1, 20_000)
         s.put("k", value)
@@ -230,16 +230,10 @@ def _header_at(pool: Pool, block: int) -> Any:
     return parse_header(read_line(pool.memory, pool.superblock.block_header_offset(block)))
 
 
-def _land(store: KVStore, ref: Any, value: bytes, end: int) -> None:
+def _land(mem: Any, ref: Any, value: bytes, end: int) -> None:
     """The first ``end`` bytes of a copy into the block: stores that landed before a stall."""
     table = np.array([[0, 0, ref.payload_offset, end]], dtype=np.uint64)
-    store.mem.gather_write([value], table)
-
-
-def _write_all(store: KVStore, ref: Any, value: bytes) -> None:
-    """The whole copy, its checksum, seal and commit: the one write call."""
-    table = np.array([[0, 0, ref.payload_offset, len(value)]], dtype=np.uint64)
-    store.write_blocks([ref], [value], table)
+    mem.gather_write([value], table)
 
 
 def _wait_expired(store: KVStore, count: int) -> None:
@@ -259,21 +253,25 @@ def test_a_writer_stalled_past_its_lease_never_lands_on_a_reused_extent(chaos_po
     with server_process(_serve, chaos_pool.spec, options) as first:
         with KVStore(chaos_pool) as stalled, KVStore(chaos_pool) as other:
             mine = make_value(digest(b"stalled"), 9, 1, 8_000)
-            (ref,) = stalled.reserve(["stalled"], [len(mine)])
-            _land(stalled, ref, mine, len(mine) // 2)
-            _wait_expired(other, 1)  # past the lease: the write is cancelled, not reusable
-            victims = {}
-            for i in range(chaos_pool.superblock.nblocks // 2):
-                victim = f"victim-{i}"
-                victims[victim] = make_value(digest(victim.encode()), 1, i + 1, 8_000)
-                other.put(victim, victims[victim])
-                h = _header_at(chaos_pool, ref.block)
-                if h is not None and h.digest != digest(b"stalled"):
-                    problems.append(f"the stalled writer's extent was reused by {victim}")
-                    break
-            assert other.stats()["quarantined_extents"] == 1
-            with pytest.raises(RpcError, match="lost their write lease"):
-                _write_all(stalled, ref, mine)  # it resumes, copies, seals: refused
+            victims: dict[str, bytes] = {}
+
+            def stall(mem: Any, places: Any) -> None:
+                (ref,) = places
+                _land(mem, ref, mine, len(mine) // 2)
+                _wait_expired(other, 1)  # past the lease: the write is cancelled, not reusable
+                for i in range(chaos_pool.superblock.nblocks // 2):
+                    victim = f"victim-{i}"
+                    victims[victim] = make_value(digest(victim.encode()), 1, i + 1, 8_000)
+                    other.put(victim, victims[victim])
+                    h = _header_at(chaos_pool, ref.block)
+                    if h is not None and h.digest != digest(b"stalled"):
+                        problems.append(f"the stalled writer's extent was reused by {victim}")
+                        break
+                assert other.stats()["quarantined_extents"] == 1
+
+            # it resumes, copies, seals: refused
+            saved = stalled.save(["stalled"], Midway([mine], stall), replace=True)
+            assert saved.lost == [0] and victims
             for victim, value in victims.items():
                 (got,) = read_in_place(other, [victim])
                 if got != value or other.get(victim) != value:
@@ -303,10 +301,13 @@ def test_a_refused_write_is_never_served_not_even_after_a_restart(chaos_pool: Po
             for key, value in acked.items():
                 s.put(key, value)
                 late = make_value(digest(key.encode()), 1, 2, 5_000)
-                (ref,) = s.reserve([key], [len(late)])
-                _wait_expired(s, 1 if key == "kept" else 2)  # stalled past the write lease
-                with pytest.raises(RpcError, match="lost their write lease"):
-                    _write_all(s, ref, late)
+                expiries = 1 if key == "kept" else 2
+
+                def stall(mem: Any, places: Any, expiries: int = expiries) -> None:
+                    _wait_expired(s, expiries)  # stalled past the write lease
+
+                saved = s.save([key], Midway([late], stall), replace=True)
+                assert saved.lost == [0]
             assert s.remove("gone")
             assert s.get("kept") == acked["kept"] and s.get("gone") is None
         os.kill(first.pid, signal.SIGKILL)

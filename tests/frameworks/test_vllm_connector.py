@@ -456,20 +456,19 @@ def test_a_kv_cache_the_pool_format_does_not_fit_is_refused_at_start(
 def losing_leases(monkeypatch: pytest.MonkeyPatch, times: int) -> list[int]:
     """Make the next ``times`` block writes lose their lease, as a slow writer's would.
 
-    The extents are given back and the commit is then sent for real: the
-    server refuses it, and the store raises what it raises for a lost lease.
+    The extents are taken back from the writer before its copy, so the commit
+    that follows is refused by the server for real, as a lost lease's is.
     """
-    real = KVStore.write_blocks
+    real = KVStore._move_and_seal
     lost = [0]
 
-    def write_blocks(store: KVStore, refs: list, *args: object, **kwargs: object) -> None:
-        if lost[0] == times:
-            return real(store, refs, *args, **kwargs)
-        lost[0] += 1
-        store.abort(refs)
-        store._commit_all(list(refs))
+    def move_and_seal(store: KVStore, refs: list, *args: object, **kwargs: object) -> None:
+        if lost[0] < times:
+            lost[0] += 1
+            store._abort(refs)
+        return real(store, refs, *args, **kwargs)
 
-    monkeypatch.setattr(KVStore, "write_blocks", write_blocks)
+    monkeypatch.setattr(KVStore, "_move_and_seal", move_and_seal)
     return lost
 
 
@@ -503,7 +502,7 @@ def test_a_write_that_loses_its_lease_is_put_again_once_then_counted(
     [
         (RpcError("the Beluga server died"), True),
         (KVLayoutError("a block table that does not fit the layout"), False),
-        (TypeError("read_blocks() got an unexpected keyword argument"), False),
+        (TypeError("load() got an unexpected keyword argument"), False),
     ],
 )
 def test_only_transport_and_pool_errors_are_outages(
@@ -520,10 +519,10 @@ def test_only_transport_and_pool_errors_are_outages(
     writer, reader = worker(config, cpu_caches(1, seed=7)), worker(config, cpu_caches(1, None))
     assert step(writer, BelugaMetadata(saves=SaveSpec([0], [b"a"]))) == set()
 
-    def read_blocks(*args: object, **kwargs: object) -> list[bool]:
+    def load(*args: object, **kwargs: object) -> list[bool]:
         raise error
 
-    monkeypatch.setattr(KVStore, "read_blocks", read_blocks)
+    monkeypatch.setattr(KVStore, "load", load)
     with KVStore(served_pool) as store:
         meta = BelugaMetadata(loads=[LoadSpec("r", [0], [store.locate(pooled(writer, b"a"))])])
     if outage:
@@ -806,7 +805,7 @@ def saved_by_async_engine(
     sched, src = scheduler(config), cpu_caches(8, seed=20)
     conn = worker(config, src)
     full = free_blocks(sched)
-    opened = gate(monkeypatch, BelugaWorker, "_save")
+    opened = gate(monkeypatch, BelugaWorker, "_save_all")
     sched.add_request(request(TOKENS, "a"))
     (new,) = engine_step(sched, conn).scheduled_new_reqs
     prefix = [src[name][new.block_ids[0][:3]].clone() for name in LAYER_NAMES]
@@ -842,7 +841,7 @@ def test_an_async_load_round_trips_and_a_slow_one_stalls_no_other_request(
     sched, dst = scheduler(config), cpu_caches(8, seed=None)
     conn = worker(config, dst)
     full = free_blocks(sched)
-    opened = gate(monkeypatch, KVStore, "read_blocks")
+    opened = gate(monkeypatch, KVStore, "load")
     sched.add_request(request(TOKENS, "b"))
     sched.add_request(request(list(range(200, 200 + BS + 5)), "other"))
     scheduled = [set(engine_step(sched, conn).num_scheduled_tokens) for _ in range(3)]
@@ -1007,7 +1006,7 @@ def test_a_preempted_requests_saves_end_before_its_blocks_are_reused(
     conn = worker(config, caches)
     full = free_blocks(sched)
     preempted, reused = threading.Event(), threading.Event()
-    real_save, real_schedule = BelugaWorker._save, sched.schedule
+    real_save, real_schedule = BelugaWorker._save_all, sched.schedule
 
     def held_save(self: BelugaWorker, *args: object) -> None:
         assert preempted.wait(30), "vLLM never preempted the request"
@@ -1020,7 +1019,7 @@ def test_a_preempted_requests_saves_end_before_its_blocks_are_reused(
             preempted.set()
         return out
 
-    monkeypatch.setattr(BelugaWorker, "_save", held_save)
+    monkeypatch.setattr(BelugaWorker, "_save_all", held_save)
     monkeypatch.setattr(sched, "schedule", schedule)
     if not waits:
         monkeypatch.setattr(BelugaWorker, "handle_preemptions", lambda self, meta: None)
