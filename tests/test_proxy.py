@@ -77,6 +77,7 @@ class Seen:
     path: str
     body: dict[str, Any] | None
     headers: Mapping[str, str]
+    peer: tuple[str, int]  # the proxy's end of the connection
 
 
 @dataclass
@@ -94,7 +95,10 @@ class FakeEngine:
     holding: set[str] = field(default_factory=set)  # prompts held until `release`
     release: asyncio.Event = field(default_factory=asyncio.Event)
     lockstep: asyncio.Queue[None] | None = None  # each event after the first waits for an item
+    hang_up: bool = False  # close the connection instead of answering
+    raw_answer: bytes | None = None  # answer 200 with these bytes instead of JSON
     break_after: int | None = None  # close the connection after this many events
+    half_event: bytes = b""  # ... and after these bytes of the next one
     stall_after: int | None = None  # send nothing after this many events, until `release`
     endless: bool = False  # stream until the client leaves, then set `left`
     left: asyncio.Event = field(default_factory=asyncio.Event)
@@ -125,14 +129,26 @@ class FakeEngine:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json() if request.can_read_body else None
-        self.seen.append(Seen(request.path, body, request.headers.copy()))
+        self.seen.append(
+            Seen(
+                request.path,
+                body,
+                request.headers.copy(),
+                request.transport.get_extra_info("peername"),
+            )
+        )
         if request.path == "/v1/models":
             return web.json_response(MODELS)
         assert body is not None
         if prompt_of(body) in self.holding:
             await asyncio.wait_for(self.release.wait(), WAIT_S)
+        if self.hang_up:
+            assert request.transport is not None
+            request.transport.close()
         if self.status != 200:
             return web.json_response(ERROR, status=self.status)
+        if self.raw_answer is not None:
+            return web.Response(body=self.raw_answer, content_type="text/plain")
         if body.get("stream"):
             return await self._stream(request)
         answer: dict[str, Any] = {
@@ -153,6 +169,9 @@ class FakeEngine:
         while self.endless or i < self.events:
             if i == self.break_after:
                 assert request.transport is not None
+                if self.half_event:
+                    await out.write(self.half_event)
+                    self.sent.append(self.half_event)
                 request.transport.close()
                 return out
             if i == self.stall_after:
@@ -341,6 +360,20 @@ def test_stream_passes_each_chunk_through_as_it_comes_unchanged() -> None:
     run(scenario())
 
 
+def test_connections_to_a_server_are_kept_alive_between_requests() -> None:
+    async def scenario() -> None:
+        async with rig() as r:
+            for body in (COMPLETION, {**COMPLETION, "stream": True}, COMPLETION):
+                async with r.client.post(r.proxy.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            # a handshake per request would cost each one a round trip on both halves
+            assert len({s.peer for s in r.prefill[0].seen}) == 1
+            assert len({s.peer for s in r.decode[0].seen}) == 1
+
+    run(scenario())
+
+
 # -- which server --------------------------------------------------------------------
 
 
@@ -405,6 +438,41 @@ def test_a_refused_prefill_url_gives_way_to_another() -> None:
             m = await r.metrics()
             assert sample(m, "beluga_proxy_errors_total", role="prefill", kind="connect") == 1
             assert completions(m, "ok") == 1
+
+    run(scenario())
+
+
+def test_a_prefill_server_hanging_up_gives_way_to_another() -> None:
+    async def scenario() -> None:
+        async with rig(prefill=2) as r:
+            for e in r.prefill:
+                e.hang_up = True
+            status, answer = await r.post("/v1/completions", COMPLETION)
+            assert status == 502 and "closed the connection" in answer["error"]["message"]
+            assert [len(e.seen) for e in r.prefill] == [1, 1] and not r.decode[0].seen
+            r.prefill[1].hang_up = False
+            status, answer = await r.post("/v1/completions", COMPLETION)
+            assert status == 200 and answer["choices"][0]["text"] == "decode0"
+            assert len(r.prefill[1].seen) == 2  # and prefill0 tried again, or not, by turn
+            m = await r.metrics()
+            hang_ups = sum(len(e.seen) for e in r.prefill) - 1  # all but the one that answered
+            errors = sample(m, "beluga_proxy_errors_total", role="prefill", kind="disconnect")
+            assert errors == hang_ups
+
+    run(scenario())
+
+
+def test_a_prefill_answer_that_is_not_json_is_a_502() -> None:
+    async def scenario() -> None:
+        async with rig() as r:
+            r.prefill[0].raw_answer = b"<html>gateway</html>"
+            status, answer = await r.post("/v1/completions", COMPLETION)
+            assert status == 502
+            assert r.prefill[0].url in answer["error"]["message"]
+            assert "not JSON" in answer["error"]["message"] and not r.decode[0].seen
+            m = await r.metrics()
+            assert sample(m, "beluga_proxy_errors_total", role="prefill", kind="bad_response") == 1
+            assert completions(m, "prefill_error") == 1
 
     run(scenario())
 
@@ -479,21 +547,25 @@ async def read_stream(r: Rig, body: dict[str, Any]) -> list[bytes]:
         return events
 
 
-@pytest.mark.parametrize("failure", ["closed", "silent"])
+@pytest.mark.parametrize("failure", ["closed", "closed-mid-event", "silent"])
 def test_a_decode_server_breaking_off_a_stream_ends_it_with_an_error_event(failure: str) -> None:
     async def scenario() -> None:
         async with rig(timeout=0.5) as r:
             decode = r.decode[0]
-            if failure == "closed":
-                decode.break_after = 2
-            else:
+            if failure == "silent":
                 decode.stall_after = 2
+            else:
+                decode.break_after = 2
+            if failure == "closed-mid-event":
+                decode.half_event = b'data: {"id": "cmpl-1", "cho'
             events = await read_stream(r, {**COMPLETION, "stream": True})
-            assert events[:2] == decode.sent
-            assert len(events) == 4 and events[3] == b"data: [DONE]\n\n"
-            error = json.loads(events[2].removeprefix(b"data: "))["error"]
+            # what the engine sent (a half event ended by a blank line), the error, the end
+            ended = [decode.half_event + b"\n\n"] if decode.half_event else []
+            assert events[:-2] == [*decode.sent[:2], *ended]
+            assert events[-1] == b"data: [DONE]\n\n"
+            error = json.loads(events[-2].removeprefix(b"data: "))["error"]
             assert decode.url in error["message"] and error["code"] == 502
-            reason = "closed the connection" if failure == "closed" else "no bytes within 0.5 s"
+            reason = "no bytes within 0.5 s" if failure == "silent" else "closed the connection"
             assert reason in error["message"]
             m = await r.metrics()
             assert sample(m, "beluga_proxy_errors_total", role="decode", kind="stream") == 1
