@@ -20,13 +20,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the fewest requests in flight, then decoded on the least loaded decode server, "
         "which loads the prompt's KV from the pool.",
     )
-    for role in ("prefill", "decode"):
+    for role, example in (("prefill", "http://HOST:8100"), ("decode", "http://HOST:8200")):
         p.add_argument(
             f"--{role}",
             action="append",
             default=[],
             metavar="URL[,URL...]",
-            help=f"{role} servers' root URLs, e.g. http://HOST:8100 (comma-separated or repeated)",
+            help=f"{role} servers' root URLs, e.g. {example} (comma-separated or repeated)",
         )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default %(default)s)")
     p.add_argument(
