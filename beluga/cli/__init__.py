@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from beluga import __version__
-from beluga.cli import bench, certify, chaos, demo, pool, serve
+from beluga.cli import bench, certify, chaos, demo, pool, proxy, serve
 from beluga.errors import BelugaError
 
-GROUPS = [pool, serve, demo, bench, certify, chaos]
+GROUPS = [pool, serve, demo, bench, certify, chaos, proxy]
 
 
 def build_parser() -> argparse.ArgumentParser:
