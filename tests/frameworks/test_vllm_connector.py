@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -183,9 +184,15 @@ def scheduler(config: VllmConfig, num_blocks: int = 64, mla: bool = False) -> Sc
     )
 
 
-def request(tokens: list[int], rid: str = "r0") -> Request:
+def request(
+    tokens: list[int],
+    rid: str = "r0",
+    max_tokens: int = 4,
+    kv_transfer_params: dict[str, object] | None = None,
+) -> Request:
     init_none_hash(sha256)
-    params = SamplingParams(max_tokens=4)
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
     params.update_from_generation_config({}, 2)
     return Request(
         request_id=rid,
@@ -205,7 +212,7 @@ def test_scheduler_loads_the_pooled_prefix_and_saves_the_rest(
     kv = engine_kv(config, kv_cache_config())
     with KVStore(served_pool) as store:  # another engine saved the first two blocks
         keys = [kv.key(h, 0) for h in req.block_hashes]
-        store.batch_put_from(keys[:2], [bytes([i]) * kv.block_bytes for i in range(2)])
+        store.batch_put_from(keys[:2], [bytes([i]) * kv.format.nbytes for i in range(2)])
         sched.add_request(req)
         out = sched.schedule()
         meta = out.kv_connector_metadata
@@ -410,7 +417,7 @@ def test_a_corrupted_block_is_a_load_error_never_data(
     writer, reader = worker(config, src), worker(config, dst)
     keys = [b"a", b"b", b"c"]
     assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1, 2], keys))) == set()
-    corrupt(served_pool, pooled(writer, b"b")[0], at=writer.kv.block_bytes - 100)  # last V
+    corrupt(served_pool, pooled(writer, b"b")[0], at=writer.kv.format.nbytes - 100)  # last V
     with KVStore(served_pool) as store:
         refs = store.locate(pooled(writer, *keys))
         errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [2, 1, 0], [refs])]))
@@ -571,7 +578,7 @@ def test_stats_count_lookups_loads_saves_and_errors_for_vllms_loggers(
     hashes = req.block_hashes[:2]
     assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], hashes))) == set()
     saved = writer.get_kv_connector_stats()
-    assert saved is not None and saved.data["save_bytes"] == 2 * kv.block_bytes
+    assert saved is not None and saved.data["save_bytes"] == 2 * kv.format.nbytes
     assert saved.data["saved_blocks"] == 2 and saved.data["save_seconds"] > 0
     assert writer.get_kv_connector_stats() is None  # an interval is reported once
     corrupt(served_pool, kv.key(hashes[1], 0), at=100)
@@ -590,7 +597,7 @@ def test_stats_count_lookups_loads_saves_and_errors_for_vllms_loggers(
         "load_errors": 1,
         "saved_blocks": 1,
     }
-    assert loaded.data["load_bytes"] == kv.block_bytes and loaded.data["load_seconds"] > 0
+    assert loaded.data["load_bytes"] == kv.format.nbytes and loaded.data["load_seconds"] > 0
 
     # what vLLM does with them: the scheduler adds its half to the workers', sends a dict
     payload = loaded.aggregate(looked).to_dict()
@@ -733,10 +740,11 @@ def engine_step(
     sched: Scheduler,
     conn: BelugaConnector,
     model: Callable[[SchedulerOutput], None] | None = None,
+    outputs: list[Any] | None = None,
 ) -> SchedulerOutput:
     """One engine step: schedule, the worker's connector calls as vLLM's model runner makes
     them around ``model`` (the forward), one sampled token per scheduled request, and the
-    scheduler's update."""
+    scheduler's update (whose request outputs go to ``outputs``, if given)."""
     out = sched.schedule()
     meta = out.kv_connector_metadata
     conn.handle_preemptions(meta)
@@ -749,7 +757,7 @@ def engine_step(
     errors = conn.get_block_ids_with_load_errors()
     conn.clear_connector_metadata()
     req_ids = list(out.num_scheduled_tokens)
-    sched.update_from_output(
+    answers = sched.update_from_output(
         out,
         ModelRunnerOutput(
             req_ids=req_ids,
@@ -760,6 +768,8 @@ def engine_step(
             ),
         ),
     )
+    if outputs is not None:
+        outputs += [o for client in answers.values() for o in client.outputs]
     return out
 
 
@@ -909,7 +919,7 @@ def test_auto_loads_a_small_prefix_in_the_step_and_a_big_one_off_it(
     probe = BelugaConnector(
         async_config(model_dir, served_pool), KVConnectorRole.WORKER, kv_cache_config()
     )
-    least = 3 * probe.kv.block_bytes  # the prefix's bytes
+    least = 3 * probe.kv.format.nbytes  # the prefix's bytes
     probe.shutdown()
     config = async_config(
         model_dir, served_pool, **{"async": "auto", "async_min_bytes": least + bigger}
@@ -1125,3 +1135,129 @@ def test_an_mla_rank_that_saves_nothing_still_reports_its_requests_saved(
     with KVStore(served_pool) as store:
         assert store.stats()["keys"] == 0
     rank1.shutdown()
+
+
+# -- prefill/decode roles ----------------------------------------------------------------
+
+PROMPT = list(range(1, 4 * BS + 1))  # four full blocks, no partial one
+
+
+def role_config(model_dir: str, pool: str, role: str, **extra: object) -> VllmConfig:
+    transfer = beluga_transfer(pool, **extra)
+    transfer["kv_role"] = role
+    return vllm_config(model_dir, pool, connector=transfer)
+
+
+def prefilled(model_dir: str, pool: str, tokens: list[int]) -> tuple[dict[str, object], Request]:
+    """A kv_producer engine prefills ``tokens`` (one output token, as a disaggregating proxy
+    asks); the kv_transfer_params it answers with, and its request."""
+    config = role_config(model_dir, pool, "kv_producer")
+    sched, caches = scheduler(config), cpu_caches(16, seed=None)
+    conn = worker(config, caches)
+    req = request(tokens, "p", max_tokens=1)
+    sched.add_request(req)
+    outputs: list[Any] = []
+    out = engine_step(sched, conn, lambda o: forward(sched, o, caches), outputs)
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 0  # a producer loads nothing, whatever the pool holds
+    (answer,) = [o for o in outputs if o.finish_reason is not None]
+    sched.connector.shutdown()
+    conn.shutdown()
+    return answer.kv_transfer_params, req
+
+
+def test_a_producer_saves_every_prompt_block_in_the_step_and_says_how_many(
+    model_dir: str, served_pool: str
+) -> None:
+    config = role_config(model_dir, served_pool, "kv_producer")
+    kv = engine_kv(config, kv_cache_config())
+    req = request(PROMPT, "p", max_tokens=1)
+    with KVStore(served_pool) as store:  # another engine saved the first block
+        first = kv.key(req.block_hashes[0], 0)
+        store.batch_put_from([first], [bytes(kv.format.nbytes)])
+    params, req = prefilled(model_dir, served_pool, PROMPT)
+    assert params == {"beluga_blocks": 4}
+    with KVStore(served_pool) as store:
+        refs = store.locate([kv.key(h, 0) for h in req.block_hashes])
+        assert all(r is not None for r in refs)  # committed before vLLM said "finished"
+        assert store.get(first) == bytes(kv.format.nbytes)  # the committed block stays
+        assert store.stats()["duplicate_writes_skipped"] >= 1
+
+
+@pytest.mark.parametrize("tail", [0, 5], ids=["aligned", "partial-block"])
+def test_a_consumer_loads_every_full_block_and_computes_less_than_a_block(
+    model_dir: str, served_pool: str, tail: int
+) -> None:
+    tokens = PROMPT + list(range(900, 900 + tail))
+    params, _ = prefilled(model_dir, served_pool, tokens)
+    config = role_config(model_dir, served_pool, "kv_consumer")
+    sched, caches = scheduler(config), cpu_caches(16, seed=None)
+    conn = worker(config, caches)
+    before = counters()
+    sched.add_request(request(tokens, "d", kv_transfer_params=params))
+    out = engine_step(sched, conn, lambda o: forward(sched, o, caches))
+    (new,) = out.scheduled_new_reqs
+    assert len(tokens) - new.num_computed_tokens == (tail or 1) < BS  # computed here
+    assert out.kv_connector_metadata.saves.hashes == []  # a consumer saves nothing
+    (block_ids,) = sched.kv_cache_manager.get_block_ids("d")
+    assert all(holds_the_kv_of(caches, block_ids[b], tokens[: (b + 1) * BS]) for b in range(4))
+    counted = {k: v - before[k] for k, v in counters().items()}  # vLLM took the stats
+    assert counted["expected_blocks"] == 4 and counted["missing_blocks"] == 0
+    sched.connector.shutdown()
+    conn.shutdown()
+
+
+@pytest.mark.parametrize("saves", [False, True], ids=["consumer", "consumer-saves"])
+def test_a_consumer_recomputes_and_counts_the_blocks_it_does_not_find(
+    model_dir: str, served_pool: str, saves: bool
+) -> None:
+    params, req = prefilled(model_dir, served_pool, PROMPT)
+    kv = engine_kv(role_config(model_dir, served_pool, "kv_consumer"), kv_cache_config())
+    keys = [kv.key(h, 0) for h in req.block_hashes]
+    with KVStore(served_pool) as store:
+        assert store.remove(keys[2])  # evicted (or never saved: its producer died)
+    config = role_config(model_dir, served_pool, "kv_consumer", consumer_saves=saves)
+    sched, caches = scheduler(config), cpu_caches(16, seed=None)
+    conn = worker(config, caches)
+    before = counters()
+    sched.add_request(request(PROMPT, "d", kv_transfer_params=params))
+    out = engine_step(sched, conn, lambda o: forward(sched, o, caches))
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 2 * BS  # the leading blocks found; the rest recomputed
+    (block_ids,) = sched.kv_cache_manager.get_block_ids("d")
+    assert all(holds_the_kv_of(caches, block_ids[b], PROMPT[: (b + 1) * BS]) for b in range(4))
+    counted = {k: v - before[k] for k, v in counters().items()}
+    assert counted["missing_blocks"] == 2 and counted["expected_blocks"] == 4
+    with KVStore(served_pool) as store:
+        assert [r is not None for r in store.locate(keys, prefix=False)] == [
+            True,
+            True,
+            saves,
+            True,
+        ]
+    sched.connector.shutdown()
+    conn.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("role", "extra", "message"),
+    [
+        ("kv_both", {"poool": "x"}, r"keys BelugaConnector does not know: \['poool'\]"),
+        ("kv_producer", {"async": True}, r"'async' True does not suit kv_role 'kv_producer'"),
+        ("kv_both", {"consumer_saves": True}, r"'consumer_saves' is for kv_role 'kv_consumer'"),
+        ("kv_consumer", {"consumer_saves": "maybe"}, r"'consumer_saves' must be true or false"),
+        ("kv_both", {"timeout_s": 0}, r"'timeout_s' must be a number of seconds > 0"),
+    ],
+)
+def test_bad_role_settings_are_refused_at_start(
+    model_dir: str, role: str, extra: dict[str, object], message: str
+) -> None:
+    transfer = beluga_transfer("unused")
+    transfer["kv_role"] = role
+    transfer["kv_connector_extra_config"] = {"pool": "unused", **extra}
+    with pytest.raises(ValueError, match=message):
+        BelugaConnector(
+            vllm_config(model_dir, "unused", connector=transfer),
+            KVConnectorRole.SCHEDULER,
+            kv_cache_config(),
+        )
