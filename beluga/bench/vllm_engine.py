@@ -70,6 +70,24 @@ def write_tiny_model(
     return path
 
 
+def write_tokenizer(path: str, vocab_size: int) -> str:
+    """A word-level tokenizer for a :func:`write_tiny_model` model, so ``vllm serve`` can serve
+    text: token ``i`` is the word ``w{i}`` (ids 0-2 are <unk>, <s>, </s>), and a chat turns
+    into its messages' words.  Text of ``w`` words is then exactly those token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+    return path
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     """Serve the job's prompts on a fresh engine; the results, one per prompt."""
     for key, value in CPU_ENV.items():
