@@ -72,6 +72,11 @@ class Place(Protocol):
     @property
     def payload_offset(self) -> int: ...
 
+    @property
+    def capacity(self) -> int:
+        """Bytes of its extent (whole pool blocks)."""
+        ...
+
 
 class Values(Protocol):
     """A batch of values in caller memory, one per key: a save's source or a load's sink.

@@ -189,12 +189,13 @@ class EngineBlocks:
             raise ValueError("a save stores whole values: make EngineBlocks without at/value_bytes")
         mover = self.mover if self.mover is not None else mem
         offs = np.array([p.payload_offset for p in places], dtype=np.int64) + self.at
+        room = min((p.capacity for p in places), default=self.value_bytes) - self.at
         return block_moves(
             mover,
             self.layout,
             self.block_ids[np.asarray(chosen, dtype=np.int64)],
             offs,
-            block_bytes=self.layout.format.nbytes,
+            block_bytes=room,
             write=write,
         )
 
