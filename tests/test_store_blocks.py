@@ -159,3 +159,32 @@ def test_bad_saves_are_refused_before_anything_is_reserved(store: KVStore) -> No
         store.save([b""], Buffers([b"x"]))
     after = store.stats()
     assert after["blocks_used"] == before["blocks_used"] and after["writes_in_flight"] == 0
+
+
+def test_a_reader_drops_a_corrupt_value_and_only_that_version(store: KVStore) -> None:
+    values(store, [b"a", b"b"])
+    ra, rb = store.locate([b"a", b"b"])
+    value = store.get(b"a")
+    assert value is not None and ra is not None
+    with Pool.attach(store.pool.spec) as hostile:
+        hostile.memory.nt_store(ra.payload_offset + 77, bytes([value[77] ^ 0xFF]))
+        hostile.memory.sfence()
+    assert store.load([ra, rb], Buffers(sinks(2))) == [False, True]  # by default, kept
+    assert store.locate([b"a"]) == [ra]
+    assert store.load([ra, rb], Buffers(sinks(2)), drop_corrupt=True) == [False, True]
+    assert store.locate([b"a"], prefix=False) == [None] and store.is_exist(b"b")
+    assert store.stats()["corrupt_dropped"] == 1
+    # a reader whose corrupt copy was of an older version drops nothing of the newer one
+    store.batch_put_from([b"a"], [b"fresh"])
+    (fresh,) = store.locate([b"a"])
+    store._drop([ra])
+    assert store.locate([b"a"]) == [fresh] and store.get(b"a") == b"fresh"
+    assert store.stats()["corrupt_dropped"] == 1
+
+
+def test_a_value_replaced_meanwhile_is_a_miss_and_is_not_dropped(store: KVStore) -> None:
+    values(store, [b"a"])
+    (old,) = store.locate([b"a"])
+    store.batch_put_from([b"a"], [data(b"new")])  # replaced between the lookup and the read
+    assert store.load([old], Buffers(sinks(1)), drop_corrupt=True) == [False]
+    assert store.get(b"a") == data(b"new") and store.stats()["corrupt_dropped"] == 0

@@ -292,7 +292,7 @@ class BelugaBackend(StoragePluginInterface):
         h = _HEADER.size
         headers = np.zeros(len(wanted) * h, dtype=np.uint8)
         sink = Pieces([[headers[n * h : (n + 1) * h], p] for n, p in enumerate(payloads)])
-        valid = store.load([refs[j] for j in wanted], sink)
+        valid = store.load([refs[j] for j in wanted], sink, drop_corrupt=True)
         for n, j in enumerate(wanted):
             if not valid[n] or _header_at(headers, n) != _header_at(peeked, j):
                 objs[j].ref_count_down()  # type: ignore[union-attr]

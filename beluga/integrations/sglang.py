@@ -197,7 +197,8 @@ class BelugaHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         """Read pages straight into the host pool, each validated; which were read."""
         try:
-            return store.load(store.locate(pool_keys, prefix=False), Pieces(pages))
+            located = store.locate(pool_keys, prefix=False)
+            return store.load(located, Pieces(pages), drop_corrupt=True)
         except UNAVAILABLE as e:
             self.link.lost(e, store)
             return [False] * len(pool_keys)

@@ -69,6 +69,7 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
     "misses": ("counter", "Lookups that did not find their key (RPC and one-sided reads)"),
     "puts": ("counter", "Values committed"),
     "removes": ("counter", "Keys removed"),
+    "corrupt_dropped": ("counter", "Values removed because a reader found them corrupt"),
     "duplicate_writes_skipped": (
         "counter",
         "Saves granted no extent: the key was committed or being written already",

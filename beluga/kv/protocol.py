@@ -22,6 +22,7 @@ class StoreOp(enum.IntEnum):
     LOOKUP = FIRST_SERVICE_OP + 3  # where keys live (optionally leasing them)
     REMOVE = FIRST_SERVICE_OP + 4
     STATS = FIRST_SERVICE_OP + 5
+    DROP = FIRST_SERVICE_OP + 6  # remove values a reader found corrupt, if still those versions
 
 
 NO_BLOCK = 0xFFFFFFFF
@@ -138,5 +139,6 @@ RECORD_BYTES = {
     StoreOp.ABORT: _COMMIT_REQ.size,
     StoreOp.LOOKUP: max(16, _LOCATION.size),
     StoreOp.REMOVE: 16,
+    StoreOp.DROP: max(_COMMIT_REQ.size, _FLAG.size),
 }
 HEADER_BYTES = _COUNT.size + _FLAGS.size

@@ -395,6 +395,19 @@ class MetadataService:
             found.append(e is not None)
         return p.encode_flags(found)
 
+    def op_drop(self, req: Request) -> bytes:
+        """Remove values a reader found corrupt, each only if the index still holds that very
+        version: a value replaced since (a good one) stays."""
+        dropped = []
+        for digest, block, version in p.decode_commit(req.payload):
+            e = self.index.get(digest)
+            hit = e is not None and e.block == block and e.version == version
+            if hit:
+                self._retire(self.index.pop(digest), digest)
+                self.counters["corrupt_dropped"] += 1
+            dropped.append(hit)
+        return p.encode_flags(dropped)
+
     def op_stats(self, req: Request) -> bytes:
         self.fold_hints()
         return json.dumps(self.stats()).encode()
@@ -407,6 +420,7 @@ class MetadataService:
             p.StoreOp.LOOKUP: per_request(self.op_lookup),
             p.StoreOp.REMOVE: per_request(self.op_remove),
             p.StoreOp.STATS: per_request(self.op_stats),
+            p.StoreOp.DROP: per_request(self.op_drop),
         }
 
     # -- timers and hosts ----------------------------------------------------
@@ -469,6 +483,7 @@ class MetadataService:
             "puts": self.counters["puts"],
             "removes": self.counters["removes"],
             "duplicate_writes_skipped": self.counters["duplicate_writes_skipped"],
+            "corrupt_dropped": self.counters["corrupt_dropped"],
             "evictions": self.counters["evictions"],
             "lease_expiries": self.counters["lease_expiries"],
             "late_commits_refused": self.counters["late_commits_refused"],

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from beluga._native import _core
-from beluga.coherence import digest
-from beluga.errors import BelugaError, WriteLeaseLost
+from beluga.coherence import Miss, digest
+from beluga.errors import BelugaError, RpcError, WriteLeaseLost
 from beluga.kv import protocol as p
 from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
@@ -46,6 +46,9 @@ log = logging.getLogger("beluga.store")
 
 MAX_KEY_BYTES = 256
 Key = str | bytes
+#: what a read finds when a value itself is bad (not replaced or evicted): its payload fails
+#: its checksum, or its header is not one, or claims an impossible length
+_CORRUPT = frozenset(int(m) for m in (Miss.CHECKSUM, Miss.MAGIC, Miss.LENGTH))
 
 
 def key_bytes(key: Key) -> bytes:
@@ -298,16 +301,17 @@ class KVStore:
 
     def _read_blocks(
         self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any
-    ) -> list[bool]:
+    ) -> list[int]:
         """Copy whole blocks out of the pool through one table, each one validated.
 
         Per block: its header is checked (this key, this version, published),
         the CRC32C of its bytes *as copied* must be the header's, and the
-        header must not have changed meanwhile.  True where the destination
-        holds the committed value.  ``mover``: a ``GpuPool`` for a KV cache on
-        its GPU; its kernel copies, then the pool's bytes are checksummed by
-        the CPU (one more read).  ``refs`` may name one pool block twice (two
-        requests of one batch that share a prefix block): the block is
+        header must not have changed meanwhile.  Each ref's value length where
+        the destination holds the committed value, else a negative miss code
+        (``beluga.coherence.Miss``).  ``mover``: a ``GpuPool`` for a KV cache
+        on its GPU; its kernel copies, then the pool's bytes are checksummed
+        by the CPU (one more read).  ``refs`` may name one pool block twice
+        (two requests of one batch that share a prefix block): the block is
         validated once for all its rows, and a ref of another version than
         the first is a miss.
         """
@@ -321,7 +325,7 @@ class KVStore:
             (r.header_offset, r.payload_offset, r.capacity, r.digest, r.version) for r in unique
         ]
         if mover is None or mover is self.mem:
-            got = self.mem.read_blocks(buffers, table, blocks)
+            got = list(self.mem.read_blocks(buffers, table, blocks))
         else:
             before = self._check(unique)
             mover.scatter_read(buffers, table)
@@ -331,9 +335,10 @@ class KVStore:
                 rows.append((0, at, r.payload_offset, r.length))
                 at += r.length
             got = self.mem.read_blocks([whole], np.array(rows, dtype=np.uint64), blocks)
-            got = [g if ok else -1 for g, ok in zip(got, before, strict=True)]
-        valid = [g == r.length for g, r in zip(got, unique, strict=True)]
-        return [valid[first[r.block]] and unique[first[r.block]] == r for r in refs]
+            got = [g if ok else int(Miss.CHANGED) for g, ok in zip(got, before, strict=True)]
+        return [
+            got[first[r.block]] if unique[first[r.block]] == r else int(Miss.VERSION) for r in refs
+        ]
 
     def _check(self, refs: Sequence[BlockRef]) -> list[bool]:
         """Whether each block is still the published version."""
@@ -401,7 +406,9 @@ class KVStore:
             self._write_through(committed)
         return Saved(sorted(stored), sorted(present), todo)
 
-    def load(self, refs: Sequence[BlockRef | None], sink: Values) -> list[bool]:
+    def load(
+        self, refs: Sequence[BlockRef | None], sink: Values, *, drop_corrupt: bool = False
+    ) -> list[bool]:
         """Copy values out of the pool into ``sink``, each one validated: the one read call
         of the data path.
 
@@ -413,6 +420,13 @@ class KVStore:
         the sink holds the committed value; False for a miss, a value whose
         length is not the sink's, and a block replaced, evicted, torn or
         corrupted since it was located (those destination bytes are garbage).
+
+        ``drop_corrupt``: a value found corrupt (its payload fails its
+        checksum, or its header is not one) is removed from the pool, if the
+        index still holds that very version, so no later lookup offers it
+        again and its recomputation can be saved (one RPC, only then; best
+        effort while the server is away).  For caches, whose values can be
+        computed again: KV blocks.
         """
         lengths = list(sink.lengths())
         if len(lengths) != len(refs):
@@ -424,10 +438,25 @@ class KVStore:
         chosen = [i for i, _ in found]
         picked = [r for _, r in found]
         buffers, table = sink.moves(self.mem, chosen, picked, write=False)
-        valid = self._read_blocks(picked, buffers, table, sink.mover)
-        for i, ok in zip(chosen, valid, strict=True):
-            out[i] = ok
+        got = self._read_blocks(picked, buffers, table, sink.mover)
+        for i, r, n in zip(chosen, picked, got, strict=True):
+            out[i] = n == r.length
+        if drop_corrupt:
+            bad = {r for r, n in zip(picked, got, strict=True) if n in _CORRUPT}
+            if bad:
+                self._drop(sorted(bad, key=lambda r: r.block))
         return out
+
+    def _drop(self, refs: Sequence[BlockRef]) -> None:
+        """Remove values found corrupt, each if it is still that version (best effort)."""
+        try:
+            for s in self._batches(p.StoreOp.DROP, len(refs)):
+                self.rpc.call(
+                    p.StoreOp.DROP,
+                    p.encode_commit([(r.digest, r.block, r.version) for r in refs[s]]),
+                )
+        except RpcError as e:  # the server is away: the next reader that finds it drops it
+            log.debug("could not drop %d corrupt values: %s", len(refs), e)
 
     def locate(self, keys: Sequence[Key], prefix: bool = True) -> list[BlockRef | None]:
         """Where keys live, from the pool index (no RPC); with ``prefix``, up to and

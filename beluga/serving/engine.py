@@ -273,7 +273,7 @@ class ServingEngine:
             return None, []
         prefix = self.model.empty_prefix(len(refs))
         sink = EngineBlocks(self.model.kv_layout(prefix), np.arange(len(refs)), mover=self.gpu)
-        intact = _leading(self.store.load(refs, sink))
+        intact = _leading(self.store.load(refs, sink, drop_corrupt=True))
         if intact == len(refs):
             return prefix, refs
         if intact == 0:

@@ -1261,3 +1261,52 @@ def test_bad_role_settings_are_refused_at_start(
             KVConnectorRole.SCHEDULER,
             kv_cache_config(),
         )
+
+
+# -- a bad block is healed, and nothing loops ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "auto"])
+@pytest.mark.parametrize("bad", [0, 1], ids=["first-block", "second-block"])
+def test_a_corrupted_block_is_recomputed_saved_again_and_never_offered_again(
+    model_dir: str, served_pool: str, mode: str, bad: int
+) -> None:
+    """vLLM recomputes from the corrupted block on (policy "recompute"); the request
+    finishes in a bounded number of steps, the reader dropped the corrupt value, and
+    the recomputed block is in the pool again, valid, with this prefix's KV."""
+    tokens = [*PROMPT, 900, 901]
+    extra = {"sync": {"async": False}, "async": {"async": True}, "auto": {"async": "auto"}}[mode]
+    config = async_config(model_dir, served_pool, "recompute", **extra)
+    first, caches = scheduler(config), cpu_caches(16, seed=None)
+    conn = worker(config, caches)
+    first.add_request(request(tokens, "a"))
+    run_until(first, conn, lambda: not first.requests, model=lambda o: forward(first, o, caches))
+    kv = engine_kv(config, kv_cache_config())
+    keys = [kv.key(h, 0) for h in request(tokens).block_hashes]
+    with KVStore(served_pool) as store:
+        (before,) = store.locate([keys[bad]])
+    corrupt(served_pool, keys[bad], at=100)
+    first.connector.shutdown()
+    conn.shutdown()
+    sched, caches = scheduler(config), cpu_caches(16, seed=None)
+    conn = worker(config, caches)
+    sched.add_request(request(tokens, "b"))
+    steps = 0
+    while sched.requests:
+        steps += 1
+        assert steps <= 40, "the request did not finish: a load error loops"
+        engine_step(sched, conn, lambda o: forward(sched, o, caches))
+        threading.Event().wait(0.005)  # let the transfer threads run
+    with KVStore(served_pool) as store:
+        refs = store.locate(keys)
+        assert all(r is not None for r in refs), "a recomputed block was not saved again"
+        assert refs[bad] is not None and before is not None
+        assert refs[bad].version != before.version  # the corrupt value went; a new one came
+        assert store.stats()["corrupt_dropped"] == 1
+        out = cpu_caches(16, seed=None)
+        reader = worker(config, out)
+        assert step(reader, BelugaMetadata(loads=[LoadSpec("c", [0, 1, 2, 3], [refs])])) == set()
+        assert all(holds_the_kv_of(out, b, tokens[: (b + 1) * BS]) for b in range(4))
+        reader.shutdown()
+    sched.connector.shutdown()
+    conn.shutdown()

@@ -12,6 +12,7 @@ scheduler loads and saves.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +28,13 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 #: the key of a producer's ``kv_transfer_params`` that says how many blocks it saved
 EXPECTED_BLOCKS = "beluga_blocks"
+#: pool blocks that failed to load, remembered so they are not offered again (the newest)
+BAD_REFS = 4096
 
 
 @dataclass
@@ -108,6 +112,8 @@ class BelugaScheduler:
         self._hits: dict[str, _Hit] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[LoadSpec] = []
+        self._loading: dict[str, dict[int, tuple[BlockRef, ...]]] = {}  # req: engine block: refs
+        self._bad: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # (digest, version)
         if not vllm_config.cache_config.enable_prefix_caching:
             log.warning(
                 "BelugaConnector keys blocks by vLLM's prefix-cache hashes, which vLLM "
@@ -170,7 +176,8 @@ class BelugaScheduler:
         for shard in range(len(self.kv.namespaces)):
             refs: list[BlockRef] = []
             for ref in store.locate([self.kv.key(h, shard) for h in hashes], prefix=True):
-                if ref is None or ref.length != self.kv.format.nbytes:
+                bad = ref is not None and (ref.digest, ref.version) in self._bad
+                if ref is None or bad or ref.length != self.kv.format.nbytes:
                     break
                 refs.append(ref)
             per_shard.append(refs)
@@ -188,6 +195,8 @@ class BelugaScheduler:
             engine = list(block_ids[hit.first : hit.first + count])
             shards = [rank_refs[:count] for rank_refs in hit.refs]
             self._pending_loads.append(LoadSpec(request.request_id, engine, shards, hit.load_async))
+            by_block = dict(zip(engine, zip(*shards, strict=True), strict=True))
+            self._loading[request.request_id] = by_block
         if isinstance(hit.expected, int) and not isinstance(hit.expected, bool):
             found = hit.first + count
             self._tally.add(
@@ -197,6 +206,29 @@ class BelugaScheduler:
         self._tracked[request.request_id] = _Tracked(
             request, list(block_ids), max(hit.first + count, computed)
         )
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Learn which loaded blocks failed (``invalid_block_ids``, vLLM >= 0.33).
+
+        vLLM recomputes a request from its first failed block on: those blocks
+        are saved again once computed, and the pool blocks that failed are not
+        offered again by this scheduler (the reader also dropped a corrupt one
+        from the pool), so a request that meets only bad blocks finishes
+        through recompute instead of loading them over and over.
+        """
+        invalid = output.invalid_block_ids
+        if not invalid:
+            return
+        for by_block in self._loading.values():
+            for block in invalid & by_block.keys():
+                for ref in by_block[block]:
+                    self._bad[ref.digest, ref.version] = None
+        for tracked in self._tracked.values():
+            failed = [i for i, b in enumerate(tracked.block_ids) if b in invalid]
+            if failed:
+                tracked.saved = min(tracked.saved, failed[0])
+        while len(self._bad) > BAD_REFS:
+            self._bad.popitem(last=False)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BelugaMetadata:
         meta = BelugaMetadata(loads=self._pending_loads)
@@ -253,6 +285,7 @@ class BelugaScheduler:
         decode engine how many to expect (``kv_transfer_params``).
         """
         self._hits.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
         tracked = self._tracked.pop(request.request_id, None)
         params = None
         if self.options.role == "kv_producer":

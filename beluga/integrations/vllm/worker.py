@@ -159,7 +159,7 @@ class BelugaWorker:
     ) -> np.ndarray:
         sink = EngineBlocks(layout, engine, at=at, value_bytes=self.kv.format.nbytes)
         # the store checks each block's header and the checksum of what was copied
-        valid = np.array(store.load(refs, sink), dtype=bool)
+        valid = np.array(store.load(refs, sink, drop_corrupt=True), dtype=bool)
         self._tally.add(load_bytes=int(valid.sum()) * layout.format.nbytes)
         return valid
 
