@@ -9,8 +9,11 @@ engine blocks), and refuse a value whose length is not the sink's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,20 +121,58 @@ def test_a_save_skips_what_is_committed_and_costs_it_no_capacity(store: KVStore)
     assert saved.stored == [0] and store.get(b"a") == b"new"
 
 
-def test_a_key_another_writer_is_writing_is_skipped_until_it_commits(
+def test_a_key_another_writer_is_writing_is_in_flight_when_not_waited_for(
     store: KVStore, shm_path: str
 ) -> None:
     with KVStore(shm_path) as other:
         answers: list[Any] = []
 
         def meanwhile(mem: Any, places: Any) -> None:  # "k" is reserved, not yet committed
-            answers.append(other.save([b"k", b"j"], Buffers([b"second", b"j"])))
+            answers.append(other.save([b"k", b"j"], Buffers([b"second", b"j"]), wait_s=0))
             assert other.get(b"k") is None
 
         first = store.save([b"k"], Midway([b"first"], meanwhile))
         (second,) = answers
-        assert first.stored == [0] and (second.stored, second.present) == ([1], [0])
+        assert first.stored == [0]
+        assert (second.stored, second.present, second.in_flight) == ([1], [], [0])
         assert other.get(b"k") == b"first" and other.get(b"j") == b"j"
+
+
+def skipped(store: KVStore, count: int) -> None:
+    """Wait until the server has skipped ``count`` duplicate writes in all."""
+    deadline = time.monotonic() + 30
+    while store.stats()["duplicate_writes_skipped"] < count:
+        assert time.monotonic() < deadline, "the second save never reached its reservation"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("first_commits", [True, False], ids=["commits", "gives-up"])
+def test_a_save_waits_for_another_write_of_its_key(
+    store: KVStore, shm_path: str, first_commits: bool
+) -> None:
+    """The second writer of a key waits for the first: once it commits the key is present;
+    if it gives up, the second writes it (nothing is left missing)."""
+    answers: list[Any] = []
+    with KVStore(shm_path) as other:
+        second = threading.Thread(
+            target=lambda: answers.append(other.save([b"k"], Buffers([b"2nd"]), wait_s=30))
+        )
+
+        def meanwhile(mem: Any, places: Any) -> None:
+            second.start()
+            skipped(store, 1)  # the second save found "k" being written, and waits
+            if not first_commits:
+                raise RuntimeError("the first writer gives up")
+
+        with contextlib.nullcontext() if first_commits else pytest.raises(RuntimeError):
+            store.save([b"k"], Midway([b"1st"], meanwhile))
+        second.join(60)
+        assert not second.is_alive()
+    (answer,) = answers
+    if first_commits:
+        assert (answer.stored, answer.present) == ([], [0]) and store.get(b"k") == b"1st"
+    else:
+        assert (answer.stored, answer.present) == ([0], []) and store.get(b"k") == b"2nd"
 
 
 def test_a_failed_move_gives_every_extent_back(store: KVStore) -> None:

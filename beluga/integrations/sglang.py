@@ -167,8 +167,8 @@ class BelugaHiCacheStorage(HiCacheStorage):
     def _set_pages(
         self, store: KVStore, pool_keys: list[bytes], pages: list[list[tuple[int, int]]]
     ) -> list[bool]:
-        """Save pages (a page the pool holds already, or another host is saving, is skipped);
-        which are in the pool or on their way."""
+        """Save pages (a page the pool holds already is skipped, one another host is saving is
+        waited for); which are in the pool."""
         try:
             saved = store.save(pool_keys, Pieces(pages), attempts=2)
         except CapacityError as e:
@@ -177,8 +177,8 @@ class BelugaHiCacheStorage(HiCacheStorage):
         except UNAVAILABLE as e:
             self.link.lost(e, store)
             return [False] * len(pages)
-        lost = set(saved.lost)
-        return [i not in lost for i in range(len(pages))]
+        there = set(saved.stored) | set(saved.present)
+        return [i in there for i in range(len(pages))]
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
@@ -278,7 +278,7 @@ class BelugaHiCacheStorage(HiCacheStorage):
             except UNAVAILABLE as e:
                 self.link.lost(e, store)
                 return False
-        return not saved.lost
+        return len(saved.stored) + len(saved.present) == len(keys)
 
     def clear(self) -> None:
         """Nothing to do: pages stay in the pool for other engines, and the server evicts LRU."""

@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,8 @@ log = logging.getLogger("beluga.store")
 
 MAX_KEY_BYTES = 256
 Key = str | bytes
+#: a save waiting for another write of its keys asks the server again this often (seconds)
+RECHECK_S = 0.05
 #: what a read finds when a value itself is bad (not replaced or evicted): its payload fails
 #: its checksum, or its header is not one, or claims an impossible length
 _CORRUPT = frozenset(int(m) for m in (Miss.CHECKSUM, Miss.MAGIC, Miss.LENGTH))
@@ -62,13 +65,25 @@ def key_bytes(key: Key) -> bytes:
     return raw
 
 
+@dataclass
+class _Outcome:
+    """What the rounds of one save did so far."""
+
+    stored: list[int] = field(default_factory=list)
+    present: list[int] = field(default_factory=list)
+    writing: list[int] = field(default_factory=list)
+    refs: list[BlockRef] = field(default_factory=list)  # of the stored ones
+
+
 @dataclass(frozen=True)
 class Saved:
     """What one :meth:`KVStore.save` did with each of its keys (positions, ascending)."""
 
     stored: list[int]  # committed by this call
-    present: list[int]  # skipped: committed already, or being written by another write
+    present: list[int]  # skipped: committed already (by anyone), now in the pool
     lost: list[int]  # every attempt's write lease ran out: not stored (save them again)
+    in_flight: list[int] = field(default_factory=list)  # another write was still storing
+    # them when the wait for it ended: not in the pool yet (it commits them, or they are missing)
 
 
 @dataclass(frozen=True)
@@ -198,23 +213,27 @@ class KVStore:
         digests: Sequence[bytes],
         lengths: Sequence[int],
         skip: bool,
-    ) -> tuple[list[BlockRef], list[int], list[int]]:
+    ) -> tuple[list[BlockRef], list[int], list[int], list[int]]:
         """Reserve extents for keys ``chosen`` (one ALLOC per batch) and mark them WRITING.
 
         Returns the refs, the positions they were granted for, and the positions
-        skipped (with ``skip``: a key committed or being written already).
+        skipped (with ``skip``) because the key is committed, and because
+        another write of it is in flight.
         """
         refs: list[BlockRef] = []
         granted: list[int] = []
         present: list[int] = []
+        writing: list[int] = []
         flags = p.ALLOC_SKIP_PRESENT if skip else 0
         for s in self._batches(p.StoreOp.ALLOC, len(chosen)):
             batch = chosen[s]
             items = [(digests[i], lengths[i], len(raw[i])) for i in batch]
             reply = self.rpc.call(p.StoreOp.ALLOC, p.encode_alloc(items, flags))
             for i, g in zip(batch, p.decode_grants(reply), strict=True):
-                if g.present:
+                if g.present == p.PRESENT_COMMITTED:
                     present.append(i)
+                elif g.present == p.PRESENT_WRITING:
+                    writing.append(i)
                 else:
                     refs.append(self._ref(digests[i], g.block, g.version, lengths[i]))
                     granted.append(i)
@@ -233,7 +252,7 @@ class KVStore:
         except BaseException:
             self._abort(refs)
             raise
-        return refs, granted, present
+        return refs, granted, present, writing
 
     def _commit(self, refs: Sequence[BlockRef]) -> list[int]:
         """Commit ``refs`` (one COMMIT per RPC batch); the positions the server refused."""
@@ -359,6 +378,7 @@ class KVStore:
         *,
         replace: bool = False,
         attempts: int = 1,
+        wait_s: float = 2.0,
         tier: bool = True,
     ) -> Saved:
         """Store one value per key from ``source``: the one write call of the data path.
@@ -371,10 +391,13 @@ class KVStore:
         (:class:`~beluga.transfer.Buffers`, :class:`~beluga.transfer.Pieces`,
         :class:`~beluga.transfer.EngineBlocks`).
 
-        Unless ``replace``, a key that is committed already, or that another
-        write (any host's) is storing under a live lease, is granted nothing
-        and skipped (``Saved.present``): duplicate work costs no pool
-        capacity and never evicts a committed value.  With ``replace`` the
+        Unless ``replace``, a key that is committed already is granted
+        nothing and skipped (``Saved.present``): duplicate work costs no pool
+        capacity and never evicts a committed value.  A key that another
+        write (any host's) is storing under a live lease is skipped too, and
+        waited for, up to ``wait_s``, with one-sided lookups: once that write
+        commits it is ``present``; if its writer gives up, this call writes
+        it; if it is still being written then, it is ``in_flight``.  With ``replace`` the
         new value replaces the old one (``put``).  A write whose lease ran out
         is refused at its commit and tried again, ``attempts`` times in all,
         then reported in ``Saved.lost``.  Anything that fails before the
@@ -389,22 +412,62 @@ class KVStore:
             raise ValueError(f"attempts is at least 1, not {attempts}")
         raw = [key_bytes(k) for k in keys]
         digests = [digest(k) for k in raw]
-        stored: list[int] = []
-        present: list[int] = []
-        committed: list[BlockRef] = []
+        out = _Outcome()
         todo = list(range(len(raw)))
         for _ in range(attempts):
             if not todo:
                 break
-            refs, granted, skipped = self._reserve(todo, raw, digests, lengths, not replace)
-            present += skipped
-            refused = set(self._fill(refs, granted, source))
-            stored += [i for j, i in enumerate(granted) if j not in refused]
-            committed += [r for j, r in enumerate(refs) if j not in refused]
-            todo = sorted(granted[j] for j in refused)
-        if tier and committed and self.tier is not None and self.tier.config.write_through:
-            self._write_through(committed)
-        return Saved(sorted(stored), sorted(present), todo)
+            todo = self._save_round(out, todo, raw, digests, lengths, source, not replace)
+        deadline = time.monotonic() + wait_s
+        while out.writing:  # duplicates another write is storing: wait for them, bounded
+            waiting, out.writing = out.writing, []
+            until = min(deadline, time.monotonic() + RECHECK_S)
+            landed, rest = self._await_others(waiting, raw, until)
+            out.present += landed
+            if not rest:
+                break
+            # ask again: what a writer gave up is ours to write; the rest stays in flight
+            todo += self._save_round(out, rest, raw, digests, lengths, source, True)
+            if time.monotonic() >= deadline:
+                break
+        if tier and out.refs and self.tier is not None and self.tier.config.write_through:
+            self._write_through(out.refs)
+        return Saved(sorted(out.stored), sorted(out.present), sorted(todo), sorted(out.writing))
+
+    def _save_round(
+        self,
+        out: _Outcome,
+        todo: list[int],
+        raw: Sequence[bytes],
+        digests: Sequence[bytes],
+        lengths: Sequence[int],
+        source: Values,
+        skip: bool,
+    ) -> list[int]:
+        """One reserve, move, seal and commit of keys ``todo``, added to ``out``; the keys
+        whose commit was refused (a lost write lease)."""
+        refs, granted, present, writing = self._reserve(todo, raw, digests, lengths, skip)
+        out.present += present
+        out.writing += writing
+        refused = set(self._fill(refs, granted, source))
+        out.stored += [i for j, i in enumerate(granted) if j not in refused]
+        out.refs += [r for j, r in enumerate(refs) if j not in refused]
+        return sorted(granted[j] for j in refused)
+
+    def _await_others(
+        self, chosen: list[int], raw: Sequence[bytes], deadline: float
+    ) -> tuple[list[int], list[int]]:
+        """Wait (with one-sided lookups, no RPC) until ``deadline`` (``time.monotonic``) for
+        keys others are writing; the keys committed meanwhile, and the rest."""
+        nap = 0.0005
+        while True:
+            there = self.index.exists([raw[i] for i in chosen])
+            landed = [i for i, t in zip(chosen, there, strict=True) if t]
+            rest = [i for i, t in zip(chosen, there, strict=True) if not t]
+            if not rest or time.monotonic() >= deadline:
+                return landed, rest
+            time.sleep(min(nap, max(0.0, deadline - time.monotonic())))
+            nap = min(nap * 2, 0.02)
 
     def load(
         self, refs: Sequence[BlockRef | None], sink: Values, *, drop_corrupt: bool = False

@@ -226,7 +226,7 @@ class BelugaWorker:
                 self._tally.add(
                     saved_blocks=n,
                     save_bytes=n * layout.format.nbytes,
-                    save_skipped=len(saved.present),
+                    save_skipped=len(saved.present) + len(saved.in_flight),
                     lease_losses=len(saved.lost),
                 )
 
