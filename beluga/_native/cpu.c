@@ -5,7 +5,8 @@
  * their instructions from these features once, when the module loads.  A
  * feature counts only if the OS lets a process use it: AVX-512 needs the OS
  * to save the opmask and zmm registers (XCR0), which a VM may not do even
- * when CPUID reports the instructions.  Other architectures report nothing.
+ * when CPUID reports the instructions.  Other architectures (and -DBL_PORTABLE)
+ * report nothing.
  *
  * A chicken-bit variable (BELUGA_FLUSH, BELUGA_NT, BELUGA_CRC) names a choice
  * for testing; bl_forced() is how a picker reads one.  A forced choice the
@@ -16,14 +17,14 @@
 
 #include "beluga_native.h"
 
-#if defined(__x86_64__)
+#if BL_X86
 #include <cpuid.h>
 #include <immintrin.h>
 #endif
 
 static int has_clflushopt, has_clwb, has_avx512f, has_sse42, has_vpclmulqdq;
 
-#if defined(__x86_64__)
+#if BL_X86
 /* Whether the OS saves the opmask and zmm registers (XCR0 bits 1, 2, 5, 6, 7). */
 __attribute__((target("xsave"))) static int os_saves_zmm(void)
 {
@@ -41,7 +42,7 @@ static void cpu_init(void)
     if (done)
         return;
     done = 1;
-#if defined(__x86_64__)
+#if BL_X86
     unsigned a, b, c, d;
     if (__get_cpuid(1, &a, &b, &c, &d))
         has_sse42 = (c >> 20) & 1;

@@ -30,22 +30,13 @@
 
 #include "beluga_native.h"
 
-#if defined(__x86_64__)
+#if BL_X86
 #include <immintrin.h>
-#define CRC_X86 1
-#else
-#define CRC_X86 0
 #endif
 
 #define CRC32C_POLY 0x82f63b78u /* reflected Castagnoli polynomial */
 
 static uint32_t crc_table[256];
-/* shift tables: x^(8n) mod P applied to a 32-bit CRC, one byte at a time */
-typedef struct { uint32_t t[4][256]; } shift_table;
-static shift_table shift_big1, shift_big2, shift_small1, shift_small2;
-#define CRC_BIG 1024u  /* bytes per stream in the large interleaved step */
-#define CRC_SMALL 128u /* bytes per stream in the small interleaved step */
-
 static const char *sel_crc = "sw";
 static uint32_t (*crc_fn)(uint32_t, const void *, size_t);
 
@@ -73,6 +64,22 @@ static uint32_t x_pow(uint64_t bits)
     return result;
 }
 
+/* Raw CRC32C update, one byte at a time through a table (portable path). */
+static uint32_t crc_sw(uint32_t c, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    while (n--)
+        c = crc_table[(c ^ *p++) & 0xff] ^ (c >> 8);
+    return c;
+}
+
+#if BL_X86
+/* shift tables: x^(8n) mod P applied to a 32-bit CRC, one byte at a time */
+typedef struct { uint32_t t[4][256]; } shift_table;
+static shift_table shift_big1, shift_big2, shift_small1, shift_small2;
+#define CRC_BIG 1024u  /* bytes per stream in the large interleaved step */
+#define CRC_SMALL 128u /* bytes per stream in the small interleaved step */
+
 /* Fill a byte-wise table that shifts a CRC register past nbytes of zeros. */
 static void shift_table_init(shift_table *st, uint64_t nbytes)
 {
@@ -89,16 +96,6 @@ static inline uint32_t shift_apply(const shift_table *st, uint32_t c)
            st->t[3][c >> 24];
 }
 
-/* Raw CRC32C update, one byte at a time through a table (portable path). */
-static uint32_t crc_sw(uint32_t c, const void *buf, size_t n)
-{
-    const uint8_t *p = buf;
-    while (n--)
-        c = crc_table[(c ^ *p++) & 0xff] ^ (c >> 8);
-    return c;
-}
-
-#if CRC_X86
 /* Raw CRC32C of one stream with the CRC32 instruction. */
 __attribute__((target("sse4.2"))) static inline uint64_t crc_hw_stream(uint64_t c,
                                                                        const uint8_t *p,
@@ -243,12 +240,12 @@ void bl_crc32c_init(void)
     uint32_t x8 = x_pow(8); /* a byte through the register: (crc ^ byte) * x^8 */
     for (uint32_t b = 0; b < 256; b++)
         crc_table[b] = gf_mul(x8, b);
+    crc_fn = crc_sw;
+#if BL_X86
     shift_table_init(&shift_big1, CRC_BIG);
     shift_table_init(&shift_big2, 2 * CRC_BIG);
     shift_table_init(&shift_small1, CRC_SMALL);
     shift_table_init(&shift_small2, 2 * CRC_SMALL);
-    crc_fn = crc_sw;
-#if CRC_X86
     fold_init();
     int sse42 = bl_cpu_has("sse4.2");
     int can_fold = bl_cpu_has("vpclmulqdq") && bl_cpu_has("avx512f") && sse42;
