@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from setuptools import Distribution, Extension
 
 from beluga._native import _core
-from beluga.coherence import Memory, crc32c
+from beluga.coherence import Memory, crc32c, seal_record, unseal_record
 from beluga.errors import CoherenceError
 
 
@@ -44,6 +46,28 @@ def test_crc32c_every_path_matches_reference(n: int) -> None:
 def test_crc32c_chains_like_zlib(data: bytes, cut: int) -> None:
     cut = min(cut, len(data))
     assert crc32c(data[cut:], crc32c(data[:cut])) == crc32c(data)
+
+
+@given(st.binary(max_size=60), st.sampled_from([64, 4096]))
+def test_a_sealed_record_is_its_body_padded_then_their_crc32c(body: bytes, size: int) -> None:
+    """The one codec of host lines, ring control lines and the superblock."""
+    padded = body.ljust(size - 4, b"\0")
+    record = padded + struct.pack("<I", crc32c_reference(padded))
+    assert seal_record(body, size) == record
+    assert unseal_record(record) == padded
+    torn = bytearray(record)
+    torn[random.randrange(size)] ^= 1 << random.randrange(8)
+    assert unseal_record(bytes(torn)) is None
+
+
+def test_a_sealed_record_refuses_what_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="room for 60 bytes before its checksum, not 61"):
+        seal_record(bytes(61))
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        seal_record(b"", 3)
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        unseal_record(b"abc")
+    assert unseal_record(bytes(64)) is None  # an empty line is no record
 
 
 @pytest.mark.parametrize(

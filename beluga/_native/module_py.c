@@ -34,6 +34,54 @@ static PyObject *mod_crc32c_combine(PyObject *mod, PyObject *args)
     return PyLong_FromUnsignedLong(bl_crc32c_combine(a, b, len_b));
 }
 
+/* seal_record(body, size=LINE) -> body zero-padded to size - 4 bytes, then their CRC32C. */
+static PyObject *mod_seal_record(PyObject *mod, PyObject *args)
+{
+    Py_buffer b;
+    Py_ssize_t size = BL_LINE;
+    if (!PyArg_ParseTuple(args, "y*|n", &b, &size))
+        return NULL;
+    if (size < (Py_ssize_t)BL_SEAL_BYTES) {
+        PyBuffer_Release(&b);
+        return bl_fail(PyExc_ValueError, "a sealed record is at least %u bytes, not %zd",
+                       BL_SEAL_BYTES, size);
+    }
+    if (b.len > size - (Py_ssize_t)BL_SEAL_BYTES) {
+        PyBuffer_Release(&b);
+        return bl_fail(PyExc_ValueError,
+                       "a sealed record of %zd bytes has room for %zd bytes before its "
+                       "checksum, not %zd",
+                       size, size - (Py_ssize_t)BL_SEAL_BYTES, b.len);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (out) {
+        char *rec = PyBytes_AS_STRING(out);
+        memset(rec, 0, (size_t)size);
+        memcpy(rec, b.buf, (size_t)b.len);
+        bl_record_seal(rec, (size_t)size);
+    }
+    PyBuffer_Release(&b);
+    return out;
+}
+
+/* unseal_record(record) -> the bytes before its checksum, or None when they do not match it. */
+static PyObject *mod_unseal_record(PyObject *mod, PyObject *args)
+{
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b))
+        return NULL;
+    PyObject *out;
+    if (b.len < (Py_ssize_t)BL_SEAL_BYTES)
+        out = bl_fail(PyExc_ValueError, "a sealed record is at least %u bytes, not %zd",
+                      BL_SEAL_BYTES, b.len);
+    else if (!bl_record_sealed(b.buf, (size_t)b.len))
+        out = Py_NewRef(Py_None);
+    else
+        out = PyBytes_FromStringAndSize(b.buf, b.len - (Py_ssize_t)BL_SEAL_BYTES);
+    PyBuffer_Release(&b);
+    return out;
+}
+
 /* parse_header(line) -> tuple of fields, or None when not a valid header. */
 static PyObject *mod_parse_header(PyObject *mod, PyObject *args)
 {
@@ -183,6 +231,10 @@ static PyObject *mod_register_errors(PyObject *mod, PyObject *args)
 
 static PyMethodDef module_methods[] = {
     {"crc32c", mod_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int"},
+    {"seal_record", mod_seal_record, METH_VARARGS,
+     "seal_record(body, size=LINE) -> body padded to size - 4 bytes, then their CRC32C"},
+    {"unseal_record", mod_unseal_record, METH_VARARGS,
+     "unseal_record(record) -> the bytes before its CRC32C, or None when they do not match"},
     {"parse_header", mod_parse_header, METH_VARARGS, "parse_header(line) -> tuple | None"},
     {"crc32c_combine", mod_crc32c_combine, METH_VARARGS,
      "crc32c_combine(crc_a, crc_b, len_b) -> CRC32C of A || B"},

@@ -165,6 +165,23 @@ def line_writer(sfence_point: str) -> Callable[[Memory, int, bytes], None]:
     return write
 
 
+def seal_record(body: bytes, size: int = LINE) -> bytes:
+    """``body`` zero-padded to ``size - 4`` bytes, then their CRC32C (little-endian).
+
+    The sealed record of every format in the pool that has no richer check
+    (host-table lines, ring control and status lines, the superblock); the C
+    core seals its own lines (block headers, index buckets, RPC messages) the
+    same way.  ValueError when ``body`` does not fit.
+    """
+    return bytes(_core.seal_record(body, size))
+
+
+def unseal_record(record: bytes) -> bytes | None:
+    """The bytes of a sealed record before its checksum; None when they do not match it."""
+    body = _core.unseal_record(record)
+    return None if body is None else bytes(body)
+
+
 def digest(key: bytes) -> bytes:
     """The 16-byte identity of a key as stored in block headers."""
     return hashlib.blake2b(key, digest_size=16).digest()
@@ -221,5 +238,7 @@ __all__ = [
     "parse_header",
     "read_line",
     "resolve_mode",
+    "seal_record",
+    "unseal_record",
     "write_line",
 ]
