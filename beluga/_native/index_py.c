@@ -635,6 +635,36 @@ static PyObject *mod_ix_counts(PyObject *mod, PyObject *args)
                          (unsigned long long)c.tier_hits, (unsigned long long)c.promotions);
 }
 
+/* ix_hints(ring, first, seq) -> [(block, version low 32 bits)]: hints first..seq-1 of a ring */
+static PyObject *mod_ix_hints(PyObject *mod, PyObject *args)
+{
+    Py_buffer v;
+    unsigned long long first, seq;
+    if (!PyArg_ParseTuple(args, "y*KK", &v, &first, &seq))
+        return NULL;
+    uint64_t ring[BL_IX_HINT_RING];
+    int ok = v.len == (Py_ssize_t)sizeof(ring) && first <= seq && seq - first <= BL_IX_HINT_RING;
+    if (ok)
+        memcpy(ring, v.buf, sizeof(ring));
+    PyBuffer_Release(&v);
+    if (!ok)
+        return bl_fail(PyExc_ValueError,
+                       "ix_hints takes a ring of %u hints (%zu bytes) and first <= seq, at most "
+                       "a ring apart",
+                       BL_IX_HINT_RING, sizeof(ring));
+    PyObject *out = PyList_New((Py_ssize_t)(seq - first));
+    for (unsigned long long i = first; out && i < seq; i++) {
+        uint32_t block, version;
+        bl_ix_hint_split(ring[i % BL_IX_HINT_RING], &block, &version);
+        PyObject *t = Py_BuildValue("(II)", block, version);
+        if (!t)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, (Py_ssize_t)(i - first), t);
+    }
+    return out;
+}
+
 static PyMethodDef index_functions[] = {
     {"key_digest", mod_key_digest, METH_O, "key_digest(key) -> 16-byte BLAKE2b digest"},
     {"key_digests", mod_key_digests, METH_O, "key_digests(keys) -> [digest] (batched)"},
@@ -643,6 +673,8 @@ static PyMethodDef index_functions[] = {
     {"ix_unpack", mod_ix_unpack, METH_VARARGS, "ix_unpack(line) -> (seq, slots) | None"},
     {"ix_counts", mod_ix_counts, METH_VARARGS,
      "ix_counts(line) -> (seq, hits, misses, owner, tier_hits, promotions) | None"},
+    {"ix_hints", mod_ix_hints, METH_VARARGS,
+     "ix_hints(ring, first, seq) -> [(block, version low 32 bits)] of hints first..seq-1"},
     {NULL, NULL, 0, NULL},
 };
 
