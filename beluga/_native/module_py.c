@@ -82,6 +82,14 @@ static PyObject *mod_unseal_record(PyObject *mod, PyObject *args)
     return out;
 }
 
+/* A valid header's fields, as parse_header returns them. */
+static PyObject *header_fields(const bl_header *h)
+{
+    return Py_BuildValue("(HKy#KIHIKI)", h->state, (unsigned long long)h->version, h->digest,
+                         (Py_ssize_t)16, (unsigned long long)h->length, h->payload_crc,
+                         h->key_len, h->writer, (unsigned long long)h->stamp, h->writer_gen);
+}
+
 /* parse_header(line) -> tuple of fields, or None when not a valid header. */
 static PyObject *mod_parse_header(PyObject *mod, PyObject *args)
 {
@@ -97,9 +105,33 @@ static PyObject *mod_parse_header(PyObject *mod, PyObject *args)
     PyBuffer_Release(&b);
     if (!bl_header_check(&h))
         Py_RETURN_NONE;
-    return Py_BuildValue("(HKy#KIHIKI)", h.state, (unsigned long long)h.version, h.digest,
-                         (Py_ssize_t)16, (unsigned long long)h.length, h.payload_crc, h.key_len,
-                         h.writer, (unsigned long long)h.stamp, h.writer_gen);
+    return header_fields(&h);
+}
+
+/* parse_headers(table) -> [(block, fields)] for every valid header of a table of header
+ * lines (magic and checksum, as parse_header): the scan recovery and the chaos tools run. */
+static PyObject *mod_parse_headers(PyObject *mod, PyObject *args)
+{
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b))
+        return NULL;
+    if (b.len % BL_LINE) {
+        PyBuffer_Release(&b);
+        return fail("a header table is whole %u-byte lines, not %zd bytes", BL_LINE, b.len);
+    }
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out && i < b.len / BL_LINE; i++) {
+        bl_header h;
+        memcpy(&h, (const char *)b.buf + i * BL_LINE, sizeof(h));
+        if (!bl_header_check(&h))
+            continue;
+        PyObject *row = Py_BuildValue("(nN)", i, header_fields(&h));
+        if (!row || PyList_Append(out, row) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(row);
+    }
+    PyBuffer_Release(&b);
+    return out;
 }
 
 /* selected() -> dict: the instruction chosen for each operation. */
@@ -236,6 +268,8 @@ static PyMethodDef module_methods[] = {
     {"unseal_record", mod_unseal_record, METH_VARARGS,
      "unseal_record(record) -> the bytes before its CRC32C, or None when they do not match"},
     {"parse_header", mod_parse_header, METH_VARARGS, "parse_header(line) -> tuple | None"},
+    {"parse_headers", mod_parse_headers, METH_VARARGS,
+     "parse_headers(table) -> [(block, fields)] of every valid header line"},
     {"crc32c_combine", mod_crc32c_combine, METH_VARARGS,
      "crc32c_combine(crc_a, crc_b, len_b) -> CRC32C of A || B"},
     {"selected", mod_selected, METH_NOARGS, "instructions in use"},
@@ -277,7 +311,6 @@ PyMODINIT_FUNC BL_MODULE_INIT(void)
         return NULL;
     if (bl_memory_init(m) < 0 || bl_rpc_init(m) < 0 || bl_index_init(m) < 0 ||
         PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
-        PyModule_AddIntConstant(m, "HEADER_MAGIC", BL_HDR_MAGIC) < 0 ||
         PyModule_AddObject(m, "BLOCK_STATES",
                            named_ints(block_states, sizeof(block_states) / sizeof(*block_states))) < 0 ||
         PyModule_AddObject(m, "MISS_CODES",

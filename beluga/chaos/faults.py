@@ -23,10 +23,16 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import numpy as np
-
 from beluga._native import _core
-from beluga.coherence import LINE, BlockHeader, BlockState, Memory, parse_header, read_line
+from beluga.coherence import (
+    LINE,
+    BlockHeader,
+    BlockState,
+    Memory,
+    parse_header,
+    parse_headers,
+    read_line,
+)
 from beluga.pool.hosts import HostTable
 from beluga.pool.layout import Superblock
 from beluga.rpc.protocol import RingControl, buf_size, request_line, response_line, ring_offset
@@ -96,14 +102,8 @@ def published_blocks(mem: Memory, sb: Superblock) -> list[tuple[int, BlockHeader
     table = sb.headers.offset
     mem.invalidate(table, sb.nblocks * LINE)
     mem.mfence()
-    raw = mem.load(table, sb.nblocks * LINE)
-    magic = np.frombuffer(raw, dtype="<u4")[:: LINE // 4]
-    out = []
-    for block in np.flatnonzero(magic == _core.HEADER_MAGIC).tolist():
-        h = parse_header(raw[block * LINE : (block + 1) * LINE])
-        if h is not None and h.state == BlockState.PUBLISHED:
-            out.append((block, h))
-    return out
+    headers = parse_headers(mem.load(table, sb.nblocks * LINE))
+    return [(block, h) for block, h in headers if h.state == BlockState.PUBLISHED]
 
 
 def _header_of(mem: Memory, sb: Superblock, block: int) -> BlockHeader | None:

@@ -210,16 +210,28 @@ class BlockHeader:
     writer_gen: int  # generation of that host id when it wrote
 
 
-def parse_header(line: bytes) -> BlockHeader | None:
-    """Decode a block header line; None when it is not a valid header."""
-    fields = _core.parse_header(line)
-    if fields is None:
-        return None
+def _header(fields: tuple) -> BlockHeader | None:
+    """A header from the C core's fields; None for a state this Beluga does not know."""
     state, *rest = fields
     try:
         return BlockHeader(BlockState(state), *rest)
     except ValueError:
         return None
+
+
+def parse_header(line: bytes) -> BlockHeader | None:
+    """Decode a block header line; None when it is not a valid header."""
+    fields = _core.parse_header(line)
+    return None if fields is None else _header(fields)
+
+
+def parse_headers(table: bytes) -> list[tuple[int, BlockHeader]]:
+    """Every valid header of a table of header lines, with its line number (the block).
+
+    One pass in C over the magic and checksum of each line, as ``parse_header``.
+    """
+    found = ((block, _header(fields)) for block, fields in _core.parse_headers(table))
+    return [(block, h) for block, h in found if h is not None]
 
 
 __all__ = [
@@ -236,6 +248,7 @@ __all__ = [
     "line_reader",
     "line_writer",
     "parse_header",
+    "parse_headers",
     "read_line",
     "resolve_mode",
     "seal_record",
