@@ -32,7 +32,9 @@ from beluga.rpc.protocol import (
     Op,
     RingControl,
     buf_size,
+    request_buffer,
     request_line,
+    response_buffer,
     response_line,
     ring_offset,
 )
@@ -375,3 +377,25 @@ def test_a_ring_control_line_is_its_fields_padded_then_their_crc32c() -> None:
     line = body + struct.pack("<I", crc32c_reference(body))
     assert ctl.pack() == line and RingControl.unpack(line) == ctl
     assert RingControl.unpack(bytes(60) + line[60:]) is None
+
+
+def test_out_of_line_payloads_lie_in_the_slot_buffers_the_protocol_names(pool: Pool) -> None:
+    """request_buffer / response_buffer (what chaos aims its hostile bytes at) are where the
+    C core really puts a slot's out-of-line payloads."""
+    server = RpcServer(pool, handlers(), refresh_s=0.02)
+    server.start_thread()
+    try:
+        with RpcClient(pool, depth=4) as c:
+            sb, base = pool.superblock, ring_offset(pool.superblock, c.host_id)
+            for _ in range(5):  # every slot, and one reused
+                slot, payload = (c.ring.next_seq - 1) % 4, os.urandom(c.max_payload)
+                assert c.call(Op.ECHO, payload) == payload
+                sent = pool.memory.load(base + request_buffer(sb, 4, slot), len(payload))
+                answer = pool.memory.load(base + response_buffer(sb, 4, slot), len(payload))
+                assert sent == payload and answer == payload
+            assert response_buffer(sb, 4, 3) + buf_size(sb, 4) <= sb.rpc_bytes_per_host
+            assert request_buffer(sb, 4, 0) == response_line(4, 3) + LINE
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="slot < depth"):
+        request_buffer(pool.superblock, 4, 4)

@@ -730,6 +730,24 @@ static PyObject *mod_rpc_slot_lines(PyObject *mod, PyObject *args)
                          (Py_ssize_t)bl_rpc_resp_line(&g, slot));
 }
 
+/* rpc_slot_buffers(ring_bytes, depth, slot) -> (request buffer, response buffer) offsets
+ * inside a ring: where a slot's out-of-line payloads go. */
+static PyObject *mod_rpc_slot_buffers(PyObject *mod, PyObject *args)
+{
+    unsigned long long ring_bytes;
+    unsigned int depth, slot;
+    if (!PyArg_ParseTuple(args, "KII", &ring_bytes, &depth, &slot))
+        return NULL;
+    if (bl_rpc_ring_check(SIZE_MAX, 0, ring_bytes, depth) || slot >= depth)
+        return bl_fail(PyExc_ValueError,
+                       "need 1 <= depth <= %u, slot < depth and a ring of at least the "
+                       "head and 2 * depth lines",
+                       BL_RPC_MAX_DEPTH);
+    bl_rpc_ring g = bl_rpc_ring_at(0, ring_bytes, depth);
+    return Py_BuildValue("(nn)", (Py_ssize_t)bl_rpc_req_buf(&g, slot),
+                         (Py_ssize_t)bl_rpc_resp_buf(&g, slot));
+}
+
 /* rpc_pack_line(seq, code, flags, length, gen, inline, payload_crc) -> one sealed line. */
 static PyObject *mod_rpc_pack_line(PyObject *mod, PyObject *args)
 {
@@ -776,6 +794,9 @@ static PyMethodDef rpc_functions[] = {
     {"rpc_buf_size", mod_rpc_buf_size, METH_VARARGS, "rpc_buf_size(ring_bytes, depth) -> int"},
     {"rpc_slot_lines", mod_rpc_slot_lines, METH_VARARGS,
      "rpc_slot_lines(depth, slot) -> (request line offset, response line offset)"},
+    {"rpc_slot_buffers", mod_rpc_slot_buffers, METH_VARARGS,
+     "rpc_slot_buffers(ring_bytes, depth, slot) -> (request buffer offset, response buffer "
+     "offset)"},
     {NULL, NULL, 0, NULL},
 };
 

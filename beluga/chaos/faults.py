@@ -12,10 +12,9 @@ Targets
   payloads      bytes inside a published block's payload
   index         a bucket line of the pool index (usually one holding entries)
 
-Ring offsets follow the slot layout that ``beluga/_native/rpc.c`` owns and
-exports: its head lines (``_core.RPC_HEAD`` bytes), ``depth`` request lines,
-``depth`` response lines, then ``depth`` request buffers and ``depth``
-response buffers of ``buf_size(superblock, depth)`` bytes each.
+Ring offsets come from the slot layout that ``beluga/_native/rpc.c`` owns,
+through ``beluga.rpc.protocol`` (a slot's request and response lines and its
+two payload buffers of ``buf_size(superblock, depth)`` bytes).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from beluga._native import _core
 from beluga.coherence import (
     LINE,
     BlockHeader,
@@ -35,7 +33,15 @@ from beluga.coherence import (
 )
 from beluga.pool.hosts import HostTable
 from beluga.pool.layout import Superblock
-from beluga.rpc.protocol import RingControl, buf_size, request_line, response_line, ring_offset
+from beluga.rpc.protocol import (
+    RingControl,
+    buf_size,
+    request_buffer,
+    request_line,
+    response_buffer,
+    response_line,
+    ring_offset,
+)
 
 RPC_PARTS = ("request-line", "response-line", "request-buffer", "response-buffer")
 
@@ -89,10 +95,9 @@ def corrupt_rpc(
         at, data = _garbage(rng, LINE, LINE)
         offset = base + line + at
     else:
-        size = buf_size(sb, depth)
-        index = slot if part == "request-buffer" else depth + slot
-        at, data = _garbage(rng, size, 256)
-        offset = base + _core.RPC_HEAD + 2 * depth * LINE + index * size + at  # rpc.c's layout
+        buffer = request_buffer if part == "request-buffer" else response_buffer
+        at, data = _garbage(rng, buf_size(sb, depth), 256)
+        offset = base + buffer(sb, depth, slot) + at
     _store(mem, offset, data)
     return Hit(f"{part} of host {host} slot {slot}", offset, len(data))
 

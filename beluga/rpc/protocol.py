@@ -178,6 +178,16 @@ def response_line(depth: int, slot: int) -> int:
     return _core.rpc_slot_lines(depth, slot)[1]
 
 
+def request_buffer(sb: Superblock, depth: int, slot: int) -> int:
+    """Offset of a slot's request payload buffer inside its ring (out-of-line payloads)."""
+    return _core.rpc_slot_buffers(sb.rpc_bytes_per_host, depth, slot)[0]
+
+
+def response_buffer(sb: Superblock, depth: int, slot: int) -> int:
+    """Offset of a slot's response payload buffer inside its ring (out-of-line payloads)."""
+    return _core.rpc_slot_buffers(sb.rpc_bytes_per_host, depth, slot)[1]
+
+
 def wake_ups(peer_boot_id: bytes) -> bool:
     """Whether to use the wake lines with a peer: same kernel, and not turned off."""
     return peer_boot_id == BOOT_ID and os.environ.get("BELUGA_RPC_WAKE", "1") != "0"
