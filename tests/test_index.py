@@ -78,6 +78,8 @@ def test_key_digest_refuses_bad_keys() -> None:
     for bad in (b"", "", b"x" * 257):
         with pytest.raises(ValueError, match=r"a key is 1\.\.256 bytes"):
             _core.key_digest(bad)
+    with pytest.raises(ValueError, match=r"a key is 1\.\.256 bytes"):
+        digest(b"x" * 257)  # the write path's digest is the C core's too
     with pytest.raises(ValueError, match="a key is str or bytes"):
         _core.key_digest(12)  # type: ignore[arg-type]
 

@@ -43,7 +43,6 @@ raises :class:`~beluga.errors.CoherenceError`):
 from __future__ import annotations
 
 import enum
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,8 +182,14 @@ def unseal_record(record: bytes) -> bytes | None:
 
 
 def digest(key: bytes) -> bytes:
-    """The 16-byte identity of a key as stored in block headers."""
-    return hashlib.blake2b(key, digest_size=16).digest()
+    """The 16-byte identity of a key as stored in block headers.
+
+    BLAKE2b-128 (``hashlib.blake2b(key, digest_size=16)``), computed by the C
+    core (blake2b.c): the same code that digests keys on the read path
+    (``_core.Index``, ``_core.key_digests``), so writers and readers cannot
+    disagree.  ValueError for a key that is not 1..256 bytes.
+    """
+    return _core.key_digest(key)
 
 
 # The C core owns both lists (BL_BLOCK_STATES, BL_MISS_CODES in beluga/_native/beluga_native.h).
