@@ -13,7 +13,9 @@
  *                  loaded.  No checksum: blockio.c is the validated read.
  *
  * Both run through the Memory's memops table (native or model) and their
- * fences and invalidations are sabotage points.
+ * fences and invalidations are sabotage points.  Python calls them as
+ * Memory.gather_write and Memory.scatter_read (memory_py.c); blockio.c runs
+ * the same kind of table with checksums.
  */
 #include <stdio.h>
 

@@ -172,13 +172,12 @@ def seal_record(body: bytes, size: int = LINE) -> bytes:
     core seals its own lines (block headers, index buckets, RPC messages) the
     same way.  ValueError when ``body`` does not fit.
     """
-    return bytes(_core.seal_record(body, size))
+    return _core.seal_record(body, size)
 
 
 def unseal_record(record: bytes) -> bytes | None:
     """The bytes of a sealed record before its checksum; None when they do not match it."""
-    body = _core.unseal_record(record)
-    return None if body is None else bytes(body)
+    return _core.unseal_record(record)
 
 
 def digest(key: bytes) -> bytes:
