@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from beluga.coherence import LINE, BlockState, Memory, Miss, digest, parse_header
+from beluga.coherence import LINE, BlockState, Memory, Miss, digest, parse_header, parse_headers
 from beluga.errors import CoherenceError
 
 KEY = digest(b"key")
@@ -125,3 +125,29 @@ def test_any_flipped_header_byte_turns_a_hit_into_a_miss(pos: int, flip: int) ->
     shared[HDR + pos] ^= flip
     assert mem.read_validated(HDR, PAYLOAD, 4096, KEY, 5, bytearray(4096)) < 0
     assert parse_header(bytes(shared[HDR : HDR + LINE])) is None
+
+
+def test_a_header_table_scan_finds_exactly_the_valid_headers() -> None:
+    """parse_headers: what recovery and the chaos tools scan, one pass in C."""
+    nblocks, block = 16, 1024
+    shared = bytearray(nblocks * LINE + nblocks * block)
+    mem = Memory(shared)
+    table = {3: (digest(b"a"), 7), 4: (digest(b"b"), 8), 15: (digest(b"c"), 9)}
+    for b, (d, version) in table.items():
+        mem.publish(b * LINE, nblocks * LINE + b * block, d, version, os.urandom(100))
+    mem.begin_write(9 * LINE, nblocks * LINE + 9 * block, digest(b"w"), 10, 50)
+    shared[4 * LINE + 20] ^= 1  # torn: its own checksum fails
+    shared[6 * LINE : 7 * LINE] = os.urandom(LINE)  # garbage
+    found = parse_headers(bytes(shared[: nblocks * LINE]))
+    assert [b for b, _ in found] == [3, 9, 15]
+    assert [(h.state, h.digest, h.version) for _, h in found] == [
+        (BlockState.PUBLISHED, digest(b"a"), 7),
+        (BlockState.WRITING, digest(b"w"), 10),
+        (BlockState.PUBLISHED, digest(b"c"), 9),
+    ]
+    assert [h for _, h in found] == [
+        parse_header(bytes(shared[b * LINE : (b + 1) * LINE])) for b in (3, 9, 15)
+    ]
+    assert parse_headers(b"") == []
+    with pytest.raises(CoherenceError, match="whole 64-byte lines"):
+        parse_headers(bytes(LINE + 1))

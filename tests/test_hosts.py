@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -24,8 +25,10 @@ from beluga.child import server_process
 from beluga.errors import PoolError, RpcError
 from beluga.pool import Geometry, HostState, Pool
 from beluga.pool.hosts import (
+    HOST_MAGIC,
     ClaimRequest,
     Grant,
+    HostEntry,
     HostRegistry,
     HostTable,
     Identity,
@@ -33,6 +36,7 @@ from beluga.pool.hosts import (
 )
 from beluga.rpc import RpcServer
 from tests.conftest import serving
+from tests.test_native import crc32c_reference
 
 CTX = mp.get_context("fork")
 HOSTS16 = Geometry(max_hosts=16, rpc_bytes_per_host=64 << 10, block_size=64 << 10)
@@ -328,3 +332,13 @@ def test_a_second_server_is_refused_while_one_serves(pool: Pool) -> None:
             RpcServer(other)
     with serving(pool) as again:  # the seat and the lock were given back
         assert again.registry.table.seat() is not None
+
+
+def test_a_host_line_is_its_fields_padded_then_their_crc32c() -> None:
+    """The byte format of a host line, built here by hand: it must never change."""
+    entry = HostEntry(3, HostState.ALIVE, 1234, 5678, b"bootid!!", 99, 7, 42)
+    fields = (HOST_MAGIC, 3, 1, 1234, 5678, b"bootid!!", 99, 7, 42)
+    body = struct.pack("<IIIIQ8sQQQ", *fields).ljust(60, b"\0")
+    line = body + struct.pack("<I", crc32c_reference(body))
+    assert entry.pack() == line and HostEntry.unpack(line) == entry
+    assert HostEntry.unpack(line[:60] + bytes(4)) is None

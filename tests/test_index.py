@@ -12,6 +12,7 @@ import hashlib
 import os
 import random
 import signal
+import struct
 import threading
 from collections.abc import Iterator
 
@@ -77,6 +78,8 @@ def test_key_digest_refuses_bad_keys() -> None:
     for bad in (b"", "", b"x" * 257):
         with pytest.raises(ValueError, match=r"a key is 1\.\.256 bytes"):
             _core.key_digest(bad)
+    with pytest.raises(ValueError, match=r"a key is 1\.\.256 bytes"):
+        digest(b"x" * 257)  # the write path's digest is the C core's too
     with pytest.raises(ValueError, match="a key is str or bytes"):
         _core.key_digest(12)  # type: ignore[arg-type]
 
@@ -386,3 +389,30 @@ def test_a_forked_child_reads_but_writes_no_hints_of_its_parent(pool: Pool) -> N
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "the child read other bytes"
         assert pool.memory.load(off, LINE) == before, "the child wrote its parent's hint line"
+
+
+# -- hints ------------------------------------------------------------------------------
+
+
+def test_hints_decode_as_block_and_the_low_half_of_the_version_oldest_first() -> None:
+    ring_len = _core.IX_HINT_RING
+    hints = [(b, (b * 7 + (1 << 33)) & 0xFFFFFFFF) for b in range(ring_len)]
+    raw = struct.pack(f"<{ring_len}Q", *(b | (v << 32) for b, v in hints))
+    # seq 70 means hints 6..69, the oldest in slot 6: ring slots wrap around
+    assert _core.ix_hints(raw, 6, 70) == hints[6:] + hints[:6]
+    assert _core.ix_hints(raw, 69, 70) == [hints[5]] and _core.ix_hints(raw, 9, 9) == []
+    for bad in ((raw, 5, 70), (raw, 3, 2), (raw[:-8], 0, 1)):
+        with pytest.raises(ValueError, match="a ring of 64 hints"):
+            _core.ix_hints(*bad)
+
+
+def test_a_readers_hints_fold_back_as_the_blocks_and_versions_it_hit(pool: Pool) -> None:
+    """index.c writes a reader's hint ring; the server's fold reads the same hits back."""
+    with server(pool.spec), KVStore(pool) as s:
+        s.put_batch(["a", "b"], [b"1", b"2"])
+        a, b = s.locate(["a", "b"], prefix=False)
+        assert a is not None and b is not None
+        assert s.get("b") == b"2" and s.get("a") == b"1" and s.get("nope") is None
+        s.index.flush_hints()
+        folded = PoolIndex(pool.memory, pool.superblock).fold_hints([s.rpc.host_id])
+    assert folded[-2:] == [(b.block, b.version & 0xFFFFFFFF), (a.block, a.version & 0xFFFFFFFF)]

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import os
+import random
+import shutil
+import struct
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from setuptools import Distribution, Extension
 
 from beluga._native import _core
-from beluga.coherence import Memory, crc32c
+from beluga.coherence import Memory, crc32c, seal_record, unseal_record
 from beluga.errors import CoherenceError
 
 
@@ -40,6 +46,28 @@ def test_crc32c_every_path_matches_reference(n: int) -> None:
 def test_crc32c_chains_like_zlib(data: bytes, cut: int) -> None:
     cut = min(cut, len(data))
     assert crc32c(data[cut:], crc32c(data[:cut])) == crc32c(data)
+
+
+@given(st.binary(max_size=60), st.sampled_from([64, 4096]))
+def test_a_sealed_record_is_its_body_padded_then_their_crc32c(body: bytes, size: int) -> None:
+    """The one codec of host lines, ring control lines and the superblock."""
+    padded = body.ljust(size - 4, b"\0")
+    record = padded + struct.pack("<I", crc32c_reference(padded))
+    assert seal_record(body, size) == record
+    assert unseal_record(record) == padded
+    torn = bytearray(record)
+    torn[random.randrange(size)] ^= 1 << random.randrange(8)
+    assert unseal_record(bytes(torn)) is None
+
+
+def test_a_sealed_record_refuses_what_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="room for 60 bytes before its checksum, not 61"):
+        seal_record(bytes(61))
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        seal_record(b"", 3)
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        unseal_record(b"abc")
+    assert unseal_record(bytes(64)) is None  # an empty line is no record
 
 
 @pytest.mark.parametrize(
@@ -157,3 +185,104 @@ def test_the_native_table_flushes_plain_stores_and_never_invalidates_with_clwb(f
         assert invalidate == flush  # the chicken bit picks it, and invalidate follows the flush
     assert problems == "[]"
     assert _core.memops_selfcheck() == [] and _core.selected()["invalidate"] != "clwb"
+
+
+# -- the shape of the C core: plain C below, bindings on top, calls one way --------
+
+NATIVE = Path(__file__).resolve().parent.parent / "beluga" / "_native"
+CORE = sorted(p for p in NATIVE.glob("*.c") if not p.name.endswith("_py.c"))
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc (it builds the core)")
+
+
+@needs_gcc
+def test_the_core_compiles_without_python() -> None:
+    """No core file reaches Python.h, not even through a header (only *_py.c files may)."""
+    assert {p.stem for p in CORE} >= {
+        "crc32c", "blake2b", "sg", "block", "blockio", "index", "rpc", "memops", "model",
+        "sabotage",
+    }  # fmt: skip
+    for src in CORE:
+        deps = subprocess.run(
+            ["gcc", "-M", "-MG", str(src)], capture_output=True, text=True, check=True
+        ).stdout
+        assert "Python.h" not in deps and "beluga_py.h" not in deps, src.name
+        subprocess.run(["gcc", "-fsyntax-only", "-std=gnu11", str(src)], check=True)
+
+
+def _calls(tmp_path: Path) -> set[tuple[str, str]]:
+    """(caller file, callee file) for every symbol one C file uses that another defines."""
+    include = sysconfig.get_paths()["include"]
+    defined: dict[str, str] = {}
+    used: dict[str, set[str]] = {}
+    for src in NATIVE.glob("*.c"):
+        obj = tmp_path / f"{src.stem}.o"
+        subprocess.run(
+            ["gcc", "-c", "-O0", "-std=gnu11", "-fPIC", f"-I{include}", str(src), "-o", str(obj)],
+            check=True,
+        )
+        symbols = subprocess.run(["nm", str(obj)], capture_output=True, text=True, check=True)
+        used[src.stem] = set()
+        for line in symbols.stdout.splitlines():
+            parts = line.split()
+            if parts[0] == "U":
+                used[src.stem].add(parts[1])
+            elif len(parts) == 3 and parts[1] in "TDRB":
+                defined[parts[2]] = src.stem
+    return {(f, defined[s]) for f, syms in used.items() for s in syms if defined.get(s, f) != f}
+
+
+@needs_gcc
+def test_no_two_c_files_call_each_other_and_the_core_never_calls_a_binding(tmp_path: Path) -> None:
+    calls = _calls(tmp_path)
+    assert ("index_py", "index") in calls and ("rpc", "crc32c") in calls  # the graph is seen
+    assert sorted((a, b) for a, b in calls if (b, a) in calls and a < b) == []
+    core = {p.stem for p in CORE}
+    assert sorted((a, b) for a, b in calls if a in core and b not in core) == []
+
+
+@needs_gcc
+def test_a_build_without_native_instructions_refuses_native_mode(tmp_path: Path) -> None:
+    """-DBL_PORTABLE builds the core as for an architecture without a native table (x86-64
+    is the only one written): native mode must refuse with an error that names model mode,
+    never run plain copies that look coherent; model mode works as everywhere."""
+    ext = Extension(
+        "beluga._native._core",
+        sources=[str(p) for p in sorted(NATIVE.glob("*.c"))],
+        define_macros=[("BL_PORTABLE", "1")],
+        extra_compile_args=["-O0", "-std=gnu11"],
+    )
+    cmd = Distribution({"ext_modules": [ext]}).get_command_obj("build_ext")
+    cmd.build_lib, cmd.build_temp = str(tmp_path), str(tmp_path / "tmp")
+    cmd.ensure_finalized()
+    cmd.run()
+    path = cmd.get_ext_fullpath(ext.name)
+    code = (
+        "import importlib.machinery, importlib.util, sys\n"
+        f"name, path = 'beluga._native._core', {path!r}\n"
+        "loader = importlib.machinery.ExtensionFileLoader(name, path)\n"
+        "core = importlib.util.module_from_spec(\n"
+        "    importlib.util.spec_from_file_location(name, path, loader=loader))\n"
+        "loader.exec_module(core)\n"
+        "sys.modules[name] = core\n"
+        "from beluga.coherence import Memory, crc32c, digest\n"
+        "from beluga.errors import CoherenceError\n"
+        "try:\n"
+        "    Memory(bytearray(4096), 'native')\n"
+        "    print('native ran')\n"
+        "except CoherenceError as e:\n"
+        "    print('refused:', e)\n"
+        "mem = Memory(bytearray(8192), 'model')\n"
+        "mem.publish(0, 64, digest(b'k'), 1, b'value')\n"
+        "out = bytearray(5)\n"
+        "print(mem.read_validated(0, 64, 4096, digest(b'k'), 1, out), bytes(out))\n"
+        "print(sorted(core.selected().items()))\n"
+        "print(crc32c(b'123456789') == 0xE3069283, core.memops_selfcheck())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.splitlines()
+    assert out[0].startswith("refused: native mode needs") and "mode='model'" in out[0]
+    assert out[1] == "5 b'value'"
+    none = ("flush", "invalidate", "nt", "writeback")
+    assert out[2] == str(sorted({"crc": "sw", **dict.fromkeys(none, "none")}.items()))
+    assert out[3] == f"True [{out[0].removeprefix('refused: ')!r}]"  # the selfcheck says why

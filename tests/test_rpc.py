@@ -26,7 +26,19 @@ from beluga.coherence import LINE, Memory, attach, read_line, write_line
 from beluga.errors import CapacityError, RpcError
 from beluga.pool import Pool
 from beluga.rpc import RemoteValueError, Request, RpcClient, RpcServer, Status, per_request
-from beluga.rpc.protocol import Message, Op, buf_size, request_line, response_line, ring_offset
+from beluga.rpc.protocol import (
+    RING_MAGIC,
+    Message,
+    Op,
+    RingControl,
+    buf_size,
+    request_buffer,
+    request_line,
+    response_buffer,
+    response_line,
+    ring_offset,
+)
+from tests.test_native import crc32c_reference
 
 OP_ADD, OP_FAIL, OP_FULL, OP_BIG, OP_SLOW, OP_CRASH = range(16, 22)
 CTX = mp.get_context("fork")
@@ -356,3 +368,34 @@ def test_random_bytes_in_slots_never_stop_the_server(pool: Pool, junk: list) -> 
                 assert add(c, i, i) == 2 * i
     finally:
         server.close()
+
+
+def test_a_ring_control_line_is_its_fields_padded_then_their_crc32c() -> None:
+    """The byte format of a ring control line, built here by hand: it must never change."""
+    ctl = RingControl(host_id=2, gen=5, depth=16, pid=4321, first_seq=9, created_ns=10**18)
+    body = struct.pack("<IIIIIIQ", RING_MAGIC, 2, 5, 16, 4321, 9, 10**18).ljust(60, b"\0")
+    line = body + struct.pack("<I", crc32c_reference(body))
+    assert ctl.pack() == line and RingControl.unpack(line) == ctl
+    assert RingControl.unpack(bytes(60) + line[60:]) is None
+
+
+def test_out_of_line_payloads_lie_in_the_slot_buffers_the_protocol_names(pool: Pool) -> None:
+    """request_buffer / response_buffer (what chaos aims its hostile bytes at) are where the
+    C core really puts a slot's out-of-line payloads."""
+    server = RpcServer(pool, handlers(), refresh_s=0.02)
+    server.start_thread()
+    try:
+        with RpcClient(pool, depth=4) as c:
+            sb, base = pool.superblock, ring_offset(pool.superblock, c.host_id)
+            for _ in range(5):  # every slot, and one reused
+                slot, payload = (c.ring.next_seq - 1) % 4, os.urandom(c.max_payload)
+                assert c.call(Op.ECHO, payload) == payload
+                sent = pool.memory.load(base + request_buffer(sb, 4, slot), len(payload))
+                answer = pool.memory.load(base + response_buffer(sb, 4, slot), len(payload))
+                assert sent == payload and answer == payload
+            assert response_buffer(sb, 4, 3) + buf_size(sb, 4) <= sb.rpc_bytes_per_host
+            assert request_buffer(sb, 4, 0) == response_line(4, 3) + LINE
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="slot < depth"):
+        request_buffer(pool.superblock, 4, 4)

@@ -1,4 +1,4 @@
-"""Beluga's C core (see memops.c for the design).  Import it through beluga.coherence.
+"""Beluga's C core (beluga_native.h maps its files).  Import it through beluga.coherence.
 
 ``_core`` is the production build.  Only a mutation run (tests/test_mutation.py)
 loads the sabotage build instead: it builds ``_core_sabotage`` into a

@@ -1,5 +1,5 @@
 /*
- * beluga_native.h - the internal interface of Beluga's C core.
+ * beluga_native.h - the interface of Beluga's C core: plain C, no Python.
  *
  * A bl_mem is one attachment ("host view") of a shared mapping.  Every access
  * to shared memory goes through its bl_memops table, which is chosen once, when
@@ -8,14 +8,33 @@
  * (model.c).  Protocol code (publish / read_validated, the scatter-gather
  * executor, the RPC polling loop) only ever calls through the table, so it is
  * the same code in both modes.
+ *
+ * The core files (cpu, crc32c, blake2b, memops, model, sabotage, block,
+ * blockio, sg, index, rpc) include only this header and the C library; the
+ * Python bindings (*_py.c, beluga_py.h) sit on top.  Between two files calls
+ * go one way only (tests/test_native.py checks it):
+ *
+ *   crc32c, blake2b, memops        ->  cpu
+ *   block, blockio, index, rpc     ->  crc32c
+ *   blockio, index  ->  block;     index  ->  blockio
+ *   every BL_STEP of a sabotage build  ->  sabotage
  */
 #ifndef BELUGA_NATIVE_H
 #define BELUGA_NATIVE_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #define BL_LINE 64u
+
+/* x86-64 instructions are used where the CPU has them.  -DBL_PORTABLE builds the portable
+ * core on x86-64 too, as on any other architecture (tests/test_native.py checks it). */
+#if defined(__x86_64__) && !defined(BL_PORTABLE)
+#define BL_X86 1
+#else
+#define BL_X86 0
+#endif
 
 /*
  * Sabotage points (sabotage.c): every fence, flush, invalidate and ordering
@@ -75,12 +94,12 @@
     X(BLOCKIO_PAYLOAD_MFENCE, "blockio.c bl_read_blocks",                                         \
       "MFENCE between invalidating the rows and copying them",                                    \
       "the copy's loads can pass the invalidations")                                              \
-    X(GATHER_FENCE, "module.c sg_run (gather_write)", "SFENCE after the rows",                    \
+    X(GATHER_FENCE, "sg.c bl_sg_run (gather_write)", "SFENCE after the rows",                     \
       "the rows stay in write-combining buffers after gather_write returns: the host that is "    \
       "told next reads old bytes")                                                                \
-    X(SCATTER_INVALIDATE, "module.c sg_run (scatter_read)",                                       \
+    X(SCATTER_INVALIDATE, "sg.c bl_sg_run (scatter_read)",                                        \
       "invalidate every row's pool range before copying", "cached lines are copied")              \
-    X(SCATTER_MFENCE, "module.c sg_run (scatter_read)",                                           \
+    X(SCATTER_MFENCE, "sg.c bl_sg_run (scatter_read)",                                            \
       "MFENCE between invalidating the rows and copying them",                                    \
       "the copy's loads can pass the invalidations")                                              \
     X(RPC_REQUEST_PAYLOAD_FENCE, "rpc.c emit (client)",                                           \
@@ -165,7 +184,7 @@
     X(INDEX_BUCKET_MFENCE, "index.c load_buckets",                                                \
       "MFENCE between invalidating the bucket lines and loading them",                            \
       "the loads can pass the invalidations and hit old lines")                                   \
-    X(INDEX_MOVE_FENCE, "kv/index.py PoolIndex._write_moves",                                     \
+    X(INDEX_MOVE_FENCE, "kv/index.py PoolIndex.put",                                              \
       "SFENCE between a moved entry's new bucket and its old one",                                \
       "the old bucket can land first: a reader finds the key in neither bucket and misses a "     \
       "committed value")                                                                          \
@@ -184,13 +203,11 @@ extern const bl_point bl_points[BL_NPOINTS];
 
 #ifdef BL_SABOTAGE
 #define BL_SABOTAGE_BUILD 1
-#define BL_TYPE_PREFIX "beluga._native._core_sabotage."
 int bl_step_runs(int point); /* 0 when `point` is armed (and records that it fired) */
 #define BL_STEP(name) bl_step_runs(BL_P_##name)
 #define BL_STEP_ID(id) bl_step_runs(id)
 #else
 #define BL_SABOTAGE_BUILD 0
-#define BL_TYPE_PREFIX "beluga._native._core."
 #define BL_STEP(name) 1
 #define BL_STEP_ID(id) 1
 #endif
@@ -221,16 +238,33 @@ struct bl_mem {
     bl_model *model; /* NULL in native mode */
 };
 
-/* memops.c: instruction selection and the native table. */
-void bl_cpu_init(void);
-const bl_memops *bl_native_ops(void);
+/* cpu.c: what this CPU can do (CPUID, read once), and the chicken bits. */
+int bl_cpu_has(const char *feature);
+int bl_forced(const char *name, const char *value);
+
+/* crc32c.c: CRC32C, and the sealed record every pool format uses (last 4 bytes: the
+ * CRC32C of the rest, little-endian).  bl_crc32c_init must run before any CRC. */
+#define BL_SEAL_BYTES 4u
+void bl_crc32c_init(void);
+const char *bl_crc32c_selected(void);
 uint32_t bl_crc32c(uint32_t crc, const void *buf, size_t n);
-void bl_nt_copy(void *dst, const void *src, size_t n);
-void bl_flush_lines(const void *addr, size_t n);
+uint32_t bl_crc32c_of(const void *buf, size_t n);
+uint32_t bl_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+void bl_record_seal(void *rec, size_t size);
+int bl_record_sealed(const void *rec, size_t size);
+
+/* blake2b.c: the 16-byte key digest (BLAKE2b-128, as hashlib.blake2b(key, digest_size=16)). */
+#define BL_MAX_KEY 256u /* bytes of a key, at most */
+void bl_blake2b_128(const void *key, size_t n, uint8_t out[16]);
+void bl_blake2b_128_many(const uint8_t *const *key, const size_t *len, uint8_t *const *out,
+                         size_t n);
+
+/* memops.c: instruction selection and the native table (NULL, and why, where there is none). */
+void bl_memops_init(void);
+const bl_memops *bl_native_ops(const char **why);
 const char *bl_selected(const char *what);
 #define BL_SELFCHECK_BYTES 4096
 int bl_memops_selfcheck(char *out, size_t cap);
-int bl_cpu_has(const char *feature);
 
 /* model.c: the simulated non-coherent host; its counters, in model_stats() order. */
 enum {
@@ -268,12 +302,12 @@ enum { BL_BLOCK_STATES(BL_STATE_ENUM) };
  * never other bytes.  Python builds beluga.coherence.Miss from this list.
  */
 #define BL_MISS_CODES(X)                                                                     \
-    X(MAGIC, -1, "not a header, or its own checksum fails")                                  \
-    X(STATE, -2, "not published (free, or being written)")                                   \
-    X(KEY, -3, "another key lives there now")                                                \
-    X(VERSION, -4, "the block was republished")                                              \
-    X(LENGTH, -5, "the header claims an impossible length")                                  \
-    X(CHECKSUM, -6, "the payload does not match its checksum (torn or overwritten)")         \
+    X(MAGIC, -1, "not a header, or its own checksum fails")                                        \
+    X(STATE, -2, "not published (free, or being written)")                                         \
+    X(KEY, -3, "another key lives there now")                                                      \
+    X(VERSION, -4, "the block was republished")                                                    \
+    X(LENGTH, -5, "the header claims an impossible length")                                        \
+    X(CHECKSUM, -6, "the payload does not match its checksum (torn or overwritten)")               \
     X(CHANGED, -7, "the header changed while the payload was copied")
 #define BL_MISS_ENUM(name, code, why) BL_MISS_##name = code,
 enum {
@@ -324,11 +358,17 @@ typedef struct {
     int64_t result;   /* read: the length, or a BL_MISS_* code */
 } bl_blockio;
 
-uint32_t bl_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 int bl_read_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
                    size_t nrows, uint8_t *const *bufs, const char **why);
 int bl_write_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
                     size_t nrows, const uint8_t *const *bufs, const char **why);
+
+/* sg.c: one scatter-gather table, rows of (buffer index, buffer offset, pool offset,
+ * length) as uint64, checked whole before any byte moves, then run. */
+#define BL_SG_WHY 192 /* bytes of the message bl_sg_check writes */
+int bl_sg_check(const uint64_t *rows, size_t nrows, const size_t *buf_len, size_t nbufs,
+                size_t mem_size, uint64_t *total, char why[BL_SG_WHY]);
+void bl_sg_run(bl_mem *m, const uint64_t *rows, size_t nrows, uint8_t *const *bufs, int write);
 
 /*
  * index.c: the pool-resident hash index (one writer: the metadata server; readers
@@ -373,7 +413,6 @@ typedef struct {
     uint64_t nblocks;
 } bl_ix;
 
-void bl_blake2b_128(const void *key, size_t n, uint8_t out[16]);
 void bl_ix_hash(const uint8_t digest[16], uint64_t nbuckets, uint32_t *tag, uint64_t *b1,
                 uint64_t *b2);
 void bl_ix_seal(bl_ix_bucket *b);
@@ -382,6 +421,32 @@ int64_t bl_ix_lookup(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint3
                      bl_header *h);
 void bl_ix_lookup_many(bl_mem *m, const bl_ix *ix, const uint8_t *digests, size_t n,
                        uint32_t *block, bl_header *h, int64_t *r);
+int bl_ix_geometry_ok(size_t mem_size, const bl_ix *ix, long long hint_off);
+int bl_ix_is_race(int64_t r);
+int64_t bl_ix_read_into(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint8_t *out,
+                        size_t cap, uint32_t *block, bl_header *h);
+void bl_ix_read_many(bl_mem *m, const bl_ix *ix, const uint8_t *digests, size_t n,
+                     uint8_t *const *bufs, const size_t *lens, int64_t *got, uint32_t *blocks,
+                     uint64_t *versions);
+int bl_ix_counts_ok(const bl_ix_counts *c);
+uint64_t bl_ix_hint(uint32_t block, uint64_t version);
+void bl_ix_hint_split(uint64_t hint, uint32_t *block, uint32_t *version_low);
+
+/* A reader's hits, misses and hints, buffered and stored in its host's lines every
+ * BL_IX_HINT_RING probes (one writer: the caller serialises, e.g. under the GIL). */
+typedef struct {
+    long long hint_off; /* this host's counts line, or -1: no hints */
+    uint64_t owner;     /* the host id's generation */
+    uint64_t seq, hits, misses, flushed_seq, unflushed, tier_hits, promotions;
+    uint64_t ring[BL_IX_HINT_RING];
+    unsigned fork_gen; /* bl_ix_forks() when made */
+} bl_ix_hints;
+
+int bl_ix_watch_forks(void);
+void bl_ix_hints_init(bl_ix_hints *r, long long hint_off, uint64_t owner);
+int bl_ix_note(bl_ix_hints *r, int hit, uint32_t block, uint64_t version);
+void bl_ix_note_tier(bl_ix_hints *r, uint64_t hits, uint64_t promotions);
+void bl_ix_flush_hints(bl_mem *m, bl_ix_hints *r);
 
 /* rpc.c: slot rings; the geometry both sides derive from (bytes per ring, depth).
  *
@@ -404,47 +469,147 @@ void bl_ix_lookup_many(bl_mem *m, const bl_ix *ix, const uint8_t *digests, size_
 #define BL_RPC_DOORBELL_COUNT (BL_RPC_DOORBELL + BL_LINE) /* clients' request counter */
 #define BL_RPC_INLINE 40u
 #define BL_RPC_MAX_DEPTH 128u
+#define BL_RPC_WINDOW 32u        /* lines a reader looks at per pass */
+#define BL_RPC_OOL 1u            /* a line's flag: its payload is in the slot's buffer */
+#define BL_RPC_BAD_LENGTH 0xfff0 /* transport statuses: an impossible length, */
+#define BL_RPC_CORRUPT 0xfff1    /* a torn or garbage line or payload */
+
+/* A message: one line, written by one side (the request by the client, the response by
+ * the server), sealed with its own CRC32C (bl_record_seal). */
+typedef struct {
+    uint32_t seq;
+    uint16_t code; /* request: op; response: status */
+    uint16_t flags;
+    uint32_t len;
+    uint32_t gen;
+    uint8_t data[BL_RPC_INLINE];
+    uint32_t payload_crc;
+    uint32_t crc;
+} bl_rpc_line;
+_Static_assert(sizeof(bl_rpc_line) == BL_LINE, "an RPC message is one cache line");
+
+typedef struct {
+    size_t base;   /* the ring's offset in the mapping */
+    uint32_t depth; /* slots */
+    size_t buf;    /* bytes of each slot buffer */
+} bl_rpc_ring;
+
+enum { BL_RPC_BAD_DEPTH = 1, BL_RPC_NO_ROOM = 2 }; /* why bl_rpc_ring_check refused */
 size_t bl_rpc_buf_size(size_t ring_bytes, uint32_t depth);
+bl_rpc_ring bl_rpc_ring_at(size_t base, size_t ring_bytes, uint32_t depth);
+int bl_rpc_ring_check(size_t mem_size, size_t base, size_t ring_bytes, uint32_t depth);
+size_t bl_rpc_req_line(const bl_rpc_ring *g, uint32_t slot);
+size_t bl_rpc_resp_line(const bl_rpc_ring *g, uint32_t slot);
+size_t bl_rpc_req_buf(const bl_rpc_ring *g, uint32_t slot);
+size_t bl_rpc_resp_buf(const bl_rpc_ring *g, uint32_t slot);
+int bl_rpc_fits(size_t n, size_t buf);
+uint64_t bl_rpc_now_ns(void);
 
-#ifdef Py_PYTHON_H
-/* The Python Memory object, shared by module.c and rpc.c. */
-#include <stdatomic.h>
+/* How one end waits (tunable from Python), and counters the tests read. */
 typedef struct {
-    PyObject_HEAD
-    bl_mem mem;
-    Py_buffer view;
-    int has_view;
-    atomic_int busy;    /* sections running over the mapping (bl_section_enter) */
-    atomic_int closing; /* release() calls waiting for those sections to end */
-} MemoryObject;
+    uint64_t spin_ns;    /* spin this long before yielding and sleeping */
+    uint64_t sleep_ns;   /* longest futex sleep before polling again */
+    int wake;            /* (client) the server shares our kernel: use the wake lines */
+    int futex_ok;        /* cleared at the first futex error: timed naps only */
+    uint64_t calm_until; /* the core is contended: sleep at once until then */
+    uint64_t calm_ns;    /* length of the next calm spell */
+    uint64_t next_check; /* when to look at the thread's contention again */
+    uint64_t checked;    /* when it last looked (0: not while spinning) */
+    uint64_t stalled;    /* its time waiting for a core then */
+    uint64_t turns;      /* its turns on a core then */
+    long tid;            /* the thread that looked */
+} bl_rpc_wait;
 
-/*
- * A section: code that touches the mapping and may run without the GIL.
- * Enter counts it busy *then* checks the Memory is attached and not closing,
- * so release() (which marks closing, then waits for busy to drain) can never
- * unmap under it.  Long loops poll bl_section_closing() and end early.
- */
 typedef struct {
-    MemoryObject *mem;
-    PyThreadState *ts; /* non-NULL while the GIL is dropped */
-} bl_section;
+    _Atomic uint64_t yields, naps, sleeps, woken, timeouts, wakes, futex_errors, stalled;
+} bl_rpc_wait_stats;
 
-/* Copies at least this long run without the GIL (dropping and taking it back costs
- * more than a shorter copy), as do scatter-gather tables of BL_NOGIL_ROWS rows. */
-#define BL_NOGIL_BYTES (64u * 1024u)
-#define BL_NOGIL_ROWS 256u
+/* What a loop that may wait long asks of its caller. */
+typedef struct {
+    void (*let_go)(void *ctx);  /* before it waits longer than a short spin (drop the GIL) */
+    int (*stopping)(void *ctx); /* polled: nonzero ends the loop early (the pool is closing) */
+    void *ctx;
+} bl_rpc_hooks;
 
-int bl_section_enter(bl_section *s, MemoryObject *mem, int drop_gil, PyObject *cls,
-                     const char *why);
-void bl_section_gil(bl_section *s, int drop);
-void bl_section_leave(bl_section *s);
-int bl_section_closing(const bl_section *s);
+/* The client end of one ring. */
+typedef struct {
+    bl_mem *m;
+    bl_rpc_ring g;
+    uint32_t gen;
+    uint32_t next_seq; /* sequence number of the next submit */
+    uint32_t done_seq; /* oldest sequence number not yet completed */
+    int doorbell;      /* the server's doorbell lies in this mapping */
+    bl_rpc_wait wait;
+    bl_rpc_wait_stats stats;
+} bl_rpc_client;
 
-extern PyTypeObject BlMemoryType;
-PyObject *bl_fail(PyObject *cls, const char *fmt, ...);
-extern PyObject *bl_coherence_error, *bl_rpc_error;
-int bl_rpc_init(PyObject *module);
-int bl_index_init(PyObject *module);
-#endif
+typedef struct {
+    uint16_t code; /* op */
+    const void *p;
+    size_t n;
+} bl_rpc_msg;
+
+void bl_rpc_client_init(bl_rpc_client *c, bl_mem *m, size_t base, size_t ring_bytes,
+                        uint32_t depth, uint32_t gen, uint32_t first_seq, int wake);
+uint32_t bl_rpc_client_submit(bl_rpc_client *c, const bl_rpc_msg *msgs, uint32_t n);
+int bl_rpc_client_wait(bl_rpc_client *c, uint32_t n, bl_rpc_line *lines, uint64_t deadline,
+                       const bl_rpc_hooks *h);
+int bl_rpc_client_payload(bl_rpc_client *c, const bl_rpc_line *ln, void *out);
+int64_t bl_rpc_client_pump(bl_rpc_client *c, uint16_t op, const void *p, size_t n,
+                           uint32_t depth, uint64_t duration_ns, const bl_rpc_hooks *h);
+
+/* The server end of every ring of a pool. */
+typedef struct {
+    bl_rpc_ring g;
+    uint32_t active, gen;
+    uint32_t head;      /* next sequence number expected */
+    int wake;           /* the client shares our kernel: wake it through the wake lines */
+    uint64_t bad_since; /* when a torn line at head was first seen (0: none) */
+    uint64_t marked;    /* the respond batch that last looked at this client's wake line */
+} bl_rpc_ring_state;
+
+typedef struct {
+    uint32_t ring, seq;
+    bl_rpc_line line;
+} bl_rpc_request;
+
+typedef struct {
+    uint32_t ring, seq;
+    uint16_t status;
+    const void *p;
+    size_t n;
+} bl_rpc_reply;
+
+typedef struct {
+    bl_mem *m;
+    size_t area_off, ring_bytes;
+    uint32_t nrings;
+    uint32_t nactive, nwake; /* rings served, and those whose client shares our kernel */
+    bl_rpc_ring_state *rings;
+    atomic_int stop;
+    int doorbell; /* the doorbell lines lie in this mapping, outside the rings */
+    int idle;     /* the last gather found nothing: the next one skips spinning */
+    uint64_t served, rejected, batches;
+    bl_rpc_wait wait;
+    bl_rpc_wait_stats stats;
+} bl_rpc_server;
+
+int bl_rpc_server_init(bl_rpc_server *s, bl_mem *m, size_t area_off, size_t ring_bytes,
+                       uint32_t nrings);
+void bl_rpc_server_free(bl_rpc_server *s);
+size_t bl_rpc_server_ring_base(const bl_rpc_server *s, uint32_t idx);
+void bl_rpc_server_set_ring(bl_rpc_server *s, uint32_t idx, uint32_t gen, uint32_t depth,
+                            uint32_t head, int wake);
+void bl_rpc_server_clear_ring(bl_rpc_server *s, uint32_t idx);
+uint64_t bl_rpc_server_recover_head(bl_rpc_server *s, uint32_t idx, uint32_t gen, uint32_t depth,
+                                    uint32_t first_seq);
+int bl_rpc_server_gather(bl_rpc_server *s, bl_rpc_request *batch, int max_batch,
+                         uint64_t timeout_ns, const bl_rpc_hooks *h);
+int bl_rpc_server_payload(bl_rpc_server *s, const bl_rpc_request *q, void *out);
+void bl_rpc_server_reject(bl_rpc_server *s, uint32_t idx, uint32_t seq, uint16_t status,
+                          const char *why);
+int bl_rpc_server_respond(bl_rpc_server *s, const bl_rpc_reply *replies, size_t n);
+int64_t bl_rpc_server_serve_echo(bl_rpc_server *s, uint64_t duration_ns, const bl_rpc_hooks *h);
+void bl_rpc_server_stop(bl_rpc_server *s, int wake);
 
 #endif

@@ -36,16 +36,12 @@
 #define READ_CHUNK 8192u
 
 /* Compute and store the header's own checksum (over bytes 0..59). */
-void bl_header_seal(bl_header *h)
-{
-    h->header_crc = ~bl_crc32c(~0u, h, offsetof(bl_header, header_crc));
-}
+void bl_header_seal(bl_header *h) { bl_record_seal(h, sizeof(*h)); }
 
 /* 1 when the line is a well-formed header (magic and checksum), else 0. */
 int bl_header_check(const bl_header *h)
 {
-    return h->magic == BL_HDR_MAGIC &&
-           h->header_crc == ~bl_crc32c(~0u, h, offsetof(bl_header, header_crc));
+    return h->magic == BL_HDR_MAGIC && bl_record_sealed(h, sizeof(*h));
 }
 
 /* Write one header line so that it reaches memory whole; `fenced`: SFENCE after it. */
@@ -87,7 +83,7 @@ void bl_publish(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *
     m->ops->nt_store(m, payload_off, data, n);
     if (BL_STEP(BLOCK_PAYLOAD_FENCE))
         m->ops->sfence(m);
-    bl_seal(m, hdr_off, proto, n, ~bl_crc32c(~0u, data, n));
+    bl_seal(m, hdr_off, proto, n, bl_crc32c_of(data, n));
 }
 
 /* CRC32C of a payload as stored in the pool (through the memops table). */

@@ -4,8 +4,8 @@
  *
  * The data path moves KV between an engine's paged cache and pool blocks as
  * one scatter-gather table (rows of buffer index, buffer offset, pool offset,
- * length; module.c checks the rows against the buffers and the mapping).  A
- * plain scatter-read trusts whatever the pool holds; these calls do not:
+ * length, checked against the buffers and the mapping by bl_sg_check in
+ * sg.c).  A plain scatter-read trusts whatever the pool holds; these do not:
  *
  *   read   every block's header is loaded (all invalidated, one MFENCE) and
  *          checked: well formed, PUBLISHED, this key, this version, a sane
@@ -26,11 +26,10 @@
  * A piece is a row cut at block boundaries.  Pieces of a block that follow
  * each other in the pool extend one running CRC (the usual case: tables list
  * a block's runs in order).  Out-of-order pieces each get a CRC, and CRCs of
- * adjacent byte ranges combine into the CRC of their concatenation:
- * crc(A || B) = crc(A) * x^(8 |B|) + crc(B) modulo the CRC polynomial
- * (in GF(2)[x]; a table of x^(8 * 2^k) makes the power cheap).  A block whose
- * pieces do not cover its payload exactly once (a partial read, rows that
- * overlap) is checksummed from the pool instead: correct, one more pass.
+ * adjacent byte ranges combine into the CRC of their concatenation
+ * (bl_crc32c_combine, crc32c.c).  A block whose pieces do not cover its
+ * payload exactly once (a partial read, rows that overlap) is checksummed
+ * from the pool instead: correct, one more pass.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -38,44 +37,6 @@
 #include "beluga_native.h"
 
 #define CHUNK 8192u
-#define CRC32C_POLY 0x82f63b78u /* reflected Castagnoli polynomial */
-
-/* a(x) * b(x) modulo the CRC polynomial, in the reflected bit order (bit 31 is x^0). */
-static uint32_t mulmod(uint32_t a, uint32_t b)
-{
-    uint32_t p = 0;
-    for (uint32_t m = 1u << 31; m; m >>= 1) {
-        if (a & m)
-            p ^= b;
-        b = (b & 1) ? (b >> 1) ^ CRC32C_POLY : b >> 1;
-    }
-    return p;
-}
-
-/* x^(8 * 2^k) modulo the polynomial, for k = 0..63, filled on first use. */
-static uint32_t byte_powers[64];
-
-/* Fill byte_powers by repeated squaring (idempotent; racing fills write equal values). */
-static void fill_powers(void)
-{
-    uint32_t p = 1u << (31 - 8); /* x^8 */
-    for (int k = 0; k < 64; k++) {
-        byte_powers[k] = p;
-        p = mulmod(p, p);
-    }
-}
-
-/* The CRC32C of A || B from crc(A), crc(B) and |B| (finalised CRCs, as bl_payload_crc). */
-uint32_t bl_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b)
-{
-    if (!byte_powers[0])
-        fill_powers();
-    uint32_t shift = 1u << 31; /* x^0 */
-    for (int k = 0; len_b; k++, len_b >>= 1)
-        if (len_b & 1)
-            shift = mulmod(shift, byte_powers[k]);
-    return mulmod(shift, crc_a) ^ crc_b;
-}
 
 /* A run of one block's payload covered by consecutive pieces, with its CRC so far. */
 typedef struct {

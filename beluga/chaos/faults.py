@@ -12,10 +12,9 @@ Targets
   payloads      bytes inside a published block's payload
   index         a bucket line of the pool index (usually one holding entries)
 
-Ring offsets follow the slot layout that ``beluga/_native/rpc.c`` owns and
-exports: its head lines (``_core.RPC_HEAD`` bytes), ``depth`` request lines,
-``depth`` response lines, then ``depth`` request buffers and ``depth``
-response buffers of ``buf_size(superblock, depth)`` bytes each.
+Ring offsets come from the slot layout that ``beluga/_native/rpc.c`` owns,
+through ``beluga.rpc.protocol`` (a slot's request and response lines and its
+two payload buffers of ``buf_size(superblock, depth)`` bytes).
 """
 
 from __future__ import annotations
@@ -23,13 +22,26 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import numpy as np
-
-from beluga._native import _core
-from beluga.coherence import LINE, BlockHeader, BlockState, Memory, parse_header, read_line
+from beluga.coherence import (
+    LINE,
+    BlockHeader,
+    BlockState,
+    Memory,
+    parse_header,
+    parse_headers,
+    read_line,
+)
 from beluga.pool.hosts import HostTable
 from beluga.pool.layout import Superblock
-from beluga.rpc.protocol import RingControl, buf_size, request_line, response_line, ring_offset
+from beluga.rpc.protocol import (
+    RingControl,
+    buf_size,
+    request_buffer,
+    request_line,
+    response_buffer,
+    response_line,
+    ring_offset,
+)
 
 RPC_PARTS = ("request-line", "response-line", "request-buffer", "response-buffer")
 
@@ -83,10 +95,9 @@ def corrupt_rpc(
         at, data = _garbage(rng, LINE, LINE)
         offset = base + line + at
     else:
-        size = buf_size(sb, depth)
-        index = slot if part == "request-buffer" else depth + slot
-        at, data = _garbage(rng, size, 256)
-        offset = base + _core.RPC_HEAD + 2 * depth * LINE + index * size + at  # rpc.c's layout
+        buffer = request_buffer if part == "request-buffer" else response_buffer
+        at, data = _garbage(rng, buf_size(sb, depth), 256)
+        offset = base + buffer(sb, depth, slot) + at
     _store(mem, offset, data)
     return Hit(f"{part} of host {host} slot {slot}", offset, len(data))
 
@@ -96,14 +107,8 @@ def published_blocks(mem: Memory, sb: Superblock) -> list[tuple[int, BlockHeader
     table = sb.headers.offset
     mem.invalidate(table, sb.nblocks * LINE)
     mem.mfence()
-    raw = mem.load(table, sb.nblocks * LINE)
-    magic = np.frombuffer(raw, dtype="<u4")[:: LINE // 4]
-    out = []
-    for block in np.flatnonzero(magic == _core.HEADER_MAGIC).tolist():
-        h = parse_header(raw[block * LINE : (block + 1) * LINE])
-        if h is not None and h.state == BlockState.PUBLISHED:
-            out.append((block, h))
-    return out
+    headers = parse_headers(mem.load(table, sb.nblocks * LINE))
+    return [(block, h) for block, h in headers if h.state == BlockState.PUBLISHED]
 
 
 def _header_of(mem: Memory, sb: Superblock, block: int) -> BlockHeader | None:

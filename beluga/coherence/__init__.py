@@ -43,7 +43,6 @@ raises :class:`~beluga.errors.CoherenceError`):
 from __future__ import annotations
 
 import enum
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,9 +164,31 @@ def line_writer(sfence_point: str) -> Callable[[Memory, int, bytes], None]:
     return write
 
 
+def seal_record(body: bytes, size: int = LINE) -> bytes:
+    """``body`` zero-padded to ``size - 4`` bytes, then their CRC32C (little-endian).
+
+    The sealed record of every format in the pool that has no richer check
+    (host-table lines, ring control and status lines, the superblock); the C
+    core seals its own lines (block headers, index buckets, RPC messages) the
+    same way.  ValueError when ``body`` does not fit.
+    """
+    return _core.seal_record(body, size)
+
+
+def unseal_record(record: bytes) -> bytes | None:
+    """The bytes of a sealed record before its checksum; None when they do not match it."""
+    return _core.unseal_record(record)
+
+
 def digest(key: bytes) -> bytes:
-    """The 16-byte identity of a key as stored in block headers."""
-    return hashlib.blake2b(key, digest_size=16).digest()
+    """The 16-byte identity of a key as stored in block headers.
+
+    BLAKE2b-128 (``hashlib.blake2b(key, digest_size=16)``), computed by the C
+    core (blake2b.c): the same code that digests keys on the read path
+    (``_core.Index``, ``_core.key_digests``), so writers and readers cannot
+    disagree.  ValueError for a key that is not 1..256 bytes.
+    """
+    return _core.key_digest(key)
 
 
 # The C core owns both lists (BL_BLOCK_STATES, BL_MISS_CODES in beluga/_native/beluga_native.h).
@@ -193,16 +214,28 @@ class BlockHeader:
     writer_gen: int  # generation of that host id when it wrote
 
 
-def parse_header(line: bytes) -> BlockHeader | None:
-    """Decode a block header line; None when it is not a valid header."""
-    fields = _core.parse_header(line)
-    if fields is None:
-        return None
+def _header(fields: tuple) -> BlockHeader | None:
+    """A header from the C core's fields; None for a state this Beluga does not know."""
     state, *rest = fields
     try:
         return BlockHeader(BlockState(state), *rest)
     except ValueError:
         return None
+
+
+def parse_header(line: bytes) -> BlockHeader | None:
+    """Decode a block header line; None when it is not a valid header."""
+    fields = _core.parse_header(line)
+    return None if fields is None else _header(fields)
+
+
+def parse_headers(table: bytes) -> list[tuple[int, BlockHeader]]:
+    """Every valid header of a table of header lines, with its line number (the block).
+
+    One pass in C over the magic and checksum of each line, as ``parse_header``.
+    """
+    found = ((block, _header(fields)) for block, fields in _core.parse_headers(table))
+    return [(block, h) for block, h in found if h is not None]
 
 
 __all__ = [
@@ -219,7 +252,10 @@ __all__ = [
     "line_reader",
     "line_writer",
     "parse_header",
+    "parse_headers",
     "read_line",
     "resolve_mode",
+    "seal_record",
+    "unseal_record",
     "write_line",
 ]

@@ -37,8 +37,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-import numpy as np
-
 from beluga._native import _core, step
 from beluga.coherence import LINE, Memory
 from beluga.pool.layout import Superblock
@@ -268,8 +266,5 @@ class PoolIndex:
             if first < seq:
                 mem.invalidate(off + LINE, HINT_RING * 8)
                 mem.mfence()
-                ring = np.frombuffer(mem.load(off + LINE, HINT_RING * 8), dtype="<u8")
-                for i in range(first, seq):
-                    hint = int(ring[i % HINT_RING])
-                    out.append((hint & 0xFFFFFFFF, hint >> 32))
+                out += _core.ix_hints(mem.load(off + LINE, HINT_RING * 8), first, seq)
         return out

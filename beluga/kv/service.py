@@ -85,8 +85,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from beluga._native import _core, step
-from beluga.coherence import LINE, BlockState, Memory, parse_header
+from beluga._native import step
+from beluga.coherence import LINE, BlockState, Memory, parse_headers
 from beluga.errors import CapacityError
 from beluga.kv import protocol as p
 from beluga.kv.allocator import BlockAllocator
@@ -95,7 +95,6 @@ from beluga.pool import Pool
 from beluga.rpc import BatchHandler, Request, per_request
 
 _CLEAR = bytes(LINE)
-_MAGIC = _core.HEADER_MAGIC
 FLOOR_STEP = 1 << 16  # versions handed out per write of the floor
 # defaults of the service's options (``beluga serve`` reads them from here)
 WRITE_LEASE_S = 30.0
@@ -511,14 +510,10 @@ class MetadataService:
         _recover_invalidate(self.mem, sb.service_offset, LINE)
         _recover_mfence(self.mem)
         self.version = self.floor = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")
-        raw = np.frombuffer(self.mem.load(table, sb.nblocks * LINE), dtype=np.uint8)
+        headers = parse_headers(self.mem.load(table, sb.nblocks * LINE))
         committed = np.frombuffer(self.mem.load(commits, sb.commits.length), dtype="<u8")
-        magic = raw.view("<u4")[:: LINE // 4]
         published, unfinished = [], []
-        for block in np.flatnonzero(magic == _MAGIC).tolist():
-            h = parse_header(raw[block * LINE : (block + 1) * LINE].tobytes())
-            if h is None:
-                continue
+        for block, h in headers:
             self.version = max(self.version, h.version)
             if h.state == BlockState.PUBLISHED and committed[block] == h.version:
                 published.append((h.version, block, h))

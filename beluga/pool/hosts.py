@@ -60,7 +60,15 @@ from dataclasses import dataclass, replace
 import psutil
 
 from beluga import _native
-from beluga.coherence import LINE, Memory, crc32c, line_reader, line_writer, write_line
+from beluga.coherence import (
+    LINE,
+    Memory,
+    line_reader,
+    line_writer,
+    seal_record,
+    unseal_record,
+    write_line,
+)
 from beluga.errors import PoolError, RpcError
 from beluga.pool.layout import Region, lobby_lines
 
@@ -80,8 +88,6 @@ GRANT_MAGIC = 0x544E5247  # "GRNT"
 CLAIM_MAGIC = 0x4D49414C  # "LAIM"
 ANSWER_MAGIC = 0x52534E41  # "ANSR"
 SEAT_MAGIC = 0x54414553  # "SEAT"
-_CRC = struct.Struct("<I")
-_BODY = LINE - _CRC.size
 _HOST = struct.Struct("<IIIIQ8sQQQ")  # magic, id, state, pid, start, boot, beat, gen, nonce
 _GRANT = struct.Struct("<IIIIQ8sQ")  # magic, id, gen, pid, start, boot, nonce
 _CLAIM = struct.Struct("<IiIQ8sQ")  # magic, wanted id (-1: any), pid, start, boot, nonce
@@ -116,15 +122,10 @@ def process_start_ms(pid: int) -> int | None:
         return None
 
 
-def _seal(body: bytes) -> bytes:
-    padded = body.ljust(_BODY, b"\0")
-    return padded + _CRC.pack(crc32c(padded))
-
-
 def _unseal(line: bytes, st: struct.Struct, magic: int) -> tuple | None:
     """The fields of a sealed line of format ``st``; None when torn, foreign or empty."""
-    body = line[:_BODY]
-    if _CRC.unpack_from(line, _BODY)[0] != crc32c(body):
+    body = unseal_record(line)
+    if body is None:
         return None
     fields = st.unpack_from(body)
     return fields[1:] if fields[0] == magic else None
@@ -175,7 +176,7 @@ class HostEntry:
         return Identity(self.pid, self.start_ms, self.boot_id)
 
     def pack(self) -> bytes:
-        return _seal(
+        return seal_record(
             _HOST.pack(
                 HOST_MAGIC,
                 self.host_id,
@@ -210,7 +211,7 @@ class Grant:
 
     def pack(self) -> bytes:
         i = self.identity
-        return _seal(
+        return seal_record(
             _GRANT.pack(
                 GRANT_MAGIC,
                 self.host_id,
@@ -241,7 +242,7 @@ class ClaimRequest:
 
     def pack(self) -> bytes:
         i = self.identity
-        return _seal(
+        return seal_record(
             _CLAIM.pack(CLAIM_MAGIC, self.wanted, i.pid, i.start_ms, i.boot_id, self.nonce)
         )
 
@@ -264,7 +265,7 @@ class ClaimAnswer:
     nonce: int
 
     def pack(self) -> bytes:
-        return _seal(
+        return seal_record(
             _ANSWER.pack(ANSWER_MAGIC, self.result, self.generation, self.holder_pid, self.nonce)
         )
 
@@ -284,7 +285,7 @@ class Seat:
 
     def pack(self) -> bytes:
         i = self.identity
-        return _seal(
+        return seal_record(
             _SEAT.pack(SEAT_MAGIC, self.epoch, i.pid, i.start_ms, i.boot_id, self.heartbeat_ns)
         )
 

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 
 from beluga._native import _core
-from beluga.coherence import LINE, crc32c
+from beluga.coherence import LINE, seal_record, unseal_record
 from beluga.errors import LayoutVersionError, PoolError
 
 MAGIC = b"BELUGA\x00P"
@@ -43,9 +43,6 @@ SUPERBLOCK_BYTES = 4096
 LABEL_BYTES = 64
 
 _FORMAT = struct.Struct("<8sIIQ16sIIQIIQQQQQQQQQQ64sQQQ")
-_CRC = struct.Struct("<I")
-_CRC_AT = SUPERBLOCK_BYTES - _CRC.size  # the checksum covers the whole 4 KiB before it
-assert _FORMAT.size <= _CRC_AT
 
 
 def align_up(value: int, align: int = REGION_ALIGN) -> int:
@@ -196,8 +193,7 @@ class Superblock:
             self.index.length,
             self.nbuckets,
         )
-        sealed = body.ljust(_CRC_AT, b"\0")
-        return sealed + _CRC.pack(crc32c(sealed))
+        return seal_record(body, SUPERBLOCK_BYTES)  # the checksum covers the 4 KiB before it
 
 
 def plan(pool_size: int, geometry: Geometry, label: str = "") -> Superblock:
@@ -291,8 +287,7 @@ def _check_header(raw: bytes, where: str) -> None:
             f"{where} uses old layout version {version}; this Beluga reads version "
             f"{LAYOUT_VERSION}: recreate the pool with 'beluga pool create --force'"
         )
-    (stored,) = _CRC.unpack_from(raw, _CRC_AT)
-    if stored != crc32c(raw[:_CRC_AT]):
+    if unseal_record(raw[:SUPERBLOCK_BYTES]) is None:
         raise PoolError(
             f"{where} has a corrupted superblock (checksum mismatch); the pool cannot be "
             "trusted: destroy it and create it again"

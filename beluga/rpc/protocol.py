@@ -29,7 +29,7 @@ import struct
 from dataclasses import dataclass
 
 from beluga._native import _core
-from beluga.coherence import LINE, crc32c
+from beluga.coherence import seal_record, unseal_record
 from beluga.errors import BelugaError, CapacityError, RpcError
 from beluga.pool.hosts import BOOT_ID
 from beluga.pool.layout import Superblock
@@ -44,7 +44,6 @@ DOORBELL = _core.RPC_DOORBELL  # offset in the pool (region 0, after the superbl
 
 _RING = struct.Struct("<IIIIIIQ")
 _SERVER = struct.Struct("<IIIIIQ8sQ")
-_CRC = struct.Struct("<I")
 
 
 class Op(enum.IntEnum):
@@ -76,16 +75,6 @@ def buf_size(sb: Superblock, depth: int) -> int:
     return _core.rpc_buf_size(sb.rpc_bytes_per_host, depth)
 
 
-def _seal(body: bytes) -> bytes:
-    padded = body.ljust(LINE - _CRC.size, b"\0")
-    return padded + _CRC.pack(crc32c(padded))
-
-
-def _unseal(line: bytes) -> bytes | None:
-    body = line[: LINE - _CRC.size]
-    return body if _CRC.unpack_from(line, LINE - _CRC.size)[0] == crc32c(body) else None
-
-
 @dataclass(frozen=True)
 class RingControl:
     host_id: int
@@ -96,7 +85,7 @@ class RingControl:
     created_ns: int
 
     def pack(self) -> bytes:
-        return _seal(
+        return seal_record(
             _RING.pack(
                 RING_MAGIC,
                 self.host_id,
@@ -110,7 +99,7 @@ class RingControl:
 
     @classmethod
     def unpack(cls, line: bytes) -> RingControl | None:
-        body = _unseal(line)
+        body = unseal_record(line)
         if body is None:
             return None
         magic, host, gen, depth, pid, first, created = _RING.unpack_from(body)
@@ -130,7 +119,7 @@ class ServerStatus:
     heartbeat_ns: int
 
     def pack(self) -> bytes:
-        return _seal(
+        return seal_record(
             _SERVER.pack(
                 SERVER_MAGIC,
                 self.epoch,
@@ -145,7 +134,7 @@ class ServerStatus:
 
     @classmethod
     def unpack(cls, line: bytes) -> ServerStatus | None:
-        body = _unseal(line)
+        body = unseal_record(line)
         if body is None:
             return None
         magic, *fields = _SERVER.unpack_from(body)
@@ -187,6 +176,16 @@ def request_line(depth: int, slot: int) -> int:
 def response_line(depth: int, slot: int) -> int:
     """Offset of a slot's response line inside its ring."""
     return _core.rpc_slot_lines(depth, slot)[1]
+
+
+def request_buffer(sb: Superblock, depth: int, slot: int) -> int:
+    """Offset of a slot's request payload buffer inside its ring (out-of-line payloads)."""
+    return _core.rpc_slot_buffers(sb.rpc_bytes_per_host, depth, slot)[0]
+
+
+def response_buffer(sb: Superblock, depth: int, slot: int) -> int:
+    """Offset of a slot's response payload buffer inside its ring (out-of-line payloads)."""
+    return _core.rpc_slot_buffers(sb.rpc_bytes_per_host, depth, slot)[1]
 
 
 def wake_ups(peer_boot_id: bytes) -> bool:

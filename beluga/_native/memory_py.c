@@ -1,46 +1,26 @@
 /*
- * module.c - the Python face of the C core: the Memory type and helpers.
+ * memory_py.c - the Python Memory type: one host's view of a shared mapping.
  *
  * A Memory wraps one writable buffer (an mmap of the pool) and the memops
  * table picked for it at construction: "native" or "model".  Every offset
  * and length is checked against the mapping before anything is touched, so
  * misuse from Python raises (the error class is registered by the Python
- * package) instead of crashing.
+ * package) instead of crashing; then the core (block.c, blockio.c, sg.c, the
+ * table itself) does the work.
  *
- * Long copies here, and the RPC loops in rpc.c, run without the GIL inside a
- * *section* (bl_section_enter / bl_section_leave).  A section counts itself
- * busy before it checks that the Memory is attached and not closing;
- * release() marks the Memory closing before it looks at the busy count (the
- * two orders make a Dekker pair: one side always sees the other).  release()
- * then waits, with the GIL released, up to its timeout for sections to end:
- * copies are bounded, and RPC loops poll the closing mark and return at once.
- * If sections are still running at the timeout, release() raises and leaves
- * the mapping attached, so a caller never unmaps memory a loop still reads.
+ * Long copies run without the GIL inside a *section* (helpers_py.c), as do
+ * the RPC loops (rpc_py.c).  release() marks the Memory closing, then waits,
+ * with the GIL released, up to its timeout for sections to end: copies are
+ * bounded, and RPC loops poll the closing mark and return at once.  If
+ * sections are still running at the timeout, release() raises and leaves the
+ * mapping attached, so a caller never unmaps memory a loop still reads.
  */
 #include <sched.h>
 #include <time.h>
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 
-#include "beluga_native.h"
+#include "beluga_py.h"
 
-/* beluga.errors.CoherenceError and RpcError, once the package registers them */
-PyObject *bl_coherence_error, *bl_rpc_error;
 #define RELEASE_WAIT_S 2.0 /* default wait of release() for running sections */
-
-/* Raise cls (ValueError until the package registers its classes); returns NULL. */
-PyObject *bl_fail(PyObject *cls, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
-    va_end(ap);
-    if (msg) {
-        PyErr_SetObject(cls ? cls : PyExc_ValueError, msg);
-        Py_DECREF(msg);
-    }
-    return NULL;
-}
 
 #define fail(...) bl_fail(bl_coherence_error, __VA_ARGS__)
 
@@ -63,47 +43,6 @@ static int in_range(MemoryObject *self, unsigned long long off, unsigned long lo
         return 0;
     }
     return 1;
-}
-
-/* Enter a section over mem (drop the GIL if asked); -1 with cls raised if released or closing. */
-int bl_section_enter(bl_section *s, MemoryObject *mem, int drop_gil, PyObject *cls,
-                     const char *why)
-{
-    s->mem = mem, s->ts = NULL;
-    atomic_fetch_add(&mem->busy, 1);
-    if (!mem->has_view || atomic_load(&mem->closing)) {
-        atomic_fetch_sub(&mem->busy, 1);
-        bl_fail(cls ? cls : bl_coherence_error, "%s",
-                why ? why : "this Memory was released (or is being released); attach the pool again");
-        return -1;
-    }
-    if (drop_gil)
-        s->ts = PyEval_SaveThread();
-    return 0;
-}
-
-/* Inside a section: drop the GIL (drop=1) or take it back (drop=0); idempotent. */
-void bl_section_gil(bl_section *s, int drop)
-{
-    if (drop && !s->ts)
-        s->ts = PyEval_SaveThread();
-    else if (!drop && s->ts) {
-        PyEval_RestoreThread(s->ts);
-        s->ts = NULL;
-    }
-}
-
-/* Leave a section: take the GIL back first, then stop counting busy. */
-void bl_section_leave(bl_section *s)
-{
-    bl_section_gil(s, 0);
-    atomic_fetch_sub(&s->mem->busy, 1);
-}
-
-/* Whether a release() is waiting for this section to end. */
-int bl_section_closing(const bl_section *s)
-{
-    return atomic_load_explicit(&s->mem->closing, memory_order_relaxed) != 0;
 }
 
 /* Enter a section for a copy of n bytes in rows pieces, without the GIL when it is long. */
@@ -157,6 +96,12 @@ static int Memory_init(MemoryObject *self, PyObject *args, PyObject *kw)
              bl_points[bl_sabotage_armed()].name);
         return -1;
     }
+    const char *no_native = NULL;
+    const bl_memops *ops = model ? bl_model_ops() : bl_native_ops(&no_native);
+    if (!ops) {
+        fail("%s", no_native);
+        return -1;
+    }
     if (model && (cache_lines < 1 || !(evict_rate >= 0.0 && evict_rate <= 1.0) ||
                   !(drain_rate >= 0.0 && drain_rate <= 1.0) ||
                   !(refill_rate >= 0.0 && refill_rate <= 1.0))) {
@@ -169,7 +114,7 @@ static int Memory_init(MemoryObject *self, PyObject *args, PyObject *kw)
     self->has_view = 1;
     self->mem.base = self->view.buf;
     self->mem.size = (size_t)self->view.len;
-    self->mem.ops = model ? bl_model_ops() : bl_native_ops();
+    self->mem.ops = ops;
     if (model && self->mem.size % BL_LINE) {
         PyBuffer_Release(&self->view);
         self->has_view = 0;
@@ -572,10 +517,11 @@ static PyObject *Memory_read_validated(MemoryObject *self, PyObject *args)
     return PyLong_FromLongLong(r);
 }
 
-/* An scatter-gather table: rows of (buffer index, buffer offset, pool offset, length). */
+/* A scatter-gather table and the buffers its rows name, held while it runs. */
 typedef struct {
     Py_buffer table;
     Py_buffer *bufs;
+    uint8_t **ptrs; /* bufs[i].buf */
     Py_ssize_t nbufs, nrows;
     const uint64_t *rows;
     uint64_t total;
@@ -588,11 +534,12 @@ static void sg_release(sg_job *job)
         if (job->bufs[i].obj)
             PyBuffer_Release(&job->bufs[i]);
     PyMem_Free(job->bufs);
+    PyMem_Free(job->ptrs);
     if (job->table.obj)
         PyBuffer_Release(&job->table);
 }
 
-/* Acquire the buffers and check every row before any byte moves. */
+/* Acquire the buffers and check every row (bl_sg_check) before any byte moves. */
 static int sg_prepare(MemoryObject *self, PyObject *bufs, PyObject *table, int writable,
                       sg_job *job)
 {
@@ -610,9 +557,13 @@ static int sg_prepare(MemoryObject *self, PyObject *bufs, PyObject *table, int w
     if (!seq)
         return -1;
     job->nbufs = PySequence_Fast_GET_SIZE(seq);
-    job->bufs = PyMem_Calloc(job->nbufs ? (size_t)job->nbufs : 1, sizeof(Py_buffer));
-    if (!job->bufs) {
+    size_t slots = job->nbufs ? (size_t)job->nbufs : 1;
+    job->bufs = PyMem_Calloc(slots, sizeof(Py_buffer));
+    job->ptrs = PyMem_Calloc(slots, sizeof(uint8_t *));
+    size_t *lens = PyMem_Calloc(slots, sizeof(size_t));
+    if (!job->bufs || !job->ptrs || !lens) {
         Py_DECREF(seq);
+        PyMem_Free(lens);
         PyErr_NoMemory();
         return -1;
     }
@@ -621,55 +572,22 @@ static int sg_prepare(MemoryObject *self, PyObject *bufs, PyObject *table, int w
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &job->bufs[i], flags) < 0) {
             job->bufs[i].obj = NULL;
             Py_DECREF(seq);
+            PyMem_Free(lens);
             return -1;
         }
+        job->ptrs[i] = job->bufs[i].buf;
+        lens[i] = (size_t)job->bufs[i].len;
     }
     Py_DECREF(seq);
     job->rows = job->table.buf;
     job->nrows = job->table.len / 32;
-    for (Py_ssize_t r = 0; r < job->nrows; r++) {
-        const uint64_t *row = job->rows + 4 * r;
-        if (row[0] >= (uint64_t)job->nbufs) {
-            fail("row %zd names buffer %llu but only %zd were given", r,
-                 (unsigned long long)row[0], job->nbufs);
-            return -1;
-        }
-        uint64_t blen = (uint64_t)job->bufs[row[0]].len;
-        if (row[1] > blen || row[3] > blen - row[1]) {
-            fail("row %zd: [%llu, +%llu) is outside buffer %llu (%llu bytes)", r,
-                 (unsigned long long)row[1], (unsigned long long)row[3],
-                 (unsigned long long)row[0], (unsigned long long)blen);
-            return -1;
-        }
-        if (row[2] > self->mem.size || row[3] > self->mem.size - row[2]) {
-            fail("row %zd: pool range [%llu, +%llu) is outside the %zu-byte mapping", r,
-                 (unsigned long long)row[2], (unsigned long long)row[3], self->mem.size);
-            return -1;
-        }
-        job->total += row[3];
-    }
-    return 0;
-}
-
-/* Execute a validated job: gather-write (non-temporal) or scatter-read (invalidating). */
-static void sg_run(bl_mem *m, sg_job *job, int write)
-{
-    const uint64_t *row = job->rows;
-    if (write) {
-        for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
-            m->ops->nt_store(m, row[2], (uint8_t *)job->bufs[row[0]].buf + row[1], row[3]);
-        if (BL_STEP(GATHER_FENCE))
-            m->ops->sfence(m);
-        return;
-    }
-    if (BL_STEP(SCATTER_INVALIDATE))
-        for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
-            m->ops->invalidate(m, row[2], row[3]);
-    if (BL_STEP(SCATTER_MFENCE))
-        m->ops->mfence(m);
-    row = job->rows;
-    for (Py_ssize_t r = 0; r < job->nrows; r++, row += 4)
-        m->ops->load(m, row[2], (uint8_t *)job->bufs[row[0]].buf + row[1], row[3]);
+    char why[BL_SG_WHY];
+    int rc = bl_sg_check(job->rows, (size_t)job->nrows, lens, (size_t)job->nbufs, self->mem.size,
+                         &job->total, why);
+    PyMem_Free(lens);
+    if (rc < 0)
+        fail("%s", why);
+    return rc;
 }
 
 /* Shared body of gather_write() and scatter_read(). */
@@ -682,7 +600,7 @@ static PyObject *sg_common(MemoryObject *self, PyObject *args, int write)
     bl_section s;
     if (sg_prepare(self, bufs, table, !write, &job) == 0 &&
         enter_copy(&s, self, job.total, (size_t)job.nrows) == 0) {
-        sg_run(&self->mem, &job, write);
+        bl_sg_run(&self->mem, job.rows, (size_t)job.nrows, job.ptrs, write);
         bl_section_leave(&s);
     }
     sg_release(&job);
@@ -750,7 +668,6 @@ static PyObject *blocks_common(MemoryObject *self, PyObject *args, int write)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     bl_blockio *bio = PyMem_Calloc(n ? (size_t)n : 1, sizeof(bl_blockio));
-    uint8_t **ptrs = NULL;
     PyObject *out = NULL;
     sg_job job;
     memset(&job, 0, sizeof(job));
@@ -762,21 +679,14 @@ static PyObject *blocks_common(MemoryObject *self, PyObject *args, int write)
         goto done;
     if (sg_prepare(self, bufs, table, !write, &job) < 0)
         goto done;
-    ptrs = PyMem_Calloc(job.nbufs ? (size_t)job.nbufs : 1, sizeof(uint8_t *));
-    if (!ptrs) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < job.nbufs; i++)
-        ptrs[i] = job.bufs[i].buf;
     bl_section s;
     if (enter_copy(&s, self, job.total, (size_t)job.nrows) < 0)
         goto done;
     const char *why = NULL;
     int rc = write ? bl_write_blocks(&self->mem, bio, (size_t)n, job.rows, (size_t)job.nrows,
-                                     (const uint8_t *const *)ptrs, &why)
+                                     (const uint8_t *const *)job.ptrs, &why)
                    : bl_read_blocks(&self->mem, bio, (size_t)n, job.rows, (size_t)job.nrows,
-                                    ptrs, &why);
+                                    job.ptrs, &why);
     bl_section_leave(&s);
     if (rc < 0) {
         fail("%s", why);
@@ -796,7 +706,6 @@ static PyObject *blocks_common(MemoryObject *self, PyObject *args, int write)
     }
 done:
     sg_release(&job);
-    PyMem_Free(ptrs);
     PyMem_Free(bio);
     Py_DECREF(seq);
     return out;
@@ -955,230 +864,11 @@ PyTypeObject BlMemoryType = {
     .tp_getset = Memory_getset,
 };
 
-/* crc32c(data, crc=0) -> int: CRC32C, chainable like zlib.crc32. */
-static PyObject *mod_crc32c(PyObject *mod, PyObject *args)
+/* Add the Memory type to the module. */
+int bl_memory_init(PyObject *module)
 {
-    Py_buffer b;
-    unsigned int crc = 0;
-    if (!PyArg_ParseTuple(args, "y*|I", &b, &crc))
-        return NULL;
-    uint32_t r = ~bl_crc32c(~crc, b.buf, (size_t)b.len);
-    PyBuffer_Release(&b);
-    return PyLong_FromUnsignedLong(r);
-}
-
-/* crc32c_combine(crc_a, crc_b, len_b) -> the CRC32C of A || B. */
-static PyObject *mod_crc32c_combine(PyObject *mod, PyObject *args)
-{
-    unsigned int a, b;
-    unsigned long long len_b;
-    if (!PyArg_ParseTuple(args, "IIK", &a, &b, &len_b))
-        return NULL;
-    return PyLong_FromUnsignedLong(bl_crc32c_combine(a, b, len_b));
-}
-
-/* parse_header(line) -> tuple of fields, or None when not a valid header. */
-static PyObject *mod_parse_header(PyObject *mod, PyObject *args)
-{
-    Py_buffer b;
-    if (!PyArg_ParseTuple(args, "y*", &b))
-        return NULL;
-    if (b.len != BL_LINE) {
-        PyBuffer_Release(&b);
-        return fail("a block header is %u bytes, got %zd", BL_LINE, b.len);
-    }
-    bl_header h;
-    memcpy(&h, b.buf, sizeof(h));
-    PyBuffer_Release(&b);
-    if (!bl_header_check(&h))
-        Py_RETURN_NONE;
-    return Py_BuildValue("(HKy#KIHIKI)", h.state, (unsigned long long)h.version, h.digest,
-                         (Py_ssize_t)16, (unsigned long long)h.length, h.payload_crc, h.key_len,
-                         h.writer, (unsigned long long)h.stamp, h.writer_gen);
-}
-
-/* selected() -> dict: the instruction chosen for each operation. */
-static PyObject *mod_selected(PyObject *mod, PyObject *unused)
-{
-    return Py_BuildValue("{ssssssssss}", "flush", bl_selected("flush"), "writeback",
-                         bl_selected("writeback"), "invalidate", bl_selected("invalidate"), "nt",
-                         bl_selected("nt"), "crc", bl_selected("crc"));
-}
-
-/* memops_selfcheck() -> [problem, ...]: what the native table does, watched (memops.c). */
-static PyObject *mod_memops_selfcheck(PyObject *mod, PyObject *unused)
-{
-    char problems[BL_SELFCHECK_BYTES];
-    int n;
-    Py_BEGIN_ALLOW_THREADS
-    n = bl_memops_selfcheck(problems, sizeof(problems));
-    Py_END_ALLOW_THREADS
-    PyObject *out = PyList_New(0);
-    for (const char *p = problems; out && n-- > 0; p += strlen(p) + 1) {
-        PyObject *text = PyUnicode_FromString(p);
-        if (!text || PyList_Append(out, text) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(text);
-    }
-    return out;
-}
-
-/* The sabotage table as a tuple of (name, where, step, why). */
-static PyObject *points_table(void)
-{
-    PyObject *t = PyTuple_New(BL_NPOINTS);
-    for (int i = 0; t && i < BL_NPOINTS; i++) {
-        const bl_point *p = &bl_points[i];
-        PyObject *row = Py_BuildValue("(ssss)", p->name, p->where, p->step, p->why);
-        if (!row)
-            Py_CLEAR(t);
-        else
-            PyTuple_SET_ITEM(t, i, row);
-    }
-    return t;
-}
-
-/* A named integer constant of the C core, as exported to Python (why: NULL or its meaning). */
-typedef struct {
-    const char *name;
-    long value;
-    const char *why;
-} named_int;
-
-#define BL_STATE_ROW(name, value) {#name, value, NULL},
-#define BL_MISS_ROW(name, code, why) {#name, code, why},
-static const named_int block_states[] = {BL_BLOCK_STATES(BL_STATE_ROW)};
-static const named_int miss_codes[] = {BL_MISS_CODES(BL_MISS_ROW)};
-#undef BL_STATE_ROW
-#undef BL_MISS_ROW
-
-/* A table of named constants as a tuple of (name, value) or (name, value, why), in order. */
-static PyObject *named_ints(const named_int *table, size_t n)
-{
-    PyObject *t = PyTuple_New((Py_ssize_t)n);
-    for (size_t i = 0; t && i < n; i++) {
-        const named_int *c = &table[i];
-        PyObject *row = c->why ? Py_BuildValue("(sls)", c->name, c->value, c->why)
-                               : Py_BuildValue("(sl)", c->name, c->value);
-        if (!row)
-            Py_CLEAR(t);
-        else
-            PyTuple_SET_ITEM(t, (Py_ssize_t)i, row);
-    }
-    return t;
-}
-
-/* _arm(name): sabotage build only: skip the named step from now on. */
-static PyObject *mod_arm(PyObject *mod, PyObject *args)
-{
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name))
-        return NULL;
-    if (bl_sabotage_arm(name) < 0)
-        return bl_fail(PyExc_ValueError, "cannot arm %s: %s", name,
-                       BL_SABOTAGE_BUILD ? "no such sabotage point"
-                                         : "the production core has no sabotage points");
-    Py_RETURN_NONE;
-}
-
-/* armed() -> the armed point's name, or None. */
-static PyObject *mod_armed(PyObject *mod, PyObject *unused)
-{
-    int p = bl_sabotage_armed();
-    if (p < 0)
-        Py_RETURN_NONE;
-    return PyUnicode_FromString(bl_points[p].name);
-}
-
-/* _fired(name): a Python point skipped its step (recorded as for C points). */
-static PyObject *mod_fired(PyObject *mod, PyObject *args)
-{
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name))
-        return NULL;
-    for (int i = 0; i < BL_NPOINTS; i++)
-        if (!strcmp(bl_points[i].name, name))
-            bl_sabotage_fired(i);
-    Py_RETURN_NONE;
-}
-
-/* cpu_features() -> dict of the CPUID bits the core looks at. */
-static PyObject *mod_cpu_features(PyObject *mod, PyObject *unused)
-{
-    return Py_BuildValue("{sOsOsOsO}", "sse4.2", bl_cpu_has("sse4.2") ? Py_True : Py_False,
-                         "avx512f", bl_cpu_has("avx512f") ? Py_True : Py_False, "clflushopt",
-                         bl_cpu_has("clflushopt") ? Py_True : Py_False, "clwb",
-                         bl_cpu_has("clwb") ? Py_True : Py_False);
-}
-
-/* _register_errors(coherence_cls, rpc_cls): the classes raised for misuse and RPC failures. */
-static PyObject *mod_register_errors(PyObject *mod, PyObject *args)
-{
-    PyObject *coherence, *rpc;
-    if (!PyArg_ParseTuple(args, "OO", &coherence, &rpc))
-        return NULL;
-    Py_INCREF(coherence);
-    Py_XSETREF(bl_coherence_error, coherence);
-    Py_INCREF(rpc);
-    Py_XSETREF(bl_rpc_error, rpc);
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef module_methods[] = {
-    {"crc32c", mod_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int"},
-    {"parse_header", mod_parse_header, METH_VARARGS, "parse_header(line) -> tuple | None"},
-    {"crc32c_combine", mod_crc32c_combine, METH_VARARGS,
-     "crc32c_combine(crc_a, crc_b, len_b) -> CRC32C of A || B"},
-    {"selected", mod_selected, METH_NOARGS, "instructions in use"},
-    {"cpu_features", mod_cpu_features, METH_NOARGS, "CPUID features"},
-    {"memops_selfcheck", mod_memops_selfcheck, METH_NOARGS,
-     "memops_selfcheck() -> [problem, ...]: the native table's flushes, watched"},
-    {"_arm", mod_arm, METH_VARARGS, "_arm(name): sabotage build only"},
-    {"armed", mod_armed, METH_NOARGS, "armed() -> the armed sabotage point, or None"},
-    {"_fired", mod_fired, METH_VARARGS, "_fired(name): record that a point skipped its step"},
-    {"_register_errors", mod_register_errors, METH_VARARGS, "set the error classes"},
-    {NULL, NULL, 0, NULL},
-};
-
-#if BL_SABOTAGE_BUILD
-#define BL_MODULE_NAME "_core_sabotage"
-#define BL_MODULE_DOC "Beluga's C core, sabotage build (tests only: see sabotage.c)."
-#define BL_MODULE_INIT PyInit__core_sabotage
-#else
-#define BL_MODULE_NAME "_core"
-#define BL_MODULE_DOC "Beluga's C core."
-#define BL_MODULE_INIT PyInit__core
-#endif
-
-static struct PyModuleDef core_module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = BL_MODULE_NAME,
-    .m_doc = BL_MODULE_DOC,
-    .m_size = -1,
-    .m_methods = module_methods,
-};
-
-/* Module init: pick instructions once, then publish the types and the sabotage table. */
-PyMODINIT_FUNC BL_MODULE_INIT(void)
-{
-    bl_cpu_init();
     if (PyType_Ready(&BlMemoryType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&core_module);
-    if (!m)
-        return NULL;
+        return -1;
     Py_INCREF(&BlMemoryType);
-    if (PyModule_AddObject(m, "Memory", (PyObject *)&BlMemoryType) < 0 || bl_rpc_init(m) < 0 || bl_index_init(m) < 0 ||
-        PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
-        PyModule_AddIntConstant(m, "HEADER_MAGIC", BL_HDR_MAGIC) < 0 ||
-        PyModule_AddObject(m, "BLOCK_STATES",
-                           named_ints(block_states, sizeof(block_states) / sizeof(*block_states))) < 0 ||
-        PyModule_AddObject(m, "MISS_CODES",
-                           named_ints(miss_codes, sizeof(miss_codes) / sizeof(*miss_codes))) < 0 ||
-        PyModule_AddObject(m, "SABOTAGE_POINTS", points_table()) < 0 ||
-        PyModule_AddIntConstant(m, "SABOTAGE_BUILD", BL_SABOTAGE_BUILD) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModule_AddObject(module, "Memory", (PyObject *)&BlMemoryType);
 }
