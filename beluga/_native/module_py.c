@@ -311,6 +311,7 @@ PyMODINIT_FUNC BL_MODULE_INIT(void)
         return NULL;
     if (bl_memory_init(m) < 0 || bl_rpc_init(m) < 0 || bl_index_init(m) < 0 ||
         PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_KEY_BYTES", BL_MAX_KEY) < 0 ||
         PyModule_AddObject(m, "BLOCK_STATES",
                            named_ints(block_states, sizeof(block_states) / sizeof(*block_states))) < 0 ||
         PyModule_AddObject(m, "MISS_CODES",

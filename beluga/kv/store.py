@@ -45,7 +45,7 @@ from beluga.transfer.buffers import Buffers, Values, as_buffer
 
 log = logging.getLogger("beluga.store")
 
-MAX_KEY_BYTES = 256
+MAX_KEY_BYTES = _core.MAX_KEY_BYTES  # the C core owns the limit
 Key = str | bytes
 #: a save waiting for another write of its keys asks the server again this often (seconds)
 RECHECK_S = 0.05
