@@ -192,6 +192,58 @@ def test_a_writer_killed_mid_put_never_becomes_visible(pool: Pool, mode: str) ->
         assert s.stats()["dead_writer_reclaims"] == 1 and s.get("never-visible") is None
 
 
+def _first_writer(spec: str, mode: str, ready: Any, go: Any, fate: str) -> None:
+    """Reserve "dup", store half of it, tell the parent, then die (or stop) there when told."""
+
+    def stop(mem: Any, places: Any) -> None:
+        mem.nt_store(places[0].payload_offset, bytes(500))
+        ready.set()
+        go.wait(60)
+        os.kill(os.getpid(), signal.SIGKILL if fate == "killed" else signal.SIGSTOP)
+
+    with KVStore(spec, coherence=mode) as s:
+        s.save(["dup"], Midway([b"first" * 200], stop))
+
+
+@pytest.mark.parametrize("fate", ["killed", "stopped"])
+@pytest.mark.parametrize("mode", ["native", "model"])
+def test_a_save_waiting_for_a_writer_that_dies_or_stops_writes_the_key_itself(
+    pool: Pool, mode: str, fate: str
+) -> None:
+    """The second writer of a key waits for the first; the first is SIGKILLed (the server
+    sees its host gone) or SIGSTOPped (its write lease runs out) mid-payload: the wait
+    ends, the second writes the key, and the stopped one, resumed, changes nothing."""
+    with server(pool.spec, mode, write_lease_s=0.5), KVStore(pool.spec, coherence=mode) as s:
+        ready, go = CTX.Event(), CTX.Event()
+        first = CTX.Process(target=_first_writer, args=(pool.spec, mode, ready, go, fate))
+        first.start()
+        answers: list[Any] = []
+        second = threading.Thread(
+            target=lambda: answers.append(
+                s.save(["dup"], Midway([b"second" * 100], None), wait_s=60)
+            )
+        )
+        try:
+            assert ready.wait(30)
+            second.start()
+            deadline = time.monotonic() + 30
+            while s.stats()["duplicate_writes_skipped"] < 1:  # the second waits for the first
+                assert time.monotonic() < deadline, "the second save never met the first"
+                time.sleep(0.005)
+            go.set()  # now the first dies, or stops
+            second.join(60)
+            assert not second.is_alive()
+            (saved,) = answers
+            assert (saved.stored, saved.in_flight) == ([0], [])
+            assert s.get("dup") == b"second" * 100
+        finally:
+            go.set()
+            if fate == "stopped":
+                os.kill(first.pid, signal.SIGCONT)  # resumes: its late commit is refused
+            first.join(30)
+        assert s.get("dup") == b"second" * 100
+
+
 def test_an_expired_write_lease_returns_the_space(pool: Pool) -> None:
     with server(pool.spec, write_lease_s=0.2), KVStore(pool) as s:
         base = s.stats()["blocks_used"]
