@@ -321,6 +321,25 @@ def hit_shortfall(row: dict[str, Any], want: float | None = None) -> str | None:
     return f"hit ratio {row['hit_ratio']:.3f} is below {want:.3f}: " + ", ".join(causes)
 
 
+def duplicate_note(row: dict[str, Any]) -> str:
+    """A row's blocks computed more than once, what they cost, and what waiting for their
+    first writer would save (:func:`duplicate_cost`), in words."""
+    text = (
+        f"{row['duplicate_blocks']:g} blocks computed twice by {row['duplicate_requests']:g} "
+        f"requests ({row['duplicate_compute_s']:.2f} engine-s, "
+        f"{100 * row['duplicate_share_of_busy']:.1f}% of busy time)"
+    )
+    if row.get("wait_would_save_engine_s") is not None:
+        saved = row["wait_would_save_engine_s"]
+        text += f"; waiting for the first writer would save ~{saved:.2f} engine-s"
+    if row.get("wait_ttft_mean_s") is not None:
+        text += (
+            f" and give those requests a mean TTFT of ~{row['wait_ttft_mean_s']:.3f} s "
+            f"instead of {row['duplicate_ttft_mean_s']:.3f} s"
+        )
+    return text
+
+
 def spread(values: Sequence[float | None]) -> dict[str, Any] | None:
     """The median and range of one figure over repetitions (None where none was measured)."""
     have = [float(v) for v in values if v is not None]

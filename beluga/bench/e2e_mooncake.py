@@ -388,7 +388,7 @@ def capacity_line(doc: dict[str, Any]) -> str:
 
 
 def store_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Evictions, blocks computed twice and refused per system and pass, and why a system's
+    """Evictions, blocks refused and computed twice per system and pass, and why a system's
     pass-2 hit ratio falls below the other's."""
     lines = []
     hits = {r["system"]: r["hit_ratio"] for r in rows if r["pass"] == 2}
@@ -396,7 +396,7 @@ def store_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         evictions = "n/a" if row["evictions"] is None else f"{row['evictions']:g}"
         lines.append(
             f"  {row['system']} pass {row['pass']}: {evictions} evictions, "
-            f"{row['duplicate_blocks']:g} blocks computed twice, {row['refused_blocks']:g} refused"
+            f"{row['refused_blocks']:g} blocks refused, {e2e.duplicate_note(row)}"
         )
         others = [hit for system, hit in hits.items() if system != row["system"]]
         why = e2e.hit_shortfall(row, max(others)) if row["pass"] == 2 and others else None

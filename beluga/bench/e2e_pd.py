@@ -259,17 +259,9 @@ def summary(doc: dict[str, Any]) -> str:
         )
     for row in doc["rows"]:
         evictions = "n/a" if row["evictions"] is None else f"{row['evictions']:g}"
-        line = (
-            f"  {row['system']}: {evictions} evictions, {row['duplicate_blocks']:g} blocks "
-            f"prefilled twice ({row['duplicate_requests']:g} requests, "
-            f"{row['duplicate_compute_s']:.2f} engine-s)"
+        lines.append(
+            f"  {row['system']}: {evictions} evictions; prefill: {e2e.duplicate_note(row)}"
         )
-        if row["wait_would_save_engine_s"] is not None:
-            line += (
-                f"; waiting for the first writer would save ~{row['wait_would_save_engine_s']:.2f}"
-                " engine-s"
-            )
-        lines.append(line)
     return "\n".join(lines)
 
 

@@ -183,7 +183,7 @@ def run_with_progress(settings: Any, pool: str | None) -> dict[str, Any]:
 def summary(result: dict[str, Any]) -> str:
     """The table, then each scheduler's pass-2 / pass-1 TTFT against the target, capacity,
     evictions and blocks computed twice."""
-    from beluga.bench.e2e import COLUMNS, hit_shortfall
+    from beluga.bench.e2e import COLUMNS, duplicate_note, hit_shortfall
     from beluga.bench.stats import format_table
 
     s = result["settings"]
@@ -216,6 +216,8 @@ def summary(result: dict[str, Any]) -> str:
         why = hit_shortfall(row) if row["pass"] == 2 else None
         if why:
             lines.append(f"{row['scheduler']} pass 2: {why}")
+        if row.get("duplicate_blocks"):
+            lines.append(f"{row['scheduler']} pass {row['pass']}: {duplicate_note(row)}")
     return "\n".join(lines)
 
 
