@@ -477,6 +477,15 @@ def capacity_note(settings: Settings, capacity: int) -> dict[str, Any]:
     }
 
 
+def capacity_line(note: dict[str, Any]) -> str:
+    """A :func:`capacity_note` in words."""
+    return (
+        f"capacity: the pool may hold {note['budget_bytes'] / (1 << 20):.1f} MiB of KV before "
+        f"it evicts (from {note['from']}; data area {note['beluga_data_bytes'] / (1 << 20):.1f} "
+        f"MiB, the server evicts above {100 * note['beluga_evicts_above']:.0f}%)"
+    )
+
+
 @contextlib.contextmanager
 def pool_cluster(
     settings: Settings,

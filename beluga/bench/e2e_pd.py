@@ -252,11 +252,7 @@ def summary(doc: dict[str, Any]) -> str:
         )
         lines.append(e2e_mooncake.capacity_line(doc))
     else:
-        c = s["capacity"]
-        lines.append(
-            f"capacity: the pool may hold {c['budget_bytes'] / (1 << 20):.1f} MiB of KV before "
-            f"it evicts (from {c['from']}; data area {c['beluga_data_bytes'] / (1 << 20):.1f} MiB)"
-        )
+        lines.append(e2e.capacity_line(s["capacity"]))
     for row in doc["rows"]:
         evictions = "n/a" if row["evictions"] is None else f"{row['evictions']:g}"
         lines.append(
@@ -309,7 +305,8 @@ def chart(doc: dict[str, Any], path: str) -> None:
         qps.bar(x, [r["qps"] for r in rows], 0.5, yerr=e2e.error_bars(rows, "qps"), capsize=3)
         title = "throughput"
         if "headline" in doc:
-            title += f" ({doc['headline']['qps_ratio']:.2f}x; paper 3.41-9.47x)"
+            low, high = PAPER_QPS_RATIO
+            title += f" ({doc['headline']['qps_ratio']:.2f}x; paper {low}-{high}x)"
         for ax, name, ylabel in (
             (times, "TTFT and handoff", "seconds"),
             (split, "mean TTFT by step", "seconds"),

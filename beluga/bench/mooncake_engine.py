@@ -47,13 +47,8 @@ from beluga.errors import CapacityError
 from beluga.kv.identity import ModelIdentity
 from beluga.kv.store import Saved
 from beluga.serving.cluster import EngineConfig
-from beluga.serving.engine import CachingEngine, kv_block_keys
+from beluga.serving.engine import CachingEngine, kv_block_keys, leading_run
 from beluga.serving.model import KV, ModelEngine
-
-
-def _leading(flags: Sequence[object]) -> int:
-    """Length of the leading run of truthy items."""
-    return next((i for i, ok in enumerate(flags) if not ok), len(flags))
 
 
 class MooncakeServingEngine(CachingEngine):
@@ -96,7 +91,7 @@ class MooncakeServingEngine(CachingEngine):
         return [k.hex() for k in kv_block_keys(self.format, self.identity, token_ids, salt=salt)]
 
     def _locate(self, keys: list[str]) -> list[str]:
-        return keys[: _leading(self.client.batch_is_exist(keys))]
+        return keys[: leading_run(self.client.batch_is_exist(keys))]
 
     def _fill(self, prefix: KV, keys: list[str]) -> int:
         """Fetch the blocks into staging, batch by batch, and scatter the intact leading run."""
@@ -105,7 +100,7 @@ class MooncakeServingEngine(CachingEngine):
         for first in range(0, len(keys), batch):
             chunk = keys[first : first + batch]
             lengths = self.client.batch_get_into(chunk, self.slots[: len(chunk)])
-            good = _leading([n == nbytes for n in lengths])
+            good = leading_run([n == nbytes for n in lengths])
             self._scatter(prefix, first, good)
             intact += good
             if good < len(chunk):

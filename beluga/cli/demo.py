@@ -183,7 +183,7 @@ def run_with_progress(settings: Any, pool: str | None) -> dict[str, Any]:
 def summary(result: dict[str, Any]) -> str:
     """The table, then each scheduler's pass-2 / pass-1 TTFT against the target, capacity,
     evictions and blocks computed twice."""
-    from beluga.bench.e2e import COLUMNS, duplicate_note, hit_shortfall
+    from beluga.bench.e2e import COLUMNS, capacity_line, duplicate_note, hit_shortfall
     from beluga.bench.stats import format_table
 
     s = result["settings"]
@@ -205,13 +205,7 @@ def summary(result: dict[str, Any]) -> str:
             f"{t['scheduler']}: pass-2 mean TTFT is {100 * t['pass2_over_pass1_ttft']:.1f}% of "
             f"pass 1's{spread} (target <= {100 * t['target']:.0f}%: {verdict})"
         )
-    if "capacity" in s:
-        c = s["capacity"]
-        lines.append(
-            f"capacity: the pool may hold {c['budget_bytes'] / (1 << 20):.1f} MiB of KV before "
-            f"it evicts (from {c['from']}; data area {c['beluga_data_bytes'] / (1 << 20):.1f} "
-            f"MiB, the server evicts above {100 * c['beluga_evicts_above']:.0f}%)"
-        )
+    lines.append(capacity_line(s["capacity"]))
     for row in result["rows"]:
         why = hit_shortfall(row) if row["pass"] == 2 else None
         if why:

@@ -215,7 +215,7 @@ class Served:
         return self.timings.decode / (len(self.output) - 1) if len(self.output) > 1 else None
 
 
-def _leading(flags: Sequence[object]) -> int:
+def leading_run(flags: Sequence[object]) -> int:
     """Length of the leading run of truthy items."""
     return next((i for i, ok in enumerate(flags) if not ok), len(flags))
 
@@ -415,12 +415,12 @@ class ServingEngine(CachingEngine):
     def _locate(self, keys: list[bytes]) -> list[BlockRef]:
         """The longest run of leading keys the store holds (one batched lookup)."""
         found = self.store.locate(keys, prefix=True)
-        return [r for r in found[: _leading(found)] if r is not None]
+        return [r for r in found[: leading_run(found)] if r is not None]
 
     def _fill(self, prefix: KV, refs: list[BlockRef]) -> int:
         """One validated load of the blocks into the prefix: the intact leading run."""
         sink = EngineBlocks(self.model.kv_layout(prefix), np.arange(len(refs)), mover=self.gpu)
-        return _leading(self.store.load(refs, sink))
+        return leading_run(self.store.load(refs, sink))
 
     def _save(self, kv: KV, keys: list[bytes], blocks: list[int]) -> Saved:
         """Write these blocks of a prefill's KV into new pool blocks, sealed (a block
