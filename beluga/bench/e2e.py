@@ -477,6 +477,15 @@ def capacity_note(settings: Settings, capacity: int) -> dict[str, Any]:
     }
 
 
+def arrivals_note(settings: dict[str, Any]) -> str:
+    """How requests arrived (from a result's settings), in words."""
+    rate = settings["rate"]
+    text = f"Poisson arrivals, {rate:g} requests/s" if rate else "the whole trace at once"
+    if settings["burst"] > 1:
+        text += f", each document's first {settings['burst']} questions together"
+    return text
+
+
 def capacity_line(note: dict[str, Any]) -> str:
     """A :func:`capacity_note` in words."""
     return (

@@ -412,6 +412,7 @@ def summary(doc: dict[str, Any]) -> str:
     by = {(r["system"], r["pass"]): r for r in doc["rows"]}
     runs = len(doc.get("runs", [])) or 1
     lines = [
+        f"{doc['requests_per_pass']} requests a pass ({e2e.arrivals_note(doc['settings'])})",
         f"pass 2 (median, range over {runs} runs): Beluga's mean TTFT is "
         f"{e2e.ranged(h, 'pass2_ttft_fraction', 100)}% of Mooncake's "
         f"(paper {100 * PAPER['ttft_fraction']:.1f}%); QPS {e2e.ranged(h, 'pass2_qps_ratio')}x "

@@ -223,12 +223,10 @@ def summary(doc: dict[str, Any]) -> str:
     their ranges beside the paper's; capacity, evictions and duplicate prefills."""
     s = doc["settings"]
     runs = len(doc["runs"])
-    rate = f"Poisson {s['rate']:g} requests/s" if s["rate"] else "the whole trace at once"
-    if s["burst"] > 1:
-        rate += f", each document's first {s['burst']} questions at once"
     lines = [
         f"disaggregated {s['pd'][0]}:{s['pd'][1]}, model {s['model']} "
-        f"({s['block_bytes'] >> 10} KiB blocks), {doc['requests_per_run']} requests ({rate}), "
+        f"({s['block_bytes'] >> 10} KiB blocks), {doc['requests_per_run']} requests "
+        f"({e2e.arrivals_note(s)}), "
         f"{s['max_tokens']} output tokens each; medians (range) over {runs} runs",
     ]
     for row in doc["rows"]:

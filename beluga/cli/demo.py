@@ -183,7 +183,13 @@ def run_with_progress(settings: Any, pool: str | None) -> dict[str, Any]:
 def summary(result: dict[str, Any]) -> str:
     """The table, then each scheduler's pass-2 / pass-1 TTFT against the target, capacity,
     evictions and blocks computed twice."""
-    from beluga.bench.e2e import COLUMNS, capacity_line, duplicate_note, hit_shortfall
+    from beluga.bench.e2e import (
+        COLUMNS,
+        arrivals_note,
+        capacity_line,
+        duplicate_note,
+        hit_shortfall,
+    )
     from beluga.bench.stats import format_table
 
     s = result["settings"]
@@ -192,7 +198,7 @@ def summary(result: dict[str, Any]) -> str:
         f"model {s['model']} ({result['model_params'] / 1e6:.1f} M parameters, KV "
         f"{s['kv_format']}), {s['engines']} engines, {result['requests_per_pass']} requests "
         f"per pass over {s['trace']['documents']} documents of {s['trace']['context_tokens']} "
-        "tokens" + (f"; medians over {runs} runs" if runs > 1 else ""),
+        f"tokens ({arrivals_note(s)})" + (f"; medians over {runs} runs" if runs > 1 else ""),
         "",
         format_table(result["rows"], COLUMNS),
         "",
