@@ -428,6 +428,7 @@ class Started:
     ``store_bytes``: the bytes the store keeps values in (a pool's data area,
     a Mooncake segment); ``counters()``: the store's own counts now
     (``evictions``, ``duplicate_writes_skipped``; None where it keeps none).
+    Used by the thread that started it; not fork-safe (it holds the cluster's pipes).
     """
 
     cluster: Cluster

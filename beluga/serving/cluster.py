@@ -116,7 +116,8 @@ class Handoff:
     """One request served disaggregated: prefilled on one engine, decoded on another.
 
     ``decode.arrival`` is when the driver learnt that the prefill was
-    committed (it routes the request to a decode engine then).
+    committed (it routes the request to a decode engine then).  Frozen data:
+    safe to share between threads and processes.
     """
 
     prefill: Record

@@ -230,7 +230,7 @@ class CachingEngine(abc.ABC):
     run of stored blocks), :meth:`_fill` (move located blocks into a prefix,
     each validated), :meth:`_save` (store blocks of a prefill's KV) and
     :meth:`_committed`.  ``role`` is one of :data:`ROLES`.  Not thread-safe:
-    one request at a time.
+    one request at a time; not fork-safe (a store connection is a host's own).
     """
 
     def __init__(
