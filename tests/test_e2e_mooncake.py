@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from beluga.bench import e2e, e2e_mooncake, mooncake
+from beluga.bench import e2e, e2e_mooncake, e2e_pd, mooncake
 from beluga.errors import BackendUnavailableError
 from beluga.serving.cluster import Record
 from beluga.serving.model import ModelEngine
@@ -126,3 +126,68 @@ def test_the_headline_and_the_paper_scale_come_from_the_per_block_costs() -> Non
     assert beluga["load_s"] == pytest.approx(937 * 2.0 / 1e3)
     assert mooncake["save_s"] == pytest.approx(937 * 16.0 / 1e3)
     assert scale["kv_gap_s_per_hit"] == pytest.approx(937 * (8.0 - 2.0) / 1e3)
+
+
+@pytest.mark.slow  # ~40 s: the Mooncake engines are spawned (they import torch)
+def test_both_systems_hand_off_over_their_store_and_decode_a_single_engines_tokens(
+    mooncake_installed: None, shm_path: str, tmp_path: Path
+) -> None:
+    settings = e2e.Settings(
+        model="tiny", trace=TOY, engines=2, pd=(1, 1), max_tokens=3, start_method="fork"
+    )
+    decoded: dict[str, list[Record]] = {}
+    doc = e2e_pd.run(
+        settings,
+        shm_path,
+        baseline="mooncake",
+        on_record=lambda system, r: decoded.setdefault(system, []).append(r),
+    )
+    trace = settings.requests()
+    model = ModelEngine(settings.shape, seed=settings.seed)
+    want = [model.generate(model.prefill(r.token_ids), 3) for r in trace]
+    for system in ("beluga", "mooncake"):
+        assert sorted(r.index for r in decoded[system]) == list(range(len(trace)))
+        for record in decoded[system]:
+            assert list(record.served.output) == want[record.index], system
+            assert record.served.cached_tokens == (record.served.num_tokens - 1) // 16 * 16
+    rows = {r["system"]: r for r in doc["rows"]}
+    assert rows["beluga"]["evictions"] == 0 and rows["mooncake"]["evictions"] == 0
+    assert all(r["recomputed_blocks"] == 0 and r["handoff_mean_ms"] > 0 for r in rows.values())
+    h = doc["headline"]
+    assert h["qps_ratio"] > 0 and h["paper_qps_ratio"] == [3.41, 9.47]
+    c = doc["settings"]["capacity"]
+    assert c["mooncake_segment_bytes"] * c["mooncake_evicts_above"] >= c["budget_bytes"]
+    assert c["beluga_data_bytes"] * c["beluga_evicts_above"] >= c["budget_bytes"]
+    assert "QPS" in e2e_pd.summary(doc)
+    e2e_pd.chart(doc, str(tmp_path / "pd.png"))
+    assert_valid_png(tmp_path / "pd.png")
+
+
+def test_both_stores_get_one_budget_never_below_mooncakes_smallest_segment() -> None:
+    toy = e2e.Settings(model="tiny", trace=TOY)
+    least = int(e2e_mooncake.MOONCAKE_LEAST_SEGMENT * e2e_mooncake.MOONCAKE_HIGH_WATERMARK)
+    assert e2e.capacity_budget(toy, 1) < least
+    assert e2e_mooncake.capacity_budget(toy) == least  # raised for both stores alike
+    big = e2e.Settings(model="tiny", trace=TOY, capacity=100 << 20)
+    assert e2e_mooncake.capacity_budget(big) == 100 << 20
+    segment = e2e_mooncake.segment_bytes(100 << 20)
+    assert segment % (1 << 20) == 0 and segment * 0.9 >= 100 << 20 > (segment - (1 << 20)) * 0.9
+    with pytest.raises(ValueError, match="--capacity must be at least"):
+        e2e_mooncake.capacity_budget(e2e.Settings(model="tiny", trace=TOY, capacity=1 << 20))
+
+
+def test_the_masters_counters_are_read_from_its_prometheus_page(tmp_path: Path) -> None:
+    page = tmp_path / "metrics"
+    page.write_text(
+        "# HELP master_evicted_key_count keys evicted\n"
+        "master_evicted_key_count 12\n"
+        'segment_allocated_bytes{segment="127.0.0.1:1"} 4\n'
+        "master_put_start_alloc_failures_total 3\n"
+    )
+    assert e2e_mooncake.master_counters(page.as_uri()) == {
+        "evictions": 12,
+        "puts_without_room": 3,
+        "duplicate_writes_skipped": None,
+    }
+    missing = e2e_mooncake.master_counters((tmp_path / "gone").as_uri())
+    assert set(missing.values()) == {None}

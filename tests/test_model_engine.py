@@ -207,3 +207,40 @@ def test_model_shapes_are_checked_and_describe_their_kv() -> None:
         16,
     )
     assert BlockFormat(spec, "HND").nbytes == 28 * 2 * 16 * 4 * 128 * 2
+
+
+def hugging_face_greedy(engine: ModelEngine, tokens: list[int], n: int) -> list[int]:
+    """Transformers' own greedy generation: the reference the decode loop must match."""
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        out = engine.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False
+        )
+    return out[0, len(tokens) :].tolist()
+
+
+def test_greedy_decoding_matches_transformers_with_or_without_a_cached_prefix(
+    engines: tuple[ModelEngine, ModelEngine],
+) -> None:
+    a, b = engines
+    tokens = prompt(11)
+    want = hugging_face_greedy(a, tokens, 6)
+    full = a.prefill(tokens)
+    before = [(k.clone(), v.clone()) for k, v in full.kv]
+    assert a.generate(full, 6) == want
+    prefix = cut(full.kv, 64)
+    assert b.generate(b.prefill(tokens, prefix), 6) == want  # KV from another host's prefill
+    assert b.generate(b.prefill(tokens, prefix), 1) == want[:1]
+    assert all(  # the prefill's KV is still the prompt's alone
+        torch.equal(k, bk) and torch.equal(v, bv)
+        for (k, v), (bk, bv) in zip(full.kv, before, strict=True)
+    )
+
+
+def test_generate_refuses_no_tokens_and_too_many(engines: tuple[ModelEngine, ModelEngine]) -> None:
+    a, _ = engines
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        a.generate(a.prefill(prompt(12, 20)), 0)
+    short = ModelEngine(ModelShape(num_layers=1, max_positions=24))
+    with pytest.raises(ValueError, match="exceed the model's 24 positions"):
+        short.generate(short.prefill(prompt(12, 20)), 6)

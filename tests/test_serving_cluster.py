@@ -55,12 +55,14 @@ def cluster_on(
     reply_timeout: float = 60,
     seed: int = SEED,
     identity: ModelIdentity | None = None,
+    roles: Sequence[str] | None = None,
 ) -> Cluster:
     config = EngineConfig(shape, seed=seed, coherence="model", identity=identity)
     return Cluster(
         path,
         config,
         engines=engines,
+        roles=roles,
         start_timeout=60,
         reply_timeout=reply_timeout,
         start_method="fork",
@@ -177,3 +179,36 @@ def test_a_cluster_must_be_started_and_routed_sensibly(shm_path: str) -> None:
         cluster_on(shm_path, engines=0)
     with pytest.raises(ServingError, match="not started"):
         cluster_on(shm_path).run([[1, 2]], LocalityFree(2))
+
+
+def test_a_disaggregated_run_prefills_on_one_engine_and_decodes_a_single_engines_tokens(
+    shm_path: str,
+) -> None:
+    """Prefill engine 0 saves each prompt's blocks; decode engine 1 loads them all, computes
+    only the last partial block and generates what one engine alone would have."""
+    make_pool(shm_path)
+    document = prompt(20, 3 * BS)
+    prompts = [document + prompt(21, 9), document + prompt(22, 20), prompt(23, 2 * BS + 1)]
+    model = ModelEngine(SHAPE, seed=SEED)
+    want = [model.generate(model.prefill(p), 5) for p in prompts]
+    with cluster_on(shm_path, roles=["kv_producer", "kv_consumer"]) as c:
+        runs = c.run_disaggregated(prompts, LocalityFree(1), LocalityFree(1), max_tokens=5)
+    assert [list(r.decode.served.output) for r in runs] == want
+    for run, tokens in zip(runs, prompts, strict=True):
+        prefill, decode = run.prefill, run.decode
+        assert (prefill.engine, decode.engine) == (0, 1)
+        assert prefill.served.output == () and decode.served.saved_blocks == 0
+        assert decode.served.cached_tokens == (len(tokens) - 1) // BS * BS
+        assert prefill.end <= decode.arrival <= decode.start  # decode follows the commit
+        assert 0 < run.handoff < run.ttft
+        assert run.ttft == pytest.approx(decode.start + decode.served.timings.ttft)
+    # the document's blocks are saved once, by the first prefill; the second hits them
+    assert [r.prefill.served.saved_blocks for r in runs] == [3, 1, 2]
+    assert runs[1].prefill.served.cached_tokens == 3 * BS
+
+
+def test_a_disaggregated_run_needs_both_roles(cluster: Cluster) -> None:
+    with pytest.raises(ServingError, match="kv_producer and kv_consumer engines"):
+        cluster.run_disaggregated([prompt(24, 20)], LocalityFree(1), LocalityFree(1), max_tokens=2)
+    with pytest.raises(ValueError, match="roles must be 2 of"):
+        cluster_on("/nowhere", roles=["kv_both", "kv_decode"])

@@ -8,7 +8,9 @@ engine B reads really went through gather-write, the pool and scatter-read.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,11 +30,12 @@ from beluga.serving.engine import (
     kv_pool_size,
 )
 from beluga.serving.model import ModelEngine, ModelShape
-from beluga.transfer import BlockFormat
+from beluga.transfer import BlockFormat, EngineBlocks
 
 TOLERANCE = 1e-4
 SHAPE = ModelShape(num_layers=2)
 BS = SHAPE.block_tokens
+WAIT_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +255,103 @@ def test_two_models_of_one_kv_shape_never_share_a_block(hosts: Hosts, other: str
         assert again.logits is not None and max_diff(again.logits, full[4 * BS :]) <= TOLERANCE
     assert first.logits is not None
     assert max_diff(first.logits, model.prefill(tokens).logits.numpy()) <= TOLERANCE
+
+
+def greedy(model: ModelEngine, tokens: list[int], n: int) -> list[int]:
+    """A single engine's output: the whole prompt computed, then n tokens decoded."""
+    return model.generate(model.prefill(tokens), n)
+
+
+def test_a_decode_engine_loads_the_whole_prompt_and_generates_a_single_engines_tokens(
+    hosts: Hosts,
+) -> None:
+    tokens = prompt(10, 5 * BS + 7)
+    producer = ServingEngine(hosts.a.model, hosts.a.store, role="kv_producer")
+    consumer = ServingEngine(hosts.b.model, hosts.b.store, role="kv_consumer")
+    prefilled = producer.serve(tokens)
+    assert (prefilled.saved_blocks, prefilled.output, prefilled.refused_blocks) == (5, (), 0)
+    assert hosts.a.store.batch_is_exist(producer.keys(tokens)) == [True] * 5
+    decoded = consumer.serve(tokens, max_tokens=6)
+    assert (decoded.cached_tokens, decoded.saved_blocks) == (5 * BS, 0)
+    assert list(decoded.output) == greedy(hosts.b.model, tokens, 6)
+    assert decoded.timings.decode > 0 and decoded.tpot == decoded.timings.decode / 5
+    assert decoded.timings.busy == pytest.approx(decoded.timings.ttft + decoded.timings.decode)
+
+
+def test_a_block_missing_at_decode_is_recomputed_not_guessed_and_not_saved(hosts: Hosts) -> None:
+    tokens = prompt(11, 4 * BS + 3)
+    keys = hosts.a.keys(tokens)
+    hosts.a.serve(tokens)
+    assert hosts.a.store.remove(keys[2])
+    consumer = ServingEngine(hosts.b.model, hosts.b.store, role="kv_consumer")
+    decoded = consumer.serve(tokens, max_tokens=4, want_logits=True)
+    assert (decoded.cached_tokens, decoded.saved_blocks) == (2 * BS, 0)  # blocks 2, 3 computed
+    assert hosts.a.store.batch_is_exist(keys) == [True, True, False, True]  # a consumer saves none
+    assert list(decoded.output) == greedy(hosts.b.model, tokens, 4)
+    full = hosts.b.model.prefill(tokens).logits.numpy()
+    assert decoded.logits is not None and max_diff(decoded.logits, full[2 * BS :]) <= TOLERANCE
+
+
+class HeldBlocks(EngineBlocks):
+    """A save source that stops once its extents are reserved: a writer caught mid-write."""
+
+    def __init__(
+        self, *args: object, reserved: threading.Event, release: threading.Event, **kw: object
+    ) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.reserved, self.release = reserved, release
+
+    def moves(self, mem: object, chosen: Sequence[int], places: Sequence, *, write: bool) -> tuple:
+        self.reserved.set()
+        assert self.release.wait(WAIT_S), "never released"
+        return super().moves(mem, chosen, places, write=write)  # type: ignore[arg-type]
+
+
+def test_a_prefill_engine_hands_off_only_once_another_writers_blocks_are_committed(
+    hosts: Hosts,
+) -> None:
+    """Engine B reserved the prompt's blocks and is still writing them when engine A, a
+    prefill engine, computes the same prompt: A's save skips them (counted as computed
+    twice, as the server counts them), waits for them, and A returns only after B has
+    committed them."""
+    tokens = prompt(12, 4 * BS + 5)
+    keys = hosts.b.keys(tokens)
+    kv = hosts.b.model.prefill(tokens).kv
+    reserved, release = threading.Event(), threading.Event()
+    source = HeldBlocks(
+        hosts.b.model.kv_layout(kv), list(range(4)), reserved=reserved, release=release
+    )
+    events: list[str] = []  # B's save can only end after A waits: B is held until then
+    writer = threading.Thread(
+        target=lambda: events.append(f"B stored {len(hosts.b.store.save(keys, source).stored)}")
+    )
+    skipped = hosts.a.store.stats()["duplicate_writes_skipped"]
+
+    def release_once_a_waits() -> None:
+        deadline = time.monotonic() + WAIT_S
+        while hosts.a.store.stats()["duplicate_writes_skipped"] - skipped < 4:
+            assert time.monotonic() < deadline, "A never found B's blocks being written"
+            time.sleep(0.005)
+        events.append("A waits")
+        release.set()
+
+    releaser = threading.Thread(target=release_once_a_waits)
+    writer.start()
+    try:
+        assert reserved.wait(WAIT_S)
+        producer = ServingEngine(hosts.a.model, hosts.a.store, role="kv_producer")
+        releaser.start()
+        served = producer.serve(tokens)
+        at_handoff = hosts.a.store.batch_is_exist(keys)  # before B's thread may even return
+    finally:
+        release.set()
+        writer.join(WAIT_S)
+        releaser.join(WAIT_S)
+    assert at_handoff == [True] * 4 and events == ["A waits", "B stored 4"]
+    assert (served.saved_blocks, served.duplicate_blocks, served.refused_blocks) == (0, 4, 0)
+    assert hosts.a.store.stats()["duplicate_writes_skipped"] - skipped >= 4  # A asked again
+
+
+def test_roles_are_checked(hosts: Hosts) -> None:
+    with pytest.raises(ValueError, match="role must be one of"):
+        ServingEngine(hosts.a.model, hosts.a.store, role="kv_proxy")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from beluga.kv.hashing import prefix_hashes
 from beluga.serving.scheduler import LocalityAware, LocalityFree, least_loaded, make_scheduler
-from beluga.serving.trace import TraceShape, lv_eval_trace
+from beluga.serving.trace import TraceShape, in_bursts, lv_eval_trace, poisson_arrivals
 
 DOC_A = list(range(100))
 DOC_B = list(range(200, 300))
@@ -89,3 +90,41 @@ def test_trace_shapes_are_checked(field: str, value: int, message: str) -> None:
 def test_the_trace_needs_a_vocabulary() -> None:
     with pytest.raises(ValueError, match="vocab_size"):
         lv_eval_trace(TraceShape(), vocab_size=1)
+
+
+def test_bursts_bring_each_documents_first_questions_together() -> None:
+    shape = TraceShape(documents=3, min_questions=3, max_questions=5, context_tokens=32)
+    trace = lv_eval_trace(shape, vocab_size=100, seed=4)
+    bursty, groups = in_bursts(trace, 2)
+    assert sorted(r.token_ids for r in bursty) == sorted(r.token_ids for r in trace)
+    assert [r.id for r in bursty] == list(range(len(trace)))
+    assert groups == sorted(groups) and groups[0] == 0
+    members: dict[int, list[int]] = {}
+    for r, g in zip(bursty, groups, strict=True):
+        members.setdefault(g, []).append(r.document)
+    firsts = [docs for docs in members.values() if len(docs) == 2]
+    assert sorted(docs[0] for docs in firsts) == [0, 1, 2]  # one burst per document
+    assert all(len(set(docs)) == 1 for docs in firsts)  # of that document's questions
+    for doc in range(3):  # the document's first two questions, in their own order
+        want = [r.token_ids for r in trace if r.document == doc][:2]
+        got = [r.token_ids for r in bursty if r.document == doc][:2]
+        assert got == want
+    assert in_bursts(trace, 1) == (trace, list(range(len(trace))))
+    with pytest.raises(ValueError, match="at least 1"):
+        in_bursts(trace, 0)
+
+
+def test_poisson_arrivals_keep_the_offered_rate_and_bursts_arrive_together() -> None:
+    assert poisson_arrivals(5, 0.0) == [0.0] * 5
+    times = poisson_arrivals(4000, 50.0, seed=3)
+    assert times == poisson_arrivals(4000, 50.0, seed=3) != poisson_arrivals(4000, 50.0, seed=4)
+    gaps = np.diff([0.0, *times])
+    assert (gaps > 0).all() and abs(gaps.mean() - 1 / 50) < 0.1 / 50  # within 10% of 20 ms
+    groups = [g // 4 for g in range(4000)]  # bursts of four
+    bursts = poisson_arrivals(4000, 50.0, seed=3, groups=groups)
+    assert all(len(set(bursts[i : i + 4])) == 1 for i in range(0, 4000, 4))
+    assert abs(bursts[-1] / 4000 - 1 / 50) < 0.1 / 50  # the same load, four at a time
+    with pytest.raises(ValueError, match="non-decreasing"):
+        poisson_arrivals(3, 1.0, groups=[0, 2, 1])
+    with pytest.raises(ValueError, match="rate must be >= 0"):
+        poisson_arrivals(3, -1.0)

@@ -18,13 +18,22 @@ mooncake
     engine, routed by the locality-aware scheduler Mooncake deployments use.
 
 Each replays the trace twice (pass 1 fills its store, pass 2 hits it).  Per
-system and pass the report gives what :func:`beluga.bench.e2e.summarize`
+system and pass the report gives what :func:`beluga.bench.e2e.pass_row`
 does plus the cost per block of each step and the share of TTFT spent loading
 KV; the headline is the paper's table: pass-2 mean TTFT of Beluga as a
 fraction of Mooncake's, and the pass-2 QPS ratio.  :func:`paper_scale` then
 carries the measured per-block costs to the paper's Qwen-32B / 15K-token
 setting.  Everything started is stopped, and everything created removed,
 however the run ends.
+
+Figures that compare: the two systems run ``settings.repeat`` times, each
+repetition from scratch and interleaved (Beluga's pass 1, Mooncake's pass 1,
+Beluga's pass 2, Mooncake's pass 2, then the next repetition); rows and the
+headline are medians, each with its range.  Both stores get one capacity
+budget (:func:`capacity_budget`): the bytes of KV each may hold before it
+evicts, so Beluga's data area is sized to its server's high watermark and
+Mooncake's segment to its master's.  Evictions come from each store's own
+count (the server's stats; the master's Prometheus counters).
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -43,6 +54,7 @@ from beluga.bench.mooncake import MiB, MooncakeBaseline
 from beluga.bench.mooncake_engine import MooncakeEngines
 from beluga.serving.cluster import Cluster, EngineConfig, Record
 from beluga.serving.scheduler import make_scheduler
+from beluga.serving.trace import TraceRequest
 
 SYSTEMS = {"beluga": "locality-free", "mooncake": "locality-aware"}  # system: its scheduler
 PAPER = {
@@ -54,8 +66,12 @@ PAPER = {
 PAPER_MODEL = {"name": "Qwen-32B", "layers": 64, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}
 PAPER_TOKENS = 15_000
 MEANINGFUL_SCALE = 16  # beyond this, per-block fixed costs scaled as bytes say little
-SEGMENT_HEADROOM = 1.5  # Mooncake evicts above a high watermark: room over what the trace stores
-SEGMENT_SLACK = 64 * MiB
+MOONCAKE_HIGH_WATERMARK = 0.90  # mooncake_master's default --eviction_high_watermark_ratio
+MOONCAKE_LEAST_SEGMENT = 16 * MiB  # a smaller segment fails to mount (INVALID_PARAMS), 0.3.13
+MASTER_COUNTERS = {  # what a row reports: the master's Prometheus counter
+    "evictions": "master_evicted_key_count",
+    "puts_without_room": "master_put_start_alloc_failures_total",
+}
 
 Progress = Callable[[str, int, Record], None]
 
@@ -75,6 +91,8 @@ COLUMNS = [
     ("load_share_of_ttft", "load/TTFT"),
     ("imbalance", "imbalance"),
     ("qps", "QPS"),
+    ("evictions", "evictions"),
+    ("duplicate_blocks", "computed twice"),
 ]
 
 
@@ -82,15 +100,16 @@ def system_row(
     system: str,
     pass_no: int,
     records: Sequence[Record],
-    engines: int,
-    block_tokens: int,
-    nbytes: int,
+    trace: Sequence[TraceRequest],
+    settings: e2e.Settings,
+    counters: dict[str, int | None],
 ) -> dict[str, Any]:
-    """One row: :func:`e2e.summarize`, plus per-block costs and the share of TTFT loading KV.
+    """One row: :func:`e2e.pass_row`, plus per-block costs and the share of TTFT loading KV.
 
     Per-block figures are None where no block moved (pass 2 saves nothing;
     pass 1 loads only what earlier requests of the same pass stored).
     """
+    block_tokens, nbytes = settings.shape.block_tokens, settings.format.nbytes
     loaded_blocks = sum(r.served.cached_tokens // block_tokens for r in records)
     saved_blocks = sum(r.served.saved_blocks for r in records)
     lookup = sum(r.served.timings.lookup for r in records)
@@ -107,7 +126,7 @@ def system_row(
         "system": system,
         "scheduler": SYSTEMS[system],
         "pass": pass_no,
-        **e2e.summarize(records, engines),
+        **e2e.pass_row(records, trace, settings, counters),
         "block_bytes": nbytes,
         "loaded_blocks": loaded_blocks,
         "lookup_ms_per_key": 1e3 * lookup / keys if keys else None,
@@ -124,17 +143,25 @@ def headline(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The paper's table from pass 2: Beluga's mean TTFT over Mooncake's, and the QPS ratio."""
     by = {(r["system"], r["pass"]): r for r in rows}
     b, m = by[("beluga", 2)], by[("mooncake", 2)]
-    return {
+    out = {
         "pass2_ttft_fraction": b["ttft_mean_s"] / m["ttft_mean_s"],
         "pass2_qps_ratio": b["qps"] / m["qps"],
         # without the queueing that routing adds: each request's own lookup + load + compute
         "pass2_service_fraction": b["service_mean_s"] / m["service_mean_s"],
-        "pass2_load_per_block_ratio": _ratio(m["load_ms_per_block"], b["load_ms_per_block"]),
+        "pass2_load_per_block_ratio": ratio(m["load_ms_per_block"], b["load_ms_per_block"]),
         "paper": PAPER,
     }
+    for system in SYSTEMS:  # each system's prefix cache: its pass-2 hits, and TTFT over pass 1's
+        second, first = by[(system, 2)], by.get((system, 1), {})
+        out[f"pass2_hit_ratio_{system}"] = second.get("hit_ratio")
+        out[f"pass2_over_pass1_ttft_{system}"] = ratio(
+            second["ttft_mean_s"], first.get("ttft_mean_s")
+        )
+    return out
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None where either is missing or b is 0."""
     return a / b if a is not None and b else None
 
 
@@ -182,29 +209,70 @@ def paper_scale(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if len(systems) == len(SYSTEMS):
         b, m = systems["beluga"], systems["mooncake"]
         out["kv_gap_s_per_hit"] = m["kv_s_per_hit"] - b["kv_s_per_hit"]
-        out["kv_ratio_per_hit"] = _ratio(m["kv_s_per_hit"], b["kv_s_per_hit"])
+        out["kv_ratio_per_hit"] = ratio(m["kv_s_per_hit"], b["kv_s_per_hit"])
         out["paper_ttft_gap_s"] = PAPER["ttft_gap_s"]
     return out
 
 
-def segment_bytes(settings: e2e.Settings) -> int:
-    """A Mooncake segment that holds every block the trace stores, with headroom."""
-    need = e2e.blocks_needed(settings.requests(), settings.trace, settings.shape.block_tokens)
-    need += settings.engines * e2e.WARMUP_TOKENS // settings.shape.block_tokens
-    return int(need * settings.format.nbytes * SEGMENT_HEADROOM) + SEGMENT_SLACK
+def capacity_budget(settings: e2e.Settings) -> int:
+    """One budget for both stores: :func:`e2e.capacity_budget` of one cache namespace (each
+    system has a store of its own), never below what Mooncake's smallest segment holds."""
+    least = int(MOONCAKE_LEAST_SEGMENT * MOONCAKE_HIGH_WATERMARK)
+    budget = e2e.capacity_budget(settings, 1)
+    if budget < least and settings.capacity is not None:
+        raise ValueError(
+            f"--capacity must be at least {least} bytes here: Mooncake's segment cannot be "
+            f"smaller than {MOONCAKE_LEAST_SEGMENT >> 20} MiB"
+        )
+    return max(budget, least)
+
+
+def segment_bytes(capacity: int) -> int:
+    """A Mooncake segment (a whole number of MiB) that holds ``capacity`` bytes of KV below
+    its master's high watermark."""
+    return math.ceil(capacity / MOONCAKE_HIGH_WATERMARK / MiB) * MiB
+
+
+def capacity_note(settings: e2e.Settings, capacity: int) -> dict[str, Any]:
+    """:func:`e2e.capacity_note` and Mooncake's side of the same budget."""
+    return {
+        **e2e.capacity_note(settings, capacity),
+        "mooncake_segment_bytes": segment_bytes(capacity),
+        "mooncake_evicts_above": MOONCAKE_HIGH_WATERMARK,
+    }
+
+
+def master_counters(url: str) -> dict[str, int | None]:
+    """The master's evictions (and puts it found no room for) from its Prometheus page;
+    None for each where the page or the counter is not there."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as page:
+            text = page.read().decode()
+    except OSError:
+        return dict.fromkeys([*MASTER_COUNTERS, "duplicate_writes_skipped"])
+    values = dict(
+        line.split(" ", 1) for line in text.splitlines() if " " in line and line[0] != "#"
+    )
+    out: dict[str, int | None] = {
+        key: int(float(values[name])) if name in values else None
+        for key, name in MASTER_COUNTERS.items()
+    }
+    out["duplicate_writes_skipped"] = None  # the engines skip what exists; the master sees none
+    return out
 
 
 @contextlib.contextmanager
 def mooncake_cluster(
-    settings: e2e.Settings, say: Callable[[str], None] = lambda _: None
+    settings: e2e.Settings, say: Callable[[str], None] = lambda _: None, capacity: int = 0
 ) -> Iterator[e2e.Started]:
-    """Mooncake Store on loopback and engines that keep their KV there, warmed up.
+    """Mooncake Store on loopback holding ``capacity`` bytes of KV (default:
+    :func:`capacity_budget`), and engines in their roles that keep their KV there, warmed up.
 
     The engines always start with "spawn", whatever ``settings.start_method``
     says: this process holds a Mooncake client, and a forked child's own
     client never finishes connecting.  Everything stops when the block ends.
     """
-    segment = segment_bytes(settings)
+    segment = segment_bytes(capacity or capacity_budget(settings))
     say(f"starting Mooncake (a {segment >> 20} MiB segment)")
     started = time.monotonic()
     with MooncakeBaseline(segment_size=segment, local_buffer_size=16 * MiB) as mooncake:
@@ -221,12 +289,14 @@ def mooncake_cluster(
             f"mooncake:{mooncake.master_address}",
             config,
             engines=settings.engines,
+            roles=settings.roles,
             start_method="spawn",
             build=build,
         ) as cluster:
             startup = time.monotonic() - started
             e2e.warm_up(cluster, settings)
-            yield e2e.Started(cluster, startup, segment)
+            counters = functools.partial(master_counters, mooncake.metrics_url)
+            yield e2e.Started(cluster, startup, segment, counters)
 
 
 def run(
@@ -236,72 +306,129 @@ def run(
     on_phase: Callable[[str], None] | None = None,
     want_logits: bool = False,
 ) -> dict[str, Any]:
-    """Both systems, pass by pass; ``on_record(system, pass, record)`` follows progress.
+    """Both systems, ``settings.repeat`` times, pass by pass; ``on_record(system, pass,
+    record)`` follows progress.
 
-    Both stay up for the whole run and take turns (Beluga's pass 1, Mooncake's
+    In each repetition both stay up and take turns (Beluga's pass 1, Mooncake's
     pass 1, Beluga's pass 2, Mooncake's pass 2), so that a slow spell of a
     shared machine falls on both rather than on one.
     """
     say = on_phase or (lambda _: None)
-    prompts = [r.token_ids for r in settings.requests()]
+    trace = settings.requests()
+    prompts = [r.token_ids for r in trace]
     beluga_settings = dataclasses.replace(settings, schedulers=(SYSTEMS["beluga"],))
-    records: dict[tuple[str, int], list[Record]] = {}
-    with contextlib.ExitStack() as stack:
-        systems = {
-            "beluga": stack.enter_context(e2e.pool_cluster(beluga_settings, pool, say)),
-            "mooncake": stack.enter_context(mooncake_cluster(settings, say)),
-        }
-        # one scheduler per system for both passes: an affinity learnt in pass 1 holds in pass 2
-        schedulers = {
-            system: make_scheduler(SYSTEMS[system], settings.engines) for system in systems
-        }
-        for pass_no in (1, 2):
-            for system, started in systems.items():
-                say(f"{system}: pass {pass_no}")
-                records[(system, pass_no)] = started.cluster.run(
-                    prompts,
-                    schedulers[system],
-                    salt=system,
-                    rate=settings.rate,
-                    seed=settings.seed + pass_no,
-                    want_logits=want_logits,
-                    on_record=on_record and functools.partial(on_record, system, pass_no),
-                )
+    capacity = capacity_budget(settings)
+    runs = []
+    for rep in range(settings.repeat):
+        records: dict[tuple[str, int], list[Record]] = {}
+        counts: dict[tuple[str, int], dict[str, int | None]] = {}
+        with contextlib.ExitStack() as stack:
+            systems = {
+                "beluga": stack.enter_context(
+                    e2e.pool_cluster(beluga_settings, pool, say, capacity)
+                ),
+                "mooncake": stack.enter_context(mooncake_cluster(settings, say, capacity)),
+            }
+            # one scheduler per system for both passes: an affinity learnt in pass 1 holds
+            schedulers = {
+                system: make_scheduler(SYSTEMS[system], settings.engines) for system in systems
+            }
+            for pass_no in (1, 2):
+                for system, started in systems.items():
+                    say(f"run {rep + 1}/{settings.repeat}, {system}: pass {pass_no}")
+                    before = started.counters()
+                    records[(system, pass_no)] = started.cluster.run(
+                        prompts,
+                        schedulers[system],
+                        salt=system,
+                        arrivals=settings.arrivals(settings.seed + pass_no),
+                        want_logits=want_logits,
+                        on_record=on_record and functools.partial(on_record, system, pass_no),
+                    )
+                    counts[(system, pass_no)] = e2e.counted(started, before)
+        rows = [
+            system_row(system, p, records[(system, p)], trace, settings, counts[(system, p)])
+            for system in SYSTEMS
+            for p in (1, 2)
+        ]
+        startup = {system: started.startup_s for system, started in systems.items()}
+        runs.append({"startup_s": startup, "rows": rows, "headline": headline(rows)})
+    rows = e2e.median_rows([r["rows"] for r in runs])
     fmt = settings.format
-    rows = [
-        system_row(
-            system, p, records[(system, p)], settings.engines, fmt.spec.block_tokens, fmt.nbytes
-        )
-        for system in SYSTEMS
-        for p in (1, 2)
-    ]
     return {
         "settings": {
             **dataclasses.asdict(settings),
             "schedulers": SYSTEMS,
             "kv_format": fmt.fingerprint,
             "block_bytes": fmt.nbytes,
-            "pool_bytes": systems["beluga"].store_bytes,
-            "mooncake_segment_bytes": systems["mooncake"].store_bytes,
+            "pool_bytes": e2e.pool_for(settings, capacity)[0],
+            "mooncake_segment_bytes": segment_bytes(capacity),
+            "capacity": capacity_note(settings, capacity),
         },
         "model_params": e2e.model_params(settings.shape),
         "requests_per_pass": len(prompts),
-        "startup_s": {system: started.startup_s for system, started in systems.items()},
+        "startup_s": e2e.median_fields([r["startup_s"] for r in runs]),
         "rows": rows,
-        "headline": headline(rows),
+        "headline": e2e.median_fields([r["headline"] for r in runs]),
         "paper_scale": paper_scale(rows),
+        "runs": runs,
     }
 
 
+def capacity_line(doc: dict[str, Any]) -> str:
+    """The capacity budget both stores had, in words."""
+    c = doc["settings"]["capacity"]
+    return (
+        f"capacity: each store may hold {c['budget_bytes'] / MiB:.1f} MiB of KV before it "
+        f"evicts (from {c['from']}): Beluga's data area {c['beluga_data_bytes'] / MiB:.1f} MiB "
+        f"(its server evicts above {100 * c['beluga_evicts_above']:.0f}%), Mooncake's segment "
+        f"{c['mooncake_segment_bytes'] / MiB:.0f} MiB (its master evicts above "
+        f"{100 * c['mooncake_evicts_above']:.0f}%)"
+    )
+
+
+def store_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Evictions, blocks refused and computed twice per system and pass, and why a system's
+    pass-2 hit ratio falls below the other's."""
+    lines = []
+    hits = {r["system"]: r["hit_ratio"] for r in rows if r["pass"] == 2}
+    for row in rows:
+        evictions = "n/a" if row["evictions"] is None else f"{row['evictions']:g}"
+        lines.append(
+            f"  {row['system']} pass {row['pass']}: {evictions} evictions, "
+            f"{row['refused_blocks']:g} blocks refused, {e2e.duplicate_note(row)}"
+        )
+        others = [hit for system, hit in hits.items() if system != row["system"]]
+        why = e2e.hit_shortfall(row, max(others)) if row["pass"] == 2 and others else None
+        if why:
+            lines.append(f"    {row['system']}'s pass 2: {why}")
+    return lines
+
+
 def summary(doc: dict[str, Any]) -> str:
-    """The headline, the KV share of pass-2 TTFT, and the paper-scale estimate, in words."""
+    """The headline with its ranges, capacity and evictions, the KV share of pass-2 TTFT,
+    and the paper-scale estimate, in words."""
     h, scale = doc["headline"], doc["paper_scale"]
     by = {(r["system"], r["pass"]): r for r in doc["rows"]}
+    runs = len(doc.get("runs", [])) or 1
     lines = [
-        f"pass 2: Beluga's mean TTFT is {100 * h['pass2_ttft_fraction']:.1f}% of Mooncake's "
-        f"(paper {100 * PAPER['ttft_fraction']:.1f}%); QPS {h['pass2_qps_ratio']:.2f}x "
+        f"{doc['requests_per_pass']} requests a pass ({e2e.arrivals_note(doc['settings'])})",
+        f"pass 2 (median, range over {runs} runs): Beluga's mean TTFT is "
+        f"{e2e.ranged(h, 'pass2_ttft_fraction', 100)}% of Mooncake's "
+        f"(paper {100 * PAPER['ttft_fraction']:.1f}%); QPS {e2e.ranged(h, 'pass2_qps_ratio')}x "
         f"(paper {PAPER['qps_ratio']:.2f}x); without queueing, per-request service "
-        f"{100 * h['pass2_service_fraction']:.1f}%",
+        f"{e2e.ranged(h, 'pass2_service_fraction', 100)}%",
+        "  pass-2 hit ratio: "
+        + ", ".join(f"{s} {e2e.ranged(by[(s, 2)], 'hit_ratio')}" for s in SYSTEMS)
+        + f" (best possible {by[('beluga', 2)]['best_hit_ratio']:.3f}); pass-2 TTFT over "
+        "pass 1's: "
+        + ", ".join(
+            f"{s} {e2e.ranged(h, f'pass2_over_pass1_ttft_{s}', 100)}%"
+            for s in SYSTEMS
+            if h.get(f"pass2_over_pass1_ttft_{s}") is not None
+        ),
+        capacity_line(doc),
+        *store_lines(doc["rows"]),
     ]
     for system in SYSTEMS:
         row = by[(system, 2)]
@@ -354,9 +481,23 @@ def chart(doc: dict[str, Any], path: str) -> None:
         for k, pass_no in enumerate((1, 2)):
             at = x + (k - 0.5) * width
             rows = [by[(s, pass_no)] for s in systems]
-            ttft.bar(at, [r["ttft_mean_s"] for r in rows], width, label=f"pass {pass_no} mean")
+            ttft.bar(
+                at,
+                [r["ttft_mean_s"] for r in rows],
+                width,
+                yerr=e2e.error_bars(rows, "ttft_mean_s"),
+                capsize=3,
+                label=f"pass {pass_no} mean",
+            )
             ttft.scatter(at, [r["ttft_p99_s"] for r in rows], marker="_", s=400, color="black")
-            qps.bar(at, [r["qps"] for r in rows], width, label=f"pass {pass_no}")
+            qps.bar(
+                at,
+                [r["qps"] for r in rows],
+                width,
+                yerr=e2e.error_bars(rows, "qps"),
+                capsize=3,
+                label=f"pass {pass_no}",
+            )
         ttft.scatter([], [], marker="_", s=100, color="black", label="p99")
         bottom = np.zeros(len(systems))
         second = [by[(s, 2)] for s in systems]
@@ -384,7 +525,8 @@ def chart(doc: dict[str, Any], path: str) -> None:
         fig.suptitle(
             f"Beluga vs Mooncake Store: model {s['model']} ({s['block_bytes'] >> 10} KiB blocks), "
             f"{s['trace']['context_tokens']}-token contexts, {s['engines']} engines; pass-2 TTFT "
-            f"{100 * h['pass2_ttft_fraction']:.1f}% of Mooncake's"
+            f"{100 * h['pass2_ttft_fraction']:.1f}% of Mooncake's (median of "
+            f"{s.get('repeat', 1)} runs; bars: range)"
         )
         fig.tight_layout()
         fig.savefig(path)

@@ -185,6 +185,7 @@ class MooncakeBaseline:
         self._logdir: Path | None = None
         self.metadata_url = ""  # where other clients connect (:func:`connect`), once running
         self.master_address = ""
+        self.metrics_url = ""  # the master's Prometheus counters (evictions, ...), once running
 
     @property
     def client(self) -> MooncakeClient:
@@ -266,6 +267,7 @@ class MooncakeBaseline:
         except RpcError as exc:
             raise RpcError(self._start_failure(str(exc))) from exc
         self.metadata_url, self.master_address = metadata_url, master_address
+        self.metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
         self._probe(deadline)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -337,7 +339,7 @@ class MooncakeBaseline:
     def stop(self) -> None:
         """Close the client, stop both programs, remove the logs.  Safe to call twice."""
         client, self._client = self._client, None
-        self.metadata_url = self.master_address = ""
+        self.metadata_url = self.master_address = self.metrics_url = ""
         try:
             if client is not None:
                 client.close()

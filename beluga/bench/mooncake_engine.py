@@ -1,9 +1,10 @@
 """The RDMA-era engine: the same model engine, with Mooncake Store as its prefix cache.
 
 This is the baseline side of ``beluga bench e2e --baseline mooncake``.  It
-serves a request in the steps :class:`beluga.serving.engine.ServingEngine`
-times, over Mooncake Store instead of the pool, the way an engine with a
-Mooncake connector does:
+serves a request in the steps :class:`beluga.serving.engine.CachingEngine`
+runs and times, in the same roles (a single engine, a prefill engine, a
+decode engine), over Mooncake Store instead of the pool, the way an engine
+with a Mooncake connector does:
 
 lookup
     the same block keys (vLLM's chained hashes in the model's namespace, as
@@ -15,8 +16,11 @@ load
 compute
     prefill the tokens after the prefix (time to first token ends here);
 save
-    gather the new full blocks from the KV cache into the staging buffer, then
-    one ``batch_put_from``.
+    one ``batch_is_exist`` of the new full blocks, then, for those not stored
+    yet (SGLang's Mooncake backend skips stored keys the same way; the skipped
+    ones are counted as computed twice), a gather from the KV cache into the
+    staging buffer and one ``batch_put_from``.  A batch Mooncake finds no
+    room for is counted as refused (its blocks are not there to load).
 
 A value is exactly a Beluga pool block's payload (:class:`BlockFormat`, HND
 order): both systems move the same bytes per block.  The bytes cross Mooncake's
@@ -32,7 +36,6 @@ not fork-safe (a Mooncake client is not).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,22 +43,20 @@ import numpy as np
 import torch
 
 from beluga.bench.mooncake import MiB, MooncakeClient, check_available, connect
+from beluga.errors import CapacityError
 from beluga.kv.identity import ModelIdentity
+from beluga.kv.store import Saved
 from beluga.serving.cluster import EngineConfig
-from beluga.serving.engine import Served, Timings, kv_block_keys, kv_format
+from beluga.serving.engine import CachingEngine, kv_block_keys, leading_run
 from beluga.serving.model import KV, ModelEngine
 
 
-def _leading(flags: Sequence[object]) -> int:
-    """Length of the leading run of truthy items."""
-    return next((i for i, ok in enumerate(flags) if not ok), len(flags))
-
-
-class MooncakeServingEngine:
+class MooncakeServingEngine(CachingEngine):
     """A model engine whose prefix cache is Mooncake Store, moving blocks through staging.
 
     ``staging_blocks`` bounds the blocks one call moves; a request with more
-    moves them in several batches.  Not thread-safe, not fork-safe.
+    moves them in several batches.  ``role``: one of
+    :data:`beluga.serving.engine.ROLES`.  Not thread-safe, not fork-safe.
     """
 
     def __init__(
@@ -64,16 +65,14 @@ class MooncakeServingEngine:
         client: MooncakeClient,
         *,
         staging_blocks: int,
+        role: str = "kv_both",
         identity: ModelIdentity | None = None,
     ) -> None:
         if staging_blocks < 1:
             raise ValueError(f"staging_blocks must be >= 1, not {staging_blocks}")
-        self.model = model
+        super().__init__(model, role=role, identity=identity)
         self.client = client
-        self.format = kv_format(model)
-        self.identity = identity if identity is not None else model.identity
         spec = self.format.spec
-        self.block_tokens = spec.block_tokens
         # one engine block's value per slot: [layers, K/V, kv heads, block tokens, head dim]
         self.staging = np.zeros((staging_blocks, self.format.nbytes), dtype=np.uint8)
         client.register_buffer(self.staging)
@@ -91,63 +90,44 @@ class MooncakeServingEngine:
         """The prompt's block keys: Beluga's, as hex strings (Mooncake keys are text)."""
         return [k.hex() for k in kv_block_keys(self.format, self.identity, token_ids, salt=salt)]
 
-    def serve(
-        self, token_ids: Sequence[int], *, salt: str | None = None, want_logits: bool = False
-    ) -> Served:
-        """Prefill one prompt through Mooncake Store's prefix cache."""
-        clock = time.perf_counter
-        start = clock()
-        keys = self.keys(token_ids, salt)
-        found = _leading(self.client.batch_is_exist(keys)) if keys else 0
-        looked_up = clock()
-        loadable = min(found, (len(token_ids) - 1) // self.block_tokens)
-        prefix, loaded_blocks = self._load(keys[:loadable])
-        loaded = clock()
-        out = self.model.prefill(token_ids, prefix)
-        computed = clock()
-        stored = found if loaded_blocks == loadable else loaded_blocks
-        saved = self._save(out.kv, keys, stored, out.num_full_blocks)
-        done = clock()
-        timings = Timings(looked_up - start, loaded - looked_up, computed - loaded, done - computed)
-        return Served(
-            len(token_ids),
-            out.num_cached,
-            saved,
-            timings,
-            out.logits.cpu().numpy() if want_logits else None,
-        )
+    def _locate(self, keys: list[str]) -> list[str]:
+        return keys[: leading_run(self.client.batch_is_exist(keys))]
 
-    def _load(self, keys: list[str]) -> tuple[KV | None, int]:
+    def _fill(self, prefix: KV, keys: list[str]) -> int:
         """Fetch the blocks into staging, batch by batch, and scatter the intact leading run."""
-        if not keys:
-            return None, 0
-        prefix = self.model.empty_prefix(len(keys))
         nbytes, batch = self.format.nbytes, len(self.slots)
         intact = 0
         for first in range(0, len(keys), batch):
             chunk = keys[first : first + batch]
             lengths = self.client.batch_get_into(chunk, self.slots[: len(chunk)])
-            good = _leading([n == nbytes for n in lengths])
+            good = leading_run([n == nbytes for n in lengths])
             self._scatter(prefix, first, good)
             intact += good
             if good < len(chunk):
                 break
-        if intact == len(keys):
-            return prefix, intact
-        if intact == 0:
-            return None, 0
-        tokens = intact * self.block_tokens
-        cut = [(k[:, :, :tokens].contiguous(), v[:, :, :tokens].contiguous()) for k, v in prefix]
-        return cut, intact
+        return intact
 
-    def _save(self, kv: KV, keys: list[str], first: int, end: int) -> int:
-        """Gather blocks ``first .. end`` of a prefill's KV into staging and put them."""
+    def _save(self, kv: KV, keys: list[str], blocks: list[int]) -> Saved:
+        """Put the blocks Mooncake does not hold yet, gathered into staging batch by batch."""
+        there = self.client.batch_is_exist([keys[b] for b in blocks])
+        todo = [i for i, ok in enumerate(there) if not ok]
+        stored: list[int] = []
+        refused: list[int] = []
         batch = len(self.slots)
-        for start in range(first, end, batch):
-            stop = min(end, start + batch)
-            self._gather(kv, start, stop)
-            self.client.batch_put_from(keys[start:stop], self.slots[: stop - start])
-        return max(0, end - first)
+        for start in range(0, len(todo), batch):
+            chunk = todo[start : start + batch]
+            self._gather(kv, [blocks[i] for i in chunk])
+            try:
+                self.client.batch_put_from(
+                    [keys[blocks[i]] for i in chunk], self.slots[: len(chunk)]
+                )
+            except CapacityError:  # no room for some: those Mooncake does not hold are refused
+                held = self.client.batch_is_exist([keys[blocks[i]] for i in chunk])
+                stored += [i for i, ok in zip(chunk, held, strict=True) if ok]
+                refused += [i for i, ok in zip(chunk, held, strict=True) if not ok]
+            else:
+                stored += chunk
+        return Saved(stored, [i for i, ok in enumerate(there) if ok], refused)
 
     def _scatter(self, prefix: KV, first: int, count: int) -> None:
         """Staging slots ``0 .. count`` into blocks ``first ..`` of a prefix."""
@@ -158,15 +138,21 @@ class MooncakeServingEngine:
                 blocks = span.unflatten(1, (count, bs)).transpose(0, 1)
                 blocks.copy_(self.staged[:count, layer, kind])
 
-    def _gather(self, kv: KV, first: int, end: int) -> None:
-        """Blocks ``first .. end`` of a prefill's KV into staging slots ``0 ..``."""
-        bs, count = self.block_tokens, end - first
+    def _gather(self, kv: KV, blocks: list[int]) -> None:
+        """These blocks of a prefill's KV into staging slots ``0 ..`` (a run of blocks, the
+        usual case, is one strided copy per layer, K and V)."""
+        bs, count, first = self.block_tokens, len(blocks), blocks[0]
+        run = blocks == list(range(first, first + count))
+        index = None if run else torch.as_tensor(blocks)
         for layer, pair in enumerate(kv):
             for kind, tensor in enumerate(pair):
-                span = tensor[0, :, first * bs : end * bs, :]
-                self.staged[:count, layer, kind].copy_(
-                    span.unflatten(1, (count, bs)).transpose(0, 1)
-                )
+                if index is None:
+                    span = tensor[0, :, first * bs : (first + count) * bs, :]
+                    picked = span.unflatten(1, (count, bs))
+                else:
+                    span = tensor[0, :, : (max(blocks) + 1) * bs, :]
+                    picked = span.unflatten(1, (-1, bs)).index_select(1, index)
+                self.staged[:count, layer, kind].copy_(picked.transpose(0, 1))
 
 
 @dataclass(frozen=True)
@@ -191,7 +177,11 @@ class MooncakeEngines:
         )
         try:
             engine = MooncakeServingEngine(
-                model, client, staging_blocks=self.staging_blocks, identity=config.identity
+                model,
+                client,
+                staging_blocks=self.staging_blocks,
+                role=config.role,
+                identity=config.identity,
             )
         except BaseException:
             client.close()

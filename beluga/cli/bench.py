@@ -73,22 +73,25 @@ def _add_rpc(cmds: argparse._SubParsersAction) -> None:
 def _add_e2e(cmds: argparse._SubParsersAction) -> None:
     e = cmds.add_parser(
         "e2e",
-        help="a long-context trace twice through engines sharing one pool, per scheduler",
+        help="a long-context trace twice through engines sharing one pool, per scheduler; "
+        "or, with --pd, prefill/decode disaggregation",
     )
-    add_e2e_args(e)
+    add_e2e_args(e, figures=True)
     add_json_arg(e)
     e.add_argument(
         "--chart",
         default="e2e-ttft.png",
         metavar="FILE",
-        help="PNG chart of TTFT per pass and per scheduler (default e2e-ttft.png; '' for none)",
+        help="PNG chart of TTFT per pass and per scheduler, or per system (default "
+        "e2e-ttft.png; '' for none)",
     )
     e.add_argument(
         "--baseline",
         choices=["mooncake"],
         help="run the same engines again with Mooncake Store as their KV store (real "
-        "mooncake_master and storage processes on loopback, locality-aware routing) and "
-        "compare with Beluga (locality-free routing); --schedulers is then ignored",
+        "mooncake_master and storage processes on loopback) and compare with Beluga: "
+        "locality-aware routing for Mooncake, locality-free for Beluga (with --pd, "
+        "locality-free for both); --schedulers is then ignored",
     )
     e.set_defaults(handler=run_e2e)
 
@@ -217,6 +220,8 @@ def run_rpc(args: argparse.Namespace) -> int:
 def run_e2e(args: argparse.Namespace) -> int:
     from beluga.bench import e2e
 
+    if args.pd:
+        return run_e2e_pd(args)
     if args.baseline == "mooncake":
         return run_e2e_mooncake(args)
     result = run_with_progress(e2e_settings(args), args.pool)
@@ -258,7 +263,7 @@ def run_e2e_mooncake(args: argparse.Namespace) -> int:
 
     check_available()  # before anything starts: say what to install
     settings = e2e_settings(args)
-    total = 2 * len(e2e_mooncake.SYSTEMS) * len(settings.requests())
+    total = 2 * len(e2e_mooncake.SYSTEMS) * len(settings.requests()) * settings.repeat
     with (
         _terminate_as_interrupt(),
         tqdm(total=total, unit="req", desc="starting", dynamic_ncols=True) as bar,
@@ -277,6 +282,45 @@ def run_e2e_mooncake(args: argparse.Namespace) -> int:
     report(args, "e2e-mooncake", result, e2e_mooncake.COLUMNS)
     if args.json != "-":
         print(e2e_mooncake.summary(result))
+        if args.chart:
+            print(f"chart: {result['chart']}")
+    return 0
+
+
+def run_e2e_pd(args: argparse.Namespace) -> int:
+    """Prefill/decode disaggregation end to end, beside Mooncake Store with --baseline."""
+    from tqdm import tqdm
+
+    from beluga.bench import e2e_pd
+    from beluga.bench.mooncake import check_available
+
+    if args.baseline == "mooncake":
+        check_available()  # before anything starts: say what to install
+    settings = e2e_settings(args)
+    systems = 2 if args.baseline else 1
+    total = systems * len(settings.requests()) * settings.repeat
+    with (
+        _terminate_as_interrupt(),
+        tqdm(total=total, unit="req", desc="starting", dynamic_ncols=True) as bar,
+    ):
+
+        def on_record(system: str, record: Any) -> None:
+            bar.update(1)
+            bar.set_postfix(system=system, engine=record.engine, refresh=False)
+
+        result = e2e_pd.run(
+            settings,
+            args.pool,
+            args.baseline,
+            on_record=on_record,
+            on_phase=bar.set_description_str,
+        )
+    if args.chart:
+        e2e_pd.chart(result, args.chart)
+        result["chart"] = os.path.abspath(args.chart)
+    report(args, "e2e-pd", result, e2e_pd.COLUMNS)
+    if args.json != "-":
+        print(e2e_pd.summary(result))
         if args.chart:
             print(f"chart: {result['chart']}")
     return 0

@@ -14,14 +14,16 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from beluga.bench.stats import parse_size
 from beluga.errors import BackendUnavailableError
 from beluga.serving.scheduler import SCHEDULERS
 
 _NEEDS = ("torch", "transformers", "tqdm")
 
 
-def add_e2e_args(parser: argparse.ArgumentParser) -> None:
-    """The experiment's options, shared with ``beluga bench e2e``."""
+def add_e2e_args(parser: argparse.ArgumentParser, figures: bool = False) -> None:
+    """The experiment's options, shared with ``beluga bench e2e``; ``figures`` adds the
+    benchmark's own (repetitions, capacity, bursts, prefill/decode disaggregation)."""
     g = parser.add_argument_group("experiment")
     g.add_argument(
         "--model",
@@ -67,6 +69,55 @@ def add_e2e_args(parser: argparse.ArgumentParser) -> None:
         help="create the experiment's pool here (it must not exist; it is removed afterwards; "
         "default: a scratch file in /dev/shm)",
     )
+    if not figures:
+        return
+    f = parser.add_argument_group("figures")
+    f.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        metavar="N",
+        help="run everything N times from scratch, systems interleaved; report medians and "
+        "ranges (default 3)",
+    )
+    f.add_argument(
+        "--capacity",
+        type=parse_size,
+        metavar="BYTES",
+        help="bytes of KV each store may hold before it evicts, the same for Beluga and "
+        "Mooncake (e.g. 512M; default: what the trace stores, with 25%% headroom)",
+    )
+    f.add_argument(
+        "--burst",
+        type=int,
+        default=1,
+        metavar="K",
+        help="each document's first K questions arrive at once, so that engines routed by "
+        "load alone compute the same blocks (default 1: no bursts)",
+    )
+    f.add_argument(
+        "--pd",
+        type=_prefill_decode,
+        metavar="P:D",
+        help="prefill/decode disaggregation: P prefill and D decode engines over one pool "
+        "(--engines is then P+D; with --baseline mooncake, over Mooncake Store too)",
+    )
+    f.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16,
+        metavar="N",
+        help="with --pd, tokens each decode engine generates per request (default 16)",
+    )
+
+
+def _prefill_decode(text: str) -> tuple[int, int]:
+    """'1:1' -> (1, 1): prefill and decode engines."""
+    try:
+        prefill, decode = (int(n) for n in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pd takes P:D, e.g. 1:1, not {text!r}") from None
+    return prefill, decode
 
 
 def e2e_settings(args: argparse.Namespace) -> Any:
@@ -94,15 +145,21 @@ def e2e_settings(args: argparse.Namespace) -> Any:
         max_questions=args.questions[1],
         context_tokens=args.context_tokens,
     )
+    pd = getattr(args, "pd", None)  # the figures' options (bench e2e); the demo has none
     return Settings(
         model=args.model,
         trace=trace,
-        engines=args.engines,
+        engines=sum(pd) if pd else args.engines,
         schedulers=tuple(s.strip() for s in args.schedulers.split(",") if s.strip()),
         seed=args.seed,
         rate=args.rate,
         threads=args.threads,
         device=device,
+        repeat=getattr(args, "repeat", 1),
+        capacity=getattr(args, "capacity", None),
+        burst=getattr(args, "burst", 1),
+        pd=pd,
+        max_tokens=getattr(args, "max_tokens", 16),
     )
 
 
@@ -112,7 +169,7 @@ def run_with_progress(settings: Any, pool: str | None) -> dict[str, Any]:
 
     from beluga.bench import e2e
 
-    total = 2 * len(settings.schedulers) * len(settings.requests())
+    total = 2 * len(settings.schedulers) * len(settings.requests()) * settings.repeat
     with tqdm(total=total, unit="req", desc="starting", dynamic_ncols=True) as bar:
 
         def on_record(scheduler: str, pass_no: int, record: Any) -> None:
@@ -124,26 +181,43 @@ def run_with_progress(settings: Any, pool: str | None) -> dict[str, Any]:
 
 
 def summary(result: dict[str, Any]) -> str:
-    """The table, then each scheduler's pass-2 / pass-1 TTFT against the target."""
-    from beluga.bench.e2e import COLUMNS
+    """The table, then each scheduler's pass-2 / pass-1 TTFT against the target, capacity,
+    evictions and blocks computed twice."""
+    from beluga.bench.e2e import (
+        COLUMNS,
+        arrivals_note,
+        capacity_line,
+        duplicate_note,
+        hit_shortfall,
+    )
     from beluga.bench.stats import format_table
 
     s = result["settings"]
+    runs = len(result.get("runs", [])) or 1
     lines = [
         f"model {s['model']} ({result['model_params'] / 1e6:.1f} M parameters, KV "
         f"{s['kv_format']}), {s['engines']} engines, {result['requests_per_pass']} requests "
         f"per pass over {s['trace']['documents']} documents of {s['trace']['context_tokens']} "
-        "tokens",
+        f"tokens ({arrivals_note(s)})" + (f"; medians over {runs} runs" if runs > 1 else ""),
         "",
         format_table(result["rows"], COLUMNS),
         "",
     ]
     for t in result["targets"]:
         verdict = "met" if t["met"] else "NOT met"
+        low, high = t.get("range", (t["pass2_over_pass1_ttft"],) * 2)
+        spread = f" (range {100 * low:.1f}-{100 * high:.1f}%)" if runs > 1 else ""
         lines.append(
             f"{t['scheduler']}: pass-2 mean TTFT is {100 * t['pass2_over_pass1_ttft']:.1f}% of "
-            f"pass 1's (target <= {100 * t['target']:.0f}%: {verdict})"
+            f"pass 1's{spread} (target <= {100 * t['target']:.0f}%: {verdict})"
         )
+    lines.append(capacity_line(s["capacity"]))
+    for row in result["rows"]:
+        why = hit_shortfall(row) if row["pass"] == 2 else None
+        if why:
+            lines.append(f"{row['scheduler']} pass 2: {why}")
+        if row.get("duplicate_blocks"):
+            lines.append(f"{row['scheduler']} pass {row['pass']}: {duplicate_note(row)}")
     return "\n".join(lines)
 
 

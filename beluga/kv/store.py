@@ -397,7 +397,10 @@ class KVStore:
         write (any host's) is storing under a live lease is skipped too, and
         waited for, up to ``wait_s``, with one-sided lookups: once that write
         commits it is ``present``; if its writer gives up, this call writes
-        it; if it is still being written then, it is ``in_flight``.  With ``replace`` the
+        it; if it is still being written then, it is ``in_flight`` (with
+        ``wait_s`` 0: at once).  The server counts every ALLOC answer that
+        skipped a key (``duplicate_writes_skipped``), so a save that waits and
+        asks again counts a key more than once.  With ``replace`` the
         new value replaces the old one (``put``).  A write whose lease ran out
         is refused at its commit and tried again, ``attempts`` times in all,
         then reported in ``Saved.lost``.  Anything that fails before the
@@ -419,7 +422,7 @@ class KVStore:
                 break
             todo = self._save_round(out, todo, raw, digests, lengths, source, not replace)
         deadline = time.monotonic() + wait_s
-        while out.writing:  # duplicates another write is storing: wait for them, bounded
+        while out.writing and wait_s > 0:  # others are storing duplicates: wait, bounded
             waiting, out.writing = out.writing, []
             until = min(deadline, time.monotonic() + RECHECK_S)
             landed, rest = self._await_others(waiting, raw, until)

@@ -7,12 +7,17 @@ metadata server (a process)
 engine ``i`` (a process each)
     a :class:`~beluga.serving.model.ModelEngine` with its own
     :class:`~beluga.kv.store.KVStore` (its own ``Pool.attach`` and RPC ring),
-    wrapped in a :class:`~beluga.serving.engine.ServingEngine`; it serves the
-    jobs it is sent, one at a time, in order.
+    wrapped in a :class:`~beluga.serving.engine.ServingEngine` in its role
+    (``kv_both``; for prefill/decode disaggregation ``kv_producer`` or
+    ``kv_consumer``); it serves the jobs it is sent, one at a time, in order.
 driver (the caller's process)
     :class:`Cluster` routes each arriving request with a scheduler
     (:mod:`beluga.serving.scheduler`) and keeps one job in flight per engine,
     queueing the rest, so a reply never waits behind a full pipe.
+    :meth:`Cluster.run` sends each request to one engine;
+    :meth:`Cluster.run_disaggregated` sends it to a prefill engine, and once
+    that engine has committed the prompt's blocks, to a decode engine (each
+    chosen by its own scheduler, by load alone), as ``beluga proxy`` does.
 
 The pipes carry token ids out and timings back (and logits when asked for);
 KV never goes through them, only through the pool.  Times cross processes
@@ -22,6 +27,8 @@ as ``time.monotonic()`` readings, one clock for the whole machine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -35,14 +42,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import numpy as np
-
 from beluga.child import stop_process, wait_ready
 from beluga.errors import ServingError
 from beluga.kv.identity import ModelIdentity
-from beluga.serving.engine import Served
+from beluga.serving.engine import ROLES, Served
 from beluga.serving.model import ModelShape
 from beluga.serving.scheduler import Scheduler
+from beluga.serving.trace import poisson_arrivals
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class EngineConfig:
     rpc_timeout: float = 30.0
     device: str = "cpu"  # or a CUDA device: KV then moves through the GPU path
     identity: ModelIdentity | None = None
+    role: str = "kv_both"  # one of beluga.serving.engine.ROLES; a Cluster sets it per engine
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,7 @@ class Job:
     token_ids: Sequence[int]
     salt: str | None
     want_logits: bool
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,13 +105,53 @@ class Record:
         """Arrival to first token: waiting for the engine, then lookup, load and compute."""
         return self.queue + self.served.timings.ttft
 
+    @property
+    def end(self) -> float:
+        """When the engine was done with the request."""
+        return self.start + self.served.timings.busy
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """One request served disaggregated: prefilled on one engine, decoded on another.
+
+    ``decode.arrival`` is when the driver learnt that the prefill was
+    committed (it routes the request to a decode engine then).  Frozen data:
+    safe to share between threads and processes.
+    """
+
+    prefill: Record
+    decode: Record
+
+    @property
+    def committed(self) -> float:
+        """When the prefill engine had every full block of the prompt committed."""
+        return self.prefill.end
+
+    @property
+    def first_token(self) -> float:
+        """When the decode engine had the first output token."""
+        return self.decode.start + self.decode.served.timings.ttft
+
+    @property
+    def handoff(self) -> float:
+        """Prefill committed to the decode engine's first token: telling the driver,
+        waiting for a decode engine, its lookup, load and the prompt's last tokens."""
+        return self.first_token - self.committed
+
+    @property
+    def ttft(self) -> float:
+        """Arrival to the first output token: prefill, then the handoff."""
+        return self.first_token - self.prefill.arrival
+
 
 EngineBuilder = Callable[[str, EngineConfig], tuple[Any, Any]]
 """Builds an engine process's KV store and engine: ``(store, engine)``, each with ``close()``.
 
-The engine's ``serve(token_ids, salt=, want_logits=)`` returns a
-:class:`~beluga.serving.engine.Served`.  It crosses to the engine process, so
-it must pickle (a module-level function, or an instance of a module-level class).
+The engine (in ``config.role``) has ``serve(token_ids, salt=, want_logits=,
+max_tokens=)``, which returns a :class:`~beluga.serving.engine.Served`.  The
+builder crosses to the engine process, so it must pickle (a module-level
+function, or an instance of a module-level class).
 """
 
 
@@ -121,7 +169,12 @@ def _engine_main(
         while (job := conn.recv()) is not None:
             started = time.monotonic()
             try:
-                served = engine.serve(job.token_ids, salt=job.salt, want_logits=job.want_logits)
+                served = engine.serve(
+                    job.token_ids,
+                    salt=job.salt,
+                    want_logits=job.want_logits,
+                    max_tokens=job.max_tokens,
+                )
             except Exception as e:
                 conn.send(Reply(job.index, started, None, _portable(e)))
             else:
@@ -144,7 +197,7 @@ def _build_engine(pool: str, config: EngineConfig) -> tuple[Any, Any]:
     model = ModelEngine(config.shape, seed=config.seed, device=config.device)
     store = KVStore(pool, coherence=config.coherence, timeout=config.rpc_timeout)
     try:
-        return store, ServingEngine(model, store, identity=config.identity)
+        return store, ServingEngine(model, store, role=config.role, identity=config.identity)
     except BaseException:
         store.close()
         raise
@@ -187,7 +240,11 @@ def _serve_quietly(pool: str, coherence: str | None, ready: Any) -> None:
 
 
 class Cluster:
-    """A metadata server and ``engines`` engine processes on one pool, driven from here."""
+    """A metadata server and ``engines`` engine processes on one pool, driven from here.
+
+    Not thread-safe (one thread drives it); not fork-safe (a child would share
+    its pipes).
+    """
 
     def __init__(
         self,
@@ -195,6 +252,7 @@ class Cluster:
         config: EngineConfig,
         *,
         engines: int = 2,
+        roles: Sequence[str] | None = None,
         start_timeout: float = 300.0,
         reply_timeout: float = 600.0,
         start_method: str = "spawn",
@@ -208,9 +266,15 @@ class Cluster:
         ``build`` gives the engines a KV store other than the pool (a baseline
         store that runs on its own): then no metadata server is started and
         ``pool`` only names the store in messages.
+
+        ``roles`` gives each engine its role (:data:`beluga.serving.engine.ROLES`);
+        by default every engine is ``config.role``.
         """
         if engines < 1:
             raise ValueError(f"a cluster needs at least one engine, not {engines}")
+        self.roles = list(roles) if roles is not None else [config.role] * engines
+        if len(self.roles) != engines or not set(self.roles) <= set(ROLES):
+            raise ValueError(f"roles must be {engines} of {ROLES}, not {self.roles}")
         self.pool = pool
         self.config = config
         self.num_engines = engines
@@ -260,11 +324,12 @@ class Cluster:
             self.pids.append(message[1])
 
     def _spawn_engines(self) -> None:
-        for i in range(self.num_engines):
+        for i, role in enumerate(self.roles):
             parent, child = self.ctx.Pipe()
+            config = dataclasses.replace(self.config, role=role)
             proc = self.ctx.Process(
                 target=_engine_main,
-                args=(child, self.pool, self.config, self.build),
+                args=(child, self.pool, config, self.build),
                 name=f"beluga-engine-{i}",
             )
             self.conns.append(parent)  # closed by close(), whatever happens next
@@ -335,59 +400,132 @@ class Cluster:
         *,
         salt: str | None = None,
         want_logits: bool = False,
+        max_tokens: int = 0,
         rate: float = 0.0,
         seed: int = 0,
+        arrivals: Sequence[float] | None = None,
         on_record: Callable[[Record], None] | None = None,
     ) -> list[Record]:
-        """Serve every request once; ``rate`` > 0 spaces arrivals as a Poisson process.
+        """Serve every request once, each on one engine; records in request order.
 
-        With ``rate`` 0 every request arrives at once (a trace replayed as
-        fast as the engines go).  Records come back in request order.
+        Arrivals (seconds from the start) are ``arrivals`` if given, else a
+        Poisson process of ``rate`` requests/s (:func:`poisson_arrivals`;
+        with ``rate`` 0 every request arrives at once: a trace replayed as
+        fast as the engines go).
         """
+        stage = _Stage(list(range(self.num_engines)), scheduler, max_tokens)
+        runs = self._drive(requests, [stage], salt, want_logits, rate, seed, arrivals, on_record)
+        return [only for (only,) in runs]
+
+    def run_disaggregated(
+        self,
+        requests: Sequence[Sequence[int]],
+        prefill: Scheduler,
+        decode: Scheduler,
+        *,
+        max_tokens: int,
+        salt: str | None = None,
+        want_logits: bool = False,
+        rate: float = 0.0,
+        seed: int = 0,
+        arrivals: Sequence[float] | None = None,
+        on_record: Callable[[Record], None] | None = None,
+    ) -> list[Handoff]:
+        """Serve every request on a ``kv_producer`` engine, then on a ``kv_consumer`` one.
+
+        ``prefill`` routes among the producers, ``decode`` among the
+        consumers (engine indices within each group, in engine order).  A
+        request goes to decode when its prefill engine answers, that is once
+        the prompt's blocks are committed; the decode engine generates
+        ``max_tokens`` tokens.  ``on_record`` sees each decode record.
+        """
+        groups = [[i for i, r in enumerate(self.roles) if r == role] for role in _PD_ROLES]
+        if not all(groups):
+            raise ServingError(
+                f"a disaggregated run needs kv_producer and kv_consumer engines, not {self.roles}"
+            )
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, not {max_tokens}")
+        stages = [_Stage(groups[0], prefill, 0), _Stage(groups[1], decode, max_tokens)]
+        runs = self._drive(requests, stages, salt, want_logits, rate, seed, arrivals, on_record)
+        return [Handoff(*pair) for pair in runs]
+
+    def _drive(
+        self,
+        requests: Sequence[Sequence[int]],
+        stages: list[_Stage],
+        salt: str | None,
+        want_logits: bool,
+        rate: float,
+        seed: int,
+        arrivals: Sequence[float] | None,
+        on_record: Callable[[Record], None] | None,
+    ) -> list[list[Record]]:
         if not self.conns:
             raise ServingError("the cluster is not started; call start() or use it in a with")
-        if rate < 0:
-            raise ValueError(f"rate must be >= 0 requests/s, not {rate}")
-        arrivals = np.zeros(len(requests))
-        if rate > 0:
-            arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, len(requests)))
-        return _Run(self, requests, scheduler, salt, want_logits, arrivals, on_record).drive()
+        if arrivals is None:
+            times = poisson_arrivals(len(requests), rate, seed)
+        elif rate:
+            raise ValueError("give arrivals or a rate, not both")
+        else:
+            times = list(arrivals)
+        if len(times) != len(requests) or any(b < a for a, b in itertools.pairwise(times)):
+            raise ValueError("arrivals must be one per request, in order")
+        return _Run(self, requests, stages, salt, want_logits, times, on_record).drive()
+
+
+_PD_ROLES = ("kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One step of every request: the engines that serve it and how to choose among them."""
+
+    engines: list[int]
+    scheduler: Scheduler
+    max_tokens: int
 
 
 class _Run:
-    """The driver's state for one :meth:`Cluster.run`."""
+    """The driver's state for one run: each request passes through the stages in order."""
 
     def __init__(
         self,
         cluster: Cluster,
         requests: Sequence[Sequence[int]],
-        scheduler: Scheduler,
+        stages: list[_Stage],
         salt: str | None,
         want_logits: bool,
-        arrivals: np.ndarray,
+        arrivals: list[float],
         on_record: Callable[[Record], None] | None,
     ) -> None:
         self.c = cluster
         self.requests = requests
-        self.scheduler = scheduler
+        self.stages = stages
         self.salt = salt
         self.want_logits = want_logits
-        self.arrivals = arrivals.tolist()
+        self.arrivals = arrivals
         self.on_record = on_record
         n = cluster.num_engines
         self.queues: list[deque[int]] = [deque() for _ in range(n)]
         self.in_flight: list[int | None] = [None] * n
         self.outstanding = [0] * n
-        self.records: list[Record | None] = [None] * len(requests)
+        self.stage_of = [0] * n  # which stage each engine serves
+        for s, stage in enumerate(stages):
+            for engine in stage.engines:
+                self.stage_of[engine] = s
+        self.records: list[list[Record]] = [[] for _ in requests]
+        self.arrived_at: list[float] = list(arrivals)  # arrival at the request's current stage
+        self.done = 0
 
-    def drive(self) -> list[Record]:
+    def drive(self) -> list[list[Record]]:
         t0 = time.monotonic()
         arrived = 0
         last_progress = t0
-        while not all(self.records):
+        while self.done < len(self.requests):
             now = time.monotonic()
             while arrived < len(self.requests) and t0 + self.arrivals[arrived] <= now:
-                self._route(arrived)
+                self._route(arrived, 0)
                 arrived += 1
             if self._dispatch():
                 last_progress = now
@@ -404,16 +542,17 @@ class _Run:
                 if conn in ready or self.c.engines[engine].sentinel in ready:
                     self._collect(engine, t0)
                     last_progress = time.monotonic()
-        return [r for r in self.records if r is not None]
+        return self.records
 
-    def _route(self, index: int) -> None:
+    def _route(self, index: int, stage: int) -> None:
         tokens = self.requests[index]
-        engine = self.scheduler.route(tokens, self.outstanding)
-        if not 0 <= engine < self.c.num_engines:
+        group, scheduler = self.stages[stage].engines, self.stages[stage].scheduler
+        chosen = scheduler.route(tokens, [self.outstanding[e] for e in group])
+        if not 0 <= chosen < len(group):
             raise ValueError(
-                f"scheduler {self.scheduler.name} chose engine {engine}, "
-                f"not one of 0..{self.c.num_engines - 1}"
+                f"scheduler {scheduler.name} chose engine {chosen}, not one of 0..{len(group) - 1}"
             )
+        engine = group[chosen]
         self.outstanding[engine] += len(tokens)
         self.queues[engine].append(index)
 
@@ -424,7 +563,9 @@ class _Run:
             if self.in_flight[engine] is None and queue:
                 index = queue.popleft()
                 tokens = list(self.requests[index])
-                self.c._send(engine, Job(index, tokens, self.salt, self.want_logits))
+                stage = self.stages[self.stage_of[engine]]
+                job = Job(index, tokens, self.salt, self.want_logits, stage.max_tokens)
+                self.c._send(engine, job)
                 self.in_flight[engine] = index
                 sent = True
         return sent
@@ -445,9 +586,14 @@ class _Run:
             )
         self.in_flight[engine] = None
         self.outstanding[engine] -= len(self.requests[reply.index])
-        record = Record(
-            reply.index, engine, self.arrivals[reply.index], reply.started - t0, reply.served
-        )
-        self.records[reply.index] = record
+        index = reply.index
+        record = Record(index, engine, self.arrived_at[index], reply.started - t0, reply.served)
+        self.records[index].append(record)
+        stage = self.stage_of[engine] + 1
+        if stage < len(self.stages):
+            self.arrived_at[index] = time.monotonic() - t0
+            self._route(index, stage)
+            return
+        self.done += 1
         if self.on_record is not None:
             self.on_record(record)

@@ -1,6 +1,6 @@
 """A serving engine whose prefix cache is the pool: one request, end to end.
 
-For each request :meth:`ServingEngine.serve` does what a vLLM worker with a
+For each request :meth:`CachingEngine.serve` does what a vLLM worker with a
 KV connector does, in order, and times each step:
 
 lookup
@@ -20,7 +20,29 @@ compute
 save
     ``KVStore.save`` of the new full engine blocks: one reserve, one C call
     that moves them, checksums what it stores and seals each header, one
-    commit; a block another engine has committed or is writing is skipped.
+    commit; a block another engine has committed or is writing is skipped
+    (and counted: it was computed twice);
+decode
+    with ``max_tokens``, greedy decoding over the KV cache
+    (:meth:`~beluga.serving.model.ModelEngine.generate`).
+
+The engine's role (vLLM's ``kv_role``, read once, at construction) decides
+what follows the prefill, for prefill/decode disaggregation over the pool:
+
+``kv_both``
+    save the new blocks (the prefix cache of a single engine);
+``kv_producer``
+    a prefill engine: save every full block of the prompt, and return only
+    once all of them are committed (blocks another engine was writing are
+    waited for), so the request is handed off with its KV in the pool;
+``kv_consumer``
+    a decode engine: load the prompt's full blocks, compute only the rest
+    (the partial last block, and any block missing or invalid in the pool:
+    recomputed, never guessed), save nothing, generate.
+
+The flow is :class:`CachingEngine`'s; a store implements its steps
+(locate, fill a prefix, save, committed): :class:`ServingEngine` over a
+pool, and ``beluga.bench.mooncake_engine`` over Mooncake Store.
 
 A model on a CUDA device moves its KV with one kernel through the pool's
 registered mapping (:class:`beluga.transfer.gpu.GpuPool`) instead of the
@@ -42,16 +64,18 @@ planning prefers.
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from beluga.errors import KVLayoutError
 from beluga.kv.hashing import HashFn, block_keys, hash_function
 from beluga.kv.identity import KVNamespace, ModelIdentity
-from beluga.kv.store import BlockRef, KVStore
+from beluga.kv.store import BlockRef, KVStore, Saved
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import pool_size_for
 from beluga.serving.model import KV, ModelEngine
@@ -59,6 +83,8 @@ from beluga.transfer import BlockFormat, EngineBlocks
 from beluga.transfer.gpu import GpuPool
 
 KV_ORDER = "HND"  # Hugging Face caches are [batch, heads, tokens, dim]: HND blocks
+ROLES = ("kv_both", "kv_producer", "kv_consumer")  # vLLM's kv_role names
+HANDOFF_TIMEOUT_S = 10.0  # a block another engine is writing commits in milliseconds
 
 
 def kv_format(model: ModelEngine) -> BlockFormat:
@@ -155,7 +181,8 @@ class Timings:
     lookup: float
     load: float
     compute: float
-    save: float
+    save: float  # a kv_producer's includes waiting for blocks other engines were writing
+    decode: float = 0.0  # generating the output tokens after the first
 
     @property
     def ttft(self) -> float:
@@ -165,7 +192,7 @@ class Timings:
     @property
     def busy(self) -> float:
         """How long the request kept the engine busy."""
-        return self.ttft + self.save
+        return self.ttft + self.save + self.decode
 
 
 @dataclass
@@ -177,21 +204,152 @@ class Served:
     saved_blocks: int
     timings: Timings
     logits: np.ndarray | None  # [computed tokens, vocab] float32, when asked for
+    duplicate_blocks: int = 0  # computed here, but another engine had stored or was storing them
+    refused_blocks: int = 0  # computed here, not stored (no room, or the write was lost)
+    output: tuple[int, ...] = ()  # the generated tokens, greedy
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first; None with fewer than two."""
+        return self.timings.decode / (len(self.output) - 1) if len(self.output) > 1 else None
 
 
-def _leading(flags: Sequence[object]) -> int:
+def leading_run(flags: Sequence[object]) -> int:
     """Length of the leading run of truthy items."""
     return next((i for i, ok in enumerate(flags) if not ok), len(flags))
 
 
-class ServingEngine:
+NOTHING_SAVED = Saved([], [], [])
+
+
+class CachingEngine(abc.ABC):
+    """The request flow of an engine whose prefix cache is a KV store; subclasses are stores.
+
+    A subclass gives the steps: :meth:`keys`, :meth:`_locate` (the leading
+    run of stored blocks), :meth:`_fill` (move located blocks into a prefix,
+    each validated) and :meth:`_save` (store blocks of a prefill's KV; a
+    ``kv_producer``'s save returns once they are committed, waiting up to
+    ``handoff_timeout`` for blocks another engine is writing).  ``role`` is one
+    of :data:`ROLES`.  Not thread-safe:
+    one request at a time; not fork-safe (a store connection is a host's own).
+    """
+
+    def __init__(
+        self,
+        model: ModelEngine,
+        *,
+        role: str = "kv_both",
+        identity: ModelIdentity | None = None,
+        handoff_timeout: float = HANDOFF_TIMEOUT_S,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        self.model = model
+        self.format = kv_format(model)
+        self.identity = identity if identity is not None else model.identity
+        self.block_tokens = self.format.spec.block_tokens
+        self.role = role
+        # the role, read once: what a request does with its blocks after the prefill
+        self.saves = role != "kv_consumer"
+        self.hands_off = role == "kv_producer"
+        self.handoff_timeout = handoff_timeout
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Let go of what the engine holds in its store (before the store closes)."""
+
+    @abc.abstractmethod
+    def keys(self, token_ids: Sequence[int], salt: str | None = None) -> list[Any]:
+        """The block keys of a prompt, as the store takes them."""
+
+    @abc.abstractmethod
+    def _locate(self, keys: list[Any]) -> list[Any]:
+        """Where the leading run of stored blocks is (one batched lookup)."""
+
+    @abc.abstractmethod
+    def _fill(self, prefix: KV, refs: list[Any]) -> int:
+        """Move located blocks into a fresh prefix, each validated: the intact leading run."""
+
+    @abc.abstractmethod
+    def _save(self, kv: KV, keys: list[Any], blocks: list[int]) -> Saved:
+        """Store these blocks of a prefill's KV (positions in ``Saved`` index ``blocks``)."""
+
+    def serve(
+        self,
+        token_ids: Sequence[int],
+        *,
+        salt: str | None = None,
+        want_logits: bool = False,
+        max_tokens: int = 0,
+    ) -> Served:
+        """Prefill one prompt through the store's prefix cache, then ``max_tokens`` tokens."""
+        clock = time.perf_counter
+        start = clock()
+        keys = self.keys(token_ids, salt)
+        found = self._locate(keys) if keys else []
+        looked_up = clock()
+        # the last token is always computed (its logits pick the next token)
+        loadable = found[: (len(token_ids) - 1) // self.block_tokens]
+        prefix, intact = self._load(loadable)
+        loaded = clock()
+        out = self.model.prefill(token_ids, prefix)
+        computed = clock()
+        # blocks found but dropped during the load may have changed: write them again
+        first = len(found) if intact == len(loadable) else intact
+        saved, refused = self._keep(out.kv, keys, first, out.num_full_blocks)
+        kept = clock()
+        output = self.model.generate(out, max_tokens) if max_tokens else []
+        timings = Timings(
+            looked_up - start,
+            loaded - looked_up,
+            computed - loaded,
+            kept - computed if self.saves else 0.0,  # steps a request does not take cost nothing
+            clock() - kept if max_tokens else 0.0,
+        )
+        return Served(
+            len(token_ids),
+            out.num_cached,
+            len(saved.stored),
+            timings,
+            out.logits.cpu().numpy() if want_logits else None,
+            duplicate_blocks=len(saved.present) + len(saved.in_flight),
+            refused_blocks=refused,
+            output=tuple(output),
+        )
+
+    def _load(self, refs: list[Any]) -> tuple[KV | None, int]:
+        """Read the blocks into a fresh prefix, each validated; keep the intact leading run."""
+        if not refs:
+            return None, 0
+        prefix = self.model.empty_prefix(len(refs))
+        intact = self._fill(prefix, refs)
+        if intact == len(refs):
+            return prefix, intact
+        if intact == 0:
+            return None, 0
+        tokens = intact * self.block_tokens
+        cut = [(k[:, :, :tokens].contiguous(), v[:, :, :tokens].contiguous()) for k, v in prefix]
+        return cut, intact
+
+    def _keep(self, kv: KV, keys: list[Any], first: int, end: int) -> tuple[Saved, int]:
+        """Save blocks ``first .. end`` of a prefill, as the role says; what the save did,
+        and how many blocks were left out of the store in the end (lost, or still being
+        written by another engine when a kv_producer's wait for it ran out)."""
+        if not self.saves or end <= first:
+            return NOTHING_SAVED, 0
+        saved = self._save(kv, keys, list(range(first, end)))
+        return saved, len(saved.lost) + len(saved.in_flight)
+
+
+class ServingEngine(CachingEngine):
     """A model engine whose prefix cache is a KV store on a shared pool.
 
     ``identity`` overrides the model's own (:attr:`ModelEngine.identity`, a
     fingerprint of its weights), e.g. with
     ``ModelIdentity.explicit(name, revision)``: engines share blocks exactly
-    when their identities and block formats agree.  Not thread-safe: one
-    request at a time.
+    when their identities and block formats agree.  ``role``: one of
+    :data:`ROLES`.  Not thread-safe: one request at a time; not fork-safe
+    (its store is not).
     """
 
     def __init__(
@@ -199,16 +357,15 @@ class ServingEngine:
         model: ModelEngine,
         store: KVStore,
         *,
+        role: str = "kv_both",
         identity: ModelIdentity | None = None,
         hash_fn: HashFn | str = "sha256",
         hash_seed: str | None = None,
+        handoff_timeout: float = HANDOFF_TIMEOUT_S,
     ) -> None:
-        self.model = model
+        super().__init__(model, role=role, identity=identity, handoff_timeout=handoff_timeout)
         self.store = store
-        self.format = kv_format(model)
         check_kv_pool(store.pool, self.format)
-        self.identity = identity if identity is not None else model.identity
-        self.block_tokens = self.format.spec.block_tokens
         self.hash_fn = hash_function(hash_fn) if isinstance(hash_fn, str) else hash_fn
         self.hash_seed = hash_seed
         # KV on a GPU moves through one kernel over the registered pool; on the CPU, one C call
@@ -232,61 +389,20 @@ class ServingEngine:
             seed=self.hash_seed,
         )
 
-    def serve(
-        self, token_ids: Sequence[int], *, salt: str | None = None, want_logits: bool = False
-    ) -> Served:
-        """Prefill one prompt through the pool's prefix cache."""
-        clock = time.perf_counter
-        start = clock()
-        keys = self.keys(token_ids, salt)
-        found = self._locate(keys)
-        looked_up = clock()
-        # the last token is always computed (its logits pick the next token)
-        loadable = found[: (len(token_ids) - 1) // self.block_tokens]
-        prefix, used = self._load(loadable)
-        loaded = clock()
-        out = self.model.prefill(token_ids, prefix)
-        computed = clock()
-        # blocks found but dropped during the load may have changed: write them again
-        stored = len(found) if len(used) == len(loadable) else len(used)
-        saved = self._save(out.kv, keys, stored, out.num_full_blocks)
-        done = clock()
-        timings = Timings(looked_up - start, loaded - looked_up, computed - loaded, done - computed)
-        return Served(
-            len(token_ids),
-            out.num_cached,
-            saved,
-            timings,
-            out.logits.cpu().numpy() if want_logits else None,
-        )
-
     def _locate(self, keys: list[bytes]) -> list[BlockRef]:
         """The longest run of leading keys the store holds (one batched lookup)."""
-        if not keys:
-            return []
         found = self.store.locate(keys, prefix=True)
-        return [r for r in found[: _leading(found)] if r is not None]
+        return [r for r in found[: leading_run(found)] if r is not None]
 
-    def _load(self, refs: list[BlockRef]) -> tuple[KV | None, list[BlockRef]]:
-        """Read the blocks into a fresh prefix, each validated; keep the intact leading run."""
-        if not refs:
-            return None, []
-        prefix = self.model.empty_prefix(len(refs))
+    def _fill(self, prefix: KV, refs: list[BlockRef]) -> int:
+        """One validated load of the blocks into the prefix: the intact leading run."""
         sink = EngineBlocks(self.model.kv_layout(prefix), np.arange(len(refs)), mover=self.gpu)
-        intact = _leading(self.store.load(refs, sink, drop_corrupt=True))
-        if intact == len(refs):
-            return prefix, refs
-        if intact == 0:
-            return None, []
-        tokens = intact * self.block_tokens
-        cut = [(k[:, :, :tokens].contiguous(), v[:, :, :tokens].contiguous()) for k, v in prefix]
-        return cut, refs[:intact]
+        return leading_run(self.store.load(refs, sink, drop_corrupt=True))
 
-    def _save(self, kv: KV, keys: list[bytes], first: int, end: int) -> int:
-        """Write blocks ``first .. end`` of a prefill's KV into new pool blocks, sealed;
-        how many were stored (a block committed already, or being written by another
-        engine, is skipped)."""
-        if end <= first:
-            return 0
-        source = EngineBlocks(self.model.kv_layout(kv), np.arange(first, end), mover=self.gpu)
-        return len(self.store.save(keys[first:end], source).stored)
+    def _save(self, kv: KV, keys: list[bytes], blocks: list[int]) -> Saved:
+        """Write these blocks of a prefill's KV into new pool blocks, sealed (a block
+        committed already, or being written by another engine, is skipped)."""
+        source = EngineBlocks(self.model.kv_layout(kv), blocks, mover=self.gpu)
+        # a kv_producer waits for blocks another engine is writing: it hands them off
+        wait = self.handoff_timeout if self.hands_off else 0.0
+        return self.store.save([keys[b] for b in blocks], source, wait_s=wait)

@@ -18,6 +18,10 @@ KV moves between the engine and the pool in the Hugging Face layout
   (``KVStore.write_blocks`` / ``read_blocks``) move and checksum;
 - :meth:`ModelEngine.empty_prefix` is a fresh cached prefix of whole engine
   blocks to read pool values into, for :meth:`ModelEngine.prefill`.
+
+After a prefill, :meth:`ModelEngine.generate` decodes greedily over the same
+KV cache, one token per forward pass, as a decode engine does once it holds
+the prompt's KV (read from the pool, or computed).
 """
 
 from __future__ import annotations
@@ -164,6 +168,35 @@ class ModelEngine:
         )
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return Prefill(out.logits[0], kv, cached, self.shape.block_tokens)
+
+    @torch.no_grad()
+    def generate(self, prefill: Prefill, max_tokens: int) -> list[int]:
+        """``max_tokens`` output tokens, greedy: the first picked by the prefill's last logits,
+        each next one by a forward pass of the one before over the KV cache.
+
+        The prefill's own KV is left as it is (the cache grows into new tensors).
+        """
+        prompt_tokens = prefill.kv[0][0].shape[2]
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, not {max_tokens}")
+        if prompt_tokens + max_tokens - 1 > self.shape.max_positions:
+            raise ValueError(
+                f"{prompt_tokens} prompt tokens and {max_tokens} output tokens exceed the "
+                f"model's {self.shape.max_positions} positions"
+            )
+        cache = DynamicCache(prefill.kv, config=self.config)
+        token = int(prefill.logits[-1].argmax())
+        output = [token]
+        for position in range(prompt_tokens, prompt_tokens + max_tokens - 1):
+            out = self.model(
+                input_ids=torch.tensor([[token]], device=self.device),
+                position_ids=torch.tensor([[position]], device=self.device),
+                cache=cache,
+                use_cache=True,
+            )
+            token = int(out.logits[0, -1].argmax())
+            output.append(token)
+        return output
 
     def kv_layout(self, kv: KV) -> KVLayout:
         """The layout of a prefill's KV, or of a prefix, for moving whole blocks."""

@@ -7,11 +7,19 @@ run of tokens appended to it, the number of questions varies by document
 (some documents are hotter than others, as in any real trace), and the
 requests arrive in a seeded random order.  Token ids stand in for text: the
 model has random weights, so only the sharing pattern and the lengths matter.
+
+:func:`poisson_arrivals` spaces the requests in time (or lets them all arrive
+at once); :func:`in_bursts` turns the start of each document into a burst:
+its first questions arrive together, as when many users ask about a document
+that has just come in, so that engines routed by load alone compute the same
+blocks at the same time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -65,3 +73,50 @@ def lv_eval_trace(shape: TraceShape, vocab_size: int, seed: int = 0) -> list[Tra
             requests.append((doc, q, tuple(context + question)))
     order = rng.permutation(len(requests))
     return [TraceRequest(i, *requests[j]) for i, j in enumerate(order.tolist())]
+
+
+def in_bursts(trace: Sequence[TraceRequest], size: int) -> tuple[list[TraceRequest], list[int]]:
+    """The trace with each document's first ``size`` requests moved up to the first one's
+    place (ids renumbered in the new order), and each request's burst number: the requests
+    of one burst arrive at once (:func:`poisson_arrivals` with ``groups``)."""
+    if size < 1:
+        raise ValueError(f"a burst is at least 1 request, not {size}")
+    by_document: dict[int, list[TraceRequest]] = {}
+    for r in trace:
+        by_document.setdefault(r.document, []).append(r)
+    taken: set[int] = set()
+    ordered: list[TraceRequest] = []
+    groups: list[int] = []
+    for r in trace:
+        if r.id in taken:
+            continue
+        first = by_document[r.document][0] is r
+        burst = by_document[r.document][:size] if first else [r]
+        number = groups[-1] + 1 if groups else 0
+        for member in burst:
+            taken.add(member.id)
+            groups.append(number)
+            ordered.append(replace(member, id=len(ordered)))
+    return ordered, groups
+
+
+def poisson_arrivals(
+    n: int, rate: float, seed: int = 0, groups: Sequence[int] | None = None
+) -> list[float]:
+    """Arrival times in seconds from the start, in order: a Poisson process of ``rate``
+    requests/s, seeded (``rate`` 0: all at once).
+
+    With ``groups`` (a non-decreasing group number per request) the requests
+    of one group arrive together and the gap before a group of ``k`` is drawn
+    with mean ``k / rate``, so the offered load stays ``rate`` requests/s.
+    """
+    if rate < 0:
+        raise ValueError(f"rate must be >= 0 requests/s, not {rate}")
+    members = list(groups) if groups is not None else list(range(n))
+    if len(members) != n or any(b < a for a, b in itertools.pairwise(members)):
+        raise ValueError("groups must be one non-decreasing group number per request")
+    if rate == 0 or n == 0:
+        return [0.0] * n
+    sizes = np.unique(members, return_counts=True)[1]
+    gaps = np.random.default_rng(seed).exponential(1.0, len(sizes)) * sizes / rate
+    return np.repeat(np.cumsum(gaps), sizes).tolist()
