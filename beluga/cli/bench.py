@@ -16,11 +16,12 @@ from beluga.bench import memops
 from beluga.bench import rpc as rpc_bench
 from beluga.bench import store as store_bench
 from beluga.bench import vllm as vllm_bench
-from beluga.bench.stats import format_table, machine, parse_size, write_json
+from beluga.bench.stats import format_table, machine, write_json
 from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
 from beluga.cli.demo import add_e2e_args, e2e_settings, run_with_progress, summary
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import blocks_holding, pool_size_for
+from beluga.units import parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:

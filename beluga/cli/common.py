@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from beluga.bench.stats import parse_size
+from beluga.units import parse_size
 
 DEFAULT_POOL = "shm:/dev/shm/beluga"
 

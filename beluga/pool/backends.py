@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from beluga.errors import BackendUnavailableError, PoolError
+from beluga.units import MiB
 
-MiB = 1 << 20
 HUGE_ALIGN = 2 * MiB
 POOL_FILE_MODE = 0o660  # shared with the group, never world-writable
 
