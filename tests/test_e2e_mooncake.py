@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from beluga.bench import e2e, e2e_mooncake, mooncake
+from beluga.bench import e2e, e2e_mooncake
 from beluga.errors import BackendUnavailableError
+from beluga.kv.tier.mooncake import check_available
 from beluga.serving.cluster import Record
 from beluga.serving.model import ModelEngine
 from beluga.serving.trace import TraceShape
@@ -41,7 +42,7 @@ def mooncake_installed() -> None:
     one helper process per interpreter that lives as long as it does.
     """
     try:
-        mooncake.check_available()
+        check_available()
     except BackendUnavailableError as exc:
         pytest.skip(f"Mooncake is not usable here: {exc}")
     resource_tracker.ensure_running()

@@ -39,11 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from beluga.bench.mooncake import MiB, MooncakeClient, check_available, connect
 from beluga.kv.identity import ModelIdentity
+from beluga.kv.tier.mooncake import MooncakeClient, check_available, connect
 from beluga.serving.cluster import EngineConfig
 from beluga.serving.engine import Served, Timings, kv_block_keys, kv_format
 from beluga.serving.model import KV, ModelEngine
+from beluga.units import MiB
 
 
 def _leading(flags: Sequence[object]) -> int:

@@ -255,7 +255,7 @@ def run_e2e_mooncake(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from beluga.bench import e2e_mooncake
-    from beluga.bench.mooncake import check_available
+    from beluga.kv.tier.mooncake import check_available
 
     check_available()  # before anything starts: say what to install
     settings = e2e_settings(args)
