@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from beluga.errors import RpcError
+from beluga.errors import PoolNotNamedError, RpcError
 from beluga.integrations import _link
 from beluga.integrations._link import StoreLink
 from beluga.kv import KVStore, MetadataServer
@@ -164,4 +164,16 @@ def test_a_forked_child_connects_its_own(served: str) -> None:
         assert child.exitcode == 0
         assert answer.get(timeout=JOIN_S) != parent.rpc.host_id
         assert parent.get("from-child") == b"child"  # the parent's connection is untouched
+    link.close()
+
+
+def test_a_link_without_a_spec_takes_beluga_pool_or_says_what_to_set(
+    served: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("BELUGA_POOL", raising=False)
+    with pytest.raises(PoolNotNamedError, match="set Engine X's 'pool' option"):
+        StoreLink("", who="Engine X")
+    monkeypatch.setenv("BELUGA_POOL", served)
+    link = StoreLink(None, who="Engine X")
+    assert link.spec == served and link.available()
     link.close()
