@@ -10,7 +10,7 @@ Crash sweeps look inside one write call: every state it passes through.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -22,6 +22,8 @@ BUGS = [name for name, p in litmus.PATTERNS.items() if p.is_bug]
 CORRECT = [name for name, p in litmus.PATTERNS.items() if not p.is_bug]
 STEPPED_CORRECT = [n for n in CORRECT if not litmus.PATTERNS[n].concurrent]
 BUG_TRIAL_BOUND = 200
+#: free races are retried, each round a fresh seed, until one hits its window; past this, fail
+RACE_ROUNDS = 20
 
 
 def model(**kw: float) -> ModelConfig:
@@ -37,6 +39,30 @@ def model(**kw: float) -> ModelConfig:
 @pytest.fixture
 def area(pool: Pool) -> Iterator[tuple[str, int]]:
     yield pool.spec, pool.superblock.payloads.offset
+
+
+def race_until_hit(
+    run: Callable[[int], litmus.LitmusResult], hit: Callable[[litmus.LitmusResult], bool]
+) -> litmus.LitmusResult:
+    """Run seeded rounds of a free race, each of which must be clean, until one hits its
+    window (``hit``); the one that did.
+
+    Whether hosts that race freely meet inside a window is the scheduler's to
+    decide, so one round's count proves nothing either way; a round that did
+    meet proves the recipe held there.  Fails, saying so, if none of
+    RACE_ROUNDS does.
+    """
+    seen = []
+    for round_ in range(RACE_ROUNDS):
+        result = run(round_)
+        assert not result.caught, f"round {round_}: caught at observation {result.first_violation}"
+        if hit(result):
+            return result
+        seen.append((result.confirmed, result.raced))
+    raise AssertionError(
+        f"the racy window was never hit in {RACE_ROUNDS} rounds ((confirmed, raced) per round: "
+        f"{seen}): the recipe was never tested against a write in flight"
+    )
 
 
 @pytest.mark.parametrize("pattern", BUGS)
@@ -58,9 +84,10 @@ def test_correct_recipes_are_never_caught(area: tuple[str, int], pattern: str) -
 
 def test_dekker_with_mfence_holds_even_when_both_flags_cross(area: tuple[str, int]) -> None:
     spec, base = area
-    result = litmus.run_local(spec, base, "dekker", 200, seed=4, model=model())
-    assert not result.caught, f"both hosts got in at trial {result.first_violation}"
-    assert result.raced > 0  # trials in which both raised their flags before either looked
+    race_until_hit(  # raced: trials in which both raised their flags before either looked
+        lambda r: litmus.run_local(spec, base, "dekker", 200, seed=4 + 100 * r, model=model()),
+        lambda result: result.raced > 0,
+    )
 
 
 def test_a_polled_line_stays_stale_however_often_eviction_runs(area: tuple[str, int]) -> None:
@@ -79,10 +106,10 @@ def test_publish_and_read_validated_never_return_wrong_data(
     area: tuple[str, int], seed: int
 ) -> None:
     spec, base = area
-    result = litmus.run_local(spec, base, "publish", 3000, seed=seed, model=model())
-    assert not result.caught, f"wrong data returned at observation {result.first_violation}"
-    assert result.confirmed > 100  # the reader really read data, not only misses
-    assert result.raced > 0  # and some of its reads met a write in progress
+    race_until_hit(  # the reader really read data, and some of its reads met a write in flight
+        lambda r: litmus.run_local(spec, base, "publish", 3000, seed=seed + 100 * r, model=model()),
+        lambda result: result.confirmed > 100 and result.raced > 0,
+    )
 
 
 def test_the_twins_share_a_crc_and_differ_in_one_line_only() -> None:
@@ -98,11 +125,18 @@ def test_the_twins_share_a_crc_and_differ_in_one_line_only() -> None:
 def test_the_seqlock_alone_keeps_equal_crc_versions_apart(
     area: tuple[str, int], pattern: str
 ) -> None:
-    """Every trial holds the writer (or the reader) inside the window, so each is a race."""
+    """Every trial holds the writer (or the reader) inside the window, so each is a race.
+
+    crc_twins: the writer holds WRITING, then PUBLISHED, for a whole look of the
+    reader each.  twins_recheck: each version after the first is written while
+    the reader waits between its check and its copy, and the looks between
+    windows see a settled block.  So the counts are certain, not likely.
+    """
     spec, base = area
-    result = litmus.run_local(spec, base, pattern, 300, seed=7, model=model())
+    trials = 300
+    result = litmus.run_local(spec, base, pattern, trials, seed=7, model=model())
     assert not result.caught, f"another version's bytes at observation {result.first_violation}"
-    assert result.confirmed > 100 and result.raced > 100  # about one of each per trial
+    assert result.confirmed >= trials - 1 and result.raced >= trials - 1, result
 
 
 @pytest.mark.parametrize("sweep", list(litmus.SWEEPS))
