@@ -77,6 +77,7 @@ def test_existing_pool_needs_force(shm_path: str) -> None:
     assert run("pool", "destroy", "--pool", shm_path).returncode == 0
 
 
+@pytest.mark.leaves("writes")  # the memops bench seals blocks with no server
 def test_bench_memops_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "memops", "--sizes", "64,16K", "--budget", "1M", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -48,6 +48,7 @@ def mooncake_installed() -> None:
     resource_tracker.ensure_running()
 
 
+@pytest.mark.leaves("keys")
 @pytest.mark.slow  # ~30 s: the Mooncake engines are spawned (they import torch)
 def test_both_systems_hit_with_recomputed_logits_and_report(
     mooncake_installed: None, shm_path: str, tmp_path: Path

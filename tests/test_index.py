@@ -31,6 +31,8 @@ from beluga.pool.layout import LAYOUT_VERSION
 from .test_native import crc32c_reference
 from .test_store import server, value_of
 
+#: the index is tested with values committed to be found (tests/conftest.py)
+pytestmark = pytest.mark.leaves("keys")
 GEOMETRY = Geometry(max_hosts=8, rpc_bytes_per_host=256 << 10, block_size=16 << 10)
 
 

@@ -95,6 +95,7 @@ def test_threads_connecting_at_once_share_one_connection(served: str) -> None:
         assert store is None  # closed links stay closed
 
 
+@pytest.mark.leaves("keys")
 def test_a_store_dropped_by_one_thread_stays_open_for_the_others(served: str) -> None:
     link = StoreLink(served, who="test", retry_s=0)
     rounds = 20
@@ -152,6 +153,7 @@ def _child(link: StoreLink, parent_host: int, answer: mp.Queue) -> None:
     link.close()
 
 
+@pytest.mark.leaves("keys")
 def test_a_forked_child_connects_its_own(served: str) -> None:
     link = StoreLink(served, who="test")
     with link.connected() as parent:

@@ -31,6 +31,8 @@ from beluga.kv import hash_block, prefix_hashes, seed_hash, sha256
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
 
+#: a store test puts values to read them back; the pool keeps them (tests/conftest.py)
+pytestmark = pytest.mark.leaves("keys")
 CTX = mp.get_context("fork")
 GEOMETRY = Geometry(max_hosts=8, rpc_bytes_per_host=256 << 10, block_size=16 << 10)
 

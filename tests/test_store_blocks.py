@@ -17,6 +17,8 @@ import pytest
 from beluga.kv import BlockRef, KVStore, MetadataServer
 from beluga.pool import Geometry, Pool
 
+#: blocks are written to be read back; the pool keeps them (tests/conftest.py)
+pytestmark = pytest.mark.leaves("keys")
 SIZE = 5000
 
 

@@ -37,6 +37,8 @@ from beluga.serving.model import ModelEngine, ModelShape
 
 from .test_store import value_of
 
+#: pods keep the blocks their engines saved, as in service (tests/conftest.py)
+pytestmark = pytest.mark.leaves("keys")
 SHAPE = ModelShape(num_layers=2)
 BS = SHAPE.block_tokens
 TOLERANCE = 1e-4

@@ -180,6 +180,7 @@ def chaos_pool(shm_path: str) -> Iterator[Pool]:
     Pool.destroy(shm_path)
 
 
+@pytest.mark.leaves("keys")
 def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -> None:
     import random
 
@@ -203,6 +204,7 @@ def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -
         assert read_in_place(s, ["h"]) == [None]
 
 
+@pytest.mark.leaves("keys")
 def test_in_place_read_of_a_corrupted_payload_is_a_miss(chaos_pool: Pool) -> None:
     """Once a defect: the engine's read path checked headers only and returned a payload
     that hostile bytes changed; read_blocks checksums what it copies."""
@@ -250,6 +252,7 @@ def _wait_expired(store: KVStore, count: int) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.leaves("keys")
 def test_a_writer_stalled_past_its_lease_never_lands_on_a_reused_extent(chaos_pool: Pool) -> None:
     """An in-place writer stalls mid-payload past its write lease while others write;
     its extent is not reused while it lives, so when it resumes, finishes its copy and
@@ -292,6 +295,7 @@ def test_a_writer_stalled_past_its_lease_never_lands_on_a_reused_extent(chaos_po
     assert not problems, problems
 
 
+@pytest.mark.leaves("keys")
 def test_a_refused_write_is_never_served_not_even_after_a_restart(chaos_pool: Pool) -> None:
     """Defect: a seal after the write lease expired leaves a published header that the
     server does not know; a restarted server recovers it as the key's newest value,
@@ -334,6 +338,7 @@ class _ForgetfulDriver(ChaosDriver):
         return True
 
 
+@pytest.mark.leaves("keys")
 def test_a_role_without_progress_is_reported_as_a_hang_and_fails_the_command(
     shm_path: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -350,6 +355,7 @@ def test_a_role_without_progress_is_reported_as_a_hang_and_fails_the_command(
     assert code == 1 and not report["ok"]
 
 
+@pytest.mark.leaves("keys")
 def test_beluga_chaos_command(shm_path: str, tmp_path: Any, capsys: Any) -> None:
     """Killed and stopped readers break no promise: the command must exit 0."""
     out = tmp_path / "chaos.json"
