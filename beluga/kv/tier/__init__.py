@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from beluga.kv.tier.mooncake import check_available, connect
+from beluga.kv.tier.mooncake import MooncakeClient, check_available, connect
 
 log = logging.getLogger("beluga.tier")
 
@@ -90,7 +90,7 @@ def tier_key(digest: bytes) -> str:
     return KEY_PREFIX + digest.hex()
 
 
-def _connect(config: TierConfig) -> Any:
+def _connect(config: TierConfig) -> MooncakeClient:
     return connect(
         check_available(), config.metadata_url, config.master_address, config.local_buffer_size
     )
