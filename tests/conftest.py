@@ -58,7 +58,7 @@ def pool_contents(spec: str | Backend) -> PoolContents | None:
     with pool:
         sb, spec = pool.superblock, pool.spec
         lines = np.frombuffer(pool.memory.load(sb.headers.offset, sb.nblocks * LINE), np.uint8)
-        commits = np.frombuffer(pool.memory.load(sb.commits.offset, sb.nblocks * 8), "<u8")
+        commits = np.frombuffer(pool.memory.load(sb.commits.offset, sb.commits.length), "<u8")
     keys = writes = 0
     for block in np.flatnonzero(lines.reshape(sb.nblocks, LINE).any(axis=1)).tolist():
         h = parse_header(lines[block * LINE : (block + 1) * LINE].tobytes())
@@ -117,22 +117,26 @@ def _allowed_leftovers(request: pytest.FixtureRequest) -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_leaks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test leaves no new child processes, no test files in /dev/shm, and no keys
     or writes in flight in the pools it destroys, except what it marks it ``leaves``.
 
     (Processes that a module-scoped fixture started before the test are its own.)
     """
     files, children = _leftovers(), _children()
-    destroy = Pool.destroy
+    destroy = Pool.__dict__["destroy"]
 
     def read_then_destroy(spec: str | Backend) -> None:
         _record(spec)
-        destroy(spec)
+        destroy.__func__(spec)
 
-    monkeypatch.setattr(Pool, "destroy", staticmethod(read_then_destroy))
+    # set by hand, not with monkeypatch: a test's own monkeypatch.undo() must not end it
+    Pool.destroy = staticmethod(read_then_destroy)  # type: ignore[method-assign]
     _let_go.clear()
-    yield
+    try:
+        yield
+    finally:
+        Pool.destroy = destroy  # type: ignore[method-assign]
     extra = _children() - children
     assert not extra, f"test left processes behind: {extra}"
     assert _leftovers() <= files, f"test left files in /dev/shm: {_leftovers() - files}"
