@@ -4,6 +4,8 @@ Each process attaches the pool on its own (one emulated host, one private
 cache).  Bugs must be caught within a bounded number of seeded trials; the
 correct recipes must never be caught, over hundreds of randomized trials in
 which the racy window is seen to occur, with the model's eviction off and on.
+Where hosts race freely, the scheduler decides whether they meet in a round,
+so such tests run seeded rounds until one does (:func:`rounds_until`).
 Crash sweeps look inside one write call: every state it passes through.
 """
 
@@ -22,7 +24,7 @@ BUGS = [name for name, p in litmus.PATTERNS.items() if p.is_bug]
 CORRECT = [name for name, p in litmus.PATTERNS.items() if not p.is_bug]
 STEPPED_CORRECT = [n for n in CORRECT if not litmus.PATTERNS[n].concurrent]
 BUG_TRIAL_BOUND = 200
-#: free races are retried, each round a fresh seed, until one hits its window; past this, fail
+#: rounds of a free race (each with a fresh seed) before a window that never came fails it
 RACE_ROUNDS = 20
 
 
@@ -41,36 +43,47 @@ def area(pool: Pool) -> Iterator[tuple[str, int]]:
     yield pool.spec, pool.superblock.payloads.offset
 
 
-def race_until_hit(
-    run: Callable[[int], litmus.LitmusResult], hit: Callable[[litmus.LitmusResult], bool]
+def rounds_until(
+    run: Callable[[int], litmus.LitmusResult],
+    hit: Callable[[litmus.LitmusResult], bool],
+    never: str,
 ) -> litmus.LitmusResult:
-    """Run seeded rounds of a free race, each of which must be clean, until one hits its
-    window (``hit``); the one that did.
+    """Seeded rounds (``run(round)``) of hosts that race freely, until one shows ``hit``.
 
-    Whether hosts that race freely meet inside a window is the scheduler's to
-    decide, so one round's count proves nothing either way; a round that did
-    meet proves the recipe held there.  Fails, saying so, if none of
+    Whether such hosts meet inside a window is the scheduler's to decide (a
+    loaded machine may run one host's trials before the other's begin), so
+    one round proves nothing either way, and a round that met proves what
+    it met.  Fails with ``never`` and what each round saw when none of
     RACE_ROUNDS does.
     """
     seen = []
     for round_ in range(RACE_ROUNDS):
         result = run(round_)
-        assert not result.caught, f"round {round_}: caught at observation {result.first_violation}"
         if hit(result):
             return result
-        seen.append((result.confirmed, result.raced))
+        seen.append((result.violations, result.confirmed, result.raced))
     raise AssertionError(
-        f"the racy window was never hit in {RACE_ROUNDS} rounds ((confirmed, raced) per round: "
-        f"{seen}): the recipe was never tested against a write in flight"
+        f"{never} in {RACE_ROUNDS} rounds ((violations, confirmed, raced) each: {seen})"
     )
+
+
+def clean(result: litmus.LitmusResult) -> litmus.LitmusResult:
+    """A round of a correct recipe, which must never be caught."""
+    assert not result.caught, f"{result.pattern} caught at observation {result.first_violation}"
+    return result
 
 
 @pytest.mark.parametrize("pattern", BUGS)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_each_bug_is_caught_under_the_model(area: tuple[str, int], pattern: str, seed: int) -> None:
     spec, base = area
-    result = litmus.run_local(spec, base, pattern, BUG_TRIAL_BOUND, seed=seed, model=model())
-    assert result.caught, f"{pattern} was not caught in {BUG_TRIAL_BOUND} trials"
+    rounds_until(
+        lambda r: litmus.run_local(
+            spec, base, pattern, BUG_TRIAL_BOUND, seed=seed + 100 * r, model=model()
+        ),
+        lambda result: result.caught,
+        f"{pattern} was never caught in {BUG_TRIAL_BOUND} trials",
+    )
 
 
 @pytest.mark.parametrize("pattern", STEPPED_CORRECT)
@@ -84,9 +97,12 @@ def test_correct_recipes_are_never_caught(area: tuple[str, int], pattern: str) -
 
 def test_dekker_with_mfence_holds_even_when_both_flags_cross(area: tuple[str, int]) -> None:
     spec, base = area
-    race_until_hit(  # raced: trials in which both raised their flags before either looked
-        lambda r: litmus.run_local(spec, base, "dekker", 200, seed=4 + 100 * r, model=model()),
+    rounds_until(  # raced: trials in which both raised their flags before either looked
+        lambda r: clean(
+            litmus.run_local(spec, base, "dekker", 200, seed=4 + 100 * r, model=model())
+        ),
         lambda result: result.raced > 0,
+        "the two hosts' flags never crossed",
     )
 
 
@@ -106,9 +122,12 @@ def test_publish_and_read_validated_never_return_wrong_data(
     area: tuple[str, int], seed: int
 ) -> None:
     spec, base = area
-    race_until_hit(  # the reader really read data, and some of its reads met a write in flight
-        lambda r: litmus.run_local(spec, base, "publish", 3000, seed=seed + 100 * r, model=model()),
+    rounds_until(
+        lambda r: clean(
+            litmus.run_local(spec, base, "publish", 3000, seed=seed + 100 * r, model=model())
+        ),
         lambda result: result.confirmed > 100 and result.raced > 0,
+        "the reader never both read data and met a write in flight",
     )
 
 
