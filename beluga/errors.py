@@ -15,6 +15,10 @@ class PoolError(BelugaError):
     """The pool is missing, malformed, foreign, or in the wrong state."""
 
 
+class PoolNotNamedError(BelugaError, ValueError):
+    """No pool is named: no argument, no setting and no ``$BELUGA_POOL``."""
+
+
 class LayoutVersionError(PoolError):
     """The pool was made by a different (usually newer) layout version."""
 

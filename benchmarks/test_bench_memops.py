@@ -12,7 +12,8 @@ import pytest
 from beluga.coherence import digest
 from beluga.pool import Pool
 
-pytestmark = pytest.mark.benchmark
+#: leaves("writes"): blocks are sealed with no metadata server to commit them (tests/conftest.py)
+pytestmark = [pytest.mark.benchmark, pytest.mark.leaves("writes")]
 KEY = digest(b"bench")
 
 

@@ -18,7 +18,8 @@ from beluga.child import server_process
 from beluga.kv import KVStore
 from beluga.pool import Pool
 
-pytestmark = pytest.mark.benchmark
+#: leaves("keys"): the timed puts stay in the pool (tests/conftest.py)
+pytestmark = [pytest.mark.benchmark, pytest.mark.leaves("keys")]
 SIZES = [16 << 10, 2 << 20]
 
 

@@ -8,7 +8,7 @@
 #
 # Why libibverbs: the wheel's shared objects link libibverbs.so.1 even when only
 # TCP is used.  Without root (or with --user-libs) the .debs are downloaded and
-# unpacked into BELUGA_MOONCAKE_LIBDIR, which beluga.bench.mooncake reads (same
+# unpacked into BELUGA_MOONCAKE_LIBDIR, which beluga.kv.tier.mooncake reads (same
 # default) to preload the library and to set LD_LIBRARY_PATH for Mooncake's
 # processes.  PYTHON picks the interpreter (default: python3).
 set -euo pipefail
@@ -76,7 +76,7 @@ extract_verbs_to_libdir() (
     done
     mkdir -p "$LIBDIR"
     find "$work/root" -name '*.so*' \( -type f -o -type l \) -exec cp -P -t "$LIBDIR" {} +
-    say "unpacked into $LIBDIR, where beluga.bench.mooncake looks (BELUGA_MOONCAKE_LIBDIR overrides)"
+    say "unpacked into $LIBDIR, where beluga.kv.tier.mooncake looks (BELUGA_MOONCAKE_LIBDIR overrides)"
 )
 
 install_wheel

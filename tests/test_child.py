@@ -47,13 +47,12 @@ def _deaf_to_sigterm(ready: object) -> None:
 
 
 def test_wait_ready_fails_fast_when_the_child_dies_first() -> None:
+    """Fast means on the death, not at the timeout: only the death says "exited"."""
     ready = CTX.Event()
     proc = CTX.Process(target=_exit_at_once, args=(3, ready))
     proc.start()
-    begin = time.monotonic()
     with pytest.raises(BelugaError, match="the child exited with code 3 before it was ready"):
-        wait_ready(proc, ready, 30.0, "the child")
-    assert time.monotonic() - begin < 10
+        wait_ready(proc, ready, 60.0, "the child")  # late would say "was not ready within"
     stop_process(proc, 1.0)
 
 

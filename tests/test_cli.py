@@ -12,6 +12,7 @@ import pytest
 
 from beluga.cli import main
 from beluga.cli.common import add_pool_args, pool_spec
+from beluga.errors import PoolNotNamedError
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -76,6 +77,7 @@ def test_existing_pool_needs_force(shm_path: str) -> None:
     assert run("pool", "destroy", "--pool", shm_path).returncode == 0
 
 
+@pytest.mark.leaves("writes")  # the memops bench seals blocks with no server
 def test_bench_memops_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "memops", "--sizes", "64,16K", "--budget", "1M", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -108,6 +110,20 @@ def test_path_alone_names_an_shm_pool(monkeypatch: pytest.MonkeyPatch) -> None:
         pool_spec(_pool_args("--pool", "shm:/a", "--path", "/b"))
     with pytest.raises(ValueError, match="need --backend"):
         pool_spec(_pool_args("--node", "1"))
+
+
+def test_pool_is_the_flag_else_the_environment_else_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("BELUGA_POOL", raising=False)
+    assert pool_spec(_pool_args()) == "shm:/dev/shm/beluga"
+    with pytest.raises(PoolNotNamedError, match="set --pool to a pool spec"):
+        pool_spec(_pool_args(), default=None)  # a bench then makes a scratch pool
+    monkeypatch.setenv("BELUGA_POOL", "shm:/dev/shm/from-env")
+    assert (
+        pool_spec(_pool_args()) == pool_spec(_pool_args(), default=None) == "shm:/dev/shm/from-env"
+    )
+    assert pool_spec(_pool_args("--pool", "shm:/dev/shm/flag")) == "shm:/dev/shm/flag"
 
 
 def test_a_missing_pool_names_the_command_that_creates_it(shm_path: str) -> None:

@@ -637,8 +637,9 @@ def scenario(s: Any) -> list[Any]:
 
 
 def test_answers_match_mooncake_side_by_side(pool: Pool) -> None:
-    from beluga.bench.mooncake import MooncakeBaseline, check_available
+    from beluga.bench.mooncake import MooncakeBaseline
     from beluga.errors import BackendUnavailableError
+    from beluga.kv.tier.mooncake import check_available
 
     try:
         check_available()

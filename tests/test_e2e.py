@@ -53,6 +53,7 @@ def test_targets_compare_pass_two_with_pass_one() -> None:
     assert verdicts == {"a": (pytest.approx(0.1), True), "b": (pytest.approx(0.3), False)}
 
 
+@pytest.mark.leaves("keys")
 def test_the_experiment_runs_both_schedulers_twice_and_cleans_up(shm_path: str) -> None:
     settings = e2e.Settings(model="tiny", trace=TOY, start_method="fork")
     phases: list[str] = []

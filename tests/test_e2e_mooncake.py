@@ -14,6 +14,7 @@ import pytest
 
 from beluga.bench import e2e, e2e_mooncake, e2e_pd, mooncake
 from beluga.errors import BackendUnavailableError
+from beluga.kv.tier.mooncake import check_available
 from beluga.serving.cluster import Record
 from beluga.serving.model import ModelEngine
 from beluga.serving.trace import TraceShape
@@ -41,12 +42,13 @@ def mooncake_installed() -> None:
     one helper process per interpreter that lives as long as it does.
     """
     try:
-        mooncake.check_available()
+        check_available()
     except BackendUnavailableError as exc:
         pytest.skip(f"Mooncake is not usable here: {exc}")
     resource_tracker.ensure_running()
 
 
+@pytest.mark.leaves("keys")
 @pytest.mark.slow  # ~30 s: the Mooncake engines are spawned (they import torch)
 def test_both_systems_hit_with_recomputed_logits_and_report(
     mooncake_installed: None, shm_path: str, tmp_path: Path

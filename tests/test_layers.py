@@ -1,5 +1,13 @@
 """Imports only go downward: a layer never imports one above it.
 
+:data:`LAYERS` is the one table of who may import whom: every source file
+under ``beluga/`` is placed in exactly one layer, and a layer may import
+itself and anything below it.  Only the pool layer touches a pool's raw
+mapping: everything above loads and stores through its ``Memory``
+(coherence).  What a source may do beyond that is a named
+:data:`EXEMPTIONS` entry with its reason, never a silent hole.  The README's
+layer picture is rendered from the same table (:func:`render_layers`).
+
 Read from the source with ``ast`` (nothing is imported), so an import hidden
 inside a function to dodge a cycle is caught as well as one at the top.
 """
@@ -7,6 +15,8 @@ inside a function to dodge a cycle is caught as well as one at the top.
 from __future__ import annotations
 
 import ast
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,44 +24,291 @@ import pytest
 import beluga
 
 ROOT = Path(beluga.__file__).parent
+README = ROOT.parent / "README.md"
 
-#: each lower layer and the first-party modules it may import (itself included)
-MAY_IMPORT = {
-    "coherence": ("beluga._native", "beluga.errors", "beluga.coherence"),
-}
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer: its name, the sources it holds and its lines in the README's picture."""
+
+    name: str
+    #: paths under beluga/: a folder ("kv/") holds everything below it, a file only itself
+    sources: tuple[str, ...]
+    picture: tuple[str, ...]
+
+
+#: the layers, top to bottom
+LAYERS: tuple[Layer, ...] = (
+    Layer(
+        "cli",
+        ("cli/", "__main__.py"),
+        ("beluga pool | serve | stats | demo | bench | certify | chaos | proxy",),
+    ),
+    Layer(
+        "bench",
+        ("bench/",),
+        (
+            "benchmarks and certification, Mooncake Store run beside Beluga as the",
+            "baseline (it drives the tier's Mooncake client, never the reverse)",
+        ),
+    ),
+    Layer(
+        "integrations",
+        ("integrations/", "compat/"),
+        (
+            "vLLM KV connector, LMCache storage plugin, SGLang HiCache backend;",
+            "compat: Mooncake Store's Python API over a Beluga pool",
+        ),
+    ),
+    Layer(
+        "serving",
+        ("serving/",),
+        (
+            "engine over a real model (store-backed prefix cache), prefill/decode",
+            "roles, engine processes, schedulers (locality-free, locality-aware),",
+            "trace, and the PD proxy (OpenAI-compatible, on aiohttp)",
+        ),
+    ),
+    Layer(
+        "chaos, litmus",
+        ("chaos/", "litmus.py"),
+        (
+            "harnesses over a live pool: fault injection with every answer checked;",
+            "coherence litmus tests across hosts (above the pool, never inside it)",
+        ),
+    ),
+    Layer(
+        "kv",
+        # beluga/__init__.py: the package's face, the exception tree and a lazy KVStore
+        ("kv/", "__init__.py"),
+        (
+            "block hashing, KVStore client and THE data path (save / load), metadata",
+            "service (index, allocator, leases, eviction, recovery), the pool index's",
+            "writer, and server;",
+            "tier: the Mooncake Store cluster beyond one pod, and its client",
+        ),
+    ),
+    Layer(
+        "transfer",
+        ("transfer/",),
+        (
+            "the data path's sources and sinks (Buffers, Pieces, EngineBlocks); KV",
+            "layouts (vLLM flash NHD/HND, vLLM CPU, Hugging Face), gather / scatter",
+            "of whole blocks and sparse token fetch, one C call per batch (one",
+            "NVRTC-compiled CUDA kernel over the registered pool on GPUs)",
+        ),
+    ),
+    Layer("rpc", ("rpc/",), ("slot rings in the pool: client, batch-first server, protocol",)),
+    Layer("pool", ("pool/",), ("backends (shm, numa, dax, interleave), superblock, host table",)),
+    Layer(
+        "coherence",
+        ("coherence/",),
+        (
+            "Memory: load / store / nt_store / flush / invalidate / fences,",
+            "publish / read_validated, gather_write / scatter_read",
+        ),
+    ),
+    Layer(
+        "_native",
+        ("_native/",),
+        (
+            "the C core, no Python in it (cpu.c, crc32c.c, blake2b.c, memops.c,",
+            "model.c, sabotage.c, block.c, blockio.c, sg.c, index.c, rpc.c; each",
+            "opens with its design), and its bindings (*_py.c, helpers_py.c)",
+        ),
+    ),
+    Layer(
+        "units, errors",
+        # child.py starts, waits for and stops processes with nothing of Beluga but errors
+        ("units.py", "errors.py", "child.py"),
+        ("below everything: sizes, the exception tree, child processes and waits",),
+    ),
+)
+
+#: what "the raw mapping" means in EXEMPTIONS: a Pool's ``.mapping``, the backend's bytes
+RAW_MAPPING = "the raw mapping"
+#: the layer that owns the raw mapping; every other one goes through the pool's Memory
+MAPPING_OWNER = "pool"
+
+
+@dataclass(frozen=True)
+class Exemption:
+    """A source that may reach past the rules: a module above it, or the raw mapping."""
+
+    source: str  # path under beluga/
+    reaches: str  # a module name (an import) or RAW_MAPPING
+    reason: str
+
+
+EXEMPTIONS: tuple[Exemption, ...] = (
+    Exemption(
+        "transfer/gpu.py",
+        RAW_MAPPING,
+        "CUDA registers the pool's bytes (cudaHostRegister) so that a GPU kernel loads and "
+        "stores them itself; a CPU Memory cannot stand in for the device's own accesses",
+    ),
+    Exemption(
+        "bench/certify.py",
+        RAW_MAPPING,
+        "certification times the GPU's own copies to and from the pinned pool region, "
+        "which is the device's path, not the CPU's Memory",
+    ),
+    Exemption(
+        "rpc/server.py",
+        RAW_MAPPING,
+        "the server seat's exclusive lock is an flock on the mapping's backing file; "
+        "no byte of the pool is read or written through it",
+    ),
+)
+
+
+def sources() -> list[str]:
+    """Every Python source under beluga/, as a path relative to it."""
+    return sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py"))
+
+
+def _holds(entry: str, source: str) -> bool:
+    return source.startswith(entry) if entry.endswith("/") else source == entry
+
+
+def layer_of(source: str) -> int:
+    """The index in LAYERS of the one layer that holds ``source``."""
+    found = [i for i, layer in enumerate(LAYERS) for e in layer.sources if _holds(e, source)]
+    assert len(found) == 1, (
+        f"beluga/{source} is in {len(found)} layers, not one: place it in LAYERS"
+    )
+    return found[0]
+
+
+def source_of(module: str) -> str | None:
+    """The source file of a ``beluga`` module (None: no such module)."""
+    parts = module.split(".")[1:]
+    for candidate in ("/".join(parts) + ".py", "/".join([*parts, "__init__.py"])):
+        if (ROOT / candidate).is_file():
+            return candidate
+    return None
 
 
 def first_party_imports(path: Path) -> list[tuple[int, str]]:
-    """Every ``beluga`` module a file imports, anywhere in it, with its line."""
+    """Every ``beluga`` module a file imports, anywhere in it, with its line.
+
+    ``from P import name`` imports the submodule ``P.name`` when there is
+    one, else ``P`` (a name defined in P).
+    """
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "beluga":  # from beluga import pool: the submodule is the import
-                found += [(node.lineno, f"beluga.{a.name}") for a in node.names]
-            else:
-                found.append((node.lineno, node.module))
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                is_module = sub.split(".")[0] == "beluga" and source_of(sub) is not None
+                found.append((node.lineno, sub if is_module else node.module))
         elif isinstance(node, ast.ImportFrom) and node.level:
             raise AssertionError(f"{path}:{node.lineno}: relative import; write it absolute")
     return [(line, name) for line, name in found if name.split(".")[0] == "beluga"]
 
 
-def _allowed(name: str, allowed: tuple[str, ...]) -> bool:
-    return any(name == a or name.startswith(a + ".") for a in allowed)
-
-
-@pytest.mark.parametrize("layer", sorted(MAY_IMPORT))
-def test_lower_layer_imports_nothing_above_it(layer: str) -> None:
-    files = sorted((ROOT / layer).rglob("*.py"))
-    assert files, f"no sources under {ROOT / layer}"
-    wrong = [
-        f"{path.relative_to(ROOT.parent)}:{line}: imports {name}"
-        for path in files
-        for line, name in first_party_imports(path)
-        if not _allowed(name, MAY_IMPORT[layer])
+def mapping_reaches(path: Path) -> list[int]:
+    """The lines of a file that reach an object's ``.mapping`` (a Pool's raw mapping)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "mapping"
     ]
+
+
+def exempted(source: str, reaches: str) -> bool:
+    return any(e.source == source and e.reaches == reaches for e in EXEMPTIONS)
+
+
+def import_problems(source: str, imports: list[tuple[int, str]]) -> list[str]:
+    """What is wrong with a source's imports under LAYERS (empty: nothing)."""
+    where, mine, out = f"beluga/{source}", layer_of(source), []
+    for line, name in imports:
+        target = source_of(name)
+        if target is None:
+            out.append(f"{where}:{line}: imports {name}, which is no module of beluga")
+        elif layer_of(target) < mine and not exempted(source, name):
+            above = LAYERS[layer_of(target)].name
+            out.append(f"{where}:{line}: imports {name} ({above}, above {LAYERS[mine].name})")
+    return out
+
+
+def render_layers() -> str:
+    """The README's layer picture, from LAYERS."""
+    width = max(len(layer.name) for layer in LAYERS) + 2
+    lines = []
+    for layer in LAYERS:
+        first, *rest = layer.picture
+        lines.append(f"{layer.name:<{width}}{first}")
+        lines += [" " * width + line for line in rest]
+    return "\n".join(lines)
+
+
+def readme_picture(text: str) -> str:
+    """The fenced block after the README's layers marker."""
+    found = re.search(r"<!-- layers: .*?-->\s*```\n(.*?)\n```", text, re.S)
+    assert found, f"{README.name} has no layers marker followed by a fenced picture"
+    return found.group(1)
+
+
+# -- the table itself ------------------------------------------------------------
+
+
+def test_every_source_is_placed_in_exactly_one_layer() -> None:
+    held = {
+        s: [i for i, la in enumerate(LAYERS) for e in la.sources if _holds(e, s)] for s in sources()
+    }
+    assert not [s for s, at in held.items() if not at], "sources in no layer: place them"
+    assert not [s for s, at in held.items() if len(at) > 1], "sources in two layers"
+    empty = [e for la in LAYERS for e in la.sources if not any(_holds(e, s) for s in held)]
+    assert not empty, f"layer entries that hold no source: {empty}"
+
+
+def test_every_exemption_is_still_needed() -> None:
+    """An exemption that nothing uses any more would hide the next real need for one."""
+    for e in EXEMPTIONS:
+        path = ROOT / e.source
+        if e.reaches == RAW_MAPPING:
+            assert mapping_reaches(path), f"{e.source} no longer reaches the raw mapping"
+        else:
+            imported = [name for _, name in first_party_imports(path)]
+            assert e.reaches in imported, f"{e.source} no longer imports {e.reaches}"
+            assert layer_of(source_of(e.reaches) or "") < layer_of(e.source), (
+                f"{e.source} may import {e.reaches} under the layers alone"
+            )
+
+
+# -- the sources against the table -----------------------------------------------
+
+
+@pytest.mark.parametrize("layer", [la.name for la in LAYERS])
+def test_a_layer_imports_nothing_above_it(layer: str) -> None:
+    mine = [s for s in sources() if LAYERS[layer_of(s)].name == layer]
+    assert mine, f"no sources in layer {layer}"
+    wrong = [p for s in mine for p in import_problems(s, first_party_imports(ROOT / s))]
     assert not wrong, "layer rule broken:\n" + "\n".join(wrong)
+
+
+def test_only_the_pool_reaches_the_raw_mapping() -> None:
+    """All access to shared structures goes through coherence: a Pool's Memory."""
+    wrong = [
+        f"beluga/{s}:{line}: reaches .mapping"
+        for s in sources()
+        if LAYERS[layer_of(s)].name != MAPPING_OWNER and not exempted(s, RAW_MAPPING)
+        for line in mapping_reaches(ROOT / s)
+    ]
+    assert not wrong, "the raw mapping outside the pool:\n" + "\n".join(wrong)
+
+
+def test_the_readme_picture_is_the_table() -> None:
+    assert readme_picture(README.read_text()) == render_layers(), (
+        "README.md's layer picture differs from tests/test_layers.py's LAYERS; "
+        "put this in its place:\n" + render_layers()
+    )
+
+
+# -- the checks can fail -----------------------------------------------------------
 
 
 def test_the_walk_sees_imports_hidden_in_functions(tmp_path: Path) -> None:
@@ -61,8 +318,31 @@ def test_the_walk_sees_imports_hidden_in_functions(tmp_path: Path) -> None:
         "def f():\n"
         "    from beluga.pool import Pool\n"
         "    import beluga.kv.store\n"
-        "    from beluga import rpc\n"
+        "    from beluga import rpc, __version__\n"
     )
-    names = [name for _, name in first_party_imports(source)]
-    assert names == ["beluga.coherence", "beluga.pool", "beluga.kv.store", "beluga.rpc"]
-    assert [n for n in names if not _allowed(n, MAY_IMPORT["coherence"])] == names[1:]
+    imports = first_party_imports(source)
+    names = [name for _, name in imports]
+    assert names == ["beluga.coherence", "beluga.pool", "beluga.kv.store", "beluga.rpc", "beluga"]
+    assert import_problems("coherence/__init__.py", imports) == [
+        "beluga/coherence/__init__.py:3: imports beluga.pool (pool, above coherence)",
+        "beluga/coherence/__init__.py:4: imports beluga.kv.store (kv, above coherence)",
+        "beluga/coherence/__init__.py:5: imports beluga.rpc (rpc, above coherence)",
+        "beluga/coherence/__init__.py:5: imports beluga (kv, above coherence)",
+    ]
+    assert import_problems("cli/common.py", imports) == []
+
+
+def test_an_unknown_module_and_a_raw_mapping_are_seen(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("import beluga.nowhere\ndef f(pool):\n    return pool.mapping.buffer\n")
+    assert import_problems("kv/store.py", first_party_imports(source)) == [
+        "beluga/kv/store.py:1: imports beluga.nowhere, which is no module of beluga"
+    ]
+    assert mapping_reaches(source) == [3]
+
+
+def test_the_picture_is_read_from_its_marker() -> None:
+    text = "# x\n<!-- layers: rendered by tests -->\n```\ncli  a\nkv   b\n```\nafter\n"
+    assert readme_picture(text) == "cli  a\nkv   b"
+    first = render_layers().splitlines()[0]
+    assert first.startswith("cli") and first.endswith(LAYERS[0].picture[0])

@@ -4,13 +4,15 @@ Each process attaches the pool on its own (one emulated host, one private
 cache).  Bugs must be caught within a bounded number of seeded trials; the
 correct recipes must never be caught, over hundreds of randomized trials in
 which the racy window is seen to occur, with the model's eviction off and on.
+Where hosts race freely, the scheduler decides whether they meet in a round,
+so such tests run seeded rounds until one does (:func:`rounds_until`).
 Crash sweeps look inside one write call: every state it passes through.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -22,6 +24,8 @@ BUGS = [name for name, p in litmus.PATTERNS.items() if p.is_bug]
 CORRECT = [name for name, p in litmus.PATTERNS.items() if not p.is_bug]
 STEPPED_CORRECT = [n for n in CORRECT if not litmus.PATTERNS[n].concurrent]
 BUG_TRIAL_BOUND = 200
+#: rounds of a free race (each with a fresh seed) before a window that never came fails it
+RACE_ROUNDS = 20
 
 
 def model(**kw: float) -> ModelConfig:
@@ -39,12 +43,47 @@ def area(pool: Pool) -> Iterator[tuple[str, int]]:
     yield pool.spec, pool.superblock.payloads.offset
 
 
+def rounds_until(
+    run: Callable[[int], litmus.LitmusResult],
+    hit: Callable[[litmus.LitmusResult], bool],
+    never: str,
+) -> litmus.LitmusResult:
+    """Seeded rounds (``run(round)``) of hosts that race freely, until one shows ``hit``.
+
+    Whether such hosts meet inside a window is the scheduler's to decide (a
+    loaded machine may run one host's trials before the other's begin), so
+    one round proves nothing either way, and a round that met proves what
+    it met.  Fails with ``never`` and what each round saw when none of
+    RACE_ROUNDS does.
+    """
+    seen = []
+    for round_ in range(RACE_ROUNDS):
+        result = run(round_)
+        if hit(result):
+            return result
+        seen.append((result.violations, result.confirmed, result.raced))
+    raise AssertionError(
+        f"{never} in {RACE_ROUNDS} rounds ((violations, confirmed, raced) each: {seen})"
+    )
+
+
+def clean(result: litmus.LitmusResult) -> litmus.LitmusResult:
+    """A round of a correct recipe, which must never be caught."""
+    assert not result.caught, f"{result.pattern} caught at observation {result.first_violation}"
+    return result
+
+
 @pytest.mark.parametrize("pattern", BUGS)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_each_bug_is_caught_under_the_model(area: tuple[str, int], pattern: str, seed: int) -> None:
     spec, base = area
-    result = litmus.run_local(spec, base, pattern, BUG_TRIAL_BOUND, seed=seed, model=model())
-    assert result.caught, f"{pattern} was not caught in {BUG_TRIAL_BOUND} trials"
+    rounds_until(
+        lambda r: litmus.run_local(
+            spec, base, pattern, BUG_TRIAL_BOUND, seed=seed + 100 * r, model=model()
+        ),
+        lambda result: result.caught,
+        f"{pattern} was never caught in {BUG_TRIAL_BOUND} trials",
+    )
 
 
 @pytest.mark.parametrize("pattern", STEPPED_CORRECT)
@@ -58,9 +97,13 @@ def test_correct_recipes_are_never_caught(area: tuple[str, int], pattern: str) -
 
 def test_dekker_with_mfence_holds_even_when_both_flags_cross(area: tuple[str, int]) -> None:
     spec, base = area
-    result = litmus.run_local(spec, base, "dekker", 200, seed=4, model=model())
-    assert not result.caught, f"both hosts got in at trial {result.first_violation}"
-    assert result.raced > 0  # trials in which both raised their flags before either looked
+    rounds_until(  # raced: trials in which both raised their flags before either looked
+        lambda r: clean(
+            litmus.run_local(spec, base, "dekker", 200, seed=4 + 100 * r, model=model())
+        ),
+        lambda result: result.raced > 0,
+        "the two hosts' flags never crossed",
+    )
 
 
 def test_a_polled_line_stays_stale_however_often_eviction_runs(area: tuple[str, int]) -> None:
@@ -79,10 +122,13 @@ def test_publish_and_read_validated_never_return_wrong_data(
     area: tuple[str, int], seed: int
 ) -> None:
     spec, base = area
-    result = litmus.run_local(spec, base, "publish", 3000, seed=seed, model=model())
-    assert not result.caught, f"wrong data returned at observation {result.first_violation}"
-    assert result.confirmed > 100  # the reader really read data, not only misses
-    assert result.raced > 0  # and some of its reads met a write in progress
+    rounds_until(
+        lambda r: clean(
+            litmus.run_local(spec, base, "publish", 3000, seed=seed + 100 * r, model=model())
+        ),
+        lambda result: result.confirmed > 100 and result.raced > 0,
+        "the reader never both read data and met a write in flight",
+    )
 
 
 def test_the_twins_share_a_crc_and_differ_in_one_line_only() -> None:
@@ -98,11 +144,18 @@ def test_the_twins_share_a_crc_and_differ_in_one_line_only() -> None:
 def test_the_seqlock_alone_keeps_equal_crc_versions_apart(
     area: tuple[str, int], pattern: str
 ) -> None:
-    """Every trial holds the writer (or the reader) inside the window, so each is a race."""
+    """Every trial holds the writer (or the reader) inside the window, so each is a race.
+
+    crc_twins: the writer holds WRITING, then PUBLISHED, for a whole look of the
+    reader each.  twins_recheck: each version after the first is written while
+    the reader waits between its check and its copy, and the looks between
+    windows see a settled block.  So the counts are certain, not likely.
+    """
     spec, base = area
-    result = litmus.run_local(spec, base, pattern, 300, seed=7, model=model())
+    trials = 300
+    result = litmus.run_local(spec, base, pattern, trials, seed=7, model=model())
     assert not result.caught, f"another version's bytes at observation {result.first_violation}"
-    assert result.confirmed > 100 and result.raced > 100  # about one of each per trial
+    assert result.confirmed >= trials - 1 and result.raced >= trials - 1, result
 
 
 @pytest.mark.parametrize("sweep", list(litmus.SWEEPS))

@@ -89,6 +89,7 @@ def serve_process(spec: str, port: int) -> Iterator[subprocess.Popen[str]]:
     assert proc.returncode == 0 and rest == "beluga serve: stopped\n", rest
 
 
+@pytest.mark.leaves("keys")
 def test_scrape_matches_stats_and_stops_with_the_server(pool: Pool) -> None:
     port = free_port()
     with serve_process(pool.spec, port), KVStore(pool.spec) as store:
@@ -131,6 +132,7 @@ def threaded_server(pool: Pool, **options: object) -> Iterator[MetadataServer]:
         server.close()
 
 
+@pytest.mark.leaves("keys")
 def test_only_the_server_thread_reads_the_service(pool: Pool) -> None:
     callers: list[str] = []
     server = MetadataServer(pool, refresh_s=0.01, metrics_port=0, metrics_addr="127.0.0.1")

@@ -17,9 +17,10 @@ import numpy as np
 import psutil
 import pytest
 
-from beluga.bench import mooncake
-from beluga.bench.mooncake import MooncakeBaseline, MooncakeClient
+from beluga.bench.mooncake import MooncakeBaseline
 from beluga.errors import BackendUnavailableError
+from beluga.kv.tier import mooncake
+from beluga.kv.tier.mooncake import MooncakeClient
 
 KiB = 1 << 10
 MiB = 1 << 20

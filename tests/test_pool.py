@@ -15,10 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from beluga.coherence import ModelConfig, crc32c, digest, write_line
-from beluga.errors import BackendUnavailableError, LayoutVersionError, PoolError
+from beluga.errors import (
+    BackendUnavailableError,
+    BelugaError,
+    LayoutVersionError,
+    PoolError,
+    PoolNotNamedError,
+)
 from beluga.kv import protocol as p
 from beluga.kv.service import MetadataService
-from beluga.pool import Geometry, HostState, Pool, parse_spec
+from beluga.pool import Geometry, HostState, Pool, parse_spec, resolve_pool
 from beluga.pool.hosts import HostEntry, Identity
 from beluga.pool.layout import (
     LAYOUT_VERSION,
@@ -179,6 +185,28 @@ def test_spec_parsing() -> None:
         parse_spec("rdma:host:1234")
     with pytest.raises(ValueError):
         parse_spec("")
+
+
+def test_the_pool_is_the_argument_else_the_environment_else_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BELUGA_POOL", "shm:/dev/shm/from-env")
+    assert resolve_pool("shm:/dev/shm/given", setting="--pool") == "shm:/dev/shm/given"
+    for unset in (None, ""):
+        assert resolve_pool(unset, setting="--pool", default="shm:/d") == "shm:/dev/shm/from-env"
+    monkeypatch.setenv("BELUGA_POOL", "")
+    assert resolve_pool(None, setting="--pool", default="shm:/d") == "shm:/d"
+
+
+def test_a_pool_named_nowhere_is_an_error_that_says_what_to_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("BELUGA_POOL", raising=False)
+    with pytest.raises(PoolNotNamedError) as caught:
+        resolve_pool(None, setting="'pool' in extra_config")
+    message = str(caught.value)
+    assert "set 'pool' in extra_config to a pool spec" in message and "BELUGA_POOL" in message
+    assert isinstance(caught.value, BelugaError) and isinstance(caught.value, ValueError)
 
 
 @settings(max_examples=300, deadline=None)

@@ -129,6 +129,7 @@ def h(small: Pool) -> Harness:
     return Harness(small, Clock(), {WRITER}, write_lease_s=1.0, read_lease_s=2.0)
 
 
+@pytest.mark.leaves("keys")
 def test_an_expired_lease_cancels_the_write_but_quarantines_its_extent(h: Harness) -> None:
     stalled = h.alloc("a", 5000)
     h.clock.now += 1.001
@@ -172,6 +173,7 @@ def test_a_client_gone_frees_its_writes_only(h: Harness) -> None:
     assert h.svc.stats()["blocks_used"] == 1 and h.svc.stats()["writes_in_flight"] == 1
 
 
+@pytest.mark.leaves("keys")
 def test_a_late_seal_is_not_a_committed_value_after_a_restart(h: Harness) -> None:
     """The writer's lease ran out, it sealed late, the server died before its COMMIT:
     the pool holds a PUBLISHED header that was never committed."""
@@ -199,6 +201,7 @@ def test_recovery_never_resurrects_a_removed_key(h: Harness) -> None:
     assert h.alloc("gone", 1).version > g.version  # versions never repeat after a restart
 
 
+@pytest.mark.leaves("keys")
 def test_a_write_in_flight_at_a_restart_can_still_commit(h: Harness) -> None:
     g = h.alloc("a", 10)
     h.write("a", g, b"0123456789")
@@ -217,6 +220,7 @@ def test_recovered_writes_of_a_dead_writer_are_freed(h: Harness) -> None:
     assert h.svc.stats()["writes_in_flight"] == 0 and h.svc.stats()["blocks_used"] == 0
 
 
+@pytest.mark.leaves("keys")
 def test_eviction_is_lru_and_waits_for_read_leases(small: Pool) -> None:
     h = Harness(small, Clock(), {WRITER}, read_lease_s=2.0, high_watermark=1.0, low_watermark=1.0)
     n = h.pool.superblock.nblocks
@@ -241,6 +245,7 @@ def test_eviction_is_lru_and_waits_for_read_leases(small: Pool) -> None:
     h.alloc("fits now", 100)
 
 
+@pytest.mark.leaves("keys")
 def test_retired_extents_wait_out_their_read_leases(h: Harness) -> None:
     h.put("a", b"1")
     h.svc.op_lookup(h.request(p.StoreOp.LOOKUP, p.encode_digests([digest(b"a")], p.LOOKUP_LEASE)))

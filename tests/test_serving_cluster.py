@@ -122,6 +122,7 @@ OTHER_MODELS = {
 }
 
 
+@pytest.mark.leaves("keys")
 def test_models_of_one_kv_shape_share_a_pool_but_never_a_block(shm_path: str) -> None:
     make_pool(shm_path)
     tokens = prompt(4, 4 * BS + 5)
@@ -158,6 +159,7 @@ def test_a_dead_engine_is_reported_not_waited_for(shm_path: str) -> None:
             c.run([prompt(2, 40)], LocalityFree(1))
 
 
+@pytest.mark.leaves("keys")
 def test_a_stalled_engine_times_out(shm_path: str) -> None:
     make_pool(shm_path)
     with cluster_on(shm_path, engines=1, reply_timeout=1.0) as c:

@@ -32,6 +32,8 @@ from beluga.serving.engine import (
 from beluga.serving.model import ModelEngine, ModelShape
 from beluga.transfer import BlockFormat, EngineBlocks
 
+#: engines save their prefixes to the pool for one another, as in service (tests/conftest.py)
+pytestmark = pytest.mark.leaves("keys")
 TOLERANCE = 1e-4
 SHAPE = ModelShape(num_layers=2)
 BS = SHAPE.block_tokens

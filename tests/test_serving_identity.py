@@ -219,6 +219,7 @@ def test_block_keys_are_prefix_hashes_in_a_namespace() -> None:
         block_keys(tokens, 16)  # type: ignore[arg-type]
 
 
+@pytest.mark.leaves("keys")
 def test_an_explicit_identity_overrides_the_fingerprint(shm_path: str) -> None:
     """Two engines told they serve one revision share blocks: the user vouches for the weights."""
     from beluga.kv import KVStore, MetadataServer

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from beluga.errors import RpcError
+from beluga.errors import PoolNotNamedError, RpcError
 from beluga.integrations import _link
 from beluga.integrations._link import StoreLink
 from beluga.kv import KVStore, MetadataServer
@@ -95,6 +95,7 @@ def test_threads_connecting_at_once_share_one_connection(served: str) -> None:
         assert store is None  # closed links stay closed
 
 
+@pytest.mark.leaves("keys")
 def test_a_store_dropped_by_one_thread_stays_open_for_the_others(served: str) -> None:
     link = StoreLink(served, who="test", retry_s=0)
     rounds = 20
@@ -152,6 +153,7 @@ def _child(link: StoreLink, parent_host: int, answer: mp.Queue) -> None:
     link.close()
 
 
+@pytest.mark.leaves("keys")
 def test_a_forked_child_connects_its_own(served: str) -> None:
     link = StoreLink(served, who="test")
     with link.connected() as parent:
@@ -164,4 +166,16 @@ def test_a_forked_child_connects_its_own(served: str) -> None:
         assert child.exitcode == 0
         assert answer.get(timeout=JOIN_S) != parent.rpc.host_id
         assert parent.get("from-child") == b"child"  # the parent's connection is untouched
+    link.close()
+
+
+def test_a_link_without_a_spec_takes_beluga_pool_or_says_what_to_set(
+    served: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("BELUGA_POOL", raising=False)
+    with pytest.raises(PoolNotNamedError, match="set Engine X's 'pool' option"):
+        StoreLink("", who="Engine X")
+    monkeypatch.setenv("BELUGA_POOL", served)
+    link = StoreLink(None, who="Engine X")
+    assert link.spec == served and link.available()
     link.close()

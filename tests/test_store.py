@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import multiprocessing as mp
 import os
+import pickle
 import random
 import signal
 import threading
@@ -31,6 +32,8 @@ from beluga.kv import hash_block, prefix_hashes, seed_hash, sha256
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
 
+#: a store test puts values to read them back; the pool keeps them (tests/conftest.py)
+pytestmark = pytest.mark.leaves("keys")
 CTX = mp.get_context("fork")
 GEOMETRY = Geometry(max_hosts=8, rpc_bytes_per_host=256 << 10, block_size=16 << 10)
 
@@ -373,23 +376,37 @@ def test_stress_writers_and_readers_racing_eviction(pool: Pool, mode: str) -> No
     assert stats["evictions"] > 0, "the test must exercise eviction and reuse"
 
 
+def _vllm_sha256(obj: object) -> bytes:
+    """vLLM's ``sha256`` (vllm/utils/hashing.py, 0.33): SHA-256 of the highest-protocol pickle."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _vllm_chain(tokens: list[int], seed: str, extra: tuple[object, ...] | None) -> list[bytes]:
+    """vLLM's block hashes, written out from vllm/v1/core/kv_cache_utils.py (0.33).
+
+    ``init_none_hash``: NONE_HASH = sha256(the seed); ``hash_block_tokens``: a
+    full block's hash is sha256((its parent's hash, or NONE_HASH for the first
+    block, tuple(its token ids), extra_keys)).
+    """
+    parent, out = _vllm_sha256(seed), []
+    for start in range(0, len(tokens) - 15, 16):
+        parent = _vllm_sha256((parent, tuple(tokens[start : start + 16]), extra))
+        out.append(parent)
+    return out
+
+
 def test_prefix_hashes_chain_like_vllm() -> None:
     tokens = list(range(100))
     keys = prefix_hashes(tokens, block_tokens=16, seed="s")
     assert len(keys) == 6  # only full blocks
-    parent = sha256("s")
-    assert seed_hash(sha256, "s") == parent
-    for i, k in enumerate(keys):  # vLLM: hash((parent, tuple(tokens), extra_keys))
-        parent = sha256((parent, tuple(tokens[16 * i : 16 * i + 16]), None))
-        assert (
-            k
-            == parent
-            == hash_block(sha256, keys[i - 1] if i else sha256("s"), tokens[16 * i : 16 * i + 16])
-        )
+    assert keys == _vllm_chain(tokens, "s", None)
+    assert seed_hash(sha256, "s") == _vllm_sha256("s")
+    assert hash_block(sha256, keys[0], tokens[16:32]) == keys[1]
+    lora = prefix_hashes(tokens, seed="s", extra_keys=("lora-1",))
+    assert lora == _vllm_chain(tokens, "s", ("lora-1",)) and lora[0] != keys[0]
     assert prefix_hashes(tokens[:64] + [7] * 36, seed="s")[:4] == keys[:4]  # shared prefix
     assert prefix_hashes(tokens[:64] + [7] * 36, seed="s")[4] != keys[4]
-    assert prefix_hashes(tokens, seed="s", extra_keys=("lora-1",))[0] != keys[0]
-    assert prefix_hashes(tokens, seed="other")[0] != keys[0]
+    assert prefix_hashes(tokens, seed="other") == _vllm_chain(tokens, "other", None)
     with pytest.raises(ValueError, match="unknown block hash"):
         prefix_hashes(tokens, hash_fn="md5")
 

@@ -25,6 +25,8 @@ from beluga.kv import KVStore, MetadataServer
 from beluga.pool import Geometry, Pool
 from beluga.transfer import Buffers, Pieces
 
+#: blocks are written to be read back; the pool keeps them (tests/conftest.py)
+pytestmark = pytest.mark.leaves("keys")
 SIZE = 5000
 
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from beluga.bench import mooncake
+from beluga.bench.mooncake import MooncakeBaseline
 from beluga.errors import BackendUnavailableError
 from beluga.kv import KVStore, MetadataServer
 from beluga.kv.tier import MooncakeTier, TierConfig
+from beluga.kv.tier.mooncake import check_available
 from beluga.pool import Geometry, Pool
 from beluga.serving.engine import (
     ServingEngine,
@@ -36,25 +37,27 @@ from beluga.serving.model import ModelEngine, ModelShape
 
 from .test_store import value_of
 
+#: pods keep the blocks their engines saved, as in service (tests/conftest.py)
+pytestmark = pytest.mark.leaves("keys")
 SHAPE = ModelShape(num_layers=2)
 BS = SHAPE.block_tokens
 TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[mooncake.MooncakeBaseline]:
+def cluster() -> Iterator[MooncakeBaseline]:
     try:
-        mooncake.check_available()
+        check_available()
     except BackendUnavailableError as exc:
         pytest.skip(str(exc))
-    with mooncake.MooncakeBaseline(
+    with MooncakeBaseline(
         segment_size=64 << 20, local_buffer_size=16 << 20, storage_processes=2
     ) as mc:
         yield mc
 
 
 @pytest.fixture(scope="module")
-def tier(cluster: mooncake.MooncakeBaseline) -> Iterator[MooncakeTier]:
+def tier(cluster: MooncakeBaseline) -> Iterator[MooncakeTier]:
     """One client of the cluster for this process (pods on other machines have their own)."""
     t = MooncakeTier(TierConfig(cluster.metadata_url, cluster.master_address, write_through=True))
     yield t

@@ -42,7 +42,7 @@ import numpy as np
 
 from beluga import __version__, litmus
 from beluga.bench import memops
-from beluga.bench.stats import human_bytes, machine, parse_size, summarize, time_calls
+from beluga.bench.stats import machine, summarize, time_calls
 from beluga.child import stop_process
 from beluga.errors import BelugaError, RpcError
 from beluga.pool import Geometry, Pool, parse_spec
@@ -51,6 +51,7 @@ from beluga.pool.interleave import InterleaveBackend
 from beluga.pool.layout import REGION_ALIGN, align_up, blocks_holding, pool_size_for
 from beluga.rpc import Op, RpcClient, RpcServer
 from beluga.rpc.protocol import INLINE, MAX_DEPTH
+from beluga.units import human_bytes, parse_size
 
 SECTIONS = ("latency", "gpu", "copy_engine", "bandwidth", "interleave", "rpc", "litmus")
 LABEL = "beluga-certify"

@@ -50,11 +50,12 @@ from typing import Any
 import numpy as np
 
 from beluga.bench import e2e
-from beluga.bench.mooncake import MiB, MooncakeBaseline
+from beluga.bench.mooncake import MooncakeBaseline
 from beluga.bench.mooncake_engine import MooncakeEngines
 from beluga.serving.cluster import Cluster, EngineConfig, Record
 from beluga.serving.scheduler import make_scheduler
 from beluga.serving.trace import TraceRequest
+from beluga.units import MiB
 
 SYSTEMS = {"beluga": "locality-free", "mooncake": "locality-aware"}  # system: its scheduler
 PAPER = {

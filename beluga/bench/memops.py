@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from beluga.bench.stats import human_bytes, iterations_for, summarize, time_calls
+from beluga.bench.stats import iterations_for, summarize, time_calls
 from beluga.coherence import Memory, digest
 from beluga.pool import Pool
+from beluga.units import human_bytes
 
 DEFAULT_SIZES = [64 << s for s in range(0, 17, 2)]  # 64 B .. 4 MiB
 METHODS = [

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from beluga.bench.stats import human_bytes
+from beluga.units import human_bytes
 
 PAPER_MACHINE = (
     "the paper (Beluga, arXiv 2511.20172) measured hosts on an XConn XC50256 CXL 2.0 switch "

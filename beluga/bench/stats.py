@@ -60,26 +60,6 @@ def machine() -> dict[str, Any]:
     }
 
 
-def human_bytes(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return f"{n}B"
-
-
-def parse_size(text: str) -> int:
-    """'64', '16K', '2M', '1G' (binary units) → bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        value = int(t[:-1] if mult > 1 else t) * mult
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 64, 16K, 2M, 1G)") from None
-    if value <= 0:
-        raise ValueError(f"a size must be positive, not {text!r}")
-    return value
-
-
 def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     """A plain aligned text table; columns are (key, heading)."""
     cells = [[h for _, h in columns]]

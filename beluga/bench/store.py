@@ -41,14 +41,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from beluga.bench.mooncake import MooncakeBaseline
-from beluga.bench.stats import human_bytes, iterations_for, summarize, time_calls
+from beluga.bench.stats import iterations_for, summarize, time_calls
 from beluga.child import server_process
 from beluga.errors import BackendUnavailableError, BelugaError, RpcError
 from beluga.kv import KVStore, serve
 from beluga.pool import Pool
+from beluga.units import KiB, MiB, human_bytes
 
-KiB = 1 << 10
-MiB = 1 << 20
 DEFAULT_SIZES = [16 * KiB, 256 * KiB, 2 * MiB]
 BATCH = 64
 BATCH_VALUE = 16 * KiB

@@ -16,11 +16,13 @@ from beluga.bench import memops
 from beluga.bench import rpc as rpc_bench
 from beluga.bench import store as store_bench
 from beluga.bench import vllm as vllm_bench
-from beluga.bench.stats import format_table, machine, parse_size, write_json
+from beluga.bench.stats import format_table, machine, write_json
 from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
 from beluga.cli.demo import add_e2e_args, e2e_settings, run_with_progress, summary
+from beluga.errors import PoolNotNamedError
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import blocks_holding, pool_size_for
+from beluga.units import parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -166,12 +168,14 @@ SCRATCH_LEAST = 64 << 20
 def scratch_pool(args: argparse.Namespace, payload: int) -> tuple[Pool, bool]:
     """The pool named on the command line, or a private scratch pool (removed after)
     whose data area holds at least ``payload`` bytes."""
-    if args.pool or args.backend or args.path or os.environ.get("BELUGA_POOL"):
-        return Pool.attach(pool_spec(args), coherence="native"), False
-    path = f"/dev/shm/beluga-bench-{uuid.uuid4().hex[:8]}"
-    blocks = blocks_holding(payload, SCRATCH_GEOMETRY)
-    size = max(SCRATCH_LEAST, pool_size_for(blocks, SCRATCH_GEOMETRY))
-    return Pool.create(path, size, geometry=SCRATCH_GEOMETRY, coherence="native"), True
+    try:
+        spec = pool_spec(args, default=None)
+    except PoolNotNamedError:  # nothing names a pool: a scratch one
+        path = f"/dev/shm/beluga-bench-{uuid.uuid4().hex[:8]}"
+        blocks = blocks_holding(payload, SCRATCH_GEOMETRY)
+        size = max(SCRATCH_LEAST, pool_size_for(blocks, SCRATCH_GEOMETRY))
+        return Pool.create(path, size, geometry=SCRATCH_GEOMETRY, coherence="native"), True
+    return Pool.attach(spec, coherence="native"), False
 
 
 def report(args: argparse.Namespace, name: str, result: dict, columns: list) -> int:
@@ -259,7 +263,7 @@ def run_e2e_mooncake(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from beluga.bench import e2e_mooncake
-    from beluga.bench.mooncake import check_available
+    from beluga.kv.tier.mooncake import check_available
 
     check_available()  # before anything starts: say what to install
     settings = e2e_settings(args)

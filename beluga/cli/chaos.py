@@ -15,8 +15,8 @@ import argparse
 import json
 import sys
 
-from beluga.bench.stats import parse_size
 from beluga.chaos.driver import ChaosConfig
+from beluga.units import parse_size
 
 _DEFAULT = ChaosConfig()  # one home for every default: the config's own
 

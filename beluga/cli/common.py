@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from beluga.bench.stats import parse_size
-
-DEFAULT_POOL = "shm:/dev/shm/beluga"
+from beluga.pool import DEFAULT_POOL, POOL_ENV, resolve_pool
+from beluga.units import parse_size
 
 
 def add_pool_args(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +16,7 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="pool spec, e.g. shm:/dev/shm/beluga, numa:1:/dev/shm/b, dax:/dev/dax0.0, "
         "interleave:2097152:dax:/dev/dax0.0,dax:/dev/dax1.0 "
-        f"(default: $BELUGA_POOL or {DEFAULT_POOL})",
+        f"(default: ${POOL_ENV} or {DEFAULT_POOL})",
     )
     g.add_argument(
         "--backend",
@@ -49,15 +47,19 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def pool_spec(args: argparse.Namespace) -> str:
-    """The spec named by --pool or built from --backend and its parts."""
+def pool_spec(args: argparse.Namespace, default: str | None = DEFAULT_POOL) -> str:
+    """The spec named by --pool or built from --backend and its parts (see resolve_pool).
+
+    Raises:
+        PoolNotNamedError: nothing names a pool and ``default`` is None.
+    """
     backend = args.backend or ("shm" if args.path else None)  # --path alone: an shm pool
     if args.pool and backend:
         raise ValueError("give either --pool SPEC or --backend/--path with its options, not both")
     if not backend:
         if args.node is not None or args.device:
             raise ValueError("--node and --device need --backend numa, dax or interleave")
-        return args.pool or os.environ.get("BELUGA_POOL") or DEFAULT_POOL
+        return resolve_pool(args.pool, setting="--pool", default=default)
     path = args.path or "/dev/shm/beluga"
     if backend == "shm":
         return f"shm:{path}"

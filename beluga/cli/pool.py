@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from beluga.bench.stats import parse_size
 from beluga.cli.common import add_pool_args, pool_spec
 from beluga.pool import Geometry, Pool
+from beluga.units import parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -94,6 +94,7 @@ from typing import Any
 
 from beluga.errors import BelugaError, CapacityError, RpcError, WriteLeaseLost
 from beluga.kv import MAX_KEY_BYTES, KVStore
+from beluga.pool import DEFAULT_POOL, resolve_pool
 
 __all__ = [
     "DEFAULT_POOL",
@@ -109,8 +110,6 @@ __all__ = [
 
 log = logging.getLogger("beluga.compat.mooncake")
 
-#: the pool when neither an argument nor $BELUGA_POOL names one (the CLI's default)
-DEFAULT_POOL = "shm:/dev/shm/beluga"
 #: an address argument of ``setup`` that starts with this names a Beluga pool spec
 POOL_PREFIX = "beluga:"
 _LONG_KEY_TAG = b"\xff"
@@ -180,10 +179,16 @@ def beluga_key(key: str | bytes) -> bytes:
 
 def pool_spec_for(metadata_server: str = "", master_server_addr: str = "") -> str:
     """The pool ``setup`` attaches: a ``beluga:SPEC`` argument, else $BELUGA_POOL, else default."""
-    for address in (master_server_addr, metadata_server):
-        if address.startswith(POOL_PREFIX) and len(address) > len(POOL_PREFIX):
-            return address[len(POOL_PREFIX) :]
-    return os.environ.get("BELUGA_POOL") or DEFAULT_POOL
+    named = (
+        address.removeprefix(POOL_PREFIX)
+        for address in (master_server_addr, metadata_server)
+        if address.startswith(POOL_PREFIX)
+    )
+    return resolve_pool(
+        next(filter(None, named), None),  # a bare "beluga:" names nothing
+        setting=f"setup's master_server_addr or metadata_server ({POOL_PREFIX}SPEC)",
+        default=DEFAULT_POOL,
+    )
 
 
 def install() -> None:

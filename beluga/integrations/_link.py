@@ -46,6 +46,7 @@ from beluga.errors import (
     RpcError,
 )
 from beluga.kv import KVStore
+from beluga.pool import resolve_pool
 
 log = logging.getLogger("beluga.integrations")
 
@@ -74,6 +75,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class StoreLink:
     """A lazily (re)connected KVStore for one pool spec; ``None`` while unavailable.
 
+    An integration resolves its pool setting with :func:`beluga.pool.resolve_pool`
+    (naming the setting in the error) and passes the spec; an empty ``spec``
+    is resolved here the same way, under ``who``'s name.
+
     Thread-safe: threads may share a link; one connection serves them all
     (:class:`KVStore` is thread-safe), only one thread connects at a time,
     and a store dropped by :meth:`lost` or :meth:`close` is closed when its
@@ -84,7 +89,7 @@ class StoreLink:
 
     def __init__(
         self,
-        spec: str,
+        spec: str | None,
         *,
         who: str,
         coherence: str | None = None,
@@ -92,14 +97,9 @@ class StoreLink:
         connect_timeout_s: float = 2.0,
         retry_s: float = 30.0,
     ) -> None:
-        if not spec:
-            raise ValueError(
-                f"{who} needs a pool: set its 'pool' option (a spec such as "
-                "shm:/dev/shm/beluga) or the BELUGA_POOL environment variable"
-            )
         if timeout_s <= 0 or connect_timeout_s <= 0 or retry_s < 0:
             raise ValueError("timeouts must be > 0 and retry_s >= 0")
-        self.spec = spec
+        self.spec = resolve_pool(spec, setting=f"{who}'s 'pool' option")
         self.who = who
         self._coherence = coherence
         self._timeout_s = timeout_s

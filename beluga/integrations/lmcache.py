@@ -8,6 +8,8 @@ Configure LMCache (0.5.x) with::
       storage_plugin.beluga.class_name: BelugaBackend
       beluga.pool: shm:/dev/shm/beluga
 
+Without ``beluga.pool`` the pool is ``$BELUGA_POOL`` (:func:`beluga.pool.resolve_pool`).
+
 Every LMCache instance that names the same pool shares its chunks: a chunk
 stored by one engine is found, by its CacheEngineKey, by any other instance
 of the same model.  Keys are CacheEngineKeys in a :class:`beluga.kv.KVNamespace`
@@ -55,6 +57,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from beluga.errors import CapacityError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
+from beluga.pool import resolve_pool
 from beluga.transfer import Pieces, host_bytes
 
 _HEADER = struct.Struct("<4sBB2x16s5q")  # magic, format, ndim, dtype name, shape
@@ -143,7 +146,9 @@ class BelugaBackend(StoragePluginInterface):
         extra = (config.extra_config if config is not None else None) or {}
         self.namespace = kv_namespace(model_identity(metadata, extra), metadata)
         self.link = StoreLink(
-            str(extra.get("beluga.pool", "")),
+            resolve_pool(
+                extra.get("beluga.pool"), setting="'beluga.pool' in LMCache's extra_config"
+            ),
             who="LMCache BelugaBackend",
             coherence=extra.get("beluga.coherence"),
             timeout_s=float(extra.get("beluga.timeout_s", 5.0)),

@@ -7,6 +7,8 @@ SGLang loads it through its ``dynamic`` storage backend::
         "module_path": "beluga.integrations.sglang", "class_name": "BelugaHiCacheStorage",
         "interface_v1": 1, "pool": "shm:/dev/shm/beluga"}'
 
+Without ``"pool"`` the pool is ``$BELUGA_POOL`` (:func:`beluga.pool.resolve_pool`).
+
 With ``interface_v1`` SGLang calls the zero-copy batch methods:
 ``batch_set_v1`` / ``batch_get_v1`` name pages of its host KV pool by index,
 the host pool says where their bytes are (``get_page_buffer_meta``), and each
@@ -41,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from beluga.errors import CapacityError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.kv import KVNamespace, KVStore, ModelIdentity, resolve_model
+from beluga.pool import resolve_pool
 from beluga.transfer import Buffers, Pieces
 
 SETTING = "--hicache-storage-backend-extra-config 'model_revision' (or 'model_path')"
@@ -105,7 +108,9 @@ class BelugaHiCacheStorage(HiCacheStorage):
         extra = storage_config.extra_config or {}
         self.model = model_identity(storage_config)
         self.link = StoreLink(
-            str(extra.get("pool", "")),
+            resolve_pool(
+                extra.get("pool"), setting="'pool' in --hicache-storage-backend-extra-config"
+            ),
             who="SGLang BelugaHiCacheStorage",
             coherence=extra.get("coherence"),
             timeout_s=float(extra.get("timeout_s", 5.0)),

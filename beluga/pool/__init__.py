@@ -1,12 +1,23 @@
 """Pools: backends that map memory, the self-describing layout, the host table."""
 
-from beluga.pool.backends import Backend, Mapping, ShmBackend, parse_spec, register_backend
+from beluga.pool.backends import (
+    DEFAULT_POOL,
+    POOL_ENV,
+    Backend,
+    Mapping,
+    ShmBackend,
+    parse_spec,
+    register_backend,
+    resolve_pool,
+)
 from beluga.pool.hosts import HostEntry, HostState, HostTable
 from beluga.pool.layout import LAYOUT_VERSION, Geometry, Region, Superblock
 from beluga.pool.pool import Pool
 
 __all__ = [
+    "DEFAULT_POOL",
     "LAYOUT_VERSION",
+    "POOL_ENV",
     "Backend",
     "Geometry",
     "HostEntry",
@@ -19,4 +30,5 @@ __all__ = [
     "Superblock",
     "parse_spec",
     "register_backend",
+    "resolve_pool",
 ]

@@ -12,7 +12,9 @@ handle pickles by name and another process re-attaches instead of copying::
                                    several devices, striped every 2 MiB
 
 A bare path is shorthand for ``shm:PATH``.  ``Mapping`` is what a backend
-returns: a writable buffer, its size, and ``close()``.
+returns: a writable buffer, its size, and ``close()``.  Which pool a caller
+means is :func:`resolve_pool`'s to say: its own argument, else
+``$BELUGA_POOL``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from beluga.errors import BackendUnavailableError, PoolError
+from beluga.errors import BackendUnavailableError, PoolError, PoolNotNamedError
+from beluga.units import MiB
 
-MiB = 1 << 20
 HUGE_ALIGN = 2 * MiB
+#: the environment variable that names the pool when a caller's own setting does not
+POOL_ENV = "BELUGA_POOL"
+#: the pool of the CLI and of the Mooncake drop-in when nothing names one
+DEFAULT_POOL = "shm:/dev/shm/beluga"
 POOL_FILE_MODE = 0o660  # shared with the group, never world-writable
 
 
@@ -291,3 +297,23 @@ def parse_spec(spec: str | Backend) -> Backend:
         known = ", ".join(sorted({*_BACKENDS, *_LAZY}))
         raise ValueError(f"unknown pool backend {scheme!r} in {spec!r}; known: {known}")
     return cls.from_spec(rest)
+
+
+def resolve_pool(spec: str | None, *, setting: str, default: str | None = None) -> str:
+    """The pool spec to use: ``spec`` when given, else ``$BELUGA_POOL``, else ``default``.
+
+    The one rule for every caller that names a pool (the CLI, the Mooncake
+    drop-in, the framework integrations).  ``setting`` is where the caller's
+    users give ``spec`` (``--pool``, an ``extra_config`` key), so that the
+    error says what to set.
+
+    Raises:
+        PoolNotNamedError: none of the three names a pool.
+    """
+    for candidate in (spec, os.environ.get(POOL_ENV), default):
+        if candidate:
+            return candidate
+    raise PoolNotNamedError(
+        f"no pool is named: set {setting} to a pool spec (e.g. {DEFAULT_POOL}), "
+        f"or the {POOL_ENV} environment variable"
+    )

@@ -7,30 +7,33 @@ mid-payload past its write lease, hostile bytes in RPC slots, block headers
 and payloads).  It must end with no wrong bytes, no lost acknowledged write,
 no uncommitted value read and no hang.
 
-The seed is random unless ``BELUGA_CHAOS_SEED`` is set; it is printed and in
-every assertion message, and ``beluga chaos --seed N --faults 200
-[--coherence mixed]`` replays the round's faults.
+The seed is drawn once per session unless ``BELUGA_CHAOS_SEED`` is set.
+Each round prints it to the terminal as it starts (past pytest's capture,
+so it is in every CI log whatever then happens to the round), and every
+assertion message carries it with the two ways to replay it:
+``BELUGA_CHAOS_SEED=N python -m pytest tests/chaos/test_chaos.py`` (both
+rounds), or ``beluga chaos --seed N --faults 200 [--coherence mixed]`` (one
+round's faults).
 """
 
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 
-from beluga.chaos import KINDS, ChaosConfig, ChaosReport, run_chaos
+from beluga.chaos import KINDS, ChaosConfig, ChaosError, ChaosReport, run_chaos
 from beluga.chaos.roles import READ_PATHS
 
 FAULTS = 200
-
-
-def _seed() -> int | None:
-    seed = os.environ.get("BELUGA_CHAOS_SEED")
-    return int(seed) if seed else None
+#: the seed of this session's rounds: $BELUGA_CHAOS_SEED, else a fresh one
+SEED = int(os.environ.get("BELUGA_CHAOS_SEED") or random.SystemRandom().getrandbits(32))
+REPLAY = f"BELUGA_CHAOS_SEED={SEED} python -m pytest tests/chaos/test_chaos.py"
 
 
 def _check(report: ChaosReport) -> None:
-    why = f"\n{report.summary()}\nreplay: {report.replay_command()}"
+    why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
     assert report.faults_total >= FAULTS, f"too few faults injected{why}"
     missing = [k for k in KINDS if not report.faults.get(k)]
     assert not missing, f"fault kinds never injected: {missing}{why}"
@@ -46,13 +49,19 @@ def _check(report: ChaosReport) -> None:
     assert not report.hangs, f"processes hung{why}"
 
 
+@pytest.mark.leaves("keys", "writes")  # writers are killed and stalled mid-write on purpose
 @pytest.mark.parametrize("coherence", ["native", "mixed"])
-def test_a_chaos_round_breaks_no_promise(shm_path: str, coherence: str) -> None:
+def test_a_chaos_round_breaks_no_promise(
+    shm_path: str, coherence: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``mixed``: every odd-numbered writer, in-place writer and reader runs under the
     non-coherent model (``coherence="model"``), the others natively."""
-    report = run_chaos(
-        ChaosConfig(faults=FAULTS, seed=_seed(), coherence=coherence, pool_path=shm_path),
-        log=print,
-    )
+    with capsys.disabled():
+        print(f"\nchaos round ({coherence}): seed {SEED}; replay: {REPLAY}", flush=True)
+    config = ChaosConfig(faults=FAULTS, seed=SEED, coherence=coherence, pool_path=shm_path)
+    try:
+        report = run_chaos(config, log=print)
+    except ChaosError as e:  # the round could not proceed: still say how to replay it
+        pytest.fail(f"{e}\nreplay: {REPLAY}")
     print(report.summary())
     _check(report)

@@ -19,12 +19,13 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from beluga import KVStore
+from beluga import KVStore, chaos
 from beluga.chaos import ChaosConfig, ChaosDriver, faults
 from beluga.chaos.roles import Midway, _report_failure, read_in_place
 from beluga.chaos.values import HEADER_BYTES, make_value, verify
@@ -179,6 +180,7 @@ def chaos_pool(shm_path: str) -> Iterator[Pool]:
     Pool.destroy(shm_path)
 
 
+@pytest.mark.leaves("keys")
 def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -> None:
     import random
 
@@ -202,6 +204,7 @@ def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -
         assert read_in_place(s, ["h"]) == [None]
 
 
+@pytest.mark.leaves("keys")
 def test_in_place_read_of_a_corrupted_payload_is_a_miss(chaos_pool: Pool) -> None:
     """Once a defect: the engine's read path checked headers only and returned a payload
     that hostile bytes changed; KVStore.load checksums what it copies."""
@@ -243,6 +246,7 @@ def _wait_expired(store: KVStore, count: int) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.leaves("keys")
 def test_a_writer_stalled_past_its_lease_never_lands_on_a_reused_extent(chaos_pool: Pool) -> None:
     """An in-place writer stalls mid-payload past its write lease while others write;
     its extent is not reused while it lives, so when it resumes, finishes its copy and
@@ -289,6 +293,7 @@ def test_a_writer_stalled_past_its_lease_never_lands_on_a_reused_extent(chaos_po
     assert not problems, problems
 
 
+@pytest.mark.leaves("keys")
 def test_a_refused_write_is_never_served_not_even_after_a_restart(chaos_pool: Pool) -> None:
     """Defect: a seal after the write lease expired leaves a published header that the
     server does not know; a restarted server recovers it as the key's newest value,
@@ -334,29 +339,33 @@ class _ForgetfulDriver(ChaosDriver):
         return True
 
 
-def test_a_role_without_progress_is_reported_as_a_hang(shm_path: str) -> None:
-    config = ChaosConfig(
-        faults=1,
-        seed=1,
-        writers=1,
-        inplace_writers=0,
-        readers=1,
-        hang_bound_s=3.0,
-        settle_s=4.0,
-        pool_path=shm_path,
-        weights={"stop_reader": 1},
+@pytest.mark.leaves("keys")
+def test_a_role_without_progress_is_reported_as_a_hang_and_fails_the_command(
+    shm_path: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forgetful driver makes a hang by construction, so the command must exit 1."""
+    monkeypatch.setattr(
+        chaos, "run_chaos", lambda config: _ForgetfulDriver(replace(config, settle_s=4.0)).run()
     )
-    report = _ForgetfulDriver(config, log=print).run()
-    assert [h["role"] for h in report.hangs] == ["reader-0#1"], report.summary()
-    assert not report.ok
+    out = tmp_path / "chaos.json"
+    args = ["chaos", "--faults", "1", "--seed", "1", "--writers", "1", "--inplace-writers", "0"]
+    args += ["--readers", "1", "--hang-bound", "3", "--only", "stop_reader"]
+    code = main([*args, "--pool", shm_path, "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert [h["role"] for h in report["details"]["hangs"]] == ["reader-0#1"], report["hangs"]
+    assert code == 1 and not report["ok"]
 
 
+@pytest.mark.leaves("keys")
 def test_beluga_chaos_command(shm_path: str, tmp_path: Any, capsys: Any) -> None:
+    """Killed and stopped readers break no promise: the command must exit 0."""
     out = tmp_path / "chaos.json"
     args = ["chaos", "--faults", "12", "--seed", "3", "--only", "kill_reader,stop_reader"]
     code = main([*args, "--pool", shm_path, "--json", str(out), "--hang-bound", "60"])
     report = json.loads(out.read_text())
-    assert code == (0 if report["ok"] else 1)
+    broken = ("wrong_bytes", "lost_acked_writes", "uncommitted_reads", "hangs")
+    assert {k: report[k] for k in broken} == dict.fromkeys(broken, 0), report["details"]
+    assert code == 0 and report["ok"]
     assert report["seed"] == 3 and report["faults_total"] == 12
     assert set(report["faults"]) == {"kill_reader", "stop_reader"}
     assert "seed 3" in capsys.readouterr().out

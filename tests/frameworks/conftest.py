@@ -24,8 +24,13 @@ def need(module: str, venv: str) -> None:
 
 
 @pytest.fixture
-def served_pool(shm_path: str) -> Iterator[str]:
-    """A 64 MiB pool with a running metadata server; yields its path."""
+def served_pool(shm_path: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A 64 MiB pool with a running metadata server; yields its path.
+
+    The frameworks' caches keep what they saved, as in service, so the tests
+    using it leave keys (tests/conftest.py still checks for writes in flight).
+    """
+    request.node.add_marker(pytest.mark.leaves("keys"))
     pool = Pool.create(shm_path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=16 << 10))
     server = MetadataServer(pool)
     thread = server.start_thread()

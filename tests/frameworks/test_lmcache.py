@@ -37,7 +37,7 @@ from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
-from beluga.errors import KVLayoutError  # noqa: E402
+from beluga.errors import KVLayoutError, PoolNotNamedError  # noqa: E402
 from beluga.integrations.lmcache import BelugaBackend  # noqa: E402
 from beluga.kv import KVStore  # noqa: E402
 
@@ -69,7 +69,8 @@ class CPUConnector(GPUConnectorInterface):
             self.to_gpu(obj, start, end, **kwargs)
 
 
-def config(pool: str, **extra: Any) -> LMCacheEngineConfig:
+def config(pool: str | None, **extra: Any) -> LMCacheEngineConfig:
+    """LMCache's config with the plugin (``pool`` None: no "beluga.pool" key)."""
     return LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK,
         local_cpu=True,
@@ -79,7 +80,7 @@ def config(pool: str, **extra: Any) -> LMCacheEngineConfig:
         extra_config={
             "storage_plugin.beluga.module_path": "beluga.integrations.lmcache",
             "storage_plugin.beluga.class_name": "BelugaBackend",
-            "beluga.pool": pool,
+            **({} if pool is None else {"beluga.pool": pool}),
             "beluga.retry_s": 3600,
             **extra,
         },
@@ -216,4 +217,17 @@ def test_a_missing_pool_is_a_miss_with_one_warning(
     assert backend.batched_get_blocking([key]) == [None]
     assert backend.batched_submit_put_task([], []) is None
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    backend.close()
+
+
+def test_without_a_pool_setting_the_plugin_uses_beluga_pool(
+    served_pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unnamed = config(None, **{"beluga.model_revision": "r1"})
+    monkeypatch.delenv("BELUGA_POOL", raising=False)
+    with pytest.raises(PoolNotNamedError, match=r"'beluga\.pool' in LMCache's extra_config"):
+        BelugaBackend("cpu", unnamed, metadata("tiny-llama"), None, None)
+    monkeypatch.setenv("BELUGA_POOL", served_pool)
+    backend = BelugaBackend("cpu", unnamed, metadata("tiny-llama"), None, None)
+    assert backend.link.spec == served_pool and backend.link.available()
     backend.close()

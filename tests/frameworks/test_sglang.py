@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from beluga.errors import KVLayoutError, RpcError  # noqa: E402
+from beluga.errors import KVLayoutError, PoolNotNamedError, RpcError  # noqa: E402
 from beluga.integrations.sglang import BelugaHiCacheStorage  # noqa: E402
 from beluga.kv import KVStore  # noqa: E402
 
@@ -74,7 +74,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-def storage_config(pool: str, model: str, **extra: Any) -> HiCacheStorageConfig:
+def storage_config(pool: str | None, model: str, **extra: Any) -> HiCacheStorageConfig:
+    """SGLang's storage config for the backend (``pool`` None: no "pool" key)."""
     return HiCacheStorageConfig(
         tp_rank=0,
         tp_size=1,
@@ -91,14 +92,14 @@ def storage_config(pool: str, model: str, **extra: Any) -> HiCacheStorageConfig:
             "module_path": "beluga.integrations.sglang",
             "class_name": "BelugaHiCacheStorage",
             "interface_v1": 1,
-            "pool": pool,
+            **({} if pool is None else {"pool": pool}),
             "retry_s": 3600,
             **extra,
         },
     )
 
 
-def backend(pool: str, model: str, pages: int = PAGES, **extra: Any) -> BelugaHiCacheStorage:
+def backend(pool: str | None, model: str, pages: int = PAGES, **extra: Any) -> BelugaHiCacheStorage:
     """A backend as SGLang makes one (its model name is the model path unless it is renamed)."""
     made = StorageBackendFactory.create_backend(
         "dynamic", storage_config(pool, model, **extra), None
@@ -279,4 +280,19 @@ def test_a_missing_pool_misses_and_fails_writes_with_one_warning(
     assert store.batch_get_v1(["a", "b"], pages) == [False, False]
     assert store.batch_exists(["a"]) == 0 and not store.set("a", torch.zeros(4))
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    store.close()
+
+
+def test_without_a_pool_setting_the_backend_uses_beluga_pool(
+    served_pool: str, models: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("BELUGA_POOL", raising=False)
+    with pytest.raises(PoolNotNamedError, match="'pool' in --hicache-storage-backend-extra-config"):
+        backend(None, models["base"])
+    monkeypatch.setenv("BELUGA_POOL", served_pool)
+    store = backend(None, models["base"])
+    fill(store.mem_pool_host, seed=3)
+    assert store.batch_set_v1(["h0"], pages(0)) == [True]
+    with KVStore(served_pool) as direct:
+        assert direct.is_exist(store.key("h0"))  # in the pool $BELUGA_POOL names
     store.close()

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -860,12 +861,11 @@ def test_an_async_load_round_trips_and_a_slow_one_stalls_no_other_request(
     assert sched.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     opened.set()
     first: list = []
-    for _ in range(200):
-        out = engine_step(sched, conn)
-        first = [r for r in out.scheduled_new_reqs if r.req_id == "b"]
-        if first:
-            break
-        threading.Event().wait(0.005)
+    deadline = time.monotonic() + 60  # generous: the load thread has 3 blocks to copy
+    while not first:  # until the finished load lets vLLM schedule "b"
+        assert time.monotonic() < deadline, "'b' was not scheduled within 60 s of its load"
+        first = [r for r in engine_step(sched, conn).scheduled_new_reqs if r.req_id == "b"]
+        threading.Event().wait(0.005)  # let the load thread run
     (new,) = first
     assert new.num_computed_tokens == 3 * BS  # the prefix came from the pool
     for name, saved in zip(LAYER_NAMES, prefix, strict=True):
@@ -891,9 +891,9 @@ def test_a_failed_async_load_follows_vllms_failure_policy(
     sched.add_request(request(TOKENS, "b"))
     computed: list[int] = []
     finished: list[RequestStatus] = []
-    for _ in range(200):
-        if "b" not in sched.requests:
-            break
+    deadline = time.monotonic() + 60  # generous: a load, a few steps and a save
+    while "b" in sched.requests:  # until vLLM is done with "b", however its load failed
+        assert time.monotonic() < deadline, "'b' was still in the scheduler after 60 s"
         req = sched.requests["b"]
         out = engine_step(sched, conn)
         computed += [r.num_computed_tokens for r in out.scheduled_new_reqs]

@@ -312,6 +312,7 @@ def write_tiny_sliding_window_llama(path: str, window: int) -> str:
     return path
 
 
+@pytest.mark.leaves("keys")  # the engines keep the prefix they saved, as in service
 def test_a_sliding_window_model_loads_a_prefix_longer_than_its_window(tmp_path: Path) -> None:
     model = write_tiny_sliding_window_llama(str(tmp_path / "model"), window=BLOCK)
     rng = random.Random(10)

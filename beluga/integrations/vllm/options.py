@@ -26,9 +26,10 @@ Roles (``kv_role``), as vLLM's disaggregated-serving connectors read them:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
+
+from beluga.pool import resolve_pool
 
 TRANSFERS = ("whole", "layerwise")
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -149,7 +150,7 @@ class Options:
         coherence = extra.get("coherence")
         return cls(
             role=role,
-            pool=str(extra.get("pool") or os.environ.get("BELUGA_POOL", "")),
+            pool=resolve_pool(extra.get("pool"), setting=_setting("pool")),
             coherence=None if coherence is None else str(coherence),
             transfer=transfer,
             async_min_bytes=None if role == "kv_producer" else threshold,

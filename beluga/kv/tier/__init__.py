@@ -26,6 +26,9 @@ tried again every few seconds.
 :class:`MooncakeTier` is thread-safe (one lock around the Mooncake client;
 the demotion queue has its own) and not fork-safe: a forked child makes its
 own tier (a Mooncake client cannot be shared across a fork).
+
+The Mooncake client it talks through is :mod:`beluga.kv.tier.mooncake` (the
+benchmarks' Mooncake baseline drives the same client).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from beluga.kv.tier.mooncake import MooncakeClient, check_available, connect
 
 log = logging.getLogger("beluga.tier")
 
@@ -85,9 +90,7 @@ def tier_key(digest: bytes) -> str:
     return KEY_PREFIX + digest.hex()
 
 
-def _connect(config: TierConfig) -> Any:
-    from beluga.bench.mooncake import check_available, connect
-
+def _connect(config: TierConfig) -> MooncakeClient:
     return connect(
         check_available(), config.metadata_url, config.master_address, config.local_buffer_size
     )
