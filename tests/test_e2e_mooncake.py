@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from beluga.bench import e2e, e2e_mooncake, e2e_pd, mooncake
+from beluga.bench import e2e, e2e_mooncake, e2e_pd
 from beluga.errors import BackendUnavailableError
 from beluga.kv.tier.mooncake import check_available
 from beluga.serving.cluster import Record

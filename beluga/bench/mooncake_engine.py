@@ -46,7 +46,6 @@ from beluga.errors import CapacityError
 from beluga.kv.identity import ModelIdentity
 from beluga.kv.store import Saved
 from beluga.kv.tier.mooncake import MooncakeClient, check_available, connect
-from beluga.units import MiB
 from beluga.serving.cluster import EngineConfig
 from beluga.serving.engine import CachingEngine, kv_block_keys, leading_run
 from beluga.serving.model import KV, ModelEngine

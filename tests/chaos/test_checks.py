@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from beluga import KVStore, chaos
-from beluga.chaos import ChaosConfig, ChaosDriver, faults
+from beluga.chaos import ChaosDriver, faults
 from beluga.chaos.roles import Midway, _report_failure, read_in_place
 from beluga.chaos.values import HEADER_BYTES, make_value, verify
 from beluga.chaos.verifier import History
