@@ -14,9 +14,9 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from beluga.bench.stats import parse_size
 from beluga.errors import BackendUnavailableError
 from beluga.serving.scheduler import SCHEDULERS
+from beluga.units import parse_size
 
 _NEEDS = ("torch", "transformers", "tqdm")
 

@@ -36,9 +36,9 @@ import numpy as np
 
 from beluga._native import _core
 from beluga.coherence import Miss, digest
-from beluga.errors import BelugaError, RpcError, WriteLeaseLost
+from beluga.errors import RpcError, WriteLeaseLost
 from beluga.kv import protocol as p
-from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
+from beluga.kv.tier import MooncakeTier, TierConfig, tier_configured
 from beluga.pool import Pool
 from beluga.rpc import RpcClient
 from beluga.transfer.buffers import Buffers, Values, as_buffer
@@ -123,7 +123,8 @@ class KVStore:
         connect_timeout: float = 10.0,
         tier: MooncakeTier | TierConfig | str | None = None,
     ) -> None:
-        """``tier``: the cross-pod tier (:mod:`beluga.kv.tier`); default ``BELUGA_TIER``."""
+        """``tier``: the cross-pod tier (:mod:`beluga.kv.tier`); default ``BELUGA_TIER``.
+        With one, the store is a :class:`beluga.kv.tiered.TieredStore`."""
         self._owns_pool = not isinstance(pool, Pool)
         self.pool = Pool.attach(pool, coherence=coherence) if self._owns_pool else pool
         try:
@@ -153,37 +154,14 @@ class KVStore:
             hint_off=sb.hint_offset(self.rpc.host_id),
             owner=self.rpc.entry.generation,
         )
-        #: the tier beyond this pod (None: the pool alone); misses are looked up there
-        self.tier = make_tier(tier)
-        self._owns_tier = self.tier is not None and not isinstance(tier, MooncakeTier)
 
-    # -- the tier beyond the pod -----------------------------------------------
+    def __new__(cls, *args: Any, tier: MooncakeTier | TierConfig | str | None = None, **kw: Any):
+        """A :class:`~beluga.kv.tiered.TieredStore` when a tier is given or configured."""
+        if cls is KVStore and tier_configured(tier):
+            from beluga.kv.tiered import TieredStore
 
-    def _from_tier(self, keys: Sequence[Key]) -> list[bytes | None]:
-        """Values of keys the pool missed, from the tier; found ones are promoted into the
-        pool (best effort: a full pool or an absent server still returns the value)."""
-        assert self.tier is not None
-        values = self.tier.fetch(_core.key_digests(keys))
-        found = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]
-        promoted = 0
-        if found:
-            try:
-                self.batch_put_from([k for k, _ in found], [v for _, v in found], tier=False)
-                promoted = len(found)
-            except (BelugaError, OSError) as exc:
-                log.debug("promotion of %d values from the tier failed: %s", len(found), exc)
-        self.index.count_tier(len(found), promoted)
-        return values
-
-    def _write_through(self, refs: Sequence[BlockRef]) -> None:
-        """Queue committed values for the tier (write-through), read back from the pool."""
-        assert self.tier is not None
-        for r in refs:
-            value = self.mem.read_bytes(
-                r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
-            )
-            if isinstance(value, bytes):
-                self.tier.submit(r.digest, value, "write-through")
+            cls = TieredStore
+        return super().__new__(cls)
 
     # -- plumbing ------------------------------------------------------------
 
@@ -379,7 +357,6 @@ class KVStore:
         replace: bool = False,
         attempts: int = 1,
         wait_s: float = 2.0,
-        tier: bool = True,
     ) -> Saved:
         """Store one value per key from ``source``: the one write call of the data path.
 
@@ -405,8 +382,7 @@ class KVStore:
         is refused at its commit and tried again, ``attempts`` times in all,
         then reported in ``Saved.lost``.  Anything that fails before the
         seal gives every reserved extent back and raises (nothing is stored
-        for that attempt).  With a write-through tier the committed values
-        are queued for it too (``tier``: False for values that came from it).
+        for that attempt).
         """
         lengths = list(source.lengths())
         if len(lengths) != len(keys):
@@ -433,9 +409,11 @@ class KVStore:
             todo += self._save_round(out, rest, raw, digests, lengths, source, True)
             if time.monotonic() >= deadline:
                 break
-        if tier and out.refs and self.tier is not None and self.tier.config.write_through:
-            self._write_through(out.refs)
+        self._committed(out.refs)
         return Saved(sorted(out.stored), sorted(out.present), sorted(todo), sorted(out.writing))
+
+    def _committed(self, refs: Sequence[BlockRef]) -> None:
+        """What a save committed (nothing to do here; a tiered store queues them)."""
 
     def _save_round(
         self,
@@ -528,33 +506,20 @@ class KVStore:
         """Where keys live, from the pool index (no RPC); with ``prefix``, up to and
         including the first miss.  Read them with :meth:`load`, which checks every
         block again: a block replaced since is a miss, never other bytes."""
-        found = self.index.locate(keys, prefix=prefix)
-        if self.tier is not None and None in found:
-            # misses of the pool: promote what the tier holds, then look again
-            first = found.index(None)
-            missing = (
-                list(keys[first:])
-                if prefix
-                else [keys[i] for i, f in enumerate(found) if f is None]
-            )
-            got = self._from_tier(missing)
-            if any(v is not None for v in got):
-                found = self.index.locate(keys, prefix=prefix)
-        return [None if loc is None else self._ref(*loc) for loc in found]
+        return [None if loc is None else self._ref(*loc) for loc in self.index.locate(keys, prefix)]
 
     # -- values --------------------------------------------------------------
 
-    def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any], tier: bool = True) -> None:
+    def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any]) -> None:
         """Store many values, replacing what the keys held; one ALLOC and one COMMIT RPC per
         batch (:meth:`save` with ``replace``).
 
         Raises ``WriteLeaseLost`` naming the values whose write lease ran out
-        (the others are committed).  With a write-through tier the values are
-        queued for it too (``tier``: False for values that came from it).
+        (the others are committed).
         """
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        saved = self.save(keys, Buffers(values), replace=True, tier=tier)
+        saved = self.save(keys, Buffers(values), replace=True)
         if saved.lost:
             raise WriteLeaseLost(saved.lost, len(keys))
 
@@ -578,30 +543,11 @@ class KVStore:
 
     def get_batch(self, keys: Sequence[Key]) -> list[bytes | None]:
         """Values of many keys (None for a miss); no RPC."""
-        out = self.index.get_many(keys)
-        if self.tier is not None and None in out:
-            misses = [i for i, v in enumerate(out) if v is None]
-            for i, v in zip(misses, self._from_tier([keys[i] for i in misses]), strict=True):
-                out[i] = v
-        return out
+        return self.index.get_many(keys)
 
     def get(self, key: Key) -> bytes | None:
         """A key's value, or None on a miss; no RPC (one call into the C core)."""
-        value = self.index.get(key)
-        if value is None and self.tier is not None:
-            return self._from_tier([key])[0]
-        return value
-
-    def _into(self, value: bytes, buffer: Any) -> int:
-        """A value from the tier into a caller's buffer (the checks of get_into)."""
-        view = as_buffer(buffer, writable=True)
-        if len(view) < len(value):
-            raise ValueError(
-                f"the buffer holds {len(view)} bytes but the value is {len(value)} bytes; "
-                "pass a buffer of at least that size"
-            )
-        view[: len(value)] = value
-        return len(value)
+        return self.index.get(key)
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int]:
         """Read many values into caller buffers; each result is the length, or -1 for a miss.
@@ -610,49 +556,25 @@ class KVStore:
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        out = self.index.get_many_into(keys, [as_buffer(b, writable=True) for b in buffers])
-        if self.tier is not None and -1 in out:
-            misses = [i for i, n in enumerate(out) if n < 0]
-            for i, v in zip(misses, self._from_tier([keys[i] for i in misses]), strict=True):
-                if v is not None:
-                    out[i] = self._into(v, buffers[i])
-        return out
+        return self.index.get_many_into(keys, [as_buffer(b, writable=True) for b in buffers])
 
     def get_into(self, key: Key, buffer: Any) -> int:
         """Read a value into ``buffer``: its length, or -1 for a miss; no RPC."""
         try:
-            n = self.index.get_into(key, buffer)
+            return self.index.get_into(key, buffer)
         except (TypeError, BufferError):  # a torch tensor, a raw (address, size) pair
-            n = self.index.get_into(key, as_buffer(buffer, writable=True))
-        if n < 0 and self.tier is not None:
-            value = self._from_tier([key])[0]
-            if value is not None:
-                return self._into(value, buffer)
-        return n
+            return self.index.get_into(key, as_buffer(buffer, writable=True))
 
     def batch_is_exist(self, keys: Sequence[Key]) -> list[bool]:
-        """Whether each key is stored (in the pool, or else in the tier)."""
-        out = self.index.exists(keys)
-        if self.tier is not None and not all(out):
-            misses = [i for i, there in enumerate(out) if not there]
-            digests = _core.key_digests([keys[i] for i in misses])
-            for i, there in zip(misses, self.tier.exists(digests), strict=True):
-                out[i] = there
-        return out
+        """Whether each key is stored."""
+        return self.index.exists(keys)
 
     def is_exist(self, key: Key) -> bool:
-        if self.index.exists_one(key):
-            return True
-        return self.tier is not None and self.tier.exists(_core.key_digests([key]))[0]
+        return self.index.exists_one(key)
 
     def lookup_prefix(self, keys: Sequence[Key]) -> int:
-        """How many leading keys of a chain are stored (one call, no RPC; then the tier
-        for the rest of the chain, whose values a later read promotes)."""
-        n = sum(self.index.exists(keys, prefix=True))
-        if n < len(keys) and self.tier is not None:
-            there = self.tier.exists(_core.key_digests(keys[n:]))
-            n += next((i for i, t in enumerate(there) if not t), len(there))
-        return n
+        """How many leading keys of a chain are stored (one call, no RPC)."""
+        return sum(self.index.exists(keys, prefix=True))
 
     def stats(self) -> dict[str, Any]:
         """The server's counters (capacity, use, hits, misses, evictions, leases).
@@ -660,10 +582,7 @@ class KVStore:
         This store's hits and misses are stored first, so they are in the answer.
         """
         self.index.flush_hints()
-        stats = json.loads(self.rpc.call(p.StoreOp.STATS))
-        if self.tier is not None:
-            stats["client_tier"] = self.tier.stats()
-        return stats
+        return json.loads(self.rpc.call(p.StoreOp.STATS))
 
     # -- life cycle ----------------------------------------------------------
 
@@ -671,8 +590,6 @@ class KVStore:
         if not self.mem.released:
             with contextlib.suppress(Exception):  # closing: hints are only hints
                 self.index.flush_hints()
-        if self.tier is not None and self._owns_tier:
-            self.tier.close()
         self.rpc.close()
         if self._owns_pool:
             self.pool.close()
