@@ -154,6 +154,7 @@ def test_beluga_bench_e2e_writes_json_and_a_chart(tmp_path: Path) -> None:
     assert_valid_png(tmp_path / "ttft.png")
 
 
+@pytest.mark.leaves("keys")  # the run's blocks stay in its scratch pool until it goes
 def test_a_disaggregated_round_decodes_what_a_single_engine_would(shm_path: str) -> None:
     """CI's PD round of our own engines: one prefill and one decode engine over one pool;
     every decode loads the whole prompt's full blocks and generates a single engine's
@@ -317,6 +318,7 @@ def test_the_disaggregated_chart_is_a_png(tmp_path: Path) -> None:
     assert_valid_png(tmp_path / "pd.png")
 
 
+@pytest.mark.leaves("keys")  # each run's blocks stay in its scratch pool until it goes
 def test_repeated_runs_and_bursts_report_ranges_and_count_duplicates_alike(
     shm_path: str,
 ) -> None:

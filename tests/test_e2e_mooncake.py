@@ -130,6 +130,7 @@ def test_the_headline_and_the_paper_scale_come_from_the_per_block_costs() -> Non
     assert scale["kv_gap_s_per_hit"] == pytest.approx(937 * (8.0 - 2.0) / 1e3)
 
 
+@pytest.mark.leaves("keys")  # the run's blocks stay in its scratch pool until it goes
 @pytest.mark.slow  # ~40 s: the Mooncake engines are spawned (they import torch)
 def test_both_systems_hand_off_over_their_store_and_decode_a_single_engines_tokens(
     mooncake_installed: None, shm_path: str, tmp_path: Path

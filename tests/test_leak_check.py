@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from beluga import KVStore
+from beluga.chaos.roles import Midway
 from beluga.pool import Pool
 
 from . import conftest
@@ -21,9 +24,16 @@ def test_a_pool_reads_as_its_committed_keys_and_its_writes_in_flight(shm_path: s
             store.put("a", b"x" * 100_000)  # an extent of two blocks is one key
             store.put("b", b"y")
             store.put("b", b"z")  # the new version replaces the old one
-            (ref,) = store.reserve(["c"], [10])  # WRITING, never committed
-            assert pool_contents(spec) == PoolContents(spec, keys=2, writes=1)
-            store.abort([ref])
+
+            class Abandoned(Exception):
+                pass
+
+            def look_while_writing(mem: Any, places: Any) -> None:  # "c" WRITING, uncommitted
+                assert pool_contents(spec) == PoolContents(spec, keys=2, writes=1)
+                raise Abandoned  # the save gives its extent back
+
+            with pytest.raises(Abandoned):
+                store.save(["c"], Midway([b"c" * 10], look_while_writing))
             assert store.remove("a") and store.remove("b")
             assert pool_contents(spec) == PoolContents(spec, keys=0, writes=0)
     finally:

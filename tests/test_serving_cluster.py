@@ -183,6 +183,7 @@ def test_a_cluster_must_be_started_and_routed_sensibly(shm_path: str) -> None:
         cluster_on(shm_path).run([[1, 2]], LocalityFree(2))
 
 
+@pytest.mark.leaves("keys")  # the prompt's blocks, which the decode engine loaded
 def test_a_disaggregated_run_prefills_on_one_engine_and_decodes_a_single_engines_tokens(
     shm_path: str,
 ) -> None:
