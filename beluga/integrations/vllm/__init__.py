@@ -61,12 +61,12 @@ Worker side (the model runner, :class:`BelugaWorker`):
     ``register_kv_caches``  detects the layout through :class:`beluga.transfer.KVLayout`;
         a layout, dtype or shape that cannot be moved is refused here, at start.
     ``start_load_kv``       reads its rank's shard of every block of the step with one validated
-        ``KVStore.load``: one per request on the load thread when
+        ``KVStore.load`` per KV cache group: one job per request on the load thread when
         asynchronous; otherwise now (``"transfer": "layerwise"``: one per layer, in
         ``wait_for_layer_load``; each of those checksums the whole block from the pool).
     ``save_kv_layer``       nothing (in the connector): a block is sealed with the
         checksum of the bytes its writer stored, so it moves whole, in ``wait_for_save``.
-    ``wait_for_save``       one ``KVStore.save`` (on the save thread when asynchronous):
+    ``wait_for_save``       one ``KVStore.save`` per group (on the save thread when asynchronous):
         the step's blocks (this rank's shards) are moved, sealed and committed
         before any other engine can find them; blocks the pool holds already,
         or another engine is saving, are skipped.
