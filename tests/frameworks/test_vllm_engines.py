@@ -10,10 +10,13 @@ with one warning.  Engine F serves a fine-tune of the model from a directory
 of the same name: it must find none of the model's blocks.  The models are
 tiny random-weight Llamas written by the test: nothing is downloaded.
 
-A model that mixes sliding-window and full-attention layers runs with the
-connector in one KV cache group (vLLM turns its hybrid KV cache manager off
-for a connector without SupportsHMA): an engine loads another's prefix,
-longer than the window, and generates the first one's tokens.
+A model that mixes sliding-window and full-attention layers runs with vLLM's
+hybrid KV cache manager off (one KV cache group, every block of both layers
+kept) and on (vLLM's default with BelugaConnector, which implements
+SupportsHMA: a group per layer): either way an engine loads another's
+prefix, longer than the window, and generates the first one's tokens; with
+the manager on, the sliding-window group loads only its window, and fewer
+bytes move.
 
 With tensor parallelism (two ranks, each a worker process): a TP=2 engine
 saves each rank's shard, a second TP=2 engine loads them and generates the
@@ -59,27 +62,32 @@ BLOCK = 32  # the CPU attention's block size
 PREFIX_BLOCKS = 3
 
 
-# beluga.bench.vllm_engine's engine, with two tensor-parallel workers in processes of their own
-TP2 = """
-import functools, sys, vllm
+# beluga.bench.vllm_engine's engine, with more arguments for vllm.LLM (JSON, in the environment)
+WITH_LLM_ARGS = """
+import functools, json, os, sys, vllm
 from beluga.bench import vllm_engine
 if __name__ == "__main__":
-    vllm.LLM = functools.partial(
-        vllm.LLM, tensor_parallel_size=2, distributed_executor_backend="mp"
-    )
+    vllm.LLM = functools.partial(vllm.LLM, **json.loads(os.environ["BELUGA_TEST_LLM_ARGS"]))
     sys.exit(vllm_engine.main(sys.argv[1:]))
 """
+#: two tensor-parallel workers in processes of their own
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 
 
-def engine(tmp: Path, name: str, job: dict[str, Any], tp: int = 1) -> tuple[dict[str, Any], str]:
-    """Run one engine process (``tp``: 1, or 2 with a worker process per rank); its results
-    and its stderr."""
+def engine(
+    tmp: Path, name: str, job: dict[str, Any], llm: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], str]:
+    """Run one engine process (``llm``: more arguments for ``vllm.LLM``, e.g. :data:`TP2`);
+    its results and its stderr."""
     job_file, out_file = tmp / f"{name}.json", tmp / f"{name}.out.json"
     job_file.write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     # vLLM's CPU workers bind one NUMA node each unless told which cores: one core per rank
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    start = ["-m", "beluga.bench.vllm_engine"] if tp == 1 else ["-c", TP2]
+    start = ["-m", "beluga.bench.vllm_engine"]
+    if llm:
+        env["BELUGA_TEST_LLM_ARGS"] = json.dumps(llm)
+        start = ["-c", WITH_LLM_ARGS]
     proc = subprocess.run(
         [sys.executable, *start, str(job_file), str(out_file)],
         env=env,
@@ -267,10 +275,10 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     prompts = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 14)] for _ in range(2)]
     with served_pool(16 << 10) as (path, pool):
         job = {"model": model, "max_tokens": 8, "prompts": prompts, "pool": path}
-        out = {"A": engine(tmp, "A", job, tp=2)}
+        out = {"A": engine(tmp, "A", job, TP2)}
         with KVStore(pool) as store:
             out["stats"] = store.stats()
-        out["B"] = engine(tmp, "B", job, tp=2)
+        out["B"] = engine(tmp, "B", job, TP2)
         out["one"] = engine(tmp, "one", job)
         yield out
 
@@ -292,7 +300,7 @@ def test_a_tp1_engine_never_reads_tp2_shards(tp_runs: dict[str, Any]) -> None:
     assert result["counters"].get("hit_blocks", 0) == 0
 
 
-# -- sliding window: vLLM keeps every block of every layer for a connector without HMA --
+# -- sliding window: a model that mixes sliding-window and full-attention layers --
 
 
 def write_tiny_sliding_window_llama(path: str, window: int) -> str:
@@ -312,17 +320,53 @@ def write_tiny_sliding_window_llama(path: str, window: int) -> str:
     return path
 
 
-@pytest.mark.leaves("keys")  # the engines keep the prefix they saved, as in service
-def test_a_sliding_window_model_loads_a_prefix_longer_than_its_window(tmp_path: Path) -> None:
-    model = write_tiny_sliding_window_llama(str(tmp_path / "model"), window=BLOCK)
+@pytest.fixture(scope="module")
+def window_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Two engines with vLLM's hybrid KV cache manager off (one KV cache group of both
+    layers) and two with it on (its default: a group per layer), on one pool."""
+    tmp = tmp_path_factory.mktemp("window")
+    model = write_tiny_sliding_window_llama(str(tmp / "model"), window=BLOCK)
     rng = random.Random(10)
     prompts = [[rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * BLOCK + 14)] for _ in "ab"]
+    off = {"disable_hybrid_kv_cache_manager": True}
     with served_pool(16 << 10) as (path, _):
         job = {"model": model, "max_tokens": 8, "prompts": prompts, "pool": path}
-        first, second = engine(tmp_path, "A", job), engine(tmp_path, "B", job)
+        yield {
+            "off-A": engine(tmp, "off-A", job, off),
+            "off-B": engine(tmp, "off-B", job, off),
+            "on-A": engine(tmp, "on-A", job),
+            "on-B": engine(tmp, "on-B", job),
+        }
+
+
+def test_without_the_hybrid_manager_a_sliding_window_model_loads_every_block(
+    window_runs: dict[str, Any],
+) -> None:
+    """One group in which vLLM keeps every block of both layers: a prefix three times the
+    window loads whole."""
+    first, second = window_runs["off-A"], window_runs["off-B"]
     assert first[0]["counters"]["saved_blocks"] == 2 * PREFIX_BLOCKS
     for r in second[0]["results"]:
         assert r["num_cached_tokens"] == PREFIX_BLOCKS * BLOCK
         assert r["loaded_blocks"] == PREFIX_BLOCKS
     assert second[0]["counters"]["load_errors"] == 0
     assert tokens(second) == tokens(first)  # loaded, not recomputed: the same tokens
+
+
+def test_with_the_hybrid_manager_a_sliding_window_group_loads_its_window_alone(
+    window_runs: dict[str, Any],
+) -> None:
+    """A group per layer: the full-attention layer loads every block of the prefix, the
+    sliding-window layer only the last (the 97th token attends to tokens 66..97), so fewer
+    bytes move than without the manager, for the tokens that recomputation gives."""
+    first, second = window_runs["on-A"], window_runs["on-B"]
+    assert "Turning off hybrid kv cache manager" not in first[1] + second[1]
+    # a value per block and group, none of them the other engines' (groups are keyed apart)
+    assert first[0]["counters"]["saved_blocks"] == 2 * PREFIX_BLOCKS * 2
+    for r in second[0]["results"]:
+        assert r["num_cached_tokens"] == PREFIX_BLOCKS * BLOCK
+        assert r["loaded_blocks"] == PREFIX_BLOCKS + 1
+    assert second[0]["counters"]["load_errors"] == 0
+    assert tokens(second) == tokens(window_runs["off-A"]) == tokens(first)
+    moved = second[0]["counters"]["load_bytes"]
+    assert 0 < moved < window_runs["off-B"][0]["counters"]["load_bytes"]

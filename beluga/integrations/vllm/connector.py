@@ -1,8 +1,18 @@
-"""BelugaConnector: the class vLLM loads; it only forwards each hook to its role's half."""
+"""BelugaConnector: the class vLLM loads; it only forwards each hook to its role's half.
+
+Beside the v1 API's hooks it implements ``SupportsHMA`` (vLLM's hybrid KV
+cache manager: every KV cache group, see :mod:`.shapes`), ``take_events``
+(:mod:`.events`), ``reset_cache`` (an epoch, see :mod:`.scheduler`) and
+reports its hits as host memory (``CacheHitSource.HOST``: the pool is memory
+each host maps).  Sleep mode is refused: it discards and remaps the KV cache,
+which only the GPU backend does, and BelugaConnector moves host-resident KV
+caches only.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -18,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from beluga.integrations._link import StoreLink
 from beluga.integrations.vllm.metrics import BelugaConnectorStats, BelugaPromMetrics
@@ -28,7 +40,10 @@ from beluga.integrations.vllm.worker import BelugaWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -36,7 +51,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class BelugaConnector(KVConnectorBase_V1):
+class BelugaConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over a Beluga pool: forwards each hook to its role's half.
 
     ``scheduler`` (a :class:`BelugaScheduler`) in the engine core,
@@ -46,6 +61,13 @@ class BelugaConnector(KVConnectorBase_V1):
     processes that use them, and so should anyone else.
     """
 
+    _cache_hit_source = CacheHitSource.HOST
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No (vLLM >= 0.33 asks): see the module docstring."""
+        return False
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -53,6 +75,13 @@ class BelugaConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.model_config is not None and vllm_config.model_config.enable_sleep_mode:
+            raise ValueError(
+                "BelugaConnector does not follow sleep mode (it discards and remaps the KV "
+                "cache, on GPUs, where BelugaConnector does not run): set "
+                "enable_sleep_mode=False (drop --enable-sleep-mode), or remove BelugaConnector "
+                "from --kv-transfer-config"
+            )
         config = self._kv_transfer_config
         self.options = Options.of(config.kv_role, config.kv_connector_extra_config)
         self.kv = engine_kv(vllm_config, kv_cache_config)
@@ -66,17 +95,31 @@ class BelugaConnector(KVConnectorBase_V1):
         self.scheduler: BelugaScheduler | None = None
         self.worker: BelugaWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = BelugaScheduler(vllm_config, self.kv, self.link, self.options)
+            assert kv_cache_config is not None  # engine_kv refused None
+            self.scheduler = BelugaScheduler(
+                vllm_config, kv_cache_config, self.kv, self.link, self.options
+            )
         else:
-            self.worker = BelugaWorker(self.kv, self.link, self.options, tp_rank(vllm_config))
+            events = vllm_config.kv_events_config
+            self.worker = BelugaWorker(
+                self.kv,
+                self.link,
+                self.options,
+                tp_rank(vllm_config),
+                events=events is not None and bool(events.enable_kv_cache_events),
+            )
 
     # ==============================
     # Scheduler side
     # ==============================
 
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        assert self.scheduler is not None
+        self.scheduler.null_block = gpu_block_pool.null_block.block_id
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -99,6 +142,20 @@ class BelugaConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        assert self.scheduler is not None
+        return self.scheduler.take_events()
+
+    def reset_cache(self) -> bool:
+        assert self.scheduler is not None
+        return self.scheduler.reset_cache()
 
     # ==============================
     # Worker side
@@ -132,6 +189,10 @@ class BelugaConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         return self.worker.get_finished(finished_req_ids)
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        assert self.worker is not None
+        return self.worker.get_kv_cache_events()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self.worker is not None

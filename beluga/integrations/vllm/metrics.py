@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 #: what the connector counts, and what each count means (also its Prometheus help)
 STATS = {
     "lookups": "Requests looked up in the pool.",
+    "deferred_lookups": "Lookups put off because another request was loading the same blocks "
+    "asynchronously (the blocks load once).",
     "hit_blocks": "Engine blocks found in the pool by lookups.",
     "miss_blocks": "Engine blocks looked up and not found in the pool.",
     "loaded_blocks": "Blocks loaded from the pool into the KV cache, validated.",

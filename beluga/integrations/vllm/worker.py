@@ -4,13 +4,16 @@
 moved); ``start_load_kv`` / ``wait_for_layer_load`` load the step's blocks
 with ``KVStore.load`` (on the load thread when asynchronous);
 ``wait_for_save`` saves the blocks the step completed with one
-``KVStore.save`` (on the save thread when asynchronous);
-``get_block_ids_with_load_errors`` and ``get_finished`` report back to vLLM.
+``KVStore.save`` per KV cache group (on the save thread when asynchronous);
+``handle_preemptions`` ends the saves that read blocks the step hands out
+again; ``get_block_ids_with_load_errors``, ``get_finished`` and
+``get_kv_cache_events`` report back to vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -18,38 +21,50 @@ import torch
 
 from beluga.errors import CapacityError, KVLayoutError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
+from beluga.integrations.vllm.events import Block, SavedBlocks
 from beluga.integrations.vllm.metrics import BelugaConnectorStats, Tally
 from beluga.integrations.vllm.options import Options
 from beluga.integrations.vllm.scheduler import BelugaMetadata, LoadSpec, SaveSpec
 from beluga.integrations.vllm.shapes import EngineKV
-from beluga.kv import BlockRef, KVStore
+from beluga.kv import BlockRef
 from beluga.transfer import EngineBlocks, KVLayout, KVSpec
+
+#: seconds the worker waits for a save that reads engine blocks vLLM hands out again
+SAVE_END_S = 60.0
 
 
 class BelugaWorker:
     """The connector's worker side (the model runner): moves blocks between KV cache and pool.
 
     Not thread-safe: vLLM calls it from the model runner's thread; its step
-    state is unguarded (its counts are thread-safe).  Asynchronous transfers
-    run on two threads of its own, one for loads and one for saves, and hand
-    results back through futures; a load thread writes only the engine blocks
-    vLLM allocated to the requests waiting for it, and a save thread reads
-    only blocks vLLM keeps until the save is reported (a finished request's,
-    held by ``request_finished``; a preempted one's, flushed by
-    :meth:`handle_preemptions`).
+    state is unguarded (its counts and its reports of saved blocks are
+    thread-safe).  Asynchronous transfers run on two threads of its own, one
+    for loads and one for saves, and hand results back through futures; a
+    load thread writes only the engine blocks vLLM allocated to the requests
+    waiting for it, and a save thread reads only blocks vLLM keeps until the
+    save is reported (a finished request's, held by ``request_finished``) or
+    that no step writes before the save ends (:meth:`handle_preemptions`).
     """
 
-    def __init__(self, kv: EngineKV, link: StoreLink, options: Options, rank: int) -> None:
+    def __init__(
+        self, kv: EngineKV, link: StoreLink, options: Options, rank: int, events: bool = False
+    ) -> None:
         self.shard = kv.shard(rank)
         self.kv = kv
         self.link = link
         self.rank = rank
         self._transfer = options.transfer
+        if self._transfer == "layerwise" and len(kv.groups) > 1:
+            raise KVLayoutError(
+                f"layer-wise loads move one KV cache group, and this engine has {len(kv.groups)} "
+                "(vLLM's hybrid KV cache manager): use kv_connector_extra_config 'transfer': "
+                "'whole', or set disable_hybrid_kv_cache_manager=True"
+            )
         self._tally = Tally()
-        self._layout: KVLayout | None = None
+        self._layouts: list[KVLayout] = []  # by group
         self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
         self._load_errors: set[int] = set()
-        self._layer_loads: tuple[np.ndarray, list[BlockRef], list[str]] | None = None
+        self._layer_loads: tuple[np.ndarray, list[BlockRef | None], list[str]] | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         if options.loads and options.async_min_bytes is not None:
@@ -57,34 +72,41 @@ class BelugaWorker:
         if options.saves and options.save_async:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="beluga-save")
         self._loading: dict[str, Future[set[int]]] = {}  # request -> its failed engine blocks
-        self._saves: list[tuple[set[str], Future[None]]] = []  # requests, their save
+        # the requests of a save, the engine blocks it reads, the save
+        self._saves: list[tuple[set[str], set[int], Future[None]]] = []
         self._saved_for: set[str] = set()  # requests an asynchronous save was queued for
         self._finished: set[str] = set()  # of those, the ones vLLM finished
+        self._events = events  # report the blocks saves leave in the pool (KV events)
+        self._in_pool: list[Block] = []
+        self._in_pool_lock = threading.Lock()
 
     def get_stats(self) -> BelugaConnectorStats | None:
         return self._tally.take()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = self.kv.layer_names
+        names = [n for g in self.kv.groups for n in g.layer_names]
         missing = [n for n in names if n not in kv_caches]
         if missing:
             raise KVLayoutError(
                 f"vLLM registered no KV cache for layers {missing}; BelugaConnector needs every "
-                "attention layer of the model's KV cache group"
+                "attention layer of the model's KV cache groups"
             )
-        tensors = [kv_caches[n] for n in names]
-        self._layout = self._detect_layout(self.kv.spec, tensors)
+        self._layouts = [
+            self._detect_layout(g.spec, [kv_caches[n] for n in g.layer_names])
+            for g in self.kv.groups
+        ]
         if self._transfer == "layerwise":
-            layer_bytes = 2 * self.kv.spec.section_bytes
+            (group,) = self.kv.groups
+            layer_bytes = 2 * group.spec.section_bytes
             if layer_bytes % 64:
                 raise KVLayoutError(
                     f"one layer of a block is {layer_bytes} bytes, not a multiple of 64, so "
                     "layer-wise transfers cannot address it: use 'transfer': 'whole'"
                 )
-            one = dataclasses.replace(self.kv.spec, num_layers=1)
+            one = dataclasses.replace(group.spec, num_layers=1)
             self._layer_layouts = {
-                n: (i * layer_bytes, self._detect_layout(one, [t]))
-                for i, (n, t) in enumerate(zip(names, tensors, strict=True))
+                n: (i * layer_bytes, self._detect_layout(one, [kv_caches[n]]))
+                for i, n in enumerate(group.layer_names)
             }
         self.link.available()  # connect now, so a missing pool is reported at engine start
 
@@ -101,45 +123,59 @@ class BelugaWorker:
         return KVLayout.cpu_attention(spec, tensors)
 
     def start_load_kv(self, meta: BelugaMetadata | None) -> None:
-        """Load the step's blocks: on the load thread when asynchronous, else now.
+        """Load the step's blocks: on the load thread when asynchronous (one job per
+        request, every group of it), else now.
 
         ``"layerwise"`` (synchronous only): prepare, and load in the layer hooks.
         """
-        if meta is None or not meta.loads or self._layout is None:
+        if meta is None or not meta.loads or not self._layouts:
             return
-        now = []
+        now: list[LoadSpec] = []
+        later: dict[str, list[LoadSpec]] = {}
         for load in meta.loads:
             if load.asynchronous and self._loader is not None:
-                self._loading[load.req_id] = self._loader.submit(self._load_one, load)
+                later.setdefault(load.req_id, []).append(load)
             else:
                 now.append(load)
+        for req_id, loads in later.items():
+            self._loading[req_id] = self._loader.submit(self._load_all, loads)  # type: ignore[union-attr]
         if not now:
             return
-        engine = np.array([b for load in now for b in load.engine_blocks], dtype=np.int64)
-        refs = [r for load in now for r in load.refs[self.shard]]
         if self._transfer == "layerwise":
+            engine = np.array([b for load in now for b in load.engine_blocks], dtype=np.int64)
+            refs = [r for load in now for r in load.refs[self.shard]]
             self._layer_loads = (engine, refs, list(self._layer_layouts))
             return
-        valid = self._read(engine, refs, self._layout, 0)
-        self._load_errors.update(int(b) for b in engine[~valid])
-        self._tally.add(loaded_blocks=int(valid.sum()))
+        self._load_errors |= self._load_all(now)
 
-    def _load_one(self, load: LoadSpec) -> set[int]:
-        """One request's asynchronous load (on the load thread); the engine blocks that failed."""
-        assert self._layout is not None
-        engine = np.array(load.engine_blocks, dtype=np.int64)
-        valid = self._read(engine, load.refs[self.shard], self._layout, 0)
-        self._tally.add(loaded_blocks=int(valid.sum()))
-        return {int(b) for b in engine[~valid]}
+    def _load_all(self, loads: list[LoadSpec]) -> set[int]:
+        """Load requests' blocks (one read per group); the engine blocks that failed."""
+        failed: set[int] = set()
+        for group in self.kv.groups:
+            mine = [load for load in loads if load.group == group.index]
+            if not mine:
+                continue
+            engine = np.array([b for load in mine for b in load.engine_blocks], dtype=np.int64)
+            refs = [r for load in mine for r in load.refs[self.shard]]
+            valid = self._read(engine, refs, self._layouts[group.index], 0, group.format.nbytes)
+            self._tally.add(loaded_blocks=int(valid.sum()))
+            failed.update(int(b) for b in engine[~valid])
+        return failed
 
     def _read(
-        self, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
+        self,
+        engine: np.ndarray,
+        refs: list[BlockRef | None],
+        layout: KVLayout,
+        at: int,
+        value_bytes: int,
     ) -> np.ndarray:
-        """Read pool blocks (their bytes from ``at`` on) into engine blocks; which stayed valid.
+        """Read pool blocks (their bytes from ``at`` on, of values of ``value_bytes``) into
+        engine blocks; which stayed valid.
 
-        A block that the store does not validate (replaced, evicted, torn or
-        corrupted) is not valid: the caller reports it as a load error, so
-        vLLM recomputes it (or fails the request, as its
+        A block that the store does not validate (missing, replaced, evicted,
+        torn or corrupted) is not valid: the caller reports it as a load
+        error, so vLLM recomputes it (or fails the request, as its
         ``kv_load_failure_policy`` says) instead of using what was copied.
         """
         valid = np.zeros(len(refs), dtype=bool)
@@ -147,20 +183,14 @@ class BelugaWorker:
             if store is not None:
                 try:
                     with self._tally.timed("load_seconds"):
-                        valid = self._read_from(store, engine, refs, layout, at)
+                        sink = EngineBlocks(layout, engine, at=at, value_bytes=value_bytes)
+                        # the store checks each block's header and the checksum of what was copied
+                        valid = np.array(store.load(refs, sink, drop_corrupt=True), dtype=bool)
+                    self._tally.add(load_bytes=int(valid.sum()) * layout.format.nbytes)
                 except UNAVAILABLE as e:
                     self._tally.add(pool_errors=1)
                     self.link.lost(e, store)
                     valid[:] = False
-        return valid
-
-    def _read_from(
-        self, store: KVStore, engine: np.ndarray, refs: list[BlockRef], layout: KVLayout, at: int
-    ) -> np.ndarray:
-        sink = EngineBlocks(layout, engine, at=at, value_bytes=self.kv.format.nbytes)
-        # the store checks each block's header and the checksum of what was copied
-        valid = np.array(store.load(refs, sink, drop_corrupt=True), dtype=bool)
-        self._tally.add(load_bytes=int(valid.sum()) * layout.format.nbytes)
         return valid
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -168,7 +198,7 @@ class BelugaWorker:
             return
         engine, refs, remaining = self._layer_loads
         at, layout = self._layer_layouts[layer_name]
-        valid = self._read(engine, refs, layout, at)
+        valid = self._read(engine, refs, layout, at, self.kv.groups[0].format.nbytes)
         self._load_errors.update(int(b) for b in engine[~valid])
         # a block that failed one layer is reported already: later layers skip it
         engine, refs = engine[valid], [r for r, ok in zip(refs, valid, strict=True) if ok]
@@ -183,45 +213,54 @@ class BelugaWorker:
         A pool block is sealed with the checksum of the bytes its writer
         stored, taken as they are stored, so every layer of it moves in one
         write (nothing is saved per layer); a full block's KV does not change
-        while vLLM keeps the block.
+        while vLLM keeps the block.  Keys are taken now, in the step's epoch.
         """
         self._layer_loads = None
-        if meta is None or not meta.saves.hashes:
+        saves = [] if meta is None else [s for s in meta.saves if s.hashes]
+        if meta is None or not saves:
             return
+        req_ids = set().union(*(s.req_ids for s in saves))
         if not self.kv.saves(self.rank):  # rank 0 saves the shard every rank holds
             if self._saver is not None:  # vLLM waits for every rank to report the request
-                self._saved_for |= meta.saves.req_ids
+                self._saved_for |= req_ids
             return
+        self.kv = self.kv.at_epoch(meta.epoch)
+        jobs = [(s, [self.kv.key(h, self.shard, s.group) for h in s.hashes]) for s in saves]
         if self._saver is not None:
-            self._saved_for |= meta.saves.req_ids
-            self._saves.append((meta.saves.req_ids, self._saver.submit(self._save_all, meta.saves)))
+            self._saved_for |= req_ids
+            blocks = {b for s in saves for b in s.engine_blocks}
+            self._saves.append((req_ids, blocks, self._saver.submit(self._save_all, jobs)))
             return
-        self._save_all(meta.saves)
+        self._save_all(jobs)
 
-    def _save_all(self, saves: SaveSpec) -> None:
-        """Save blocks; an outage, a full pool or a lost lease is counted, not raised.
+    def _save_all(self, jobs: list[tuple[SaveSpec, list[bytes]]]) -> None:
+        """Save blocks (one write per group, under these keys); an outage, a full pool or a
+        lost lease is counted, not raised.
 
         A block committed already, or being saved by another engine, is
         skipped by the store (it costs no pool capacity); a write whose lease
         ran out is tried once more.
         """
-        layout = self._layout
-        if layout is None:
+        if not self._layouts:
             return
         with self.link.connected() as store:
             if store is None:
                 return
-            keys = [self.kv.key(h, self.shard) for h in saves.hashes]
-            try:
-                with self._tally.timed("save_seconds"):
-                    saved = store.save(keys, EngineBlocks(layout, saves.engine_blocks), attempts=2)
-            except CapacityError as e:
-                self._tally.add(save_full=len(saves.hashes))
-                log.debug("BelugaConnector: no room for %d blocks: %s", len(saves.hashes), e)
-            except UNAVAILABLE as e:
-                self._tally.add(pool_errors=1)
-                self.link.lost(e, store)
-            else:
+            for save, keys in jobs:
+                layout = self._layouts[save.group]
+                try:
+                    with self._tally.timed("save_seconds"):
+                        saved = store.save(
+                            keys, EngineBlocks(layout, save.engine_blocks), attempts=2
+                        )
+                except CapacityError as e:
+                    self._tally.add(save_full=len(keys))
+                    log.debug("BelugaConnector: no room for %d blocks: %s", len(keys), e)
+                    continue
+                except UNAVAILABLE as e:
+                    self._tally.add(pool_errors=1)
+                    self.link.lost(e, store)
+                    return
                 n = len(saved.stored)
                 self._tally.add(
                     saved_blocks=n,
@@ -229,6 +268,17 @@ class BelugaWorker:
                     save_skipped=len(saved.present) + len(saved.in_flight),
                     lease_losses=len(saved.lost),
                 )
+                if self._events:
+                    with self._in_pool_lock:
+                        self._in_pool += [
+                            (save.hashes[i], save.group) for i in saved.stored + saved.present
+                        ]
+
+    def get_kv_cache_events(self) -> SavedBlocks | None:
+        """The blocks this worker's saves left in the pool since the last call (KV events)."""
+        with self._in_pool_lock:
+            blocks, self._in_pool = self._in_pool, []
+        return SavedBlocks(blocks, self.kv.block_tokens) if blocks else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Failed blocks of this step's loads and of the loads ``get_finished`` reported."""
@@ -247,12 +297,12 @@ class BelugaWorker:
         for req in recving:
             self._load_errors |= self._loading.pop(req).result()
         running: set[str] = set()
-        for req_ids, future in self._saves:
+        for req_ids, _, future in self._saves:
             if not future.done():
                 running |= req_ids
             else:
                 future.result()
-        self._saves = [(r, f) for r, f in self._saves if not f.done()]
+        self._saves = [save for save in self._saves if not save[2].done()]
         self._finished |= finished_req_ids & self._saved_for
         sending = self._finished - running
         self._finished -= sending
@@ -260,9 +310,18 @@ class BelugaWorker:
         return sending or None, recving or None
 
     def handle_preemptions(self, meta: BelugaMetadata | None) -> None:
-        """Wait for the saves in flight when vLLM preempted a request (its blocks are reused)."""
-        if meta is not None and meta.flush_saves:
-            wait([future for _, future in self._saves])
+        """End the saves in flight that read engine blocks this step hands out again (a
+        preempted request's, a sliding-window block freed as its window moved), before
+        the step writes them: else a save could seal another request's KV under this
+        one's keys, with a valid checksum."""
+        if meta is None or not meta.reused:
+            return
+        reading = [f for _, blocks, f in self._saves if not blocks.isdisjoint(meta.reused)]
+        if reading and wait(reading, timeout=SAVE_END_S).not_done:
+            raise TimeoutError(
+                f"a save still reads engine blocks that vLLM hands out again after {SAVE_END_S} "
+                "s; stopping rather than let it store another request's KV"
+            )
 
     def close(self) -> None:
         """Let the transfers in flight end (they hold engine blocks), then stop the threads."""
