@@ -10,7 +10,7 @@ from beluga.kv.hashing import (
 )
 from beluga.kv.identity import KVNamespace, ModelIdentity, resolve_model
 from beluga.kv.server import MetadataServer, serve
-from beluga.kv.store import MAX_KEY_BYTES, BlockRef, KVStore, Saved
+from beluga.kv.store import MAX_KEY_BYTES, BlockRef, KVStore, Retired, Saved
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -19,6 +19,7 @@ __all__ = [
     "KVStore",
     "MetadataServer",
     "ModelIdentity",
+    "Retired",
     "Saved",
     "block_keys",
     "hash_block",

@@ -23,6 +23,7 @@ class StoreOp(enum.IntEnum):
     REMOVE = FIRST_SERVICE_OP + 4
     STATS = FIRST_SERVICE_OP + 5
     DROP = FIRST_SERVICE_OP + 6  # remove values a reader found corrupt, if still those versions
+    RETIRED = FIRST_SERVICE_OP + 7  # the keys that left the index since a cursor
 
 
 NO_BLOCK = 0xFFFFFFFF
@@ -42,6 +43,8 @@ _FLAG = struct.Struct("<B")
 _FLAGS = struct.Struct("<B")  # a request's flags, before its records (LOOKUP, ALLOC)
 _LOCATION = struct.Struct("<IQQ")  # block, version, length
 _DIGEST = struct.Struct("<16s")
+_RETIRED_REQ = struct.Struct("<QQI")  # server epoch (0: none yet), cursor, most digests wanted
+_RETIRED_HEAD = struct.Struct("<QQQ")  # server epoch, sequence of the first digest, the next
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,41 @@ def decode_locations(data: bytes) -> list[Location | None]:
     return [None if b == NO_BLOCK else Location(b, v, n) for b, v, n in _unrecords(_LOCATION, data)]
 
 
+@dataclass(frozen=True)
+class Retirements:
+    """A RETIRED answer: the digests of keys that left the index, numbered ``first`` on,
+    by the server whose life ``epoch`` names; ask again from ``next``."""
+
+    epoch: int
+    first: int
+    next: int
+    digests: list[bytes]
+
+
+def encode_retired_request(epoch: int, cursor: int, most: int) -> bytes:
+    return _RETIRED_REQ.pack(epoch, cursor, most)
+
+
+def decode_retired_request(data: bytes) -> tuple[int, int, int]:
+    if len(data) != _RETIRED_REQ.size:
+        raise ValueError(f"malformed message: {_RETIRED_REQ.size} bytes expected, {len(data)}")
+    epoch, cursor, most = _RETIRED_REQ.unpack(data)
+    return epoch, cursor, most
+
+
+def encode_retirements(r: Retirements) -> bytes:
+    return _RETIRED_HEAD.pack(r.epoch, r.first, r.next) + _records(
+        _DIGEST, [(d,) for d in r.digests]
+    )
+
+
+def decode_retirements(data: bytes) -> Retirements:
+    epoch, first, nxt = _RETIRED_HEAD.unpack_from(data)
+    return Retirements(
+        epoch, first, nxt, [d for (d,) in _unrecords(_DIGEST, data, _RETIRED_HEAD.size)]
+    )
+
+
 #: bytes per record, for sizing batches to the RPC slot buffers
 RECORD_BYTES = {
     # a batch that is allocated together is committed together: size it for both
@@ -140,5 +178,8 @@ RECORD_BYTES = {
     StoreOp.LOOKUP: max(16, _LOCATION.size),
     StoreOp.REMOVE: 16,
     StoreOp.DROP: max(_COMMIT_REQ.size, _FLAG.size),
+    StoreOp.RETIRED: _DIGEST.size,
 }
 HEADER_BYTES = _COUNT.size + _FLAGS.size
+#: bytes of a RETIRED answer before its digests
+RETIRED_HEADER_BYTES = _RETIRED_HEAD.size + _COUNT.size

@@ -16,6 +16,10 @@ State
   commits    in the pool: one u64 per block, the version this server
              committed at an extent's first block (0: none).  Only the server
              writes it; it is the commit record recovery trusts.
+  retired    the digests of the last RETIRED_KEEP keys that left the index
+             (evicted, removed, dropped as corrupt), numbered in order within
+             this server's life (``epoch``, random per start), for the RETIRED
+             op: how engines learn of evictions, which only this service makes
   floor      in the pool's service line: a bound above every version handed
              out, raised ahead of use, so versions never repeat across restarts
              (a version names one write of a key forever, even a removed one)
@@ -77,9 +81,11 @@ Recovery
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
+import secrets
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,6 +107,8 @@ WRITE_LEASE_S = 30.0
 READ_LEASE_S = 2.0
 HIGH_WATERMARK = 0.95
 LOW_WATERMARK = 0.90
+#: keys that left the index, kept for RETIRED (16 bytes each: 1 MiB)
+RETIRED_KEEP = 65536
 # the fences and invalidations below are named sabotage points (beluga_native.h)
 _floor_fence = step("SERVICE_FLOOR_FENCE", Memory.sfence)
 _commit_fence = step("SERVICE_COMMIT_FENCE", Memory.sfence)
@@ -170,6 +178,10 @@ class MetadataService:
         self.on_evict: Callable[[bytes, bytes], None] | None = None
         #: more counters for ``stats`` (the tier's), or None
         self.extra_stats: Callable[[], dict[str, object]] | None = None
+        #: names this server's life in RETIRED answers (a cursor of another life is stale)
+        self.epoch = secrets.randbits(63) | 1
+        self.retired: deque[bytes] = deque(maxlen=RETIRED_KEEP)
+        self.retired_next = 0  # the number the next key to leave the index gets
         self.started = time.time()
         self.recover()
 
@@ -231,6 +243,8 @@ class MetadataService:
         """
         if digest is not None:
             self.ix.drop(digest)
+            self.retired.append(digest)
+            self.retired_next += 1
         if self.by_block.get(e.block, (b"", 0))[1] == e.version:
             del self.by_block[e.block]
         self._set_commit(e.block, 0)
@@ -407,6 +421,25 @@ class MetadataService:
             dropped.append(hit)
         return p.encode_flags(dropped)
 
+    def op_retired(self, req: Request) -> bytes:
+        """The keys that left the index from a cursor on, at most ``most`` of them.
+
+        A cursor of another server life (or none: epoch 0) is answered from
+        the oldest key kept (none: from now, for a first call); a cursor older
+        than what is kept, from the oldest kept.  The caller sees either as an
+        answer whose ``first`` is past its cursor or whose epoch changed: a gap.
+        """
+        epoch, cursor, most = p.decode_retired_request(req.payload)
+        oldest = self.retired_next - len(self.retired)
+        if epoch == 0:
+            start = self.retired_next
+        elif epoch != self.epoch:
+            start = oldest
+        else:
+            start = min(max(cursor, oldest), self.retired_next)
+        taken = list(itertools.islice(self.retired, start - oldest, start - oldest + most))
+        return p.encode_retirements(p.Retirements(self.epoch, start, start + len(taken), taken))
+
     def op_stats(self, req: Request) -> bytes:
         self.fold_hints()
         return json.dumps(self.stats()).encode()
@@ -420,6 +453,7 @@ class MetadataService:
             p.StoreOp.REMOVE: per_request(self.op_remove),
             p.StoreOp.STATS: per_request(self.op_stats),
             p.StoreOp.DROP: per_request(self.op_drop),
+            p.StoreOp.RETIRED: per_request(self.op_retired),
         }
 
     # -- timers and hosts ----------------------------------------------------

@@ -87,6 +87,16 @@ class Saved:
 
 
 @dataclass(frozen=True)
+class Retired:
+    """What :meth:`KVStore.retired` found: the digests (:func:`beluga.coherence.digest`) of
+    the keys that left the pool, oldest first, and the cursor to ask from next."""
+
+    digests: list[bytes]
+    cursor: tuple[int, int]  # (the server's life, the next number)
+    gap: bool  # some may be missing: the server restarted, or more left than it keeps
+
+
+@dataclass(frozen=True)
 class BlockRef:
     """A value's place in the pool, for callers that move its payload themselves."""
 
@@ -575,6 +585,29 @@ class KVStore:
     def lookup_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of a chain are stored (one call, no RPC)."""
         return sum(self.index.exists(keys, prefix=True))
+
+    def retired(self, since: tuple[int, int] | None = None) -> Retired:
+        """The keys that left the pool (evicted, removed, dropped as corrupt) since the
+        cursor ``since`` of an earlier answer; None: from now on (nothing yet).
+
+        The server keeps the last ``RETIRED_KEEP`` of them; an answer's ``gap``
+        says some may be missing (the server restarted since the cursor, or
+        more keys left than it keeps).  One RPC per slot-buffer's worth.
+        Raises RpcError while the server is away.
+        """
+        epoch, cursor = since or (0, 0)
+        most = (self.rpc.max_payload - p.RETIRED_HEADER_BYTES) // p.RECORD_BYTES[p.StoreOp.RETIRED]
+        digests: list[bytes] = []
+        gap = False
+        while True:
+            r = p.decode_retirements(
+                self.rpc.call(p.StoreOp.RETIRED, p.encode_retired_request(epoch, cursor, most))
+            )
+            gap |= since is not None and (r.epoch != epoch or r.first > cursor)
+            digests += r.digests
+            epoch, cursor = r.epoch, r.next
+            if len(r.digests) < most:
+                return Retired(digests, (epoch, cursor), gap)
 
     def stats(self) -> dict[str, Any]:
         """The server's counters (capacity, use, hits, misses, evictions, leases).

@@ -1566,13 +1566,16 @@ def test_kv_events_announce_saved_blocks_and_the_blocks_found_gone(
     }
     assert not pool_events(events, BlockRemoved)
 
-    with KVStore(served_pool) as store:  # the server evicts block 2
+    with KVStore(served_pool) as store:  # another host takes block 2 out of the pool
         assert store.remove(conn.kv.key(request(tokens).block_hashes[2], 0))
+    events.clear()
+    engine_step(sched, conn)  # no request, no lookup: the server's retirements tell
+    assert [e.block_hashes for e in pool_events(events, BlockRemoved)] == [[hashes[2]]]
     events.clear()
     assert sched.reset_prefix_cache()  # vLLM's cache alone: the next request looks the pool up
     sched.add_request(request(tokens, "b"))
     serve_all(sched, conn, caches)
-    assert [e.block_hashes for e in pool_events(events, BlockRemoved)] == [[hashes[2]]]
+    assert not pool_events(events, BlockRemoved)  # reported once
     assert [e.block_hashes for e in pool_events(events, BlockStored)] == [[hashes[2]]]  # again
     assert sum(isinstance(e, AllBlocksCleared) for e in events) == 1  # vLLM's own
 
@@ -1615,6 +1618,10 @@ def test_kv_events_of_tensor_parallel_ranks_announce_a_block_once_every_rank_sav
     stored = pool_events(list(connector.take_events()), BlockStored)
     hashes = [maybe_convert_block_hash(h) for h in request(PROMPT).block_hashes]
     assert [e.block_hashes for e in stored] == [[h] for h in hashes]
+    with KVStore(served_pool) as store:  # rank 1's shard of block 1 alone leaves the pool
+        assert store.remove(ranks[1].kv.key(request(PROMPT).block_hashes[1], 1))
+    removed = pool_events(list(connector.take_events()), BlockRemoved)
+    assert [e.block_hashes for e in removed] == [[hashes[1]]]
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     for c in (sched.connector, *ranks):
         c.shutdown()

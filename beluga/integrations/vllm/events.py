@@ -13,33 +13,33 @@ events through ``take_events``.  BelugaConnector's, folded by
     scheduler announces a block once every saving rank has, with the
     payload it took when it queued the save (token ids, parent hash, group).
 ``BlockRemoved``
-    a block it announced is gone: its own lookup missed it (the server
-    evicted it, someone removed or replaced it), or its load of it failed
-    (evicted or replaced meanwhile, or corrupt, which the reader drops).
+    a block it announced is gone: the server took one of its shards out of
+    the index (evicted it, or someone removed it, or a reader dropped it as
+    corrupt), or this engine's own lookup or load found it gone.
 ``AllBlocksCleared``
     ``reset_cache``: this engine loads none of the blocks it announced any more.
 
 Medium ``"CPU"``: host memory, which is what the pool is to every host that
 maps it (the cache-hit source is ``HOST`` for the same reason).
 
-Why from this engine's own saves and lookups, and not from the server's
-counters or an event ring.  Eviction is the server's: its counters count
-evictions but name no key, so nothing can be folded from them.  An event
-ring in the pool (the server, the index's only writer, appending each commit
-and each removal as a sealed record that any host folds with loads) would
-be the exact source: every engine's blocks, every eviction as it happens.
-It is a change to the server and the pool's format, which this package does
-not own.  Looking for announced blocks in the pool index would find
-evictions without the server, but every lookup records a hit in the
-reader's hint lines, which is what the server's LRU evicts by: probing would
-keep every announced block alive and count probes as hits.  So this engine
-reports what it knows: what its saves left in the pool, and, at the lookups
-and loads it makes anyway, what is no longer there.  What that misses: an
-eviction is reported only when this engine next looks the block up (or
-never), blocks beyond the newest :data:`TRACKED` announced are forgotten
-without an event, and a queued save not reported within :data:`PENDING_S`
-is never announced.  With the ring, ``BlockRemoved`` would come for every
-eviction of an announced block, at the step after it.
+Where removals come from.  Eviction is the server's, and its counters name
+no key, so the server keeps the digests of the last keys that left its
+index, numbered (``KVStore.retired``, the RETIRED op: a ring in the
+server's memory, 16 bytes a key).  The scheduler asks for those since its
+cursor at each ``take_events`` (one RPC, answered from memory) and maps
+them to the blocks it announced by the digests of their shards' keys.
+Why the server's memory and not a ring in the pool: the server is the one
+writer of the index and the only one who knows what it evicts, engines
+already talk to it each step, and a ring in the pool would change the
+pool's format for a hint that routers use only to route better.  Why not
+probing the index: every lookup records a hit in the reader's hint lines,
+which is what the server's LRU evicts by, so probing would keep every
+announced block alive.  What that misses: removals while this engine's
+cursor is stale (the server restarted, or more than ``RETIRED_KEEP`` keys
+left between two steps) are not reported, except those its own lookups and
+loads find; blocks beyond the newest :data:`TRACKED` announced are
+forgotten without an event; a queued save not reported within
+:data:`PENDING_S` is never announced.
 
 Not thread-safe: the scheduler calls it from the engine core's thread.
 """
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -141,13 +141,20 @@ class PoolEvents:
     """The scheduler's KV events (module doc); inert unless ``enabled``.  Not thread-safe.
 
     ``ranks``: how many workers save each block (the TP size; 1 for MLA, whose
-    rank 0 alone saves).
+    rank 0 alone saves); ``digests``: the digests of a block's pool keys, one
+    per shard, by which the server's retirements are matched.
     """
 
     def __init__(
-        self, kv_cache_config: KVCacheConfig, block_size: int, ranks: int, enabled: bool
+        self,
+        kv_cache_config: KVCacheConfig,
+        block_size: int,
+        ranks: int,
+        enabled: bool,
+        digests: Callable[[Block], list[bytes]] | None = None,
     ) -> None:
         self.enabled = enabled
+        self._digests_of = digests
         self.block_size = block_size
         self.ranks = ranks
         specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
@@ -156,8 +163,14 @@ class PoolEvents:
         ]
         self._queued: dict[Block, _Queued] = {}
         self._reports: Counter[Block] = Counter()
-        self._announced: OrderedDict[Block, None] = OrderedDict()
+        self._announced: OrderedDict[Block, list[bytes]] = OrderedDict()
+        self._watched: dict[bytes, Block] = {}  # a shard's key digest: its announced block
         self._events: list[KVCacheEvent] = []
+
+    @property
+    def watching(self) -> bool:
+        """Whether any announced block may yet be removed."""
+        return bool(self._announced)
 
     def queued(self, request: Request, group: int, block: int, hashes: list[bytes]) -> None:
         """Engine block ``block`` of ``request`` in group ``group`` was queued for saving
@@ -193,15 +206,21 @@ class PoolEvents:
             if self._reports[name] >= self.ranks:
                 del self._reports[name]
                 self._events.append(self._queued.pop(name).event)
-                self._announced[name] = None
+                digests = self._digests_of(name) if self._digests_of else []
+                self._announced[name] = digests
+                self._watched.update(dict.fromkeys(digests, name))
                 if len(self._announced) > TRACKED:
-                    self._announced.popitem(last=False)
+                    self._forget(self._announced.popitem(last=False)[1])
+
+    def _forget(self, digests: list[bytes]) -> None:
+        for d in digests:
+            self._watched.pop(d, None)
 
     def missing(self, blocks: Iterable[Block]) -> None:
         """This engine found these blocks gone from the pool (a lookup or a load)."""
         for name in blocks:
             if name in self._announced:
-                del self._announced[name]
+                self._forget(self._announced.pop(name))
                 self._events.append(
                     BlockRemoved(
                         block_hashes=[maybe_convert_block_hash(name[0])],
@@ -210,12 +229,17 @@ class PoolEvents:
                     )
                 )
 
+    def retired(self, digests: Iterable[bytes]) -> None:
+        """The server took these keys out of the pool: their announced blocks are gone."""
+        self.missing([self._watched[d] for d in digests if d in self._watched])
+
     def reset(self) -> None:
         """The connector's cache was reset: nothing announced is loaded any more."""
         if self.enabled:
             self._queued.clear()
             self._reports.clear()
             self._announced.clear()
+            self._watched.clear()
             self._events.append(AllBlocksCleared())
 
     def take(self) -> list[KVCacheEvent]:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from beluga.coherence import digest
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
 from beluga.integrations.vllm.events import Block, PoolEvents, SavedBlocks
 from beluga.integrations.vllm.metrics import BelugaConnectorStats, Tally
@@ -170,13 +171,20 @@ class BelugaScheduler:
             kv.block_tokens,
             ranks=sum(kv.saves(rank) for rank in range(kv.tp_size)),
             enabled=events is not None and bool(events.enable_kv_cache_events),
+            digests=lambda name: [
+                digest(self.kv.key(name[0], shard, name[1])) for shard in range(self.kv.shards)
+            ],
         )
+        #: where this engine's reading of the server's retirements stands (KV events)
+        self._retired: tuple[int, int] | None = None
         if not vllm_config.cache_config.enable_prefix_caching:
             log.warning(
                 "BelugaConnector keys blocks by vLLM's prefix-cache hashes, which vLLM "
                 "computes only with enable_prefix_caching=True: the pool stays unused"
             )
         self.link.available()  # connect now, so a missing pool is reported at engine start
+        if self.events.enabled:
+            self._follow_retirements()  # from now: what leaves after a save is seen
 
     def get_stats(self) -> BelugaConnectorStats | None:
         return self._tally.take()
@@ -440,7 +448,29 @@ class BelugaScheduler:
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (see :mod:`beluga.integrations.vllm.events`)."""
+        if self.events.watching or self._retired is None:
+            self._follow_retirements()
         return self.events.take()
+
+    def _follow_retirements(self) -> None:
+        """Read the keys the server took out since the last call (one RPC; none while the
+        server is away, whose retirements are then read at the next call, or lost to a
+        restart: a gap, logged)."""
+        with self.link.connected() as store:
+            if store is None:
+                return
+            try:
+                got = store.retired(self._retired)
+            except UNAVAILABLE as e:
+                self.link.lost(e, store)
+                return
+        if got.gap:
+            log.info(
+                "BelugaConnector: the pool server restarted or evicted faster than it "
+                "remembers; KV events miss removals between two steps"
+            )
+        self._retired = got.cursor
+        self.events.retired(got.digests)
 
     def reset_cache(self) -> bool:
         """Move to the next epoch: no block saved before it is offered again (module doc)."""
