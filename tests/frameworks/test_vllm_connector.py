@@ -84,7 +84,9 @@ from beluga.integrations.vllm import (  # noqa: E402
     counters,
     engine_kv,
 )
-from beluga.kv import KVStore  # noqa: E402
+from beluga.kv import KVStore, MetadataServer  # noqa: E402
+from beluga.pool import Geometry, Pool  # noqa: E402
+from beluga.transfer import Buffers  # noqa: E402
 
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 32
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -1315,50 +1317,152 @@ def test_bad_role_settings_are_refused_at_start(
 # -- a bad block is healed, and nothing loops ----------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "auto"])
-@pytest.mark.parametrize("bad", [0, 1], ids=["first-block", "second-block"])
-def test_a_corrupted_block_is_recomputed_saved_again_and_never_offered_again(
-    model_dir: str, served_pool: str, mode: str, bad: int
+def break_block(pool: str, key: bytes, kind: str) -> None:
+    """Make ``key``'s committed block fail its next load as ``kind`` says: a payload byte
+    flipped (checksum), its header line torn (its own checksum fails), or the block taken
+    out of the pool by another host (evicted)."""
+    if kind == "checksum":
+        corrupt(pool, key, at=100)
+        return
+    with KVStore(pool) as store:
+        if kind == "evicted":
+            assert store.remove(key)
+            return
+        (ref,) = store.locate([key], prefix=False)
+    assert ref is not None
+    with Pool.attach(pool) as hostile:
+        hostile.memory.nt_store(ref.header_offset + 5, b"\xa5")
+        hostile.memory.sfence()
+
+
+def break_between_lookup_and_load(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch, fault: Callable[[], None]
 ) -> None:
-    """vLLM recomputes from the corrupted block on (policy "recompute"); the request
-    finishes in a bounded number of steps, the reader dropped the corrupt value, and
-    the recomputed block is in the pool again, valid, with this prefix's KV."""
+    """Run ``fault`` once, after the scheduler's lookup planned a load and before the worker
+    runs it (the step's metadata is built: the worker loads next)."""
+    connector = sched.connector
+    real = connector.build_connector_meta
+    done: list[bool] = []
+
+    def built(out: SchedulerOutput) -> BelugaMetadata:
+        meta = real(out)
+        if meta.loads and not done:
+            done.append(True)
+            fault()
+        return meta
+
+    monkeypatch.setattr(connector, "build_connector_meta", built)
+
+
+@pytest.mark.leaves("keys")
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("mode", ["sync", "async", "auto"])
+@pytest.mark.parametrize("kind", ["checksum", "torn", "evicted", "server-down"])
+def test_a_block_that_fails_its_load_is_recomputed_saved_again_and_never_offered_again(
+    model_dir: str, shm_path: str, monkeypatch: pytest.MonkeyPatch, kind: str, mode: str,
+    policy: str,
+) -> None:  # fmt: skip
+    """The second block of a stored prefix goes bad between vLLM's lookup and the worker's
+    load, in every way a load can fail.  The request leaves the scheduler within a
+    bounded number of steps (policy "recompute": finished, from the valid first block on;
+    "fail": with an error); a corrupt value is dropped by its reader; under "recompute"
+    the recomputed block is saved again, and the next engine loads the whole prefix.
+    "server-down": the server stops as the block is corrupted, so the reader cannot drop
+    it nor the engine save: the request still finishes, and once the server is back the
+    next reader drops the bad value and the one after loads the recomputed one."""
+    pool = Pool.create(shm_path, 64 << 20, geometry=Geometry(max_hosts=8, block_size=16 << 10))
+    server: list[MetadataServer] = []
+    threads: list[threading.Thread] = []
+
+    def start() -> None:
+        server.append(MetadataServer(pool))
+        threads.append(server[-1].start_thread())
+
+    def stop() -> None:
+        server[-1].stop()
+        threads[-1].join(timeout=10)
+        server[-1].close()
+
+    start()
+    try:
+        _failed_load_round(model_dir, shm_path, monkeypatch, kind, mode, policy, start, stop)
+    finally:
+        stop()
+        pool.close()
+        Pool.destroy(shm_path)
+
+
+def _failed_load_round(
+    model_dir: str, path: str, monkeypatch: pytest.MonkeyPatch, kind: str, mode: str,
+    policy: str, start: Callable[[], None], stop: Callable[[], None],
+) -> None:  # fmt: skip
     tokens = [*PROMPT, 900, 901]
     extra = {"sync": {"async": False}, "async": {"async": True}, "auto": {"async": "auto"}}[mode]
-    config = async_config(model_dir, served_pool, "recompute", **extra)
+    config = async_config(model_dir, path, policy, **extra)
     first, caches = scheduler(config), cpu_caches(16, seed=None)
     conn = worker(config, caches)
     first.add_request(request(tokens, "a"))
     run_until(first, conn, lambda: not first.requests, model=lambda o: forward(first, o, caches))
-    kv = engine_kv(config, kv_cache_config())
-    keys = [kv.key(h, 0) for h in request(tokens).block_hashes]
-    with KVStore(served_pool) as store:
-        (before,) = store.locate([keys[bad]])
-    corrupt(served_pool, keys[bad], at=100)
     first.connector.shutdown()
     conn.shutdown()
+    kv = engine_kv(config, kv_cache_config())
+    keys = [kv.key(h, 0) for h in request(tokens).block_hashes]
+    with KVStore(path) as store:
+        (before,) = store.locate([keys[1]])
+    assert before is not None
+
+    def fault() -> None:
+        if kind == "server-down":
+            break_block(path, keys[1], "checksum")
+            stop()
+        else:
+            break_block(path, keys[1], kind)
+
     sched, caches = scheduler(config), cpu_caches(16, seed=None)
     conn = worker(config, caches)
+    break_between_lookup_and_load(sched, monkeypatch, fault)
     sched.add_request(request(tokens, "b"))
-    steps = 0
-    while sched.requests:
+    req, computed, statuses, steps = sched.requests["b"], [], [], 0
+    while "b" in sched.requests:
         steps += 1
-        assert steps <= 40, "the request did not finish: a load error loops"
-        engine_step(sched, conn, lambda o: forward(sched, o, caches))
+        assert steps <= 40, "the request did not leave the scheduler: a load error loops"
+        out = engine_step(sched, conn, lambda o: forward(sched, o, caches))
+        computed += [r.num_computed_tokens for r in out.scheduled_new_reqs]
+        statuses.append(req.status)
         threading.Event().wait(0.005)  # let the transfer threads run
-    with KVStore(served_pool) as store:
-        refs = store.locate(keys)
-        assert all(r is not None for r in refs), "a recomputed block was not saved again"
-        assert refs[bad] is not None and before is not None
-        assert refs[bad].version != before.version  # the corrupt value went; a new one came
-        assert store.stats()["corrupt_dropped"] == 1
-        out = cpu_caches(16, seed=None)
-        reader = worker(config, out)
-        assert step(reader, BelugaMetadata(loads=[LoadSpec("c", [0, 1, 2, 3], [refs])])) == set()
-        assert all(holds_the_kv_of(out, b, tokens[: (b + 1) * BS]) for b in range(4))
-        reader.shutdown()
     sched.connector.shutdown()
     conn.shutdown()
+    if policy == "fail":
+        assert statuses[-1] == RequestStatus.FINISHED_ERROR
+    else:
+        assert RequestStatus.FINISHED_ERROR not in statuses
+        if mode == "async":  # a new request again: the valid first block loaded, the rest computed
+            assert computed[-1] == BS
+    if kind == "server-down":
+        start()
+        with KVStore(path) as store:  # the bad value is still there: the next reader drops it
+            (ref,) = store.locate([keys[1]])
+            assert ref is not None and ref.version == before.version
+            assert store.load([ref], Buffers([np.zeros(ref.length, np.uint8)]),
+                              drop_corrupt=True) == [False]  # fmt: skip
+            assert store.locate([keys[1]]) == [None]
+            dropped = store.stats()["corrupt_dropped"]
+        assert dropped == 1
+        return
+    with KVStore(path) as store:
+        refs = store.locate(keys, prefix=False)
+        stats = store.stats()
+    assert stats["corrupt_dropped"] == (kind != "evicted")  # the reader dropped what it found bad
+    if policy == "fail":  # nothing was recomputed: the block stays out of the pool
+        assert refs[1] is None and refs[0] is not None
+        return
+    assert all(r is not None for r in refs), "a recomputed block was not saved again"
+    assert refs[1] is not None and refs[1].version != before.version
+    out = cpu_caches(16, seed=None)
+    reader = worker(config, out)
+    assert step(reader, BelugaMetadata(loads=[LoadSpec("c", [0, 1, 2, 3], [refs])])) == set()
+    assert all(holds_the_kv_of(out, b, tokens[: (b + 1) * BS]) for b in range(4))
+    reader.shutdown()
 
 
 # -- vLLM's hybrid KV cache manager: one pool value per block and KV cache group ---------
