@@ -134,8 +134,9 @@ MUTANTS: list[Mutant] = [
         "beluga/kv/index.py",
         "if got is None or got[1] != want:",
         "if got is None:",
-        ("tests/test_index.py::test_the_scrub_rewrites_a_damaged_bucket",),
+        (IX + "test_the_scrub_rewrites_a_whole_bucket_that_names_the_wrong_slots",),
         "a whole line with the wrong slots would never be rewritten from the mirror",
+        cheap=True,
     ),
     # -- index repair after a restart
     Mutant(
@@ -187,15 +188,6 @@ MUTANTS: list[Mutant] = [
         (IX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
         "a restarted server counts from the headers alone: removed writes' versions repeat",
         cheap=True,
-    ),
-    Mutant(
-        "recover-ignores-commit-words",
-        "version floor",
-        "beluga/kv/service.py",
-        "        self.version = max(self.version, int(committed.max(initial=0)))\n",
-        "",
-        (IX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
-        "a commit word above the floor (a pool written by a newer server) is not counted",
     ),
     # -- host liveness on one kernel
     Mutant(
@@ -515,6 +507,10 @@ EQUIVALENT: dict[str, str] = {
     "floor-raised-one-version-late": (
         "`self.version > self.floor`: the floor's own value may be handed out, but a "
         "restart resumes at floor + 1, so no version repeats"
+    ),
+    "recover-ignores-commit-words": (
+        "dropping `max(self.version, committed.max())` from recover: every commit word "
+        "holds a version below the persisted floor, which recover reads first"
     ),
     "allocator-cursor-not-wrapped": (
         "`self._cursor = first + count` without `% nblocks`: _find takes the cursor "

@@ -171,6 +171,7 @@ def test_a_client_gone_frees_its_writes_only(h: Harness) -> None:
     h.alive.add((2, 1))
     h.svc.client_gone(1)
     assert h.svc.stats()["blocks_used"] == 1 and h.svc.stats()["writes_in_flight"] == 1
+    assert [pend.host for pend in h.svc.pending.values()] == [2]  # theirs, not mine, is left
 
 
 @pytest.mark.leaves("keys")
