@@ -29,6 +29,7 @@ from beluga._native import _core
 from beluga.chaos.roles import Midway
 from beluga.coherence import LINE, digest
 from beluga.kv import protocol as p
+from beluga.kv.allocator import BlockAllocator
 from beluga.kv.identity import KVNamespace, ModelIdentity
 from beluga.kv.index import SLOTS, PoolIndex
 from beluga.kv.store import MAX_KEY_BYTES, key_bytes
@@ -90,7 +91,10 @@ def test_a_slot_whose_version_disagrees_with_the_header_is_a_miss(h: Harness) ->
     h.write("k", late, b"not committed" * 300)  # PUBLISHED, same key, another version
     ix = reader(h.pool)
     assert ix.get(b"k") is None
-    assert ix.get_many([b"k", b"other"]) == [None, b"o" * 100]
+    assert ix.exists([b"k", b"other"]) == [False, True]
+    assert ix.locate([b"k"])[0] is None
+    got = ix.get_many_into([b"k", b"other"], [bytearray(8000), bytearray(100)])
+    assert got[0] < 0 and got[1] == 100
 
 
 @pytest.mark.leaves("keys")
@@ -104,7 +108,11 @@ def test_a_slot_whose_digest_disagrees_with_the_header_is_a_miss(h: Harness) -> 
     rewrite_bucket(h.pool, b, slots)
     ix = reader(h.pool)
     assert ix.get(b"k") is None
-    assert ix.get_many([b"k", b"j"]) == [None, value_of("j", 4000)]
+    assert ix.exists([b"k", b"j"]) == [False, True]
+    assert ix.locate([b"k"])[0] is None
+    bufs = [bytearray(5000), bytearray(4000)]
+    got = ix.get_many_into([b"k", b"j"], bufs)
+    assert got[0] < 0 and got[1] == 4000 and bytes(bufs[1]) == value_of("j", 4000)
 
 
 @pytest.mark.leaves("keys")
@@ -241,7 +249,9 @@ def test_a_restart_after_removes_and_refused_writes_reuses_no_version(h: Harness
     aborted = h.alloc("aborted", 100)
     handed.append(aborted.version)
     h.svc.op_abort(
-        h.request(p.StoreOp.ABORT, p.encode_commit([(digest(b"aborted"), aborted.block, aborted.version)]))
+        h.request(
+            p.StoreOp.ABORT, p.encode_commit([(digest(b"aborted"), aborted.block, aborted.version)])
+        )
     )
     assert len(set(handed)) == len(handed)
     # the newest versions named nothing in the pool: only the floor remembers them
@@ -297,6 +307,29 @@ def test_an_extent_ending_at_the_last_block_survives_a_restart(small: Pool) -> N
     assert h.svc.alloc.nfree == 0
 
 
+def test_a_run_as_long_as_the_pool_is_found() -> None:
+    """The search window is exactly the run: the whole pool, then the last two blocks."""
+    alloc = BlockAllocator(8)
+    assert alloc.allocate(8) == 0
+    alloc.release(0, 8)
+    assert alloc.allocate(6) == 0 and alloc.allocate(2) == 6
+    assert alloc.nfree == 0 and alloc.allocate(1) is None
+
+
+@pytest.mark.leaves("keys")
+def test_a_drop_of_an_old_version_at_a_reused_block_keeps_the_new_value(h: Harness) -> None:
+    """A reader found version 1 corrupt; the key was removed and written again into the
+    same block since: its DROP names the old version, so the new value stays."""
+    old = h.put("k", b"old" * 100)
+    _remove(h, "k")
+    h.svc.alloc._cursor = old.block  # the allocator's next search starts at the freed block
+    new = h.put("k", b"new" * 100)
+    assert new.block == old.block and new.version != old.version
+    drop = p.encode_commit([(digest(b"k"), old.block, old.version)])
+    assert p.decode_flags(h.svc.op_drop(h.request(p.StoreOp.DROP, drop))) == [False]
+    assert h.read("k") == b"new" * 100
+
+
 # -- store batching: positions across several batches ------------------------------------------
 
 
@@ -335,7 +368,8 @@ class FakeTier(MooncakeTier):
     """A tier in this process holding values by pool digest (no Mooncake cluster)."""
 
     def __init__(self, values: dict[str, bytes]) -> None:
-        self.held = {bytes(d): v for d, v in zip(_core.key_digests(list(values)), values.values())}
+        digests = _core.key_digests(list(values))
+        self.held = {bytes(d): v for d, v in zip(digests, values.values(), strict=True)}
         self.config = types.SimpleNamespace(write_through=False)
         self.asked: list[bytes] = []
 
@@ -402,3 +436,31 @@ def test_a_namespaced_key_of_any_length_fits() -> None:
         assert len(key_bytes(key)) <= MAX_KEY_BYTES
     long_a, long_b = ns.key(b"a" * 4000 + b"1"), ns.key(b"a" * 4000 + b"2")
     assert long_a != long_b
+
+
+def _digest_in(b1: int, b2: int, n: int) -> bytes:
+    """A digest whose first bucket is b1 and second b2 (bl_ix_hash: bytes 4..7 and 8..11)."""
+    return (0x1000 + n).to_bytes(4, "little") + b1.to_bytes(4, "little") + b2.to_bytes(8, "little")
+
+
+def test_a_key_placed_through_a_chain_of_two_moves_keeps_every_key(small: Pool) -> None:
+    """Buckets A, B and C are full, D is empty; A's and B's entries sit in their second
+    bucket, whose first is C; C's entries can go to D.  A key of A and B is placed by
+    moving an entry C -> D, then one A -> C (or B -> C): every key stays in its buckets."""
+    a, b, c, d = 0, 1, 2, 3
+    ix = PoolIndex(small.memory, small.superblock)
+    keys = [_digest_in(c, d, i) for i in range(SLOTS)]  # placed in C
+    keys += [_digest_in(c, a, 10 + i) for i in range(SLOTS)]  # C is full: placed in A
+    keys += [_digest_in(c, b, 20 + i) for i in range(SLOTS)]  # placed in B
+    for i, k in enumerate(keys):
+        assert ix.put(k, i, i + 1)
+    assert ix.moves == 0
+    new = _digest_in(a, b, 99)
+    assert ix.put(new, 99, 100), "no chain of moves found for a key of two full buckets"
+    assert ix.moves == 2
+    small.memory.sfence()
+    placed = [*enumerate(keys), (99, new)]
+    lost = [i for i, k in placed if not _holds(small, k, i, i + 1)]
+    assert not lost, f"keys {lost} are in none of their buckets"
+    small.memory.nt_store(small.superblock.index.offset, bytes(small.superblock.nbuckets * LINE))
+    small.memory.sfence()

@@ -173,7 +173,9 @@ def run_mutant(m: Mutant, scratch: Path, builder: CoreBuilder) -> Run:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
-            return Run(m, "error", f"timed out after {MUTANT_TIMEOUT_S} s", time.monotonic() - start)
+            return Run(
+                m, "error", f"timed out after {MUTANT_TIMEOUT_S} s", time.monotonic() - start
+            )
         tail = "\n".join(out.strip().splitlines()[-12:])
         verdict = {0: "survived", 1: "caught"}.get(proc.returncode, "error")
         return Run(m, verdict, f"exit {proc.returncode}: {tail}", time.monotonic() - start)
