@@ -382,10 +382,8 @@ MUTANTS: list[Mutant] = [
         "tier-batch-asks-for-the-wrong-keys",
         "tier promotion",
         "beluga/kv/tiered.py",
-        "self._from_tier([keys[i] for i in misses]), strict=True):\n"
-        "                out[i] = v",
-        "self._from_tier(list(keys[: len(misses)])), strict=True):\n"
-        "                out[i] = v",
+        "self._from_tier([keys[i] for i in misses]), strict=True):\n                out[i] = v",
+        "self._from_tier(list(keys[: len(misses)])), strict=True):\n                out[i] = v",
         (IX + "test_a_tier_hit_for_the_second_key_is_promoted_under_that_key",),
         "get_batch would fetch the first keys from the tier, not the ones the pool missed",
         cheap=True,
