@@ -117,7 +117,6 @@ MUTANTS: list[Mutant] = [
         "if got is None:",
         (IX + "test_the_scrub_rewrites_a_whole_bucket_that_names_the_wrong_slots",),
         "a whole line with the wrong slots would never be rewritten from the mirror",
-        cheap=True,
     ),
     # -- index repair after a restart
     Mutant(
@@ -138,7 +137,6 @@ MUTANTS: list[Mutant] = [
         "ok = t == tag",
         (IX + "test_repair_drops_slots_of_another_version_or_bucket",),
         "a slot outside the key's two buckets is kept: no reader ever probes there",
-        cheap=True,
     ),
     Mutant(
         "repair-inserts-nothing",
@@ -168,7 +166,6 @@ MUTANTS: list[Mutant] = [
         "self.version = self.floor = 0",
         (IX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
         "a restarted server counts from the headers alone: removed writes' versions repeat",
-        cheap=True,
     ),
     # -- host liveness on one kernel
     Mutant(
@@ -236,7 +233,6 @@ MUTANTS: list[Mutant] = [
         "                gone = pend.cancelled and not alive[who]",
         (SVC + "test_a_dead_writer_within_its_lease_is_reclaimed_at_once",),
         "a dead writer's extent would stay reserved until its lease ran out",
-        cheap=True,
     ),
     Mutant(
         "client-gone-frees-the-others",
@@ -246,7 +242,6 @@ MUTANTS: list[Mutant] = [
         "            if pend.host != host_id:",
         (SVC + "test_a_client_gone_frees_its_writes_only",),
         "a host leaving would free the writes of every other host",
-        cheap=True,
     ),
     Mutant(
         "recover-trusts-a-sealed-header",
@@ -296,6 +291,7 @@ MUTANTS: list[Mutant] = [
         "if skip and digest in self.index:",
         (BLOCKS + "test_a_key_another_writer_is_writing_is_in_flight_when_not_waited_for",),
         "a key another host is writing would be granted and written twice",
+        cheap=True,
     ),
     # -- allocator at the pool's last block
     Mutant(
@@ -316,7 +312,6 @@ MUTANTS: list[Mutant] = [
         "elif window.size > count:",
         (IX + "test_a_run_as_long_as_the_pool_is_found",),
         "a free run exactly as long as the search window (the whole pool) is never found",
-        cheap=True,
     ),
     Mutant(
         "allocate-refuses-the-last-free-blocks",
@@ -346,7 +341,6 @@ MUTANTS: list[Mutant] = [
         "for i, g in zip(chosen, p.decode_grants(reply), strict=False):",
         (IX + "test_a_lease_lost_in_the_second_batch_is_named_at_its_position",),
         "the second batch's grants would go to the first batch's keys",
-        cheap=True,
     ),
     Mutant(
         "save-reports-refused-as-stored",
@@ -366,7 +360,6 @@ MUTANTS: list[Mutant] = [
         "missing = list(keys[first + 1 :]) if prefix",
         (IX + "test_a_tier_hit_for_the_second_key_is_promoted_under_that_key",),
         "the request's first pool miss (its second key) would never be asked of the tier",
-        cheap=True,
     ),
     Mutant(
         "tier-promotes-under-the-first-key",
@@ -386,7 +379,6 @@ MUTANTS: list[Mutant] = [
         "self._from_tier(list(keys[: len(misses)])), strict=True):\n                out[i] = v",
         (IX + "test_a_tier_hit_for_the_second_key_is_promoted_under_that_key",),
         "get_batch would fetch the first keys from the tier, not the ones the pool missed",
-        cheap=True,
     ),
     # -- the data-path API
     Mutant(
@@ -455,7 +447,6 @@ MUTANTS: list[Mutant] = [
         "parts = [NAMESPACE_VERSION, self.model.fingerprint, self.layout]",
         ("tests/test_serving_identity.py::test_namespaces_keep_models_layouts_and_scopes_apart",),
         "two scopes (ranks, paths, tenants) would share one key space",
-        cheap=True,
     ),
     Mutant(
         "namespace-key-overflows",

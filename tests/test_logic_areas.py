@@ -18,8 +18,11 @@ reason, not by luck:
 
 from __future__ import annotations
 
+import hashlib
+import random
 import types
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -27,20 +30,66 @@ import pytest
 from beluga import KVStore
 from beluga._native import _core
 from beluga.chaos.roles import Midway
+from beluga.child import server_process
 from beluga.coherence import LINE, digest
 from beluga.kv import protocol as p
 from beluga.kv.allocator import BlockAllocator
 from beluga.kv.identity import KVNamespace, ModelIdentity
 from beluga.kv.index import SLOTS, PoolIndex
+from beluga.kv.server import serve
 from beluga.kv.store import MAX_KEY_BYTES, key_bytes
 from beluga.kv.tier import MooncakeTier
 from beluga.pool import Geometry, Pool
 from beluga.pool.hosts import HostRegistry, HostTable
 from beluga.transfer import Buffers
 from tests.conftest import serving
-from tests.test_index import crowded_digests, reader
 from tests.test_service import GEOMETRY, WRITER, Clock, Harness
-from tests.test_store import server, value_of
+
+# (tests/test_store.py's helpers, repeated: importing that module costs torch's import,
+# and the cheap logic mutants run these tests in fresh processes on every pytest run)
+
+
+def value_of(key: str, size: int) -> bytes:
+    """The bytes every test writes under a key: checkable by any reader."""
+    return random.Random(hashlib.sha256(key.encode()).digest()).randbytes(size)
+
+
+def _serve(spec: str, options: dict[str, Any], ready: Any) -> None:
+    serve(spec, ready=ready, **options)
+
+
+@contextmanager
+def server(spec: str) -> Iterator[Any]:
+    """A metadata server in a process of its own."""
+    with server_process(_serve, spec, {"refresh_s": 0.02}) as proc:
+        yield proc
+
+
+def reader(pool: Pool) -> Any:
+    """A one-sided reader of the pool index, with no hint lines."""
+    sb = pool.superblock
+    return _core.Index(
+        pool.memory,
+        sb.index.offset,
+        sb.nbuckets,
+        sb.headers.offset,
+        sb.payloads.offset,
+        sb.block_size,
+        sb.nblocks,
+    )
+
+
+def crowded_digests(nbuckets: int, n: int, seed: int, pool_of: int = 4) -> list[bytes]:
+    """n digests whose buckets all fall among `pool_of` buckets: every insertion collides."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        d = rng.randbytes(16)
+        _, b1, b2 = _core.ix_hash(d, nbuckets)
+        if b1 < pool_of and b2 < pool_of:
+            out.append(d)
+    return out
+
 
 #: a small RPC area, so that a save of a few dozen keys spans several batches
 BATCHED = Geometry(max_hosts=4, rpc_bytes_per_host=4 << 10, block_size=16 << 10)
