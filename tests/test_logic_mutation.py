@@ -30,7 +30,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +137,39 @@ def python_for(m: Mutant) -> str | None:
     return str(py) if py.exists() else None
 
 
+def run_tests(tree: Path, tests: Sequence[str], venv: str | None) -> tuple[int, str]:
+    """Run pytest nodes on a scratch tree (stopping at the first failure): exit status and
+    the output's tail; -1 when it ran past MUTANT_TIMEOUT_S."""
+    python = sys.executable if venv is None else str(FRAMEWORK_VENVS / venv / "bin" / "python")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    env.pop("BELUGA_MUTATION", None)
+    cmd = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+    cmd += ["-o", "addopts=-ra --strict-markers"] if venv else []  # no pytest-benchmark there
+    proc = subprocess.Popen(
+        [*cmd, *tests],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a hung run is ended with every process it started
+    )
+    try:
+        out, _ = proc.communicate(timeout=MUTANT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return -1, f"timed out after {MUTANT_TIMEOUT_S} s"
+    return proc.returncode, "\n".join(out.strip().splitlines()[-12:])
+
+
 def run_mutant(m: Mutant, scratch: Path, builder: CoreBuilder) -> Run:
     """Apply one mutant to a fresh scratch tree and run its tests there."""
     start = time.monotonic()
@@ -146,39 +179,23 @@ def run_mutant(m: Mutant, scratch: Path, builder: CoreBuilder) -> Run:
         target.write_text(apply(target.read_text(), m))
         if m.path.endswith(".c"):
             builder.build(tree, target)
-        python = python_for(m)
-        assert python is not None
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(tree),
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "VLLM_TARGET_DEVICE": "cpu",
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-        env.pop("BELUGA_MUTATION", None)
-        cmd = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
-        cmd += ["-o", "addopts=-ra --strict-markers"] if m.venv else []
-        proc = subprocess.Popen(
-            [*cmd, *m.tests],
-            cwd=tree,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # a hung mutant is ended with every process it started
-        )
-        try:
-            out, _ = proc.communicate(timeout=MUTANT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            return Run(
-                m, "error", f"timed out after {MUTANT_TIMEOUT_S} s", time.monotonic() - start
+        rc, tail = run_tests(tree, m.tests, m.venv)
+        verdict = {0: "survived", 1: "caught"}.get(rc, "error")
+        return Run(m, verdict, f"exit {rc}: {tail}", time.monotonic() - start)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+
+
+def baseline(mutants: list[Mutant], scratch: Path) -> None:
+    """The mutants' tests pass on the unmutated scratch tree (so a failure is a catch)."""
+    tree = copy_tree(scratch / "baseline")
+    try:
+        for venv in {m.venv for m in mutants}:
+            tests = sorted({t for m in mutants if m.venv == venv for t in m.tests})
+            rc, tail = run_tests(tree, tests, venv)
+            assert rc == 0, (
+                f"the mutants' tests fail without a mutant ({venv or 'project'}): {tail}"
             )
-        tail = "\n".join(out.strip().splitlines()[-12:])
-        verdict = {0: "survived", 1: "caught"}.get(proc.returncode, "error")
-        return Run(m, verdict, f"exit {proc.returncode}: {tail}", time.monotonic() - start)
     finally:
         shutil.rmtree(tree, ignore_errors=True)
 
@@ -258,7 +275,9 @@ def test_the_cheap_mutants_are_caught(scratch: Path, capsys: pytest.CaptureFixtu
 
 @pytest.mark.skipif(not FULL, reason="the full logic mutation run: BELUGA_MUTATION=all")
 def test_every_mutant_is_caught(scratch: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _check([m for m in MUTANTS if not m.cheap and m.venv is None], scratch, capsys)
+    rest = [m for m in MUTANTS if not m.cheap and m.venv is None]
+    baseline(rest, scratch)
+    _check(rest, scratch, capsys)
 
 
 @pytest.mark.skipif(not FULL, reason="the full logic mutation run: BELUGA_MUTATION=all")
@@ -268,4 +287,5 @@ def test_every_framework_mutant_is_caught(
     framework = [m for m in MUTANTS if m.venv is not None]
     if any(python_for(m) is None for m in framework):
         pytest.skip(f"no framework venvs in {FRAMEWORK_VENVS}: run ci/install-frameworks.sh")
+    baseline(framework, scratch)
     _check(framework, scratch, capsys)
