@@ -479,6 +479,16 @@ MUTANTS: list[Mutant] = [
         "both ranks' shards would share one key: a rank loads the other's shard",
         venv="vllm-cpu",
     ),
+    Mutant(
+        "vllm-hit-needs-only-shard-zero",
+        "vllm connector",
+        "beluga/integrations/vllm/scheduler.py",
+        "there = [[all(s[i] is not None for s in by_shard)",
+        "there = [[by_shard[0][i] is not None",
+        (VLLM + "test_each_tensor_parallel_rank_saves_and_loads_its_own_shard",),
+        "a block would be a hit with rank 1's shard missing: rank 1 loads nothing valid",
+        venv="vllm-cpu",
+    ),
 ]
 
 #: mutants tried and removed: no test can tell them from the code (name: why)
