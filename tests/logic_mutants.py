@@ -174,7 +174,10 @@ MUTANTS: list[Mutant] = [
         "beluga/pool/hosts.py",
         "return g if g.identity.running() and (confirmed or fresh) else None",
         "return g if g.identity.running() and fresh else None",
-        (IX + "test_a_stalled_heartbeat_of_a_live_process_on_one_kernel_keeps_its_id",),
+        (
+            IX + "test_a_stalled_heartbeat_of_a_live_process_on_one_kernel_keeps_its_id",
+            HOSTS + "test_a_stopped_holder_is_alive",
+        ),
         "a live holder whose heartbeat stalls (stopped, busy) would lose its id on one kernel",
         cheap=True,
     ),
