@@ -9,6 +9,7 @@ staleness are driven by an injected clock: no sleeping for time to pass.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import random
@@ -218,7 +219,9 @@ def test_a_stopped_holder_is_alive(pool: Pool) -> None:
         try:
             assert out.get(timeout=30) == 1
             os.kill(proc.pid, signal.SIGSTOP)
-            server.registry.stale.clock = lambda: time.monotonic() + 1e6  # ages nothing here
+            ages = itertools.count(time.monotonic(), 1e6)  # each look is 1e6 s after the last
+            server.registry.stale.clock = lambda: next(ages)
+            assert server.registry.alive(1) is not None  # seen now; the claim's look is later
             with pytest.raises(PoolError, match=f"held by live pid {proc.pid}"):
                 pool.claim_host(1)
         finally:

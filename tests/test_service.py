@@ -171,6 +171,7 @@ def test_a_client_gone_frees_its_writes_only(h: Harness) -> None:
     h.alive.add((2, 1))
     h.svc.client_gone(1)
     assert h.svc.stats()["blocks_used"] == 1 and h.svc.stats()["writes_in_flight"] == 1
+    assert [pend.host for pend in h.svc.pending.values()] == [2]  # theirs, not mine, is left
 
 
 @pytest.mark.leaves("keys")
@@ -236,10 +237,12 @@ def test_eviction_is_lru_and_waits_for_read_leases(small: Pool) -> None:
             p.encode_digests([digest(f"k{i}".encode()) for i in range(n)], p.LOOKUP_LEASE),
         )
     )
-    assert sum(loc is not None for loc in p.decode_locations(raw)) > 0
+    leased = [i for i, loc in enumerate(p.decode_locations(raw)) if loc is not None]
+    assert leased
     with pytest.raises(CapacityError, match="nothing can be evicted"):
         for i in range(n):  # everything is leased: nothing may be evicted
             h.alloc(f"new{i}", 100)
+    assert all(digest(f"k{i}".encode()) in h.svc.index for i in leased), "a leased key went"
     h.clock.now += 2.001  # the read leases run out
     h.svc.tick()
     h.alloc("fits now", 100)

