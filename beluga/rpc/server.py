@@ -171,7 +171,14 @@ class RpcServer:
         write_line(self.mem, ring_offset(self.sb, host_id) + STATUS_LINE, status.pack())
 
     def refresh(self) -> None:
-        """Adopt new clients, drop dead ones, grant host ids, heartbeat every status line."""
+        """Adopt new clients, drop dead ones, grant host ids, heartbeat every status line.
+
+        First of all it checks that the pool is still the one attached
+        (:meth:`Pool.check_unchanged`): a pool reformatted, unlinked or
+        replaced under the server raises ``PoolChangedError`` here, within a
+        refresh, before anything more is written.
+        """
+        self.pool.check_unchanged()
         self.seat = self.registry.keep_seat(self.seat)
         for h in range(self.sb.max_hosts):
             ctl = RingControl.unpack(read_line(self.mem, ring_offset(self.sb, h)))
@@ -313,8 +320,8 @@ class RpcServer:
                 raise RpcError(f"server thread did not stop within {timeout} s")
             self._thread = None
         try:
-            if self.mem.released:
-                return
+            if self.mem.released or self.pool.superblock_rewritten():
+                return  # another pool's lines now: write none of them
             for h in range(self.sb.max_hosts):
                 self._write_status(h, 0, 0)
             self.registry.leave_seat(self.seat)
