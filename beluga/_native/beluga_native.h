@@ -589,6 +589,7 @@ typedef struct {
     atomic_int stop;
     int doorbell; /* the doorbell lines lie in this mapping, outside the rings */
     int idle;     /* the last gather found nothing: the next one skips spinning */
+    uint64_t torn_ns; /* how long a torn request line at head is waited for (rpc.c TORN LINES) */
     uint64_t served, rejected, batches;
     bl_rpc_wait wait;
     bl_rpc_wait_stats stats;

@@ -26,6 +26,11 @@ ends; rings of clients on other kernels are re-polled after timed naps.  An
 idle server therefore costs little CPU and still answers within microseconds
 of a wake-up.
 
+A request line caught half written (its CRC fails) is waited for: a client
+descheduled or stopped between the stores of one line gets its request served
+when it comes back within ``torn_patience_s`` (10 s by default), and only a
+line torn longer than that is answered ``CORRUPT`` (rpc.c, TORN LINES).
+
 A restarted server recovers each ring's position from the lines themselves
 (``RingServer.recover_head`` in C, which owns the slot format): a request with
 no matching response is still pending and is served again.
@@ -114,7 +119,9 @@ class RpcServer:
         stale_s: float = DEFAULT_STALE_S,
         on_client_gone: Callable[[int], None] | None = None,
         tick: Callable[[], None] | None = None,
+        torn_patience_s: float | None = None,
     ) -> None:
+        """``torn_patience_s``: how long a torn request line is waited for (rpc.c TORN LINES)."""
         self.pool = pool
         self.sb = pool.superblock
         self.mem = pool.memory
@@ -136,6 +143,8 @@ class RpcServer:
             self.mem, self.sb.rpc.offset, self.sb.rpc_bytes_per_host, self.sb.max_hosts
         )
         self.idle_after_s = idle_after_s
+        if torn_patience_s is not None:
+            self.rings.torn_patience_s = torn_patience_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registry = HostRegistry(pool.hosts, stale_s, before_grant=self._regrant)
