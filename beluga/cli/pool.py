@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import time
 
 from beluga.cli.common import add_pool_args, pool_spec
 from beluga.pool import Geometry, Pool, parse_spec, removal_guard
@@ -102,7 +103,11 @@ def info(args: argparse.Namespace) -> int:
             continue
         if key == "server":
             where = "this machine" if value and value["same_machine"] else "another host"
-            value = f"pid {value['pid']} on {where}" if value else "none running"
+            text = f"pid {value['pid']} on {where}" if value else "none running"
+            if value and value["since_ns"]:
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(value["since_ns"] / 1e9))
+                text += f", serving since {since} UTC"
+            value = text
         elif isinstance(value, dict):
             value = f"offset {value['offset']}, {value['length']} bytes"
         print(f"{key:>16}: {value}")

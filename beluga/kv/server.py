@@ -11,8 +11,10 @@ command prints those records as ``beluga serve: ...`` lines on stderr.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import signal
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +65,6 @@ class MetadataServer:
         self._owns_tier = self.tier is not None and not isinstance(tier, MooncakeTier)
         if self.tier is not None:
             self.service.on_evict = self.tier.submit
-            self.service.extra_stats = self.tier.stats
         self.recovery_s = time.perf_counter() - started
         log.debug("recovery took %.3f s", self.recovery_s)
         self.metrics: ServerMetrics | None = None
@@ -82,6 +83,7 @@ class MetadataServer:
             tick=tick,
         )
         self.service.writer_alive = self.rpc.holder_alive
+        self.service.extra_stats = self._extra_stats
         self.metrics_port: int | None = None
         if self.metrics is not None and metrics_port is not None:
             try:
@@ -90,6 +92,22 @@ class MetadataServer:
                 self.rpc.close()
                 raise
             log.info("metrics on http://%s:%d/metrics", metrics_addr, self.metrics_port)
+
+    def _extra_stats(self) -> dict[str, object]:
+        """Who serves (pid, host), since when, and the pool's seat history; the tier's counts."""
+        seat = self.rpc.seat
+        since = datetime.datetime.fromtimestamp(seat.since_ns / 1e9, datetime.timezone.utc)
+        out: dict[str, object] = {
+            "server_pid": seat.identity.pid,
+            "server_host": socket.gethostname(),
+            "server_since": since.isoformat(timespec="seconds"),
+            "server_since_s": round(seat.since_ns / 1e9, 3),
+            "seats_taken": seat.seats,
+            "takeovers": seat.takeovers,
+        }
+        if self.tier is not None:
+            out.update(self.tier.stats())
+        return out
 
     def _tick_with_metrics(self) -> None:
         assert self.metrics is not None

@@ -254,7 +254,11 @@ class Pool:
         ]
         seat = self.hosts.seat()
         server = (
-            {"pid": seat.identity.pid, "same_machine": seat.identity.same_kernel()}
+            {
+                "pid": seat.identity.pid,
+                "same_machine": seat.identity.same_kernel(),
+                "since_ns": seat.since_ns,
+            }
             if seat is not None and seat.epoch
             else None
         )
@@ -263,6 +267,8 @@ class Pool:
             **self.superblock.describe(),
             "coherence": self.memory.mode,
             "server": server,
+            "seats_taken": seat.seats if seat is not None else 0,
+            "takeovers": seat.takeovers if seat is not None else 0,
             "members": hosts,
         }
 
