@@ -120,8 +120,15 @@ class RpcServer:
         on_client_gone: Callable[[int], None] | None = None,
         tick: Callable[[], None] | None = None,
         torn_patience_s: float | None = None,
+        first_refresh: bool = True,
     ) -> None:
-        """``torn_patience_s``: how long a torn request line is waited for (rpc.c TORN LINES)."""
+        """``torn_patience_s``: how long a torn request line is waited for (rpc.c TORN LINES).
+
+        ``first_refresh=False`` takes the seat but adopts no ring and grants no
+        id yet: for a caller that must hold the seat before it builds what the
+        handlers need (the metadata server recovers from the pool), then
+        calls :meth:`refresh` itself.
+        """
         self.pool = pool
         self.sb = pool.superblock
         self.mem = pool.memory
@@ -151,7 +158,8 @@ class RpcServer:
         self._lock_fd = pool.mapping.exclusive_lock(f"the server seat of {pool.spec}")
         try:
             self.seat = self.registry.take_seat(self.epoch, wait_s=stale_s)
-            self.refresh()
+            if first_refresh:
+                self.refresh()
         except BaseException:
             self._unlock()
             raise
