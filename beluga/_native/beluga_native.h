@@ -170,10 +170,6 @@
     X(SERVICE_RECOVER_MFENCE, "kv/service.py recover",                                            \
       "MFENCE between invalidating those tables and loading them",                                \
       "the loads can pass the invalidations and hit old lines")                                   \
-    X(SERVICE_FLOOR_FENCE, "kv/service.py _next_version",                                         \
-      "SFENCE after raising the version floor, before a version above it is handed out",          \
-      "after a crash a new server hands out versions again: a late seal of the old grant passes " \
-      "for the new write")                                                                        \
     X(SERVICE_COMMIT_FENCE, "kv/service.py op_commit",                                            \
       "SFENCE after the commit words, before the answer",                                         \
       "the answer can land before a commit word: a crash then loses an acknowledged value")       \
