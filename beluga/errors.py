@@ -15,6 +15,14 @@ class PoolError(BelugaError):
     """The pool is missing, malformed, foreign, or in the wrong state."""
 
 
+class PoolChangedError(PoolError):
+    """The pool this handle maps was reformatted, unlinked or replaced under it.
+
+    Nothing more is written through the handle: close it and attach again
+    (a server exits; a client reconnects to whatever pool the spec now names).
+    """
+
+
 class PoolNotNamedError(BelugaError, ValueError):
     """No pool is named: no argument, no setting and no ``$BELUGA_POOL``."""
 

@@ -725,7 +725,6 @@ CATCHERS: dict[str, list[str]] = {
     "FORMAT_FENCE": ["format_visible_at_return"],
     "SERVICE_RECOVER_INVALIDATE": ["service_restart_on_a_caching_host"],
     "SERVICE_RECOVER_MFENCE": ["service_restart_on_a_caching_host"],
-    "SERVICE_FLOOR_FENCE": ["service_answers_durable"],
     "SERVICE_COMMIT_FENCE": ["service_answers_durable"],
     "SERVICE_CLEAR_FENCE": ["service_answers_durable"],
     "INDEX_BUCKET_INVALIDATE": ["index_probe_on_a_caching_host"],

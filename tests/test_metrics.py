@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from beluga import KVStore
 from beluga.cli import build_parser, main
 from beluga.errors import BelugaError
 from beluga.kv import MetadataServer, service
-from beluga.kv.metrics import STATS_METRICS
+from beluga.kv.metrics import INFO_FIELDS, STATS_METRICS
 from beluga.pool import Geometry, Pool
 
 GEOMETRY = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=16 << 10)
@@ -92,7 +93,8 @@ def serve_process(spec: str, port: int) -> Iterator[subprocess.Popen[str]]:
 @pytest.mark.leaves("keys")
 def test_scrape_matches_stats_and_stops_with_the_server(pool: Pool) -> None:
     port = free_port()
-    with serve_process(pool.spec, port), KVStore(pool.spec) as store:
+    started = time.time()
+    with serve_process(pool.spec, port) as proc, KVStore(pool.spec) as store:
         for i in range(20):
             store.put(f"k{i}", os.urandom(1000 + 100 * i))
         store.put_batch([f"b{i}" for i in range(8)], [b"v" * 5000] * 8)
@@ -102,8 +104,17 @@ def test_scrape_matches_stats_and_stops_with_the_server(pool: Pool) -> None:
         stats = store.stats()
         samples = scrape(port)
         for field, value in stats.items():
-            if field != "uptime_s":
+            if field != "uptime_s" and not isinstance(value, str):
                 assert samples[(sample_name(field), ())] == value, field
+        assert stats["server_pid"] == proc.pid
+        assert started - 1 <= stats["server_since_s"] <= time.time()
+        info = {
+            "server_host": socket.gethostname(),
+            "server_pid": str(proc.pid),
+            "server_since": stats["server_since"],
+        }
+        assert samples[("beluga_server_info", tuple(sorted(info.items())))] == 1
+        assert stats["seats_taken"] == 1 and stats["takeovers"] == 0
         assert stats["puts"] == 28 and stats["hits"] >= 3 and stats["misses"] >= 2
         assert samples[("beluga_evictions_total", ())] == 0
         assert samples[("beluga_lease_expiries_total", ())] == 0
@@ -174,7 +185,8 @@ def test_every_stats_field_is_described(pool: Pool) -> None:
     with threaded_server(pool) as server:
         assert server.metrics is None  # no port, no endpoint (and no prometheus import needed)
         fields = set(server.service.stats())
-    assert fields == set(STATS_METRICS)
+    assert fields == set(STATS_METRICS) | set(INFO_FIELDS)
+    assert not set(STATS_METRICS) & set(INFO_FIELDS)
 
 
 def test_serve_defaults_come_from_the_service() -> None:

@@ -165,6 +165,7 @@ def test_a_dead_writer_within_its_lease_is_reclaimed_at_once(h: Harness) -> None
     assert h.svc.stats()["blocks_used"] == 0 and h.svc.stats()["lease_expiries"] == 0
 
 
+@pytest.mark.leaves("writes")  # it ends holding a grant: a WRITING header
 def test_a_client_gone_frees_its_writes_only(h: Harness) -> None:
     h.alloc("mine", 100)
     h.alloc("theirs", 100, who=(2, 1))
@@ -193,6 +194,7 @@ def test_a_late_seal_is_not_a_committed_value_after_a_restart(h: Harness) -> Non
     assert h.commit("a", late) and h.read("a") == b"new"
 
 
+@pytest.mark.leaves("writes")  # it ends holding a grant: a WRITING header
 def test_recovery_never_resurrects_a_removed_key(h: Harness) -> None:
     g = h.put("gone", b"x" * 100)
     payload = p.encode_digests([digest(b"gone")])
@@ -221,7 +223,7 @@ def test_recovered_writes_of_a_dead_writer_are_freed(h: Harness) -> None:
     assert h.svc.stats()["writes_in_flight"] == 0 and h.svc.stats()["blocks_used"] == 0
 
 
-@pytest.mark.leaves("keys")
+@pytest.mark.leaves("keys", "writes")  # and a grant it holds: a WRITING header
 def test_eviction_is_lru_and_waits_for_read_leases(small: Pool) -> None:
     h = Harness(small, Clock(), {WRITER}, read_lease_s=2.0, high_watermark=1.0, low_watermark=1.0)
     n = h.pool.superblock.nblocks
@@ -260,3 +262,16 @@ def test_retired_extents_wait_out_their_read_leases(h: Harness) -> None:
     h.clock.now += 0.002
     h.svc.tick()
     assert h.svc.stats()["blocks_used"] == 1 and h.read("a") == b"2"
+
+
+@pytest.mark.leaves("keys", "writes")  # the stalled writer's grant stays held
+def test_a_grant_outlives_its_server_before_its_writer_writes(h: Harness) -> None:
+    """Chaos seed 3028221332: a writer stopped between the ALLOC answer and its own
+    WRITING store, the server killed meanwhile; the next server found the extent free,
+    granted it again, and the stopped writer later overwrote the value acknowledged in
+    it.  The server now writes the WRITING header itself before it answers."""
+    stalled = h.alloc("stalled", 100)  # and its writer never stores a byte
+    h.svc = h.start()  # a new server recovers from the pool
+    assert h.svc.stats()["writes_in_flight"] == 1  # it knows the grant
+    fresh = h.put("acknowledged", b"v" * 100, who=(2, 1))
+    assert fresh.block != stalled.block

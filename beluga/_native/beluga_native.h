@@ -170,10 +170,6 @@
     X(SERVICE_RECOVER_MFENCE, "kv/service.py recover",                                            \
       "MFENCE between invalidating those tables and loading them",                                \
       "the loads can pass the invalidations and hit old lines")                                   \
-    X(SERVICE_FLOOR_FENCE, "kv/service.py _next_version",                                         \
-      "SFENCE after raising the version floor, before a version above it is handed out",          \
-      "after a crash a new server hands out versions again: a late seal of the old grant passes " \
-      "for the new write")                                                                        \
     X(SERVICE_COMMIT_FENCE, "kv/service.py op_commit",                                            \
       "SFENCE after the commit words, before the answer",                                         \
       "the answer can land before a commit word: a crash then loses an acknowledged value")       \
@@ -589,6 +585,7 @@ typedef struct {
     atomic_int stop;
     int doorbell; /* the doorbell lines lie in this mapping, outside the rings */
     int idle;     /* the last gather found nothing: the next one skips spinning */
+    uint64_t torn_ns; /* how long a torn request line at head is waited for (rpc.c TORN LINES) */
     uint64_t served, rejected, batches;
     bl_rpc_wait wait;
     bl_rpc_wait_stats stats;

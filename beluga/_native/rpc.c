@@ -36,6 +36,20 @@
  * server its requests, with an MFENCE).  Without it a message arrives one
  * poll later: latency, never a wrong or lost message.
  *
+ * TORN LINES
+ * A request line whose sequence and generation are the expected ones but
+ * whose CRC fails is, first of all, a line its client is still writing: a
+ * client descheduled, or stopped (SIGSTOP, a paused VM), between the stores
+ * of one line leaves it torn for as long as it is away, and the model makes
+ * a line's non-temporal stores visible piecemeal.  The server waits for it
+ * (it serves the ring's later requests only after it, in order) and answers
+ * it CORRUPT only once it has stayed torn for torn_ns (TORN_PATIENCE_NS,
+ * 10 s; RingServer.torn_patience_s): a client back within that bound gets
+ * its request served, and a line really damaged (hostile bytes, a client
+ * that wrote garbage) costs its own ring a bounded stall, never another's.
+ * (It was 1 ms once: a busy host's scheduler turned healthy puts into
+ * "request line corrupt".)
+ *
  * A restarted server finds each ring's position in the lines themselves
  * (bl_rpc_server_recover_head): a request with no matching response is still
  * pending and is served again, so requests are at-least-once across a
@@ -119,7 +133,7 @@
 #define cpu_relax() __asm__ __volatile__("" ::: "memory")
 #endif
 
-#define BAD_NS 1000000ull /* a torn line at head this long is answered as corrupt */
+#define TORN_PATIENCE_NS 10000000000ull /* default: a torn line at head 10 s is corrupt */
 
 #define GIL_SPIN_NS 5000ull        /* a client polls this long before it lets go (drops the GIL) */
 #define CLIENT_SPIN_NS 20000ull    /* default spin of a client wait */
@@ -656,6 +670,7 @@ int bl_rpc_server_init(bl_rpc_server *s, bl_mem *m, size_t area_off, size_t ring
     s->nactive = s->nwake = 0;
     s->doorbell = doorbell_fits(m->size, area_off, ring_bytes * nrings);
     s->wait = wait_cfg(SERVER_SPIN_NS, 1);
+    s->torn_ns = TORN_PATIENCE_NS;
     if (s->doorbell) /* a server that died asleep left its announcement behind */
         atomic_store(wake_word(m, BL_RPC_DOORBELL), 0);
     return 0;
@@ -779,15 +794,17 @@ static int scan_window(bl_rpc_server *s, uint32_t idx, bl_rpc_request *out, int 
         bl_rpc_request *q = &out[got];
         uint32_t slot = (first + i) % depth;
         m->ops->load(m, bl_rpc_req_line(&r->g, slot), &q->line, BL_LINE);
-        if (q->line.seq != r->head || q->line.gen != r->gen)
+        if (q->line.seq != r->head || q->line.gen != r->gen) {
+            r->bad_since = 0;
             break;
+        }
         uint32_t seq = r->head;
         if (!bl_record_sealed(&q->line, sizeof(q->line))) {
             uint64_t t = bl_rpc_now_ns();
             if (!r->bad_since)
                 r->bad_since = t;
-            if (t - r->bad_since < BAD_NS)
-                break; /* maybe a line still being written: look again later */
+            if (t - r->bad_since < s->torn_ns)
+                break; /* a client between the stores of this line: look again later */
             bl_rpc_server_reject(s, idx, seq, BL_RPC_CORRUPT, "request line corrupt");
         } else if (q->line.len > ((q->line.flags & BL_RPC_OOL) ? r->g.buf : BL_RPC_INLINE)) {
             bl_rpc_server_reject(s, idx, seq, BL_RPC_BAD_LENGTH,

@@ -655,6 +655,18 @@ static int Server_set_spin(ServerObject *self, PyObject *v, void *c)
     return set_seconds(&self->s.wait.spin_ns, v, 0, 3600, "spin_s must be 0..3600 s");
 }
 
+/* torn_patience_s: how long a torn request line at a ring's head is waited for. */
+static PyObject *Server_get_torn(ServerObject *self, void *c)
+{
+    return PyFloat_FromDouble(1e-9 * (double)self->s.torn_ns);
+}
+
+/* Set torn_patience_s (1e-3..3600 s). */
+static int Server_set_torn(ServerObject *self, PyObject *v, void *c)
+{
+    return set_seconds(&self->s.torn_ns, v, 1e-3, 3600, "torn_patience_s must be 1e-3..3600 s");
+}
+
 /* sleep_s: the longest futex sleep before polling again. */
 static PyObject *Server_get_sleep(ServerObject *self, void *c)
 {
@@ -689,6 +701,8 @@ static PyGetSetDef Server_getset[] = {
     {"rejected", (getter)Server_get_rejected, NULL, "malformed requests answered with an error", NULL},
     {"spin_s", (getter)Server_get_spin, (setter)Server_set_spin, "spin after the last request", NULL},
     {"sleep_s", (getter)Server_get_sleep, (setter)Server_set_sleep, "longest futex sleep", NULL},
+    {"torn_patience_s", (getter)Server_get_torn, (setter)Server_set_torn,
+     "how long a torn request line at head is waited for before it is answered corrupt", NULL},
     {"wait_stats", (getter)Server_get_stats, NULL, "how polls backed off", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

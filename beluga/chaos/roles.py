@@ -19,9 +19,10 @@ Messages to the driver (``t`` is the sender's monotonic clock):
 ``("mid", t, key, serial, block, nblocks, version)``
                                              an in-place writer has written half a
                                              payload and stops itself (SIGSTOP)
-``("read", t0, t1, path, [(key, result)])``  result: None (a miss), ``(writer,
-                                             serial, nbytes)``, or ``("wrong", reason,
-                                             detail, writer, serial)``
+``("read", t0, t1, path, [(key, result)])``  result: ``("miss", why)`` (see
+                                             :func:`diagnose`), ``(writer, serial,
+                                             nbytes)``, or ``("wrong", reason, detail,
+                                             writer, serial)``
 ``("error", t, type, message)``              a call failed (the role carries on)
 ``("stats", t, epoch, counters)``            the server's counters (evictions, use)
 ``("audited", t)``                           the auditor read every key by every path
@@ -52,14 +53,16 @@ from typing import Any
 import numpy as np
 
 from beluga.chaos.values import HEADER_BYTES, make_value, verify
-from beluga.coherence import digest
+from beluga.coherence import Miss, digest
 from beluga.errors import RpcError, WriteLeaseLost
-from beluga.kv.store import BlockRef, KVStore
+from beluga.kv import protocol as p
+from beluga.kv.store import BlockRef, KVStore, key_bytes
 from beluga.transfer import Buffers
 
 READ_PATHS = ("get", "get_into", "batch_get_into", "get_batch", "inplace")
 _COUNTERS = ("evictions", "blocks_used", "keys", "writes_in_flight", "retiring_extents")
 _MAX_REPORT = 8  # read results per message: keeps a message below PIPE_BUF (4 KiB)
+_LOOKUP_TIMEOUT_S = 0.5  # a miss asks the server for its view; a server away is noted
 
 
 @dataclass(frozen=True)
@@ -323,12 +326,72 @@ class Midway(Buffers):
         return super().moves(mem, chosen, places, write=write)
 
 
-def read_in_place(store: KVStore, keys: Sequence[str]) -> list[bytes | None]:
-    """The serving engine's read path: locate, then one validated ``KVStore.load``."""
+def read_in_place(
+    store: KVStore, keys: Sequence[str], why: list[str] | None = None
+) -> list[bytes | None]:
+    """The serving engine's read path: locate, then one validated ``KVStore.load``.
+
+    ``why`` (when given) gets, per key, what a miss was: ``index`` (the pool
+    index named no block), or the :class:`Miss` code of the located block's
+    header checked again after the load refused it; "" for a hit.
+    """
     refs = store.locate(keys, prefix=False)
     bufs = [bytearray(r.length if r is not None else 0) for r in refs]
     intact = store.load(refs, Buffers(bufs))
+    if why is not None:
+        why[:] = [
+            "" if ok else "index" if r is None else _header_miss(store, r)
+            for r, ok in zip(refs, intact, strict=True)
+        ]
     return [bytes(b) if ok else None for b, ok in zip(bufs, intact, strict=True)]
+
+
+def _header_miss(store: KVStore, r: BlockRef) -> str:
+    """The located block as checked now: its Miss code, or that it reads whole again."""
+    code = store.mem.check_header(
+        r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
+    )
+    if code >= 0:
+        return f"load refused block {r.block} v{r.version:#x}; its header checks whole now"
+    return f"load refused block {r.block} v{r.version:#x}: {Miss(code).name}"
+
+
+def diagnose(store: KVStore, name: str, path_why: str) -> dict[str, str]:
+    """What a miss of ``name`` was, right after it: the reader's, the index's, the server's.
+
+    ``path``: why the read path missed (the in-place path knows: ``index``,
+    nothing located, or the located header's Miss code; the others say
+    "miss"); ``index_now``: the pool index probed again; ``server``: the
+    server's own view by an RPC LOOKUP (no lease), or why it gave none; and
+    ``header``: the header of the block the server names, checked now (a
+    Miss code, or "whole": then the miss was a race of the read path, not a
+    value gone).
+    """
+    d = digest(key_bytes(name))
+    again = store.locate([name], prefix=False)[0]
+    out = {
+        "path": path_why or "miss",
+        "index_now": "no entry" if again is None else f"block {again.block} v{again.version:#x}",
+    }
+    try:
+        data = store.rpc.call(p.StoreOp.LOOKUP, p.encode_digests([d]), _LOOKUP_TIMEOUT_S)
+    except RpcError as e:
+        out["server"] = f"no answer ({str(e)[:80]})"
+        return out
+    loc = p.decode_locations(data)[0]
+    out["server"] = "not indexed" if loc is None else f"block {loc.block} v{loc.version:#x}"
+    if loc is not None:
+        sb = store.sb
+        extent = -(-loc.length // sb.block_size) * sb.block_size
+        code = store.mem.check_header(
+            sb.block_header_offset(loc.block),
+            sb.block_payload_offset(loc.block),
+            max(extent, sb.block_size),
+            d,
+            loc.version,
+        )
+        out["header"] = "whole" if code >= 0 else Miss(code).name
+    return out
 
 
 class _Reader(_Role):
@@ -346,20 +409,26 @@ class _Reader(_Role):
 
     def read(self, store: KVStore, path: str, keys: Sequence[int]) -> None:
         names = [self.spec.keys[k] for k in keys]
+        why: list[str] = []
         t0 = _now()
-        values = self.fetch(store, path, names)
+        values = self.fetch(store, path, names, why)
         t1 = _now()
-        results = [(k, self.judge(k, v)) for k, v in zip(keys, values, strict=True)]
+        results = [
+            (k, self.judge(k, v) if v is not None else ("miss", diagnose(store, n, w)))
+            for k, n, v, w in zip(keys, names, values, why or [""] * len(keys), strict=True)
+        ]
         for start in range(0, len(results), _MAX_REPORT):
             self.send("read", t0, t1, path, results[start : start + _MAX_REPORT])
 
-    def fetch(self, store: KVStore, path: str, names: list[str]) -> list[bytes | None]:
+    def fetch(
+        self, store: KVStore, path: str, names: list[str], why: list[str]
+    ) -> list[bytes | None]:
         if path == "get":
             return [store.get(names[0])]
         if path == "get_batch":
             return store.get_batch(names)
         if path == "inplace":
-            return read_in_place(store, names)
+            return read_in_place(store, names, why)
         bufs = self.bufs[: len(names)]
         if path == "get_into":
             lengths = [store.get_into(names[0], bufs[0])]

@@ -24,6 +24,13 @@ lost acknowledged write
     or a deliberate corruption of ``k``'s block after the floor's write began
     (excused as ``corrupted``; a corrupted block must read as a miss, and that
     miss is not a loss we count).
+Every lost write found carries what tells a lost write from a verifier gap:
+``history``, the key's operations around the read (serial, kind, role,
+tried, done, outcome); ``reader``, for a miss, why the read path missed (the
+in-place path's index miss or header Miss code), the pool index probed again
+right after, and the server's own view of the key then (an RPC LOOKUP); and
+the faults that touched the key.
+
 uncommitted value
     a value whose put the server refused (``lease``), with no server restart
     during that put (a restart can replay a commit the old server had done).
@@ -40,6 +47,7 @@ from typing import Any
 #: seconds after a writer died or gave up during which its requests may still land
 LATE_EFFECT_S = 3.0
 _DETAILS = 200  # findings kept with full detail per category
+_HISTORY = 8  # operations of a key shown around a lost write
 
 
 @dataclass
@@ -65,7 +73,8 @@ class Read:
     key: int
     t0: float
     t1: float
-    result: Any  # None | (writer, serial, nbytes) | ("wrong", reason, detail, writer, serial)
+    # None or ("miss", why) | (writer, serial, nbytes) | ("wrong", reason, detail, writer, serial)
+    result: Any
 
 
 @dataclass
@@ -195,7 +204,7 @@ class History:
             times, highest = acked.get(r.key, ([], []))
             n = bisect.bisect_left(times, r.t0)
             floor = highest[n - 1] if n else None
-            if r.result is None:
+            if r.result is None or r.result[0] == "miss":
                 f.misses += 1
                 self._check_miss(f, r, floor, by_key.get(r.key, []))
             elif r.result[0] == "wrong":
@@ -249,6 +258,7 @@ class History:
                 "lost",
                 self._describe(
                     r,
+                    history=self._history(list(self._ops_of(r.key)), r),
                     reason="stale",
                     detail=f"{what}: serial {serial:#x} "
                     f"returned after {floor.kind} {floor.serial:#x} was "
@@ -287,8 +297,26 @@ class History:
                 reason="miss",
                 detail=f"put {floor.serial:#x} was acknowledged at "
                 f"{self._at(floor.t_done)}, the read began at {self._at(r.t0)}",
+                reader=r.result[1] if r.result is not None else None,
+                history=self._history(ops, r),
+                corrupted_at=[self._at(t) for t in self.corruptions.get(r.key, [])],
+                server_killed_at=[self._at(t) for t in self.server_kills if t <= r.t1],
             ),
         )
+
+    def _history(self, ops: list[WriteOp], r: Read) -> list[str]:
+        """The key's operations nearest the read, one line each, in serial order."""
+        ops = sorted(ops, key=lambda o: o.serial)
+        before = [o for o in ops if o.t_try <= r.t1][-_HISTORY:]
+        after = [o for o in ops if o.t_try > r.t1][:2]
+        return [
+            f"{o.kind} {o.serial:#x} by {o.role}: tried {self._at(o.t_try)}, "
+            f"{o.outcome} at {self._at(o.t_done) if o.t_done != math.inf else '-'}"
+            for o in before + after
+        ]
+
+    def _ops_of(self, key: int) -> list[WriteOp]:
+        return [o for (k, _), o in self.ops.items() if k == key]
 
     def _restart_during(self, op: WriteOp) -> bool:
         return any(op.t_try <= t <= op.t_done for t in self.server_kills)

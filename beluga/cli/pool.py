@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import time
 
 from beluga.cli.common import add_pool_args, pool_spec
-from beluga.pool import Geometry, Pool
+from beluga.pool import Geometry, Pool, parse_spec, removal_guard
 from beluga.units import parse_size
 
 
@@ -36,7 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="RPC area bytes per host (default 1M)",
     )
     c.add_argument("--label", default="", help="free text kept in the superblock")
-    c.add_argument("--force", action="store_true", help="replace an existing pool")
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing Beluga pool (never a file that is not one, never one in use)",
+    )
+    _add_ignore_live_hosts(c)
     c.set_defaults(handler=create)
 
     i = cmds.add_parser("info", help="print the superblock, regions and hosts")
@@ -44,21 +51,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--json", action="store_true", help="JSON instead of text")
     i.set_defaults(handler=info)
 
-    d = cmds.add_parser("destroy", help="remove a pool")
+    d = cmds.add_parser(
+        "destroy", help="remove a pool (refused for what is not a Beluga pool or is in use)"
+    )
     add_pool_args(d)
+    _add_ignore_live_hosts(d)
     d.set_defaults(handler=destroy)
 
     n = cmds.add_parser("nodes", help="list NUMA nodes and which have no CPUs")
     n.set_defaults(handler=nodes)
 
 
+def _add_ignore_live_hosts(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ignore-live-hosts",
+        action="store_true",
+        help="go ahead although hosts (or a server on another host) look alive; "
+        "a live server on this machine still refuses",
+    )
+
+
 def create(args: argparse.Namespace) -> int:
     geometry = Geometry(
         max_hosts=args.max_hosts, block_size=args.block_size, rpc_bytes_per_host=args.rpc_per_host
     )
-    with Pool.create(
-        pool_spec(args), args.size, geometry=geometry, label=args.label, force=args.force
-    ) as p:
+    backend = parse_spec(pool_spec(args))
+    with contextlib.ExitStack() as guarded:
+        if args.force and backend.exists():
+            guarded.enter_context(
+                removal_guard(backend, "replace", ignore_live_hosts=args.ignore_live_hosts)
+            )
+        p = guarded.enter_context(
+            Pool.create(backend, args.size, geometry=geometry, label=args.label, force=args.force)
+        )
         sb = p.superblock
         print(
             f"created {p.spec}: {sb.pool_size} bytes, {sb.nblocks} blocks of {sb.block_size} "
@@ -78,7 +103,11 @@ def info(args: argparse.Namespace) -> int:
             continue
         if key == "server":
             where = "this machine" if value and value["same_machine"] else "another host"
-            value = f"pid {value['pid']} on {where}" if value else "none running"
+            text = f"pid {value['pid']} on {where}" if value else "none running"
+            if value and value["since_ns"]:
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(value["since_ns"] / 1e9))
+                text += f", serving since {since} UTC"
+            value = text
         elif isinstance(value, dict):
             value = f"offset {value['offset']}, {value['length']} bytes"
         print(f"{key:>16}: {value}")
@@ -92,9 +121,11 @@ def info(args: argparse.Namespace) -> int:
 
 
 def destroy(args: argparse.Namespace) -> int:
-    spec = pool_spec(args)
-    Pool.destroy(spec)
-    print(f"destroyed {spec}")
+    with removal_guard(
+        pool_spec(args), "destroy", ignore_live_hosts=args.ignore_live_hosts
+    ) as backend:
+        Pool.destroy(backend)
+    print(f"destroyed {backend.spec}")
     return 0
 
 

@@ -66,6 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "mooncake:METADATA_URL,MASTER_ADDRESS[,write-through] (default: $BELUGA_TIER, or none)",
     )
     s.add_argument(
+        "--standby",
+        action="store_true",
+        help="wait while another server serves the pool, take its seat once it is gone "
+        "(a server of this machine whose process ended), recover and serve",
+    )
+    s.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         default="info",
@@ -123,6 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
         tier=args.tier,
+        standby=args.standby,
     )
     return 0
 

@@ -9,6 +9,9 @@ What is exported, all prefixed ``beluga_``:
   described in :data:`STATS_METRICS` is still exported, as a gauge;
 - per RPC op: ``beluga_rpc_requests_total``, ``beluga_rpc_errors_total`` and
   ``beluga_rpc_handler_seconds`` (a histogram);
+- ``beluga_server_info``: 1, labelled with the text fields of ``stats()``
+  (``server_host``, ``server_since``) and ``server_pid``: which server
+  serves, where, since when (with ``beluga_takeovers_total`` beside it);
 - ``beluga_recovery_seconds``: how long the service took to rebuild its state
   from the pool at start;
 - ``beluga_stats_age_seconds``: how old the statistics of this scrape are;
@@ -87,6 +90,19 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
     "tier_hits": ("counter", "Pool misses the cross-pod tier served (clients' counts)"),
     "promotions": ("counter", "Values clients copied from the cross-pod tier into the pool"),
     "uptime_s": ("gauge", "Seconds since this server's service started"),
+    "server_pid": ("gauge", "Process id of the server that serves the pool"),
+    "server_since_s": ("gauge", "When the serving server took the pool's seat (Unix seconds)"),
+    "seats_taken": ("counter", "Servers that ever took this pool's seat (this one included)"),
+    "takeovers": (
+        "counter",
+        "Servers that took the seat from one that had not left it (it died or stalled)",
+    ),
+}
+
+#: stats() fields that are text: labels of ``beluga_server_info``, not samples
+INFO_FIELDS: dict[str, str] = {
+    "server_host": "Host name of the server that serves the pool",
+    "server_since": "When it took the pool's seat (ISO 8601, UTC)",
 }
 
 #: upper bounds (seconds) of the handler-time histogram: a batch takes microseconds
@@ -202,6 +218,16 @@ class ServerMetrics:
     def collect(self) -> Iterator[Metric]:
         """The metrics of one scrape (prometheus_client's Collector interface)."""
         stats, age = self.snapshot()
+        info = {f: str(v) for f, v in stats.items() if f in INFO_FIELDS}
+        if info:
+            info["server_pid"] = str(stats.get("server_pid", ""))
+            family = GaugeMetricFamily(
+                PREFIX + "server_info",
+                "The server that serves the pool: host, pid, since when",
+                labels=sorted(info),
+            )
+            family.add_metric([info[k] for k in sorted(info)], 1)
+            yield family
         for field, value in stats.items():
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue

@@ -110,7 +110,6 @@ LOW_WATERMARK = 0.90
 #: keys that left the index, kept for RETIRED (16 bytes each: 1 MiB)
 RETIRED_KEEP = 65536
 # the fences and invalidations below are named sabotage points (beluga_native.h)
-_floor_fence = step("SERVICE_FLOOR_FENCE", Memory.sfence)
 _commit_fence = step("SERVICE_COMMIT_FENCE", Memory.sfence)
 _clear_fence = step("SERVICE_CLEAR_FENCE", Memory.sfence)
 _recover_invalidate = step("SERVICE_RECOVER_INVALIDATE", Memory.invalidate)
@@ -201,7 +200,9 @@ class MetadataService:
         if self.version >= self.floor:
             self.floor = self.version + FLOOR_STEP
             self.mem.nt_store(self.sb.service_offset, self.floor.to_bytes(8, "little"))
-            _floor_fence(self.mem)  # persisted before the version is used
+            # persisted before the version is used: every version goes into the WRITING
+            # header of its grant (_announce), whose fence precedes the answer, and
+            # recovery takes the highest of the floor and every header's version
         return self.version
 
     def _set_commit(self, block: int, version: int) -> None:
@@ -331,10 +332,37 @@ class MetadataService:
                     pend = self.pending.pop(g.block)
                     self.alloc.release(g.block, pend.nblocks)
             raise
+        self._announce(granted, items, req)
         while self.alloc.used > self.high * self.alloc.nblocks:
             if not self._evict_one() or self.alloc.used <= self.low * self.alloc.nblocks:
                 break
         return p.encode_grants(granted)
+
+    def _announce(self, granted: list[p.Grant], items: list[tuple], req: Request) -> None:
+        """Mark every granted extent WRITING in the pool, by its writer, before the answer.
+
+        A grant lives in this process's memory only until its writer's own
+        WRITING header lands.  A writer stopped between the answer and that
+        store, with this server killed meanwhile, held an extent that the next
+        server's recovery found free and granted again: the stopped writer
+        then overwrote a value acknowledged since (chaos seed 3028221332, key
+        chaos/w1/k10).  With the header here first (each fenced before the
+        answer), recovery finds every grant, with its writer and generation,
+        and holds the extent until that writer commits, aborts or is gone.
+        """
+        for (digest, length, key_len), g in zip(items, granted, strict=True):
+            if g.block == p.NO_BLOCK:
+                continue
+            self.mem.begin_write(
+                self.sb.block_header_offset(g.block),
+                self.sb.block_payload_offset(g.block),
+                digest,
+                g.version,
+                length,
+                key_len=key_len,
+                writer=req.host_id,
+                writer_gen=req.generation,
+            )
 
     def _writing(self) -> set[bytes]:
         """Keys being written under a live lease (a cancelled write never commits, so an

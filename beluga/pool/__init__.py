@@ -12,7 +12,7 @@ from beluga.pool.backends import (
 )
 from beluga.pool.hosts import HostEntry, HostState, HostTable
 from beluga.pool.layout import LAYOUT_VERSION, Geometry, Region, Superblock
-from beluga.pool.pool import Pool
+from beluga.pool.pool import Pool, removal_guard
 
 __all__ = [
     "DEFAULT_POOL",
@@ -30,5 +30,6 @@ __all__ = [
     "Superblock",
     "parse_spec",
     "register_backend",
+    "removal_guard",
     "resolve_pool",
 ]

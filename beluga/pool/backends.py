@@ -129,6 +129,15 @@ class Backend(abc.ABC):
     def unlink(self) -> None:
         """Remove the backing memory where that means anything; safe to repeat."""
 
+    def names(self, mapping: Mapping) -> bool:
+        """Whether this backend's path still names the object ``mapping`` maps.
+
+        False once the file was unlinked or replaced (a new pool renamed over
+        it).  The base class knows no path and answers True; the superblock
+        check of :meth:`Pool.changed` still catches a pool reformatted in place.
+        """
+        return True
+
     def commit(self) -> None:  # noqa: B027 - most backends have nothing to publish
         """Make a freshly formatted pool visible (a rename for files; nothing for devices)."""
 
@@ -148,6 +157,18 @@ def _map_fd(fd: int, size: int, offset: int = 0) -> mmap.mmap:
     return mmap.mmap(
         fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
     )
+
+
+def same_object(path: str, mapping: Mapping) -> bool:
+    """Whether ``path`` names the file or device that ``mapping``'s descriptor is open on."""
+    if mapping.fd < 0:
+        return False
+    try:
+        named = os.stat(path)
+    except OSError:
+        return False
+    mapped = os.fstat(mapping.fd)
+    return (named.st_dev, named.st_ino) == (mapped.st_dev, mapped.st_ino)
 
 
 def _mapping_of(fd: int, size: int, offset: int = 0) -> Mapping:
@@ -242,8 +263,14 @@ class ShmBackend(Backend):
         size = os.fstat(fd).st_size
         if size == 0:
             os.close(fd)
-            raise PoolError(f"{self.path} is empty, not a Beluga pool; destroy it and create again")
+            raise PoolError(
+                f"{self.path} is an empty file, not a Beluga pool; remove it yourself or "
+                "choose another path for 'beluga pool create'"
+            )
         return _mapping_of(fd, size)
+
+    def names(self, mapping: Mapping) -> bool:
+        return same_object(self.path, mapping)
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -31,6 +31,7 @@ from beluga.pool.backends import (
     _map_fd,
     _mapping_of,
     register_backend,
+    same_object,
 )
 from beluga.pool.layout import SUPERBLOCK_BYTES
 
@@ -152,6 +153,9 @@ class DaxBackend(Backend):
                 f"2 MiB a pool needs at the least; check the device or the offset"
             )
         return self._map(fd, length)
+
+    def names(self, mapping: Mapping) -> bool:
+        return same_object(self.path, mapping)
 
     def unlink(self) -> None:
         """Zero the superblock with stores that reach the device, so no host sees a pool."""

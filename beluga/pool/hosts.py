@@ -92,7 +92,9 @@ _HOST = struct.Struct("<IIIIQ8sQQQ")  # magic, id, state, pid, start, boot, beat
 _GRANT = struct.Struct("<IIIIQ8sQ")  # magic, id, gen, pid, start, boot, nonce
 _CLAIM = struct.Struct("<IiIQ8sQ")  # magic, wanted id (-1: any), pid, start, boot, nonce
 _ANSWER = struct.Struct("<IiIIQ")  # magic, result, gen, holder pid, nonce
-_SEAT = struct.Struct("<IIIQ8sQ")  # magic, epoch, pid, start, boot, heartbeat
+# magic, epoch, pid, start, boot, heartbeat, since, seats taken, takeovers (the last three
+# were added later: a seat line written without them reads them as 0)
+_SEAT = struct.Struct("<IIIQ8sQQII")
 
 DEFAULT_STALE_S = 10.0
 CLAIM_POLL_S = 0.0005  # how often a claimant looks for its answer
@@ -277,16 +279,35 @@ class ClaimAnswer:
 
 @dataclass(frozen=True)
 class Seat:
-    """The seat line: which server serves the pool (epoch 0: none)."""
+    """The seat line: which server serves the pool (epoch 0: none), since when, how often.
+
+    ``seats`` counts every server that ever took this pool's seat and
+    ``takeovers`` those that took it from a server that had not left it (it
+    died, or stalled past the staleness bound); each new server carries both
+    forward, so they are the pool's history, not one process's.
+    """
 
     epoch: int
     identity: Identity
     heartbeat_ns: int
+    since_ns: int = 0  # wall clock when this server took the seat
+    seats: int = 0
+    takeovers: int = 0
 
     def pack(self) -> bytes:
         i = self.identity
         return seal_record(
-            _SEAT.pack(SEAT_MAGIC, self.epoch, i.pid, i.start_ms, i.boot_id, self.heartbeat_ns)
+            _SEAT.pack(
+                SEAT_MAGIC,
+                self.epoch,
+                i.pid,
+                i.start_ms,
+                i.boot_id,
+                self.heartbeat_ns,
+                self.since_ns,
+                self.seats,
+                self.takeovers,
+            )
         )
 
     @classmethod
@@ -294,8 +315,8 @@ class Seat:
         f = _unseal(line, _SEAT, SEAT_MAGIC)
         if f is None:
             return None
-        epoch, pid, start, boot, beat = f
-        return cls(epoch, Identity(pid, start, boot), beat)
+        epoch, pid, start, boot, beat, since, seats, takeovers = f
+        return cls(epoch, Identity(pid, start, boot), beat, since, seats, takeovers)
 
 
 class Staleness:
@@ -628,7 +649,11 @@ class HostRegistry:
                     f"{'' if seat.identity.same_kernel() else ', on another host'}) serves this "
                     "pool; stop it first (one server per pool)"
                 )
-        mine = Seat(epoch, Identity.mine(), t.wall())
+        now = t.wall()
+        seats = seat.seats if seat is not None else 0
+        took_over = seat is not None and seat.epoch != 0 and seat.identity != Identity.mine()
+        takeovers = (seat.takeovers if seat is not None else 0) + took_over
+        mine = Seat(epoch, Identity.mine(), now, now, seats + 1, takeovers)
         write_line(t.mem, t._seat_off, mine.pack())
         return mine
 

@@ -74,6 +74,7 @@ class RpcClient:
         self.restart_grace_s = restart_grace_s
         self._broken: str | None = None
         self._server_down = False  # broken because the server went away: a new one may adopt us
+        self._pool_changed = False  # the pool was reformatted, unlinked or replaced under us
         self._submitted = self._completed = 0  # requests put in the ring, answers taken out
         self._lock = threading.Lock()
         self._fork_generation = _fork_generation
@@ -140,6 +141,14 @@ class RpcClient:
     def _server_gone(self) -> str | None:
         """Why the server cannot answer (stopped, died), or None; follows a restarted one."""
         st = self._status()
+        if st is None or st.epoch == 0 or not self._alive(st):
+            changed = self.pool.changed()
+            if changed is not None:
+                self._pool_changed = True
+                return (
+                    f"the pool changed under this client: {changed}; close this client "
+                    "(and its KVStore) and connect again"
+                )
         if st is None or st.epoch == 0:
             return (
                 f"the Beluga server of {self.pool.spec} stopped; start it again "
@@ -216,9 +225,12 @@ class RpcClient:
                 gone_since = None
             elif gone_since is None:
                 gone_since = now
-            if gone is not None and (now - gone_since >= self.restart_grace_s or now > deadline):
+            waited = now - gone_since if gone_since is not None else 0.0
+            if gone is not None and (
+                self._pool_changed or waited >= self.restart_grace_s or now > deadline
+            ):
                 self._broken = gone
-                self._server_down = True
+                self._server_down = not self._pool_changed  # no new server adopts a lost pool
                 raise RpcError(gone)
             if now > deadline:
                 self._broken = f"no answer within {limit} s"

@@ -26,6 +26,11 @@ ends; rings of clients on other kernels are re-polled after timed naps.  An
 idle server therefore costs little CPU and still answers within microseconds
 of a wake-up.
 
+A request line caught half written (its CRC fails) is waited for: a client
+descheduled or stopped between the stores of one line gets its request served
+when it comes back within ``torn_patience_s`` (10 s by default), and only a
+line torn longer than that is answered ``CORRUPT`` (rpc.c, TORN LINES).
+
 A restarted server recovers each ring's position from the lines themselves
 (``RingServer.recover_head`` in C, which owns the slot format): a request with
 no matching response is still pending and is served again.
@@ -114,7 +119,16 @@ class RpcServer:
         stale_s: float = DEFAULT_STALE_S,
         on_client_gone: Callable[[int], None] | None = None,
         tick: Callable[[], None] | None = None,
+        torn_patience_s: float | None = None,
+        first_refresh: bool = True,
     ) -> None:
+        """``torn_patience_s``: how long a torn request line is waited for (rpc.c TORN LINES).
+
+        ``first_refresh=False`` takes the seat but adopts no ring and grants no
+        id yet: for a caller that must hold the seat before it builds what the
+        handlers need (the metadata server recovers from the pool), then
+        calls :meth:`refresh` itself.
+        """
         self.pool = pool
         self.sb = pool.superblock
         self.mem = pool.memory
@@ -136,13 +150,16 @@ class RpcServer:
             self.mem, self.sb.rpc.offset, self.sb.rpc_bytes_per_host, self.sb.max_hosts
         )
         self.idle_after_s = idle_after_s
+        if torn_patience_s is not None:
+            self.rings.torn_patience_s = torn_patience_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registry = HostRegistry(pool.hosts, stale_s, before_grant=self._regrant)
         self._lock_fd = pool.mapping.exclusive_lock(f"the server seat of {pool.spec}")
         try:
             self.seat = self.registry.take_seat(self.epoch, wait_s=stale_s)
-            self.refresh()
+            if first_refresh:
+                self.refresh()
         except BaseException:
             self._unlock()
             raise
@@ -171,7 +188,14 @@ class RpcServer:
         write_line(self.mem, ring_offset(self.sb, host_id) + STATUS_LINE, status.pack())
 
     def refresh(self) -> None:
-        """Adopt new clients, drop dead ones, grant host ids, heartbeat every status line."""
+        """Adopt new clients, drop dead ones, grant host ids, heartbeat every status line.
+
+        First of all it checks that the pool is still the one attached
+        (:meth:`Pool.check_unchanged`): a pool reformatted, unlinked or
+        replaced under the server raises ``PoolChangedError`` here, within a
+        refresh, before anything more is written.
+        """
+        self.pool.check_unchanged()
         self.seat = self.registry.keep_seat(self.seat)
         for h in range(self.sb.max_hosts):
             ctl = RingControl.unpack(read_line(self.mem, ring_offset(self.sb, h)))
@@ -313,8 +337,8 @@ class RpcServer:
                 raise RpcError(f"server thread did not stop within {timeout} s")
             self._thread = None
         try:
-            if self.mem.released:
-                return
+            if self.mem.released or self.pool.superblock_rewritten():
+                return  # another pool's lines now: write none of them
             for h in range(self.sb.max_hosts):
                 self._write_status(h, 0, 0)
             self.registry.leave_seat(self.seat)

@@ -27,7 +27,7 @@ import pytest
 
 from beluga import KVStore, chaos
 from beluga.chaos import ChaosDriver, faults
-from beluga.chaos.roles import Midway, _report_failure, read_in_place
+from beluga.chaos.roles import Midway, _report_failure, diagnose, read_in_place
 from beluga.chaos.values import HEADER_BYTES, make_value, verify
 from beluga.chaos.verifier import History
 from beluga.child import server_process
@@ -87,6 +87,23 @@ def test_a_miss_after_an_acknowledged_put_is_a_lost_write() -> None:
     h.read("r", 2.0, 2.1, "get", [(0, None)])  # after it: lost
     f = h.check()
     assert f.lost_count == 1 and f.lost[0]["reason"] == "miss" and f.misses == 3
+
+
+def test_a_lost_write_carries_the_keys_history_and_the_readers_view() -> None:
+    h = history()
+    put(h, 0, 1, 1.0, 1.1)
+    put(h, 0, 2, 1.5, 1.6)
+    why = {"path": "index", "index_now": "no entry", "server": "block 3 v0x9", "header": "whole"}
+    h.read("r", 2.0, 2.1, "inplace", [(0, ("miss", why))])
+    f = h.check()
+    assert f.lost_count == 1 and f.misses == 1
+    (lost,) = f.lost
+    assert lost["reader"] == why
+    assert lost["history"] == [
+        "put 0x1 by w: tried 1.0000, ack at 1.1000",
+        "put 0x2 by w: tried 1.5000, ack at 1.6000",
+    ]
+    assert lost["corrupted_at"] == [] and lost["server_killed_at"] == []
 
 
 def test_misses_are_excused_only_by_a_concurrent_write_a_remove_or_a_corruption() -> None:
@@ -201,7 +218,16 @@ def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -
         for name in ("h", "p"):
             assert s.get(name) is None and s.get_batch([name]) == [None]
             assert s.get_into(name, buf) == -1 and s.batch_get_into([name], [buf]) == [-1]
-        assert read_in_place(s, ["h"]) == [None]
+        why: list[str] = []
+        assert read_in_place(s, ["h"], why) == [None] and why == ["index"]
+        seen = diagnose(s, "h", why[0])  # the server still indexes it; its header is garbage
+        assert seen["path"] == "index" and seen["index_now"] == "no entry"
+        assert seen["server"].startswith("block ") and seen["header"] in {"MAGIC", "KEY"}
+        assert diagnose(s, "never-written", "miss") == {
+            "path": "miss",
+            "index_now": "no entry",
+            "server": "not indexed",
+        }
 
 
 @pytest.mark.leaves("keys")
