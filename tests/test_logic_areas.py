@@ -281,7 +281,7 @@ def _remove(h: Harness, key: str) -> None:
     assert p.decode_flags(raw) == [True]
 
 
-@pytest.mark.leaves("keys")
+@pytest.mark.leaves("keys", "writes")  # it ends holding grants: WRITING headers
 def test_a_restart_after_removes_and_refused_writes_reuses_no_version(h: Harness) -> None:
     handed: list[int] = []
     for i in range(4):
