@@ -222,6 +222,8 @@ typedef struct bl_model bl_model;
 typedef struct bl_memops {
     const char *name;
     void (*load)(bl_mem *m, size_t off, void *dst, size_t n);
+    /* load, and return the raw CRC32C `crc` extended over the bytes loaded */
+    uint32_t (*load_crc)(bl_mem *m, size_t off, void *dst, size_t n, uint32_t crc);
     void (*store)(bl_mem *m, size_t off, const void *src, size_t n);
     void (*nt_store)(bl_mem *m, size_t off, const void *src, size_t n);
     void (*flush)(bl_mem *m, size_t off, size_t n);      /* write back and drop */

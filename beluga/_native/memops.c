@@ -304,6 +304,29 @@ static void fence_full(void) { _mm_mfence(); }
 /* Native table: plain loads from the mapping. */
 static void native_load(bl_mem *m, size_t off, void *dst, size_t n) { copy_fn(dst, m->base + off, n); }
 
+#define CRC_PIECE 4096u /* bytes copied, then checksummed from L1 */
+
+/*
+ * Native table: load and checksum, each 4 KiB piece copied, the next piece's
+ * lines prefetched, then the piece's CRC taken from L1 while those prefetches
+ * are in flight (see COPY SHAPE: the copy waits on memory and the CRC on the
+ * ALUs, so this overlaps them instead of running one after the other).
+ */
+static uint32_t native_load_crc(bl_mem *m, size_t off, void *dst, size_t n, uint32_t crc)
+{
+    const uint8_t *s = m->base + off;
+    uint8_t *d = dst;
+    for (size_t done = 0; done < n; done += CRC_PIECE) {
+        size_t k = n - done < CRC_PIECE ? n - done : CRC_PIECE;
+        copy_fn(d + done, s + done, k);
+        size_t stop = n - (done + k) < CRC_PIECE ? n : done + k + CRC_PIECE;
+        for (size_t p = done + k; p < stop; p += BL_LINE)
+            _mm_prefetch((const char *)s + p, _MM_HINT_T0);
+        crc = bl_crc32c(crc, d + done, k);
+    }
+    return crc;
+}
+
 /* Native table: plain stores into the mapping (they stay in this CPU's cache). */
 static void native_store(bl_mem *m, size_t off, const void *src, size_t n)
 {
@@ -338,6 +361,7 @@ static void native_mfence(bl_mem *m) { fence_full(); }
 static const bl_memops native_ops = {
     .name = "native",
     .load = native_load,
+    .load_crc = native_load_crc,
     .store = native_store,
     .nt_store = native_nt_store,
     .flush = native_flush,
