@@ -153,6 +153,12 @@ def _add_store(cmds: argparse._SubParsersAction) -> None:
         "--quick", action="store_true", help="smoke size: a few repetitions per point (tests)"
     )
     s.add_argument(
+        "--full-sweep",
+        action="store_true",
+        help="sweep every caller-buffer offset (0-256 by 16, 512, 1024, 2048, 4080, 7), "
+        "not the default few",
+    )
+    s.add_argument(
         "--baseline",
         choices=["mooncake"],
         help="also run a private Mooncake Store on loopback and print both side by side",
@@ -350,7 +356,9 @@ def run_store(args: argparse.Namespace) -> int:
     budget, least = (1 << 20, 10) if args.quick else (args.budget, 100)
     pool, scratch = scratch_pool(args, store_bench.scratch_bytes(sizes))
     try:
-        result = store_bench.run(pool, sizes, budget, least, args.baseline, probe=not scratch)
+        result = store_bench.run(
+            pool, sizes, budget, least, args.baseline, probe=not scratch, full_sweep=args.full_sweep
+        )
     finally:
         pool.close()
         if scratch:
@@ -362,5 +370,6 @@ def run_store(args: argparse.Namespace) -> int:
         )
     report(args, "store", result, store_bench.columns("version" in baseline))
     if args.json != "-":
+        print(store_bench.format_sweep(result["alignment"]))
         print(store_bench.format_targets(result["targets"]))
     return 0
