@@ -304,27 +304,10 @@ static void fence_full(void) { _mm_mfence(); }
 /* Native table: plain loads from the mapping. */
 static void native_load(bl_mem *m, size_t off, void *dst, size_t n) { copy_fn(dst, m->base + off, n); }
 
-#define CRC_PIECE 4096u /* bytes copied, then checksummed from L1 */
-
-/*
- * Native table: load and checksum, each 4 KiB piece copied, the next piece's
- * lines prefetched, then the piece's CRC taken from L1 while those prefetches
- * are in flight (see COPY SHAPE: the copy waits on memory and the CRC on the
- * ALUs, so this overlaps them instead of running one after the other).
- */
+/* Native table: load and checksum in one pass (crc32c.c's COPY + CRC). */
 static uint32_t native_load_crc(bl_mem *m, size_t off, void *dst, size_t n, uint32_t crc)
 {
-    const uint8_t *s = m->base + off;
-    uint8_t *d = dst;
-    for (size_t done = 0; done < n; done += CRC_PIECE) {
-        size_t k = n - done < CRC_PIECE ? n - done : CRC_PIECE;
-        copy_fn(d + done, s + done, k);
-        size_t stop = n - (done + k) < CRC_PIECE ? n : done + k + CRC_PIECE;
-        for (size_t p = done + k; p < stop; p += BL_LINE)
-            _mm_prefetch((const char *)s + p, _MM_HINT_T0);
-        crc = bl_crc32c(crc, d + done, k);
-    }
-    return crc;
+    return bl_crc32c_copy(crc, dst, m->base + off, n);
 }
 
 /* Native table: plain stores into the mapping (they stay in this CPU's cache). */
@@ -412,6 +395,7 @@ void bl_memops_init(void)
         copy_fn = copy_avx2, sel_copy = "avx2";
     else
         copy_fn = copy_sse2, sel_copy = "sse2";
+    bl_crc32c_set_copy(copy_fn);
 }
 
 /* Which instruction is used for "flush", "writeback", "invalidate", "nt" or "copy". */

@@ -137,10 +137,10 @@ static PyObject *mod_parse_headers(PyObject *mod, PyObject *args)
 /* selected() -> dict: the instruction chosen for each operation. */
 static PyObject *mod_selected(PyObject *mod, PyObject *unused)
 {
-    return Py_BuildValue("{ssssssssssss}", "flush", bl_selected("flush"), "writeback",
+    return Py_BuildValue("{ssssssssssssss}", "flush", bl_selected("flush"), "writeback",
                          bl_selected("writeback"), "invalidate", bl_selected("invalidate"), "nt",
                          bl_selected("nt"), "copy", bl_selected("copy"), "crc",
-                         bl_crc32c_selected());
+                         bl_crc32c_selected(), "copy_crc", bl_crc32c_copy_selected());
 }
 
 /* memops_selfcheck() -> [problem, ...]: what the native table does, watched (memops.c). */
