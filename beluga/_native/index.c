@@ -174,9 +174,10 @@ int64_t bl_ix_lookup(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint3
 /*
  * Look many digests up at once: every bucket line invalidated, one MFENCE,
  * all loaded; then every candidate's header invalidated, one MFENCE, all
- * loaded and checked (the header, not the bucket's CRC, is what confirms).  A key whose buckets were torn, whose first candidate
- * did not confirm, or that was not found goes through bl_ix_lookup alone
- * (torn-line retries, the other candidates, the race with a move).
+ * loaded and checked (the header, not the bucket's CRC, is what confirms).
+ * A key whose first candidate did not confirm, or that was not found (a
+ * torn bucket among the causes), goes through bl_ix_lookup alone (torn-line
+ * retries, the other candidates, the race with a move).
  * r[i]: the length, or a BL_MISS_* code; block[i], h[i] as bl_ix_lookup.
  */
 void bl_ix_lookup_many(bl_mem *m, const bl_ix *ix, const uint8_t *digests, size_t n,

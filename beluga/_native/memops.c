@@ -32,40 +32,38 @@
  * COPY SHAPE
  * Every read of a payload (get, get_into, batch_get_into, read_blocks,
  * scatter-read, the checksum pass of a seal) is a load from the pool into
- * the caller's memory (load, or load_crc: crc32c.c's bl_crc32c_copy, which
- * folds the CRC32C from the loaded vectors, or this copy a piece at a time
- * with the CRC taken from L1).  Pool payloads start on a page; callers' buffers start
- * where malloc puts them, 16 bytes past a page (numpy, bytearray, bytes).
- * Measured on 2026-12-02 (AMD EPYC, Zen 3, FSRM; no perf counters in the VM,
- * so by sweeping the destination's offset from a page, source page aligned,
- * median of 400 copies):
+ * the caller's memory: load, or load_crc (crc32c.c's bl_crc32c_copy, which
+ * folds the CRC32C from the loaded vectors, or else this copy a piece at a
+ * time with the CRC taken from L1).  Pool payloads start on a page; callers'
+ * buffers start where malloc puts them, 16 bytes past a page (numpy,
+ * bytearray, bytes).  Measured on 2026-12-02 (AMD EPYC, Zen 3, FSRM; no perf
+ * counters in the VM, so by sweeping the destination's offset from a page,
+ * source page aligned, median of 400 copies):
  *
  *   16 KiB, source in cache      dst +0   +8   +16  +32..+4080  +7   +1
  *     glibc memcpy (REP MOVSB)   0.2     5.6  5.5  0.2-0.3      5.6  5.8 us
  *     REP MOVSB itself           0.2     5.6  5.5  0.2-0.4      5.6  5.9
- *     32 B vector loop, dst      0.2     0.2  0.2  0.2          0.2  0.2
- *     aligned
+ *     32 B vector loop, stores   0.2     0.2  0.2  0.2          0.2  0.2
+ *     destination-aligned
  *   2 MiB, source flushed        REP MOVSB 740-790 us at +1..+16, 135-200
  *                                elsewhere; the vector loop 138-213 at every
  *                                offset, memcpy's own (non-REP) path alike.
  *
  * The cause is REP MOVSB: glibc uses it from 2-4 KiB up to its non-temporal
- * threshold, so every 8 KiB chunk took it, and its microcode runs 25x slower
- * (in cache) when the destination is 1..31 bytes past the source modulo
- * 4 KiB: each store lands on the low 12 address bits of a load just behind
- * it (4 KiB aliasing), which that microcode cannot disambiguate.  A
- * destination behind its source (+4095, +4080) or a full vector or more
- * ahead is fast.  So the copy is ours, shaped so that no alignment is a slow
- * one: unaligned vector loads, a first vector stored unaligned and the rest
- * stored on destination vector boundaries (no store splits a cache line, so
- * stores retire at one line per vector), four loads issued before their four
- * stores so that loads run a block ahead of the stores and never wait on one
- * (the loads of the next block are >= 96 bytes past any store still in
- * flight for the small forward offsets that hurt), and a last vector stored
- * unaligned, overlapping, for the tail.  Short copies (under COPY_SHORT)
- * stay libc's: it uses overlapping vector moves there, never REP MOVSB.
- * Writes to the pool were already ours (the streaming copies above, whose
- * loads are unaligned and whose stores are line aligned) and measured flat.
+ * threshold, so every 8 KiB read chunk took it, and it runs 25x slower (in
+ * cache) when the destination is 1..31 bytes past the source modulo 4 KiB,
+ * where each store lands on the low 12 address bits of a load just behind it
+ * (4 KiB aliasing; the microcode's own loop does not get past it).  A
+ * destination behind its source (+4080, +4095), or 32 bytes or more ahead,
+ * is fast.  So the copy is ours, and the sweep above shows it flat: plain
+ * vector loads at any alignment; the first vector stored unaligned, the
+ * rest on destination vector boundaries (no store splits a cache line); four
+ * loads issued before their four stores, so a block's loads never sit
+ * behind its own stores; the last vector stored unaligned, overlapping, for
+ * the tail.  Short copies (under COPY_SHORT) stay libc's: it uses
+ * overlapping vector moves there, never REP MOVSB.  Writes to the pool were
+ * already ours (the streaming copies above: unaligned loads, line-aligned
+ * stores) and measured flat from sources at any offset.
  *
  * Other architectures (and a build with -DBL_PORTABLE) have no native table:
  * their cache-line instructions (AArch64: DC CIVAC, DSB) are not written
@@ -303,7 +301,10 @@ static void fence_store(void) { _mm_sfence(); }
 /* Full fence: also orders loads after earlier flushes. */
 static void fence_full(void) { _mm_mfence(); }
 /* Native table: plain loads from the mapping. */
-static void native_load(bl_mem *m, size_t off, void *dst, size_t n) { copy_fn(dst, m->base + off, n); }
+static void native_load(bl_mem *m, size_t off, void *dst, size_t n)
+{
+    copy_fn(dst, m->base + off, n);
+}
 
 /* Native table: load and checksum in one pass (crc32c.c's COPY + CRC). */
 static uint32_t native_load_crc(bl_mem *m, size_t off, void *dst, size_t n, uint32_t crc)
