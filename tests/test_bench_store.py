@@ -16,6 +16,8 @@ import psutil
 import pytest
 
 from beluga.bench.store import (
+    ALIGN_OPS,
+    ALIGN_QUICK,
     BATCH,
     BATCH_LABEL,
     BATCH_OPS,
@@ -95,6 +97,20 @@ def test_quick_json_has_every_figure(capsys: pytest.CaptureFixture[str]) -> None
         )
     lookup = figures["store.beluga.lookup_prefix.256.p50_us"]
     assert figures["store.beluga.lookup_prefix.256.per_item_us"] == pytest.approx(lookup / 256)
+    _check_sweep(doc["alignment"], figures, ALIGN_QUICK)
+
+
+def _check_sweep(rows: list[dict], figures: dict[str, float], offsets: tuple[int, ...]) -> None:
+    """Every operation at every offset; best and worst are the extremes of those p50s."""
+    assert [r["op"] for r in rows] == list(ALIGN_OPS)
+    for r in rows:
+        p50 = {int(o): v for o, v in r["p50_us_by_offset"].items()}
+        assert sorted(p50) == sorted(offsets) and all(v > 0 for v in p50.values())
+        assert r["best_p50_us"] == min(p50.values()) == p50[r["best_offset"]]
+        assert r["worst_p50_us"] == max(p50.values()) == p50[r["worst_offset"]]
+        ratio = figures[f"store.align.{r['op']}.worst_of_best"]
+        assert ratio == pytest.approx(max(p50.values()) / min(p50.values()))
+        assert ratio >= 1
 
 
 @pytest.mark.usefixtures("no_scratch_left")

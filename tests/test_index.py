@@ -69,7 +69,7 @@ def test_key_digest_is_blake2b_128(key: bytes) -> None:
 
 @given(st.lists(st.one_of(st.binary(min_size=1, max_size=256), st.text(min_size=1, max_size=60))))
 def test_batched_digests_equal_one_by_one(keys: list[bytes | str]) -> None:
-    """Eight at a time (AVX-512 lanes) where keys fit one block, one by one otherwise."""
+    """Eight (AVX-512) or four (AVX2) at a time where keys fit one block, else one by one."""
     want = [
         hashlib.blake2b(k if isinstance(k, bytes) else k.encode(), digest_size=16).digest()
         for k in keys

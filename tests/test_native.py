@@ -76,6 +76,9 @@ def test_a_sealed_record_refuses_what_does_not_fit() -> None:
         ({"BELUGA_CRC": "sw"}, "crc", "sw"),
         ({"BELUGA_FLUSH": "clflush"}, "flush", "clflush"),
         ({"BELUGA_NT": "store-flush"}, "nt", "store-flush"),
+        ({"BELUGA_COPY": "sse2"}, "copy", "sse2"),
+        ({"BELUGA_COPY": "libc"}, "copy", "libc"),
+        ({"BELUGA_COPY_CRC": "copy+crc"}, "copy_crc", "copy+crc"),
     ],
 )
 def test_chicken_bits_force_a_choice(env: dict[str, str], key: str, want: str) -> None:
@@ -103,6 +106,7 @@ def test_selected_names_real_features() -> None:
         assert feats["clflushopt"]
     if sel["nt"] == "avx512":
         assert feats["avx512f"]
+    assert sel["copy"] == ("avx512" if feats["avx512f"] else "avx2" if feats["avx2"] else "sse2")
     assert sel["crc"] in ("vpclmulqdq", "hw", "sw")
     if sel["crc"] == "vpclmulqdq":
         assert feats["avx512f"]
@@ -283,6 +287,7 @@ def test_a_build_without_native_instructions_refuses_native_mode(tmp_path: Path)
     ).stdout.splitlines()
     assert out[0].startswith("refused: native mode needs") and "mode='model'" in out[0]
     assert out[1] == "5 b'value'"
-    none = ("flush", "invalidate", "nt", "writeback")
-    assert out[2] == str(sorted({"crc": "sw", **dict.fromkeys(none, "none")}.items()))
+    none = ("copy", "flush", "invalidate", "nt", "writeback")
+    want = {"crc": "sw", "copy_crc": "copy+crc", **dict.fromkeys(none, "none")}
+    assert out[2] == str(sorted(want.items()))
     assert out[3] == f"True [{out[0].removeprefix('refused: ')!r}]"  # the selfcheck says why

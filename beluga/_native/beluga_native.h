@@ -218,6 +218,8 @@ typedef struct bl_model bl_model;
 typedef struct bl_memops {
     const char *name;
     void (*load)(bl_mem *m, size_t off, void *dst, size_t n);
+    /* load, and return the raw CRC32C `crc` extended over the bytes loaded */
+    uint32_t (*load_crc)(bl_mem *m, size_t off, void *dst, size_t n, uint32_t crc);
     void (*store)(bl_mem *m, size_t off, const void *src, size_t n);
     void (*nt_store)(bl_mem *m, size_t off, const void *src, size_t n);
     void (*flush)(bl_mem *m, size_t off, size_t n);      /* write back and drop */
@@ -246,6 +248,9 @@ const char *bl_crc32c_selected(void);
 uint32_t bl_crc32c(uint32_t crc, const void *buf, size_t n);
 uint32_t bl_crc32c_of(const void *buf, size_t n);
 uint32_t bl_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+uint32_t bl_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t n);
+const char *bl_crc32c_copy_selected(void);
+void bl_crc32c_set_copy(void (*copy)(void *, const void *, size_t));
 void bl_record_seal(void *rec, size_t size);
 int bl_record_sealed(const void *rec, size_t size);
 

@@ -33,8 +33,6 @@
 
 #include "beluga_native.h"
 
-#define READ_CHUNK 8192u
-
 /* Compute and store the header's own checksum (over bytes 0..59). */
 void bl_header_seal(bl_header *h) { bl_record_seal(h, sizeof(*h)); }
 
@@ -97,8 +95,7 @@ uint32_t bl_payload_crc(bl_mem *m, size_t payload_off, size_t n)
         m->ops->mfence(m);
     for (size_t done = 0; done < n; done += sizeof(chunk)) {
         size_t k = n - done < sizeof(chunk) ? n - done : sizeof(chunk);
-        m->ops->load(m, payload_off + done, chunk, k);
-        c = bl_crc32c(c, chunk, k);
+        c = m->ops->load_crc(m, payload_off + done, chunk, k, c);
     }
     return ~c;
 }
@@ -149,13 +146,8 @@ int64_t bl_read_checked(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_
         m->ops->invalidate(m, payload_off, h->length);
     if (BL_STEP(BLOCK_PAYLOAD_MFENCE))
         m->ops->mfence(m);
-    /* copy and checksum a chunk at a time, so the CRC reads what is still in L1 */
-    uint32_t crc = ~0u;
-    for (size_t done = 0; done < h->length; done += READ_CHUNK) {
-        size_t k = h->length - done < READ_CHUNK ? h->length - done : READ_CHUNK;
-        m->ops->load(m, payload_off + done, (uint8_t *)out + done, k);
-        crc = bl_crc32c(crc, (uint8_t *)out + done, k);
-    }
+    /* copy and checksum in one pass (memops.c: the CRC reads what is still in L1) */
+    uint32_t crc = m->ops->load_crc(m, payload_off, out, h->length, ~0u);
     if (~crc != h->payload_crc)
         return BL_MISS_CHECKSUM;
     bl_get_header(m, hdr_off, &again);

@@ -11,7 +11,9 @@
  *          checked: well formed, PUBLISHED, this key, this version, a sane
  *          length.  Every row's pool range is invalidated, one MFENCE, then
  *          each row is copied a chunk at a time and the CRC32C of each chunk
- *          is taken from the destination while it is still in L1.  Per block
+ *          is taken from the destination while it is still in L1 (the
+ *          memops table's load_crc, which overlaps the copy of one piece
+ *          with the checksum of the one before).  Per block
  *          the CRCs of its pieces make the CRC of its payload, which must be
  *          the header's; then the headers are loaded again and must not have
  *          changed.  A block that fails any step gets a negative BL_MISS_*
@@ -149,8 +151,8 @@ static int rows_inside(const job *j, const uint64_t *rows, size_t nrows, int use
     return 1;
 }
 
-/* Add bytes at pool offset off of block index bi to its running CRC, opening a segment as needed. */
-static void account(job *j, size_t bi, uint64_t off, const uint8_t *bytes, size_t n)
+/* The segment of block bi that bytes at pool offset off extend, opened as needed. */
+static segment *segment_at(job *j, size_t bi, uint64_t off)
 {
     segment *s = &j->open[bi];
     uint64_t start = off - j->blocks[bi].payload_off;
@@ -160,8 +162,7 @@ static void account(job *j, size_t bi, uint64_t off, const uint8_t *bytes, size_
     }
     if (s->block == UINT32_MAX)
         *s = (segment){(uint32_t)bi, start, 0, ~0u};
-    s->raw = bl_crc32c(s->raw, bytes, n);
-    s->len += n;
+    return s;
 }
 
 /* Per block: 1 and *crc when its segments cover [0, length) exactly once, else 0. */
@@ -210,14 +211,17 @@ static void move_row(job *j, bl_mem *m, const uint64_t *row, uint8_t *buf, int w
         uint64_t stop = b->payload_off + b->length; /* a read past it failed the block */
         uint64_t piece_end = stop < end ? stop : end;
         while (off < piece_end) {
-            size_t n = piece_end - off < CHUNK ? (size_t)(piece_end - off) : CHUNK;
+            /* a write checksums its source a chunk at a time so that the store reads L1;
+             * a read's load_crc pieces the copy itself */
+            size_t n = write && piece_end - off > CHUNK ? CHUNK : (size_t)(piece_end - off);
+            segment *s = segment_at(j, bi, off);
             if (write) {
-                account(j, bi, off, p, n);
+                s->raw = bl_crc32c(s->raw, p, n);
                 m->ops->nt_store(m, off, p, n);
             } else {
-                m->ops->load(m, off, p, n);
-                account(j, bi, off, p, n);
+                s->raw = m->ops->load_crc(m, off, p, n, s->raw);
             }
+            s->len += n;
             off += n, p += n;
         }
     }

@@ -15,7 +15,7 @@
  */
 #include "beluga_py.h"
 
-#define PROBE_CHUNK 64 /* keys looked up together by locate / exists */
+#define PROBE_CHUNK 256 /* keys looked up together by locate / exists */
 
 typedef struct {
     PyObject_HEAD

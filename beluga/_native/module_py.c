@@ -137,9 +137,10 @@ static PyObject *mod_parse_headers(PyObject *mod, PyObject *args)
 /* selected() -> dict: the instruction chosen for each operation. */
 static PyObject *mod_selected(PyObject *mod, PyObject *unused)
 {
-    return Py_BuildValue("{ssssssssss}", "flush", bl_selected("flush"), "writeback",
+    return Py_BuildValue("{ssssssssssssss}", "flush", bl_selected("flush"), "writeback",
                          bl_selected("writeback"), "invalidate", bl_selected("invalidate"), "nt",
-                         bl_selected("nt"), "crc", bl_crc32c_selected());
+                         bl_selected("nt"), "copy", bl_selected("copy"), "crc",
+                         bl_crc32c_selected(), "copy_crc", bl_crc32c_copy_selected());
 }
 
 /* memops_selfcheck() -> [problem, ...]: what the native table does, watched (memops.c). */
@@ -242,8 +243,8 @@ static PyObject *mod_fired(PyObject *mod, PyObject *args)
 /* cpu_features() -> dict of the CPUID bits the core looks at. */
 static PyObject *mod_cpu_features(PyObject *mod, PyObject *unused)
 {
-    return Py_BuildValue("{sOsOsOsO}", "sse4.2", bl_cpu_has("sse4.2") ? Py_True : Py_False,
-                         "avx512f", bl_cpu_has("avx512f") ? Py_True : Py_False, "clflushopt",
+    return Py_BuildValue("{sOsOsOsOsO}", "sse4.2", bl_cpu_has("sse4.2") ? Py_True : Py_False,
+                         "avx2", bl_cpu_has("avx2") ? Py_True : Py_False, "avx512f", bl_cpu_has("avx512f") ? Py_True : Py_False, "clflushopt",
                          bl_cpu_has("clflushopt") ? Py_True : Py_False, "clwb",
                          bl_cpu_has("clwb") ? Py_True : Py_False);
 }

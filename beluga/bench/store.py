@@ -13,6 +13,18 @@ invalidate_load        the floor of a read from the pool: invalidate the value's
                        for the batch, all 64 invalidated behind one fence, then
                        each loaded into its own target)
 
+alignment sweep        get_into, get, batch_get_into and invalidate_load into,
+                       and put_from from, caller buffers at each offset from a
+                       page boundary (``ALIGN_QUICK``, or ``ALIGN_FULL`` with
+                       ``full_sweep``: 0-256 in 16-byte steps, 512, 1024, 2048,
+                       4080 and an odd 7); per operation the best and the worst
+                       offset's p50 and their ratio.  glibc's malloc puts
+                       buffers 16 bytes past a page, so +16 is the common case.
+
+Caller buffers are plain numpy arrays, each allocated on its own, as a user
+passes them (so wherever malloc puts them); only Mooncake's run uses one
+region, registered once.
+
 memcpy (numpy ``copyto`` between two local buffers) of the same sizes runs in
 the same process as the floor: the store cannot move bytes faster than that.
 
@@ -60,6 +72,13 @@ SINGLE_OPS = ("put", "get", "put_from", "get_into")
 BATCH_OPS = ("put_batch", "get_batch", "batch_get_into")
 METRICS = ("p50_us", "p99_us", "gbps_at_p50", "per_item_us")
 PREFIX_CHAIN = 256
+PAGE = 4096
+#: offsets from a page boundary swept by default, and with ``full_sweep``
+ALIGN_QUICK = (0, 16, 48, 144, 1024, 4080, 7)
+ALIGN_FULL = (*range(0, 257, 16), 512, 1024, 2048, 4080, 7)
+ALIGN_VALUE = 16 * KiB
+ALIGN_BATCH = 16
+ALIGN_OPS = ("get_into", "get", "batch_get_into", "put_from", "invalidate_load")
 #: (name, the figure it reads, what it means, goal, ">=" or "<="): each must reach its goal.
 TARGETS = (
     ("get_16KiB_p50_us", "store.beluga.get.16KiB.p50_us", "16 KiB get p50 µs", 4.0, "<="),
@@ -126,7 +145,16 @@ class Buffers:
     batch_targets: list[np.ndarray]
 
     @classmethod
+    def plain(cls, largest: int) -> Buffers:
+        """Separate numpy arrays, each where malloc puts it (what users pass)."""
+        span = max(largest, BATCH * BATCH_VALUE)
+        source = np.random.default_rng(0).integers(0, 256, span, dtype=np.uint8)
+        targets = [np.empty(BATCH_VALUE, dtype=np.uint8) for _ in range(BATCH)]
+        return cls(source, source, np.empty(span, dtype=np.uint8), targets)
+
+    @classmethod
     def make(cls, largest: int) -> Buffers:
+        """One region holding every buffer (registered once with Mooncake)."""
         span = max(largest, BATCH * BATCH_VALUE)
         region = np.empty(3 * span, dtype=np.uint8)  # source | target | batch targets
         region[:span] = np.random.default_rng(0).integers(0, 256, span, dtype=np.uint8)
@@ -342,6 +370,115 @@ class Runner:
             store.remove(key)
 
 
+def at_offset(n: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """A numpy view of n bytes starting ``offset`` bytes past a page boundary, and its owner."""
+    owner = np.empty(n + 2 * PAGE, dtype=np.uint8)
+    start = -owner.ctypes.data % PAGE + offset
+    return owner[start : start + n], owner
+
+
+def alignment_sweep(
+    store: KVStore, offsets: Sequence[int], iterations: int
+) -> dict[str, dict[int, dict[str, float]]]:
+    """p50/p99 per operation and caller-buffer offset (see the module docstring).
+
+    Each offset's buffers are fresh numpy arrays shifted to that offset from a
+    page; values live in pool blocks, which start on a page.  Offsets are
+    measured interleaved (one pass over every offset per round, several
+    rounds), so a burst of noise lands on all of them alike.
+    """
+    n, prefix = ALIGN_VALUE, f"beluga-align-{uuid.uuid4().hex[:12]}"
+    value = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+    keys = [f"{prefix}-{i}" for i in range(ALIGN_BATCH)]
+    store.put_batch(keys, [value] * ALIGN_BATCH)
+    (ref,) = store.locate([keys[0]], prefix=False)
+    mem = store.mem
+    samples: dict[str, dict[int, list[int]]] = {op: {o: [] for o in offsets} for op in ALIGN_OPS}
+    views = {o: [at_offset(n, o) for _ in range(ALIGN_BATCH)] for o in offsets}
+    rounds, fresh = 5, itertools.count()
+    try:
+        for _ in range(rounds):
+            for o in offsets:
+                dst = views[o][0][0]
+                batch = [v for v, _ in views[o]]
+                src, _owner = at_offset(n, o)
+                src[:] = value
+                puts = (f"{prefix}-put-{i}" for i in fresh)
+
+                def put_from(src: np.ndarray = src, puts: Iterator[str] = puts) -> None:
+                    key = next(puts)
+                    store.put_from(key, src)
+                    store.remove(key)
+
+                def inv_load(dst: np.ndarray = dst) -> None:
+                    mem.invalidate(ref.payload_offset, n)
+                    mem.load_into(ref.payload_offset, dst)
+
+                calls: dict[str, Callable[[], object]] = {
+                    "get_into": lambda dst=dst: store.get_into(keys[0], dst),
+                    "get": lambda: store.get(keys[0]),
+                    "batch_get_into": lambda batch=batch: store.batch_get_into(keys, batch),
+                    "put_from": put_from,
+                    "invalidate_load": inv_load,
+                }
+                for op, fn in calls.items():
+                    k = max(5, iterations // rounds // (4 if op == "put_from" else 1))
+                    samples[op][o] += time_calls(fn, k, warmup=3)
+                _check(np.array_equal(dst, value), "Beluga", f"get_into at +{o} wrote other bytes")
+                _check(
+                    all(np.array_equal(b, value) for b in batch),
+                    "Beluga",
+                    f"batch_get_into at +{o} wrote other bytes",
+                )
+    finally:
+        for key in keys:
+            store.remove(key)
+    return {
+        op: {
+            o: summarize(s, n * (ALIGN_BATCH if op == "batch_get_into" else 1))
+            for o, s in per.items()
+        }
+        for op, per in samples.items()
+    }
+
+
+def _sweep_rows(sweep: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]:
+    """Per operation: every offset's p50, the best and the worst, and their ratio."""
+    rows, figures = [], {}
+    for op, per in sweep.items():
+        p50 = {o: s["p50_us"] for o, s in per.items()}
+        best, worst = min(p50, key=p50.__getitem__), max(p50, key=p50.__getitem__)
+        ratio = p50[worst] / p50[best]
+        rows.append(
+            {
+                "op": op,
+                "size": human_bytes(ALIGN_VALUE)
+                + (f" x{ALIGN_BATCH}" if op == "batch_get_into" else ""),
+                "p50_us_by_offset": {str(o): v for o, v in p50.items()},
+                "best_offset": best,
+                "best_p50_us": p50[best],
+                "worst_offset": worst,
+                "worst_p50_us": p50[worst],
+                "worst_of_best": ratio,
+            }
+        )
+        figures[f"store.align.{op}.worst_of_best"] = ratio
+        figures.update({f"store.align.{op}.{o}.p50_us": v for o, v in p50.items()})
+    return {"alignment": rows, "figures": figures}
+
+
+def format_sweep(rows: list[dict[str, Any]]) -> str:
+    """The sweep as a table: one column per offset (p50 µs), then best, worst, worst/best."""
+    offsets = list(rows[0]["p50_us_by_offset"]) if rows else []
+    head = ["op", *[f"+{o}" for o in offsets], "best", "worst", "worst/best"]
+    lines = ["  ".join(f"{h:>8}" for h in head)]
+    for r in rows:
+        cells = [r["op"][:14], *[f"{v:.1f}" for v in r["p50_us_by_offset"].values()]]
+        cells += [f"+{r['best_offset']}", f"+{r['worst_offset']}", f"{r['worst_of_best']:.2f}"]
+        lines.append("  ".join(f"{c:>8}" for c in cells))
+    return "caller-buffer offset from a page, p50 µs:\n" + "\n".join(lines)
+
+
 def memcpy_floor(plan: Plan, buffers: Buffers) -> dict[str, dict[str, float]]:
     """numpy copyto between two local buffers: what no store can beat."""
     out = {}
@@ -360,10 +497,12 @@ def run(
     least: int = 100,
     baseline: str | None = None,
     probe: bool = False,
+    full_sweep: bool = False,
 ) -> dict[str, Any]:
     """Measure Beluga (and a baseline); returns rows, named figures and targets.
 
     ``probe``: the pool may already have a server (a pool named by the user); use it.
+    ``full_sweep``: sweep every offset of ``ALIGN_FULL`` instead of ``ALIGN_QUICK``.
     """
     if baseline not in (None, "mooncake"):
         raise ValueError(f"unknown baseline {baseline!r}; the one baseline is 'mooncake'")
@@ -375,21 +514,26 @@ def run(
             f"the pool's data area holds {sb.payloads.length} bytes but the benchmark "
             f"needs {need}; use a bigger pool, or omit --pool for a scratch pool"
         )
-    buffers = Buffers.make(max(plan.sizes))
+    buffers = Buffers.plain(max(plan.sizes))
+    offsets = ALIGN_FULL if full_sweep else ALIGN_QUICK
     with beluga_store(pool, probe) as (kv, where):
         beluga = Runner("Beluga", kv, buffers, plan).run()
+        sweep = _sweep_rows(alignment_sweep(kv, offsets, plan.iterations(ALIGN_VALUE) // 4))
     floor = memcpy_floor(plan, buffers)
     doc: dict[str, Any] = {"server": where, "baseline": None}
     mooncake = None
     if baseline == "mooncake":
         try:
             with MooncakeBaseline() as mc:
-                mc.client.register_buffer(buffers.region)
-                mooncake = Runner("Mooncake", mc.client, buffers, plan).run()
+                region = Buffers.make(max(plan.sizes))
+                mc.client.register_buffer(region.region)
+                mooncake = Runner("Mooncake", mc.client, region, plan).run()
                 doc["baseline"] = {"system": "mooncake", "version": mc.install.version}
         except BackendUnavailableError as exc:
             doc["baseline"] = {"system": "mooncake", "unavailable": str(exc)}
-    return {**doc, **_tabulate(beluga, floor, mooncake)}
+    table = _tabulate(beluga, floor, mooncake)
+    table["figures"].update(sweep["figures"])
+    return {**doc, **table, "alignment": sweep["alignment"]}
 
 
 def _tabulate(

@@ -1,4 +1,4 @@
-"""``beluga bench memops|rpc|store|e2e|vllm``."""
+"""``beluga bench memops|rpc|store|scale|e2e|vllm``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from beluga.bench import memops
 from beluga.bench import rpc as rpc_bench
+from beluga.bench import scale as scale_bench
 from beluga.bench import store as store_bench
 from beluga.bench import vllm as vllm_bench
 from beluga.bench.stats import format_table, machine, write_json
@@ -22,7 +23,7 @@ from beluga.cli.demo import add_e2e_args, e2e_settings, run_with_progress, summa
 from beluga.errors import PoolNotNamedError
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import blocks_holding, pool_size_for
-from beluga.units import parse_size
+from beluga.units import human_bytes, parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_e2e(cmds)
     _add_vllm(cmds)
     _add_store(cmds)
+    _add_scale(cmds)
 
 
 def _add_memops(cmds: argparse._SubParsersAction) -> None:
@@ -153,11 +155,43 @@ def _add_store(cmds: argparse._SubParsersAction) -> None:
         "--quick", action="store_true", help="smoke size: a few repetitions per point (tests)"
     )
     s.add_argument(
+        "--full-sweep",
+        action="store_true",
+        help="sweep every caller-buffer offset (0-256 by 16, 512, 1024, 2048, 4080, 7), "
+        "not the default few",
+    )
+    s.add_argument(
         "--baseline",
         choices=["mooncake"],
         help="also run a private Mooncake Store on loopback and print both side by side",
     )
     s.set_defaults(handler=run_store)
+
+
+def _add_scale(cmds: argparse._SubParsersAction) -> None:
+    s = cmds.add_parser(
+        "scale",
+        help="how server recovery, ALLOC/COMMIT and ticks grow with the pool, extrapolated "
+        "to 8 TB (partial: see beluga/bench/scale.py)",
+    )
+    add_json_arg(s)
+    s.add_argument(
+        "--sizes", default="256M,1G", help="comma-separated pool sizes (scratch pools in /dev/shm)"
+    )
+    s.add_argument("--fill", type=float, default=0.5, help="fraction of blocks holding a value")
+    s.set_defaults(handler=run_scale)
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    if not 0 < args.fill <= 1:
+        raise ValueError(f"--fill is a fraction in (0, 1], not {args.fill}")
+    result = scale_bench.run([parse_size(s) for s in args.sizes.split(",")], args.fill)
+    for row in result["rows"]:
+        row["pool"] = human_bytes(row["pool_bytes"])
+    report(args, "scale", result, scale_bench.columns())
+    if args.json != "-":
+        print(scale_bench.format_extrapolation(result))
+    return 0
 
 
 #: scratch pools: a few hosts, default blocks, never smaller than this
@@ -350,7 +384,9 @@ def run_store(args: argparse.Namespace) -> int:
     budget, least = (1 << 20, 10) if args.quick else (args.budget, 100)
     pool, scratch = scratch_pool(args, store_bench.scratch_bytes(sizes))
     try:
-        result = store_bench.run(pool, sizes, budget, least, args.baseline, probe=not scratch)
+        result = store_bench.run(
+            pool, sizes, budget, least, args.baseline, probe=not scratch, full_sweep=args.full_sweep
+        )
     finally:
         pool.close()
         if scratch:
@@ -362,5 +398,6 @@ def run_store(args: argparse.Namespace) -> int:
         )
     report(args, "store", result, store_bench.columns("version" in baseline))
     if args.json != "-":
+        print(store_bench.format_sweep(result["alignment"]))
         print(store_bench.format_targets(result["targets"]))
     return 0

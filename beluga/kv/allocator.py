@@ -35,10 +35,10 @@ class BlockAllocator:
             lo = (start + scanned) % n
             hi = min(n, lo + CHUNK + count)
             window = self.free[lo:hi]
-            if count == 1:
-                hits = np.flatnonzero(window)
-                if hits.size:
-                    return lo + int(hits[0])
+            if count == 1:  # argmax stops at the first True: no index array of the window
+                first = int(window.argmax())
+                if window[first]:
+                    return lo + first
             elif window.size >= count:
                 # free blocks in each window of `count`: a full window is a run
                 run = np.convolve(window.astype(np.int32), np.ones(count, dtype=np.int32), "valid")

@@ -52,6 +52,8 @@ RECHECK_S = 0.05
 #: what a read finds when a value itself is bad (not replaced or evicted): its payload fails
 #: its checksum, or its header is not one, or claims an impossible length
 _CORRUPT = frozenset(int(m) for m in (Miss.CHECKSUM, Miss.MAGIC, Miss.LENGTH))
+#: buffers the C core reads into as they are (the buffer protocol); others go through as_buffer
+_PLAIN_BUFFERS = frozenset((np.ndarray, bytearray, memoryview))
 
 
 def key_bytes(key: Key) -> bytes:
@@ -566,6 +568,8 @@ class KVStore:
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if all(type(b) in _PLAIN_BUFFERS for b in buffers):  # the C core takes them as they are
+            return self.index.get_many_into(keys, buffers)
         return self.index.get_many_into(keys, [as_buffer(b, writable=True) for b in buffers])
 
     def get_into(self, key: Key, buffer: Any) -> int:
