@@ -997,9 +997,11 @@ class MooncakeDistributedStore:
 
     @staticmethod
     def _shards(tensor: Any, tp_size: int, split_dim: int) -> list[Any] | None:
-        """The tensor split as Mooncake splits it (``torch.chunk``); None if it cannot be."""
+        """The tensor split as Mooncake splits it: equal parts along ``split_dim``, else None."""
         if not _is_tensor(tensor) or tp_size < 1 or not -tensor.dim() <= split_dim < tensor.dim():
             return None
+        if tensor.shape[split_dim] % tp_size:
+            return None  # Mooncake refuses a dimension that tp_size does not divide (-600)
         return list(tensor.chunk(tp_size, split_dim))
 
     @staticmethod
