@@ -59,12 +59,22 @@ before they load it, and ``mooncake.store`` is this module in that process.
   closes, when that client contributed the segment).
 - ``get_batch([])`` is ``[]`` (Mooncake 0.3.13 returns ``[b""]``);
   ``put_from`` of 0 bytes is ``-600``, like ``put`` of an empty value.
-- Only the methods defined here exist: Mooncake's dummy-client, segment
-  mounting, ranged and session reads and writes, tensor-parallel tensor
-  forms, replica tasks and safetensors helpers raise ``AttributeError``.
+- Only the methods defined here exist: Mooncake's segment mounting, session
+  reads and writes, multi-buffer forms, ``*_with_parallelism`` forms, replica
+  descriptors and tasks, ``pub_tensor`` and safetensors helpers raise
+  ``AttributeError``.
+- ``batch_replica_clear`` honours Mooncake's lease only for puts and reads
+  made through this handle (:data:`LEASE_TTL_MS`); a key leased by another
+  client is cleared.
+- ``put`` with a zero ``local_buffer_size`` succeeds (no staging buffer).
 - Tensors are stored with Beluga's own small header (magic, dtype, shape),
   not Mooncake's; ``get_tensor`` of a 0-d tensor returns a 0-d tensor
   (Mooncake returns shape ``(1,)``).  CUDA tensors are copied to the CPU.
+
+**The differences, machine-readable.** :data:`DIFFERENCES` maps each of
+Mooncake's own store tests (``mooncake-wheel/tests``, ``file::Class::test``)
+that Beluga answers differently to the reason; the comparison test reads it,
+so the list and the behaviour cannot drift apart.
 
 **Thread-safety and fork-safety.** Thread-safe: threads may share one store
 (the underlying ``KVStore`` is thread-safe; this class's own tables are
@@ -82,10 +92,12 @@ import hashlib
 import importlib.util
 import logging
 import os
+import random
 import re
 import struct
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -98,21 +110,57 @@ from beluga.pool import DEFAULT_POOL, resolve_pool
 
 __all__ = [
     "DEFAULT_POOL",
+    "DIFFERENCES",
+    "LEASE_TTL_MS",
     "POOL_PREFIX",
+    "TEARDOWN_ENV",
     "BufferHandle",
     "ErrorCode",
     "MooncakeDistributedStore",
     "ReplicateConfig",
+    "SoftPinAction",
     "beluga_key",
     "install",
+    "parse_size",
     "pool_spec_for",
 ]
 
 log = logging.getLogger("beluga.compat.mooncake")
 
+_DOS = "test_distributed_object_store.py::"
+#: Mooncake's own store tests that Beluga answers differently, each with the reason.
+DIFFERENCES: dict[str, str] = {
+    _DOS + "TestDistributedObjectStoreSingleStore::test_client_tear_down": (
+        "values outlive the client that wrote them: Mooncake drops them with the closing "
+        "client's segment, a reported defect (kvcache-ai/Mooncake #607); "
+        "BELUGA_MOONCAKE_TEARDOWN=drop gives Mooncake's behaviour"
+    ),
+    _DOS + "TestZeroLocalBufferSize::test_zero_local_buffer_size": (
+        "Beluga copies straight into the pool and needs no local staging buffer, "
+        "so a put with local_buffer_size=0 succeeds"
+    ),
+    "test_batch_replica_clear.py::TestBatchReplicaClearReplication::"
+    "test_clear_specific_segment_replica": (
+        "the pool holds one copy of a value, so clearing the replica on one named segment "
+        "removes the value; Mooncake keeps the replicas on other segments"
+    ),
+    "test_dummy_client.py::TestDistributedObjectStoreSingleStore::test_tensor_operations": (
+        "pub_tensor and the other *pub_tensor* forms are not implemented yet"
+    ),
+    _DOS + "TestDistributedObjectStoreSingleStore::test_concurrent_stress_with_barrier": (
+        "not run against Beluga yet: it did not finish within the scratch run's time limit"
+    ),
+}
+
 #: an address argument of ``setup`` that starts with this names a Beluga pool spec
 POOL_PREFIX = "beluga:"
 _LONG_KEY_TAG = b"\xff"
+#: set to "drop" for Mooncake's teardown: ``close`` removes what this handle wrote
+TEARDOWN_ENV = "BELUGA_MOONCAKE_TEARDOWN"
+#: Mooncake's range for the port of a ``local_hostname`` given without one
+_AUTO_PORTS = (12300, 14300)
+#: Mooncake's default lease on a key after a put or get (ms), which batch_replica_clear honours
+LEASE_TTL_MS = 5000
 
 
 class ErrorCode(enum.IntEnum):
@@ -134,13 +182,27 @@ OBJECT_NOT_FOUND = ErrorCode.OBJECT_NOT_FOUND.value
 RPC_FAIL = ErrorCode.RPC_FAIL.value
 
 
+class SoftPinAction(enum.IntEnum):
+    """Mooncake's soft-pin action of a write (``ReplicateConfig.soft_pin_action``)."""
+
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
+_U64 = 1 << 64
+
+
 @dataclass
 class ReplicateConfig:
-    """Mooncake's replication settings: accepted for compatibility, and ignored.
+    """Mooncake's replication settings: accepted, checked as Mooncake checks them, else ignored.
 
     A Beluga pool holds one copy of each value that every host of the pod
-    reads directly, so there is nothing to replicate or pin.  A Mooncake
-    ``ReplicateConfig`` object is accepted just the same.
+    reads directly, so there is nothing to replicate or pin.  Soft-pin fields
+    are checked as Mooncake does: a TTL is only valid with
+    ``SoftPinAction.ENABLE`` (a write given one with another action is
+    ``-600``).  Not thread-safe to mutate while a call uses it; fork-safe
+    (plain data).
     """
 
     replica_num: int = 1
@@ -149,6 +211,55 @@ class ReplicateConfig:
     preferred_segment: str = ""
     preferred_segments: list[str] = field(default_factory=list)
     prefer_alloc_in_same_node: bool = False
+    soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
+    dfs_replica_num: int = 0
+    nof_replica_num: int = 0
+    preferred_nof_segments: list[str] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+    data_type: int = 0
+    _soft_pin_ttl_ms: int | None = field(default=None, repr=False)
+
+    @property
+    def soft_pin_ttl_ms(self) -> int | None:
+        """The soft pin's TTL in ms, or None (Mooncake's ``std::optional<uint64_t>``)."""
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, value: int | None) -> None:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U64
+        ):
+            raise TypeError(f"soft_pin_ttl_ms is None or a uint64, not {value!r}")
+        self._soft_pin_ttl_ms = value
+
+
+def _config_code(config: object) -> int:
+    """``-600`` for a soft-pin TTL without ``ENABLE`` (as Mooncake's client refuses), else 0."""
+    ttl = getattr(config, "soft_pin_ttl_ms", None)
+    action = getattr(config, "soft_pin_action", SoftPinAction.PRESERVE)
+    if ttl is not None and int(action) != SoftPinAction.ENABLE:
+        return INVALID_PARAMS
+    return OK
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: object) -> int | None:
+    """A size as Mooncake's config dict takes it ("16MB", "16 MB", "1GiB", 4096); None if refused.
+
+    Units are binary (``MB`` = 2**20, as Mooncake's ``string_to_byte_size``);
+    percentages and other forms are refused.
+    """
+    if isinstance(text, bool):
+        return None
+    if isinstance(text, int):
+        return text if text >= 0 else None
+    match = _SIZE.match(str(text))
+    if match is None:
+        return None
+    scale = 1 << (10 * " kmgt".index(match.group(2).lower() or " "))
+    return int(float(match.group(1)) * scale)
 
 
 class BufferHandle(bytearray):
@@ -356,6 +467,8 @@ class MooncakeDistributedStore:
         self._hostname = ""
         self._registered: dict[int, int] = {}
         self._written: dict[bytes, str] = {}  # Beluga key -> Mooncake key, for remove_all
+        self._leases: dict[bytes, float] = {}  # key -> monotonic time of its last put or get here
+        self._allocated: list[ctypes.Array[ctypes.c_ubyte]] = []  # alloc_from_mem_pool's memory
 
     # -- life cycle ----------------------------------------------------------
 
@@ -385,6 +498,13 @@ class MooncakeDistributedStore:
             if "local_hostname" not in config or "metadata_server" not in config:
                 log.error("setup(config) needs 'local_hostname' and 'metadata_server'")
                 return INVALID_PARAMS
+            sizes = [
+                parse_size(config.get(name, "0"))
+                for name in ("global_segment_size", "local_buffer_size")
+            ]
+            if None in sizes:
+                log.error("setup(config): a size is a byte count or N[KB|MB|GB|TB], not %s", config)
+                return INVALID_PARAMS
             local_hostname = config["local_hostname"]
             metadata_server = config["metadata_server"]
             master_server_addr = config.get("master_server_addr", master_server_addr)
@@ -407,16 +527,43 @@ class MooncakeDistributedStore:
         except _FAILURES as exc:
             log.error("setup: cannot attach pool %s: %s", spec, exc)
             return _code_of(exc)
+        if ":" not in local_hostname:  # Mooncake picks a port for a bare host name
+            local_hostname = f"{local_hostname}:{random.randint(*_AUTO_PORTS)}"
         with self._lock:
             self._store, self._pid, self._hostname = store, os.getpid(), local_hostname
         return OK
 
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
+        """Attach the pool as Mooncake's dummy client does its real client's; 0 or a code.
+
+        A pool is shared memory, so a rank's process attaches the same pool
+        itself ($BELUGA_POOL, or ``beluga:SPEC`` as ``server_address``); no
+        forwarding client is needed.  The sizes are accepted and ignored.
+        """
+        _check_count(mem_pool_size, "mem_pool_size")
+        _check_count(local_buffer_size, "local_buffer_size")
+        if not isinstance(server_address, str):
+            raise TypeError(f"server_address is a str, not {type(server_address).__name__}")
+        return self.setup(
+            "localhost",
+            server_address if server_address.startswith(POOL_PREFIX) else "",
+            master_server_addr=server_address,
+        )
+
     def close(self) -> int:
-        """Disconnect (after calls in flight finish); always 0, and safe to call twice."""
+        """Disconnect (after calls in flight finish); always 0, and safe to call twice.
+
+        With ``BELUGA_MOONCAKE_TEARDOWN=drop`` (Mooncake's behaviour, see
+        ``DIFFERENCES``), the keys written through this handle are removed first.
+        """
+        if os.environ.get(TEARDOWN_ENV, "keep") == "drop" and self._store is not None:
+            self._remove_written(None)
         with self._lock:
             store, self._store = self._store, None
             self._registered.clear()
             self._written.clear()
+            self._leases.clear()
+            self._allocated.clear()
             if store is None:
                 return OK
             if self._pid != os.getpid():
@@ -456,7 +603,17 @@ class MooncakeDistributedStore:
                     self._active -= 1
                     self._lock.notify_all()
 
+    def _lease(self, keys: Sequence[bytes]) -> None:
+        """Note Mooncake's lease on keys just put or read (dropping leases long expired)."""
+        now = time.monotonic()
+        with self._lock:
+            if len(self._leases) > 4 * len(keys) + 4096:
+                ttl = LEASE_TTL_MS / 1000
+                self._leases = {k: t for k, t in self._leases.items() if now - t < ttl}
+            self._leases.update(dict.fromkeys(keys, now))
+
     def _remember(self, keys: Sequence[bytes], names: Sequence[str | bytes]) -> None:
+        self._lease(keys)
         with self._lock:
             for k, name in zip(keys, names, strict=True):
                 self._written[k] = (
@@ -524,11 +681,11 @@ class MooncakeDistributedStore:
 
     def put(self, key: str, value: Any, config: Any = None) -> int:
         """Store bytes-like ``value`` under ``key`` unless the key exists; 0 or a negative code."""
-        return self._put_values(key, value, replace=False)
+        return _config_code(config) or self._put_values(key, value, replace=False)
 
     def upsert(self, key: str, value: Any, config: Any = None) -> int:
         """Store ``value`` under ``key``, replacing any value; 0 or a negative code."""
-        return self._put_values(key, value, replace=True)
+        return _config_code(config) or self._put_values(key, value, replace=True)
 
     def _parts(self, key: object, parts: Sequence[object], replace: bool) -> int:
         k = _check_key(key)
@@ -605,7 +762,9 @@ class MooncakeDistributedStore:
             except _FAILURES as exc:
                 log.warning("get of %d keys failed: %s", len(found), exc)
                 return [None] * len(keys)
-        return [None if k is None else next(got) for k in keys]
+        values = [None if k is None else next(got) for k in keys]
+        self._lease([k for k, v in zip(keys, values, strict=True) if k and v is not None])
+        return values
 
     def get(self, key: str) -> bytes:
         """The value of ``key``; ``b""`` for a miss."""
@@ -776,6 +935,21 @@ class MooncakeDistributedStore:
         with self._lock:
             return OK if self._registered.pop(buffer_ptr, None) is not None else INVALID_PARAMS
 
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """The address of ``size`` new zeroed bytes of host memory (0 if not set up).
+
+        Mooncake's dummy client hands out memory shared with its real client;
+        on a pool every copy is the CPU's, so any host memory serves.  The
+        memory lives until this store is closed.
+        """
+        _check_count(size, "size")
+        with self._lock:
+            if self._store is None or not size:
+                return 0
+            block = (ctypes.c_ubyte * size)()
+            self._allocated.append(block)
+            return ctypes.addressof(block)
+
     # -- tensors -------------------------------------------------------------
 
     def _put_tensors(self, keys: object, tensors: object, replace: bool) -> list[int]:
@@ -816,6 +990,194 @@ class MooncakeDistributedStore:
     def batch_get_tensor(self, keys: list[str]) -> list[Any]:
         """As :meth:`get_tensor` for many keys; one lookup RPC per batch."""
         return [None if v is None else _decode_tensor(v) for v in self._values(_check_keys(keys))]
+
+    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
+        """Read a stored tensor into ``size`` bytes at ``buffer_ptr``; the tensor, or None.
+
+        The buffer then holds the value's stored form, which
+        :meth:`put_tensor_from` takes back.
+        """
+        return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
+
+    def batch_get_tensor_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[Any]:
+        """As :meth:`get_tensor_into` for many keys; ``-600`` each for lists of unequal length."""
+        codes = self.batch_get_into(keys, buffer_ptrs, sizes)
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return codes
+        return [
+            None if n < 0 else _decode_tensor(bytes(_raw_view(a, n)))
+            for a, n in zip(buffer_ptrs, codes, strict=True)
+        ]
+
+    def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Store a tensor's stored form found at ``buffer_ptr``; ``-600`` if it is not one."""
+        (address,), (length,) = _check_ranges([buffer_ptr], [size])
+        if not address or _decode_tensor(bytes(_raw_view(address, length))) is None:
+            return INVALID_PARAMS
+        return self.put_from(key, address, length)
+
+    # -- tensor parallelism: Mooncake's split, one key per rank -----------------
+
+    @staticmethod
+    def _shards(tensor: Any, tp_size: int, split_dim: int) -> list[Any] | None:
+        """The tensor split as Mooncake splits it: equal parts along ``split_dim``, else None."""
+        if not _is_tensor(tensor) or tp_size < 1 or not -tensor.dim() <= split_dim < tensor.dim():
+            return None
+        if tensor.shape[split_dim] % tp_size:
+            return None  # Mooncake refuses a dimension that tp_size does not divide (-600)
+        return list(tensor.chunk(tp_size, split_dim))
+
+    @staticmethod
+    def _tp_key(key: str, rank: int, tp_size: int) -> str:
+        return key if tp_size <= 1 else f"{key}_tp_{rank}"
+
+    def _put_tp(
+        self, keys: list[str], tensors: list[Any], tp_size: int, split_dim: int, replace: bool
+    ) -> list[int]:
+        _check_list(keys, "base_keys")
+        if len(keys) != len(_check_list(tensors, "tensors_list")):
+            return [INVALID_PARAMS] * len(keys)
+        codes = []
+        for key, tensor in zip(keys, tensors, strict=True):
+            shards = self._shards(tensor, tp_size, split_dim)
+            if shards is None or len(shards) != tp_size:
+                codes.append(INVALID_PARAMS)
+                continue
+            names = [self._tp_key(key, r, tp_size) for r in range(tp_size)]
+            got = self._put_tensors(names, shards, replace)
+            codes.append(next((c for c in got if c != OK), OK))
+        return codes
+
+    def put_tensor_with_tp(
+        self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> int:
+        """Store each rank's shard of ``tensor`` as ``{key}_tp_{rank}`` (``key`` if tp_size 1)."""
+        return self._put_tp([key], [tensor], tp_size, split_dim, replace=False)[0]
+
+    def upsert_tensor_with_tp(
+        self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> int:
+        """As :meth:`put_tensor_with_tp`, replacing existing shards."""
+        return self._put_tp([key], [tensor], tp_size, split_dim, replace=True)[0]
+
+    def batch_put_tensor_with_tp(
+        self,
+        base_keys: list[str],
+        tensors_list: list[Any],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        """As :meth:`put_tensor_with_tp` for many tensors; one code per base key."""
+        return self._put_tp(base_keys, tensors_list, tp_size, split_dim, replace=False)
+
+    def batch_upsert_tensor_with_tp(
+        self,
+        base_keys: list[str],
+        tensors_list: list[Any],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        """As :meth:`batch_put_tensor_with_tp`, replacing existing shards."""
+        return self._put_tp(base_keys, tensors_list, tp_size, split_dim, replace=True)
+
+    def get_tensor_with_tp(
+        self, key: str, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> Any:
+        """Rank ``tp_rank``'s shard stored by :meth:`put_tensor_with_tp`; None for a miss."""
+        return self.batch_get_tensor_with_tp([key], tp_rank, tp_size)[0]
+
+    def batch_get_tensor_with_tp(
+        self, base_keys: list[str], tp_rank: int = 0, tp_size: int = 1
+    ) -> list[Any]:
+        """As :meth:`get_tensor_with_tp` for many base keys."""
+        names = [self._tp_key(k, tp_rank, tp_size) for k in _check_list(base_keys, "base_keys")]
+        return self.batch_get_tensor(names)
+
+    # -- ranged reads ----------------------------------------------------------
+
+    def get_into_ranges(
+        self,
+        buffer_ptrs: list[int],
+        all_keys: list[list[str]],
+        all_dst_offsets: list[list[list[int]]],
+        all_src_offsets: list[list[list[int]]],
+        all_sizes: list[list[list[int]]],
+    ) -> list[list[list[int]]]:
+        """Copy byte ranges of values into buffers; per buffer, key and range: bytes or a code.
+
+        Buffer-major, as Mooncake's: ``buffer_ptrs[b]`` receives, for each key
+        ``all_keys[b][k]``, ``sizes[b][k][r]`` bytes from value offset
+        ``src[b][k][r]`` at buffer offset ``dst[b][k][r]``.  A key whose three
+        lists differ in length is ``[-600]``; a missing key ``-704`` per range;
+        a range past the value's end, or past a registered buffer's size, ``-600``.
+        """
+        _check_list(buffer_ptrs, "buffer_ptrs")
+        shaped = [all_keys, all_dst_offsets, all_src_offsets, all_sizes]
+        if any(len(_check_list(x, "a range list")) != len(buffer_ptrs) for x in shaped):
+            return [[[INVALID_PARAMS]] for _ in buffer_ptrs]
+        values = self._values(_check_keys([k for keys in all_keys for k in keys]))
+        found = iter(values)
+        with self._lock:
+            registered = dict(self._registered)
+        results: list[list[list[int]]] = []
+        for b, ptr in enumerate(buffer_ptrs):
+            capacity = registered.get(ptr)
+            rows: list[list[int]] = []
+            for k in range(len(all_keys[b])):
+                value = next(found)
+                dst, src, sizes = all_dst_offsets[b][k], all_src_offsets[b][k], all_sizes[b][k]
+                if not len(dst) == len(src) == len(sizes):
+                    rows.append([INVALID_PARAMS])
+                    continue
+                rows.append(
+                    [
+                        self._copy_range(value, ptr, capacity, d, s_, n)
+                        for d, s_, n in zip(dst, src, sizes, strict=True)
+                    ]
+                )
+            results.append(rows)
+        return results
+
+    @staticmethod
+    def _copy_range(
+        value: bytes | None, ptr: int, capacity: int | None, dst: int, src: int, size: int
+    ) -> int:
+        if value is None:
+            return OBJECT_NOT_FOUND
+        if not ptr or min(dst, src, size) < 0 or src + size > len(value):
+            return INVALID_PARAMS
+        if capacity is not None and dst + size > capacity:
+            return INVALID_PARAMS
+        ctypes.memmove(ptr + dst, memoryview(value)[src : src + size].tobytes(), size)
+        return size
+
+    # -- replicas --------------------------------------------------------------
+
+    def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
+        """Remove keys whose lease has expired; the keys removed.
+
+        The pool holds one copy, so clearing a key's replicas removes it.  As
+        in Mooncake a key put or read through this handle less than
+        :data:`LEASE_TTL_MS` ago is skipped, and so is a missing key.  A
+        ``segment_name`` other than "" or this handle's host name names no
+        replica here and clears nothing.
+        """
+        names = list(_check_list(keys, "keys"))
+        if not isinstance(segment_name, str):
+            raise TypeError(f"segment_name is a str, not {type(segment_name).__name__}")
+        if segment_name not in ("", self._hostname) or not names:
+            return []
+        now = time.monotonic()
+        with self._lock:
+            leased = {k for k, t in self._leases.items() if now - t < LEASE_TTL_MS / 1000}
+        ks = _check_keys(names)
+        todo = [(n, k) for n, k in zip(names, ks, strict=True) if k is not None and k not in leased]
+        codes = self._remove([k for _, k in todo])
+        return [n for (n, _), c in zip(todo, codes, strict=True) if c == OK]
 
 
 def _raw_view(address: int, size: int) -> memoryview:
