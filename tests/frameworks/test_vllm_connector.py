@@ -1691,6 +1691,30 @@ def test_kv_events_announce_saved_blocks_and_the_blocks_found_gone(
     conn.shutdown()
 
 
+def test_without_kv_events_no_step_asks_the_server_for_retirements(
+    model_dir: str, served_pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM calls take_events every step, events or not: with them off, no RPC for them."""
+    asked: list[object] = []
+    real = KVStore.retired
+
+    def retired(self: KVStore, since: tuple[int, int] | None = None) -> Any:
+        asked.append(since)
+        return real(self, since)
+
+    monkeypatch.setattr(KVStore, "retired", retired)
+    config = vllm_config(model_dir, served_pool)
+    sched, caches = scheduler(config), cpu_caches(16, seed=None)
+    conn = worker(config, caches)
+    sched.add_request(request([*PROMPT, 900, 901], "a"))
+    serve_all(sched, conn, caches)
+    assert asked == []
+    events = scheduler(events_config(model_dir, served_pool))  # on: it follows from the start
+    assert asked == [None]
+    for c in (sched.connector, events.connector, conn):
+        c.shutdown()
+
+
 @pytest.mark.parametrize("together", [True, False], ids=["one-step", "two-steps"])
 def test_kv_events_of_tensor_parallel_ranks_announce_a_block_once_every_rank_saved_it(
     model_dir: str, served_pool: str, together: bool

@@ -448,7 +448,7 @@ class BelugaScheduler:
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (see :mod:`beluga.integrations.vllm.events`)."""
-        if self.events.watching or self._retired is None:
+        if self.events.enabled and (self.events.watching or self._retired is None):
             self._follow_retirements()
         return self.events.take()
 
