@@ -43,6 +43,7 @@ from beluga.pool import Geometry, Pool
 from beluga.pool.hosts import HostRegistry, HostTable
 from beluga.transfer import Buffers
 from tests.conftest import serving
+from tests.test_index import reader
 from tests.test_service import GEOMETRY, WRITER, Clock, Harness
 
 # (tests/test_store.py's helpers, repeated: importing that module costs torch's import,
@@ -63,20 +64,6 @@ def server(spec: str) -> Iterator[Any]:
     """A metadata server in a process of its own."""
     with server_process(_serve, spec, {"refresh_s": 0.02}) as proc:
         yield proc
-
-
-def reader(pool: Pool) -> Any:
-    """A one-sided reader of the pool index, with no hint lines."""
-    sb = pool.superblock
-    return _core.Index(
-        pool.memory,
-        sb.index.offset,
-        sb.nbuckets,
-        sb.headers.offset,
-        sb.payloads.offset,
-        sb.block_size,
-        sb.nblocks,
-    )
 
 
 def crowded_digests(nbuckets: int, n: int, seed: int, pool_of: int = 4) -> list[bytes]:
