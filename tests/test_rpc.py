@@ -38,6 +38,7 @@ from beluga.rpc.protocol import (
     response_line,
     ring_offset,
 )
+from tests.rpc_util import connect, start, wait_until
 from tests.test_native import crc32c_reference
 
 OP_ADD, OP_FAIL, OP_FULL, OP_BIG, OP_SLOW, OP_CRASH = range(16, 22)
@@ -233,6 +234,70 @@ def test_restarted_server_serves_the_request_in_flight(pool: Pool) -> None:
         assert result == [42]
         assert add(c, 5, 5) == 10
     c.close()
+
+
+def _counting_server(pool: Pool, runs: list[bytes]) -> RpcServer:
+    """An in-process server whose OP_ADD records each request it runs."""
+
+    def add(r: Request) -> bytes:
+        runs.append(r.payload)
+        return _add(r)
+
+    return RpcServer(pool, {OP_ADD: per_request(add)}, refresh_s=0.02)
+
+
+def test_a_request_its_caller_gave_up_on_is_never_run_by_the_next_server(pool: Pool) -> None:
+    """A request left in the ring when its server went away (its caller gave up) is answered
+    RESTARTED by the next server, unrun; the client drops that answer, and its next call
+    runs once and gets its own answer."""
+    first_runs: list[bytes] = []
+    first = _counting_server(pool, first_runs)
+    c = connect(first, pool, restart_grace_s=0.0)
+    try:
+        first.close()  # the server stops; the client has not noticed yet
+        with pytest.raises(RpcError, match="stopped"):  # it sends, then gives up at once
+            c.call(OP_ADD, struct.pack("<qq", 1, 2), timeout=30)
+        runs: list[bytes] = []
+        second = _counting_server(pool, runs)
+        try:
+            assert second.refused_pending == 1  # found at adoption, answered unrun
+            second.start_thread()
+            assert add(c, 2, 2) == 4  # its own answer, not the abandoned request's
+        finally:
+            second.close()
+        assert runs == [struct.pack("<qq", 2, 2)] and first_runs == []
+    finally:
+        c.close()
+
+
+def test_a_call_waiting_through_a_replaced_server_runs_once_on_the_new_one(pool: Pool) -> None:
+    """The call in flight is sent again when its new server refuses it RESTARTED: it gets its
+    answer, and the request ran exactly once, on the server that answered."""
+    first_runs: list[bytes] = []
+    first = _counting_server(pool, first_runs)
+    c = connect(first, pool, restart_grace_s=60)
+    result: list[object] = []
+    errors: list[BaseException] = []
+    submitted = c.ring.next_seq
+    caller = start(lambda: result.append(add(c, 20, 22)), errors)
+    try:
+        wait_until(lambda: c.ring.next_seq != submitted, "the call submitting its request")
+        first.close()
+        runs: list[bytes] = []
+        second = _counting_server(pool, runs)
+        try:
+            assert second.refused_pending == 1
+            second.start_thread()
+            caller.join(30)
+            assert not errors and result == [42]
+            assert runs == [struct.pack("<qq", 20, 22)] and first_runs == []
+            many = c.call_many([(OP_ADD, struct.pack("<qq", i, i)) for i in range(40)])
+            assert [struct.unpack("<q", m)[0] for m in many] == [2 * i for i in range(40)]
+        finally:
+            second.close()
+    finally:
+        caller.join(30)
+        c.close()
 
 
 def test_recover_head_resumes_at_the_oldest_unanswered_request() -> None:

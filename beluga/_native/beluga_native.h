@@ -473,7 +473,8 @@ void bl_ix_flush_hints(bl_mem *m, bl_ix_hints *r);
 #define BL_RPC_WINDOW 32u        /* lines a reader looks at per pass */
 #define BL_RPC_OOL 1u            /* a line's flag: its payload is in the slot's buffer */
 #define BL_RPC_BAD_LENGTH 0xfff0 /* transport statuses: an impossible length, */
-#define BL_RPC_CORRUPT 0xfff1    /* a torn or garbage line or payload */
+#define BL_RPC_CORRUPT 0xfff1    /* a torn or garbage line or payload, */
+#define BL_RPC_RESTARTED 0xfff2  /* sent to a server that is gone: not run, send it again */
 
 /* A message: one line, written by one side (the request by the client, the response by
  * the server), sealed with its own CRC32C (bl_record_seal). */
@@ -605,6 +606,7 @@ void bl_rpc_server_set_ring(bl_rpc_server *s, uint32_t idx, uint32_t gen, uint32
 void bl_rpc_server_clear_ring(bl_rpc_server *s, uint32_t idx);
 uint64_t bl_rpc_server_recover_head(bl_rpc_server *s, uint32_t idx, uint32_t gen, uint32_t depth,
                                     uint32_t first_seq);
+uint32_t bl_rpc_server_refuse_pending(bl_rpc_server *s, uint32_t idx);
 int bl_rpc_server_gather(bl_rpc_server *s, bl_rpc_request *batch, int max_batch,
                          uint64_t timeout_ns, const bl_rpc_hooks *h);
 int bl_rpc_server_payload(bl_rpc_server *s, const bl_rpc_request *q, void *out);

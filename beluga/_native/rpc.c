@@ -51,9 +51,14 @@
  * "request line corrupt".)
  *
  * A restarted server finds each ring's position in the lines themselves
- * (bl_rpc_server_recover_head): a request with no matching response is still
- * pending and is served again, so requests are at-least-once across a
- * restart.  Python never parses a slot line; rpc_pack_line / rpc_parse_line
+ * (bl_rpc_server_recover_head): the oldest request with no matching response.
+ * It runs none of the requests it finds there: each was sent before this
+ * server acknowledged the ring, to a server that is gone, and its caller may
+ * have given up on it long ago (a grant made for nobody would stay reserved
+ * until its host leaves).  bl_rpc_server_refuse_pending answers each of them
+ * RESTARTED, and a caller still waiting sends it again (RpcClient does, within
+ * its deadline).  So a request runs at most once per server, and a request
+ * pending when its server died runs again only if its caller still wants it.  Python never parses a slot line; rpc_pack_line / rpc_parse_line
  * (rpc_py.c) give tests the format.
  *
  * This file has no Python in it.  The bindings (rpc_py.c) parse and check
@@ -733,6 +738,34 @@ uint64_t bl_rpc_server_recover_head(bl_rpc_server *s, uint32_t idx, uint32_t gen
             pending = req[slot].seq < pending ? req[slot].seq : pending;
     }
     return pending != UINT64_MAX ? pending : newest ? newest + 1 : first_seq;
+}
+
+/*
+ * Answer RESTARTED, without running them, the requests ring idx holds when this
+ * server adopts it (after bl_rpc_server_set_ring at the recovered head): the
+ * consecutive sealed request lines of its generation from head on.  Each was
+ * sent before this server acknowledged the ring (a client sends only once it
+ * sees its generation acknowledged), so to a server that is gone.  Stops at the
+ * first line that is not one: a line still torn is left to the ordinary scan
+ * and its patience.  Returns how many were refused.
+ */
+uint32_t bl_rpc_server_refuse_pending(bl_rpc_server *s, uint32_t idx)
+{
+    bl_rpc_ring_state *r = &s->rings[idx];
+    bl_mem *m = s->m;
+    uint32_t depth = r->g.depth, n = 0;
+    m->ops->invalidate(m, bl_rpc_req_line(&r->g, 0), (size_t)depth * BL_LINE);
+    m->ops->mfence(m);
+    for (; n < depth; n++) {
+        bl_rpc_line ln;
+        m->ops->load(m, bl_rpc_req_line(&r->g, (r->head - 1) % depth), &ln, BL_LINE);
+        if (ln.seq != r->head || ln.gen != r->gen || !bl_record_sealed(&ln, sizeof(ln)))
+            break;
+        bl_rpc_server_reject(s, idx, r->head, BL_RPC_RESTARTED,
+                             "sent to a server that is gone; not run: send it again");
+        r->head++;
+    }
+    return n;
 }
 
 /* After responses on ring r are visible: wake its client if it sleeps on our kernel. */

@@ -490,6 +490,22 @@ static PyObject *Server_recover_head(ServerObject *self, PyObject *args)
         bl_rpc_server_recover_head(&self->s, idx, gen, depth, first));
 }
 
+/* refuse_pending(idx) -> how many requests found in a ring just adopted were answered
+ * RESTARTED, not run (bl_rpc_server_refuse_pending). */
+static PyObject *Server_refuse_pending(ServerObject *self, PyObject *args)
+{
+    unsigned int idx;
+    if (!PyArg_ParseTuple(args, "I", &idx))
+        return NULL;
+    if (!ring_idle(self, idx))
+        return NULL;
+    if (!self->s.rings[idx].active) {
+        PyErr_Format(PyExc_ValueError, "ring %u is not served: set_ring it first", idx);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(bl_rpc_server_refuse_pending(&self->s, idx));
+}
+
 /* Start a polling call: check the pool (and max_batch, allocating *batch, when batch is
  * given), mark polling, enter the section (GIL dropped); -1 with an error raised if not. */
 static int begin_poll(ServerObject *self, unsigned int max_batch, bl_rpc_request **batch,
@@ -687,6 +703,8 @@ static PyMethodDef Server_methods[] = {
     {"clear_ring", (PyCFunction)Server_clear_ring, METH_VARARGS, "clear_ring(idx)"},
     {"recover_head", (PyCFunction)Server_recover_head, METH_VARARGS,
      "recover_head(idx, gen, depth, first_seq) -> next seq: the oldest request left unanswered"},
+    {"refuse_pending", (PyCFunction)Server_refuse_pending, METH_VARARGS,
+     "refuse_pending(idx) -> how many requests left by a gone server were answered RESTARTED"},
     {"poll", (PyCFunction)Server_poll, METH_VARARGS,
      "poll(max_batch, timeout_s) -> [(ring, seq, op, payload)]"},
     {"respond", (PyCFunction)Server_respond, METH_O, "respond([(ring, seq, status, payload)])"},
@@ -835,7 +853,8 @@ int bl_rpc_init(PyObject *module)
         PyModule_AddIntConstant(module, "RPC_MAX_DEPTH", BL_RPC_MAX_DEPTH) < 0 ||
         PyModule_AddIntConstant(module, "RPC_OOL", BL_RPC_OOL) < 0 ||
         PyModule_AddIntConstant(module, "ST_BAD_LENGTH", BL_RPC_BAD_LENGTH) < 0 ||
-        PyModule_AddIntConstant(module, "ST_CORRUPT", BL_RPC_CORRUPT) < 0)
+        PyModule_AddIntConstant(module, "ST_CORRUPT", BL_RPC_CORRUPT) < 0 ||
+        PyModule_AddIntConstant(module, "ST_RESTARTED", BL_RPC_RESTARTED) < 0)
         return -1;
     return 0;
 }

@@ -187,8 +187,9 @@ class RpcClient:
         """Follow a new server that adopted this ring once the old one went away.
 
         Requests that were in flight when calls gave up are answered by the new
-        server (it serves what it finds in the ring); their answers are taken out
-        and dropped here, so the next call gets its own answer, never theirs.
+        server (``RESTARTED``, unrun: it runs nothing sent to the server that is
+        gone); those answers are taken out and dropped here, so the next call
+        gets its own answer, never theirs.
         """
         st = self._status()
         if not (
@@ -240,15 +241,32 @@ class RpcClient:
                 )
         return out
 
+    def _resend_by(self, deadline: float, op: int) -> None:
+        """A request came back RESTARTED (a new server adopted the ring): send it again?"""
+        if time.monotonic() > deadline:
+            raise RpcError(
+                f"op {op}: the server was replaced while this call waited and the call's "
+                "time ran out before its new server could answer; try again"
+            )
+
     def call(self, op: int, payload: bytes = b"", timeout: float | None = None) -> bytes:
-        """One request, one response; raises the server's error for a non-OK status."""
+        """One request, one response; raises the server's error for a non-OK status.
+
+        A request the server that took over never ran (``RESTARTED``: sent to
+        the server that is gone) is sent again, within the call's timeout.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             self._usable()
-            r = self.ring.call(op, payload, SLICE_S)
-            self._submitted += 1
-            if r is not None:
-                self._completed += 1
-            status, data = r if r is not None else self._complete(1, timeout)[0]
+            while True:
+                r = self.ring.call(op, payload, SLICE_S)
+                self._submitted += 1
+                if r is not None:
+                    self._completed += 1
+                status, data = r if r is not None else self._complete(1, timeout)[0]
+                if status != Status.RESTARTED:
+                    break
+                self._resend_by(deadline, op)
         if status != Status.OK:
             raise error_for(status, data, op)
         return data
@@ -258,14 +276,22 @@ class RpcClient:
     ) -> list[bytes]:
         """Pipeline many requests (up to the ring depth in flight); raises the first error."""
         out: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             self._usable()
             depth = self.ring.depth
             for start in range(0, len(requests), depth):
-                chunk = requests[start : start + depth]
+                chunk = list(requests[start : start + depth])
                 self.ring.submit_many(chunk)
                 self._submitted += len(chunk)
-                out += self._complete(len(chunk), timeout)
+                got = self._complete(len(chunk), timeout)
+                while again := [i for i, (st, _) in enumerate(got) if st == Status.RESTARTED]:
+                    self._resend_by(deadline, chunk[again[0]][0])  # as call() does
+                    self.ring.submit_many([chunk[i] for i in again])
+                    self._submitted += len(again)
+                    for i, answer in zip(again, self._complete(len(again), timeout), strict=True):
+                        got[i] = answer
+                out += got
         for (op, _), (status, data) in zip(requests, out, strict=True):
             if status != Status.OK:
                 raise error_for(status, data, op)

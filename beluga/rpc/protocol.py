@@ -17,8 +17,12 @@ Each end uses them only when the other end runs on the same kernel (same
 boot id): see :func:`wake_ups`.  ``BELUGA_RPC_WAKE=0`` turns them off, so
 waits fall back to spinning, yielding and timed naps, as across hosts.
 
-Requests are at-least-once across a server restart: a request in flight when
-the server died is served by the next server.
+A server runs only requests sent to it.  The requests a new server (a restart,
+a standby's takeover) finds in a ring when it adopts it were sent to the one
+that is gone; it answers each ``RESTARTED`` without running it, and a caller
+still waiting sends it again (``RpcClient``), while one that gave up drops the
+answer.  So a request pending when its server died runs again exactly when
+its caller still wants the answer, and never for nobody.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class Status(enum.IntEnum):
     FAILED = 4  # the handler raised anything else
     BAD_LENGTH = _core.ST_BAD_LENGTH  # transport: impossible length for the ring
     CORRUPT = _core.ST_CORRUPT  # transport: torn or garbage line / payload
+    RESTARTED = _core.ST_RESTARTED  # sent to a server that is gone: not run, send it again
 
 
 def ring_offset(sb: Superblock, host_id: int) -> int:

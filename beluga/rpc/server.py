@@ -32,8 +32,10 @@ when it comes back within ``torn_patience_s`` (10 s by default), and only a
 line torn longer than that is answered ``CORRUPT`` (rpc.c, TORN LINES).
 
 A restarted server recovers each ring's position from the lines themselves
-(``RingServer.recover_head`` in C, which owns the slot format): a request with
-no matching response is still pending and is served again.
+(``RingServer.recover_head`` in C, which owns the slot format) and answers the
+requests it finds pending there ``RESTARTED``, unrun (``refuse_pending``):
+they were sent to the server that is gone, and a caller still waiting sends
+them again (rpc.c, TORN LINES, has the argument).
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ class RpcServer:
         self.epoch = int.from_bytes(os.urandom(4), "little") or 1
         self.start_ms = process_start_ms(os.getpid()) or 0
         self.active: dict[int, RingControl] = {}
+        self.refused_pending = 0  # requests left by a gone server, answered RESTARTED unrun
         self.limits: dict[int, int] = {}  # largest response per ring
         self.rings = _core.RingServer(
             self.mem, self.sb.rpc.offset, self.sb.rpc_bytes_per_host, self.sb.max_hosts
@@ -211,6 +214,7 @@ class RpcServer:
                 assert ctl is not None and grant is not None
                 head = self.rings.recover_head(h, ctl.gen, ctl.depth, ctl.first_seq)
                 self.rings.set_ring(h, ctl.gen, ctl.depth, head, wake_ups(grant.identity.boot_id))
+                self.refused_pending += self.rings.refuse_pending(h)
                 self.active[h] = ctl
                 self.limits[h] = buf_size(self.sb, ctl.depth)
             elif not live and current is not None:
