@@ -29,6 +29,15 @@ whose committed block it corrupted is recorded, and misses of that key are
 then excused from lost-write accounting (never wrong bytes: a corrupted block
 must read as a miss).
 
+With ``standbys=N`` (``beluga chaos --standby N``) N ``beluga serve --standby``
+processes wait beside the server.  A killed server is then not restarted by
+the driver: a standby takes the seat, recovers and serves, and the driver
+starts a new standby to keep N waiting.  A stopped server (SIGSTOP) keeps its
+seat on one kernel (it is alive; beluga.kv.server says why that is the rule),
+so the standbys must wait it out, and the verifier catches any that does not.
+For every server kill the report gives the write outage: from the kill to the
+first put tried after it that was acknowledged (p50, p99, max).
+
 After the last fault every process is resumed, the writers are stopped, an
 auditor reads every key through every read path, the server is killed and
 restarted once more, and the auditor reads everything again (what the
@@ -144,6 +153,7 @@ class ChaosConfig:
     role_pause_s: float = 0.002
     settle_s: float = 1.5
     max_inject_s: float = 1200.0  # stop injecting after this long, whatever the count
+    standbys: int = 0  # `beluga serve --standby` processes waiting beside the server
     weights: dict[str, float] = field(default_factory=lambda: dict(WEIGHTS))
 
     def __post_init__(self) -> None:
@@ -156,6 +166,8 @@ class ChaosConfig:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; the kinds are {KINDS}")
         if self.faults < 0 or self.write_lease_s <= 0 or self.hang_bound_s <= 0:
             raise ValueError("faults, write_lease_s and hang_bound_s must be positive")
+        if not 0 <= self.standbys <= 8:
+            raise ValueError(f"standbys must be 0..8, not {self.standbys}")
 
 
 @dataclass
@@ -203,6 +215,8 @@ class _Server:
     beat_ns: int = 0
     beat_seen: float = 0.0
     pid: int = 0  # kept: the process object is closed once reaped
+    standby: bool = False  # waiting for the seat (not serving yet)
+    seat_beat: int | None = None  # the seat's heartbeat when this standby took it
 
     def __post_init__(self) -> None:
         assert self.proc.pid is not None
@@ -219,12 +233,14 @@ class _Ready:
         self.conn.send_bytes(b"ready")
 
 
-def _server_main(spec: str, coherence: str, options: dict[str, Any], conn: Connection) -> None:
+def _server_main(
+    spec: str, coherence: str, options: dict[str, Any], conn: Connection, standby: bool
+) -> None:
     with open(os.devnull, "w") as quiet:  # one "beluga serve" line per restart is noise here
         os.dup2(quiet.fileno(), 1)
     if coherence == "model":
         os.environ["BELUGA_MODEL_SEED"] = str(os.getpid())
-    serve(spec, coherence=coherence, ready=_Ready(conn), **options)
+    serve(spec, coherence=coherence, ready=_Ready(conn), standby=standby, **options)
 
 
 def _is_stopped(pid: int) -> bool:
@@ -279,6 +295,8 @@ class ChaosDriver:
         self.stragglers: list[BaseProcess] = []  # ended by us, not yet reaped
         self.incarnations: Counter[tuple[str, int]] = Counter()
         self.server: _Server | None = None
+        self.standbys: list[_Server] = []  # waiting for the seat
+        self.takeovers: list[dict[str, Any]] = []  # per server kill: who took over, when
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self.timer_seq = 0
         self.faults: Counter[str] = Counter()
@@ -303,7 +321,8 @@ class ChaosDriver:
         self.log(
             f"beluga chaos: seed {self.seed}, {cfg.faults} faults, coherence {cfg.coherence}, "
             f"pool {self.path} (replay: beluga chaos --seed {self.seed} --faults {cfg.faults}"
-            f"{'' if cfg.coherence == 'native' else ' --coherence ' + cfg.coherence})"
+            f"{'' if cfg.coherence == 'native' else ' --coherence ' + cfg.coherence}"
+            f"{f' --standby {cfg.standbys}' if cfg.standbys else ''})"
         )
         geometry = Geometry(max_hosts=32, rpc_bytes_per_host=128 << 10, block_size=cfg.block_size)
         self.pool = Pool.create(self.path, cfg.pool_bytes, geometry=geometry, coherence="native")
@@ -347,6 +366,9 @@ class ChaosDriver:
             proc.join(10)
         if self.server is not None and not self.server.gone:
             self._stop_server()
+        for sb in self.standbys:
+            self._end_server(sb)
+        self.standbys.clear()
         if self.pool is not None:
             self.pool.close()
             Pool.destroy(self.path)
@@ -373,9 +395,11 @@ class ChaosDriver:
                 waitables.append(self.server.proc.sentinel)
                 if not self.server.ready:
                     waitables.append(self.server.ready_conn)
+            waitables += [sb.proc.sentinel for sb in self.standbys]
             ready = wait(waitables, timeout=max(0.0, min(0.05, nxt - now)))
             self._drain([r for r in live if r.out in ready])
             self._server_events(ready)
+            self._standby_events(ready)
             for r in live:
                 if r.proc.sentinel in ready:
                     self._role_exited(r)
@@ -520,8 +544,16 @@ class ChaosDriver:
     # -- the server ----------------------------------------------------------
 
     def _start_server(self) -> None:
+        """A server for a seat that is empty: a standby takes it when there is one."""
         if self.server is not None and not self.server.gone:
             return  # one server at a time (a restart was already made)
+        if self.cfg.standbys:
+            self._replenish()
+            if self.standbys:
+                return  # one of them takes the seat (_standby_events)
+        self.server = self._spawn_server(standby=False)
+
+    def _spawn_server(self, standby: bool) -> _Server:
         cfg = self.cfg
         options = {
             "write_lease_s": cfg.write_lease_s,
@@ -532,18 +564,65 @@ class ChaosDriver:
         ready_r, ready_w = _CTX.Pipe(duplex=False)
         proc = _CTX.Process(
             target=_server_main,
-            args=(self.path, mode, options, ready_w),
-            name="server",
+            args=(self.path, mode, options, ready_w, standby),
+            name="standby" if standby else "server",
             daemon=True,
         )
         proc.start()
         ready_w.close()
-        self.server = _Server(proc, ready_r, time.monotonic())
+        return _Server(proc, ready_r, time.monotonic(), standby=standby)
+
+    def _replenish(self) -> None:
+        """Keep ``standbys`` processes waiting for the seat."""
+        while len(self.standbys) < self.cfg.standbys:
+            self.standbys.append(self._spawn_server(standby=True))
+
+    def _standby_events(self, ready: list[Any]) -> None:
+        """Standbys that died, and the one that took the seat once the server was gone."""
+        for sb in list(self.standbys):
+            if sb.proc.sentinel in ready:
+                sb.proc.join(5)
+                self.standbys.remove(sb)
+                self._server_gone(sb)
+                self._error("StandbyExited", f"a standby exited with code {sb.proc.exitcode}")
+                if self.injecting:
+                    self._replenish()
+        if not self.standbys or self.pool is None:
+            return
+        seat = self.pool.hosts.seat()
+        if seat is None or not seat.epoch:
+            return
+        for sb in self.standbys:
+            if seat.identity.pid == sb.pid:
+                if self.server is not None and not self.server.gone:
+                    self._error(
+                        "StandbyTookALiveSeat",
+                        f"standby pid {sb.pid} took the seat of live server pid {self.server.pid}",
+                    )
+                    return
+                self.standbys.remove(sb)
+                sb.standby, sb.started = False, time.monotonic()
+                sb.seat_beat = seat.heartbeat_ns
+                with contextlib.suppress(EOFError, OSError):  # its "standing by" message
+                    while sb.ready_conn.poll():
+                        sb.ready_conn.recv_bytes()
+                self.server = sb
+                if self.takeovers and "seat_s" not in self.takeovers[-1]:
+                    self.takeovers[-1].update(
+                        by=sb.pid, seat_s=round(sb.started - self.takeovers[-1]["t"], 4)
+                    )
+                if self.injecting:
+                    self._after(self.rng.uniform(0, 0.3), self._replenish)
+                return
 
     def _server_events(self, ready: list[Any]) -> None:
         s = self.server
         if s is None or s.gone:
             return
+        if not s.ready and s.seat_beat is not None and self.pool is not None:
+            seat = self.pool.hosts.seat()  # a standby serves once it beats the seat
+            if seat is not None and seat.identity.pid == s.pid and seat.heartbeat_ns != s.seat_beat:
+                s.ready, s.beat_seen = True, time.monotonic()
         if not s.ready and s.ready_conn in ready:
             with contextlib.suppress(EOFError, OSError):
                 s.ready = s.ready_conn.recv_bytes() == b"ready"
@@ -558,14 +637,22 @@ class ChaosDriver:
     def _kill_server(self) -> None:
         s = self.server
         assert s is not None
+        t = time.monotonic()
         _signal(s.pid, signal.SIGKILL)
         s.proc.join(10)
         self._server_gone(s)
         self.history.server_killed(time.monotonic())
+        self.takeovers.append(
+            {"t": t, "killed": s.pid, "during": "run" if self.injecting else "audit"}
+        )
 
     def _stop_server(self) -> None:
         s = self.server
         assert s is not None
+        self._end_server(s)
+
+    def _end_server(self, s: _Server) -> None:
+        """SIGTERM a server or standby (resumed first) and reap it."""
         pid = s.pid
         _signal(pid, signal.SIGCONT)
         _signal(pid, signal.SIGTERM)
@@ -984,7 +1071,19 @@ class ChaosDriver:
             evictions_seen=self.history.evictions_seen,
             server_peaks={**self.history.peaks, "blocks_total": self.nblocks},
             server_restarts=len(self.history.server_kills),
+            takeovers=self._outages(),
         )
+
+    def _outages(self) -> list[dict[str, Any]]:
+        """Each server kill: who took over, after how long, and the write outage it made."""
+        firsts = self.history.first_acks_after([k["t"] for k in self.takeovers])
+        out = []
+        for k, first in zip(self.takeovers, firsts, strict=True):
+            item = {key: v for key, v in k.items() if key != "t"}
+            item["at_s"] = round(k["t"] - self.start, 3)
+            item["outage_s"] = None if first is None else round(first - k["t"], 4)
+            out.append(item)
+        return out
 
 
 def run_chaos(config: ChaosConfig, log: Callable[[str], None] | None = None) -> ChaosReport:

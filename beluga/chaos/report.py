@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ class ChaosReport:
     evictions_seen: int
     server_peaks: dict[str, int]
     server_restarts: int
+    #: per server kill: pid killed, standby that took the seat (by, seat_s), outage_s
+    takeovers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def faults_total(self) -> int:
@@ -54,15 +57,45 @@ class ChaosReport:
         return self.findings.values_verified + self.findings.misses
 
     @property
+    def seat_violations(self) -> int:
+        """Standbys seen in the seat of a server that was not gone (never allowed)."""
+        return self.errors.get("StandbyTookALiveSeat", 0)
+
+    def outage(self) -> dict[str, Any]:
+        """The write outage per server kill while writers run: kill to the first put tried
+        after it and acknowledged (p50, p99, max in s; ``unmeasured``: kills no put followed)."""
+        run = [t for t in self.takeovers if t.get("during") != "audit"]  # writers stopped then
+        xs = sorted(t["outage_s"] for t in run if t["outage_s"] is not None)
+        unmeasured = len(run) - len(xs)
+        if not xs:
+            return {"n": 0, "unmeasured": unmeasured}
+
+        def pct(q: float) -> float:
+            return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+        return {
+            "n": len(xs),
+            "p50": pct(0.5),
+            "p99": pct(0.99),
+            "max": xs[-1],
+            "unmeasured": unmeasured,
+        }
+
+    @property
     def ok(self) -> bool:
         """Whether Beluga kept every promise in this run."""
         return not (
-            self.wrong_bytes or self.lost_acked_writes or self.uncommitted_reads or self.hangs
+            self.wrong_bytes
+            or self.lost_acked_writes
+            or self.uncommitted_reads
+            or self.hangs
+            or self.seat_violations
         )
 
     def replay_command(self) -> str:
         c = self.config
         extra = "" if c.coherence == "native" else f" --coherence {c.coherence}"
+        extra += f" --standby {c.standbys}" if c.standbys else ""
         return f"beluga chaos --seed {self.seed} --faults {c.faults}{extra}"
 
     def to_json(self) -> dict[str, Any]:
@@ -78,6 +111,9 @@ class ChaosReport:
             "faults": dict(sorted(self.faults.items())),
             "mid_payload_extent_reused": self.mid_payload_reused,
             "server_restarts": self.server_restarts,
+            "standbys": self.config.standbys,
+            "write_outage_s": self.outage(),
+            "seat_violations": self.seat_violations,
             "reads_verified": self.reads_verified,
             "values_verified": f.values_verified,
             "bytes_verified": f.bytes_verified,
@@ -101,6 +137,7 @@ class ChaosReport:
                 "lost_acked_writes": f.lost,
                 "uncommitted_reads": f.uncommitted,
                 "hangs": self.hangs,
+                "takeovers": self.takeovers,
             },
             "fault_log": self.fault_log,
         }
@@ -131,6 +168,19 @@ class ChaosReport:
             f"wrong bytes by path/reason/key: {causes}",
             f"errors by type: {errors}",
         ]
+        if self.takeovers:
+            o = self.outage()
+            who = "standby takeovers" if self.config.standbys else "server restarts"
+            lines.append(
+                f"write outage per server kill ({who}, {len(self.takeovers)} kills): "
+                + (
+                    f"p50 {o['p50']:.3f} s, p99 {o['p99']:.3f} s, max {o['max']:.3f} s"
+                    if o["n"]
+                    else "no put followed a kill"
+                )
+                + (f"; {o['unmeasured']} kills with no put after them" if o["unmeasured"] else "")
+                + f"; standbys in a live server's seat: {self.seat_violations}"
+            )
         for kind, items in (
             ("wrong bytes", f.wrong),
             ("lost acknowledged write", f.lost),

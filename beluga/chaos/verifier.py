@@ -178,6 +178,21 @@ class History:
             if name != "evictions":
                 self.peaks[name] = max(self.peaks.get(name, 0), value)
 
+    def first_acks_after(self, times: list[float]) -> list[float | None]:
+        """For each instant, when the first put tried at or after it was acknowledged."""
+        acked = sorted(
+            (o.t_try, o.t_done) for o in self.ops.values() if o.kind == "put" and o.outcome == "ack"
+        )
+        suffix: list[float] = [math.inf] * (len(acked) + 1)
+        for i in range(len(acked) - 1, -1, -1):
+            suffix[i] = min(suffix[i + 1], acked[i][1])
+        tries = [t for t, _ in acked]
+        out: list[float | None] = []
+        for t in times:
+            first = suffix[bisect.bisect_left(tries, t)]
+            out.append(None if first == math.inf else first)
+        return out
+
     @property
     def evictions_seen(self) -> int:
         return sum(self.evictions.values())

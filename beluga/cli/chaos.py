@@ -90,6 +90,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="make the scratch pool here (must not exist; removed afterwards; "
         "default: a fresh /dev/shm/beluga-chaos-* file)",
     )
+    c.add_argument(
+        "--standby",
+        type=int,
+        default=_DEFAULT.standbys,
+        metavar="N",
+        help="run N 'beluga serve --standby' processes beside the server: a killed server "
+        "is replaced by a standby's takeover, not a restart (default 0)",
+    )
     c.add_argument("--json", metavar="FILE", help="write the full report (JSON) to FILE")
     c.set_defaults(handler=run_chaos_command)
 
@@ -118,6 +126,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         pool_bytes=args.pool_size,
         pool_path=args.pool,
         weights=weights,
+        standbys=args.standby,
     )
     report = run_chaos(config)
     print(report.summary())

@@ -50,18 +50,32 @@ def _check(report: ChaosReport) -> None:
 
 
 @pytest.mark.leaves("keys", "writes")  # writers are killed and stalled mid-write on purpose
-@pytest.mark.parametrize("coherence", ["native", "mixed"])
+@pytest.mark.parametrize(
+    ("coherence", "standbys"), [("native", 0), ("mixed", 0), ("native", 2)], ids=str
+)
 def test_a_chaos_round_breaks_no_promise(
-    shm_path: str, coherence: str, capsys: pytest.CaptureFixture[str]
+    shm_path: str, coherence: str, standbys: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``mixed``: every odd-numbered writer, in-place writer and reader runs under the
-    non-coherent model (``coherence="model"``), the others natively."""
+    non-coherent model (``coherence="model"``), the others natively.  With standbys, every
+    killed server is replaced by a standby's takeover, and a stopped one must keep its seat."""
     with capsys.disabled():
-        print(f"\nchaos round ({coherence}): seed {SEED}; replay: {REPLAY}", flush=True)
-    config = ChaosConfig(faults=FAULTS, seed=SEED, coherence=coherence, pool_path=shm_path)
+        print(
+            f"\nchaos round ({coherence}, {standbys} standbys): seed {SEED}; replay: {REPLAY}",
+            flush=True,
+        )
+    config = ChaosConfig(
+        faults=FAULTS, seed=SEED, coherence=coherence, pool_path=shm_path, standbys=standbys
+    )
     try:
         report = run_chaos(config, log=print)
     except ChaosError as e:  # the round could not proceed: still say how to replay it
         pytest.fail(f"{e}\nreplay: {REPLAY}")
     print(report.summary())
     _check(report)
+    if standbys:
+        why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
+        assert report.seat_violations == 0, f"a standby took a live server's seat{why}"
+        kills = report.takeovers
+        assert kills and all("by" in k for k in kills), f"a kill was not taken over{why}"
+        assert report.outage()["n"] >= 1, f"no write followed a takeover{why}"
