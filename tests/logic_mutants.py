@@ -441,6 +441,20 @@ MUTANTS: list[Mutant] = [
         ("tests/test_rpc.py::test_server_stop_and_death_are_detected",),
         "a client would wait out its timeout on a dead server instead of naming it",
     ),
+    # -- standby fencing
+    Mutant(
+        "standby-trusts-another-host-unfenced",
+        "standby",
+        "beluga/kv/server.py",
+        "if not here and fence_command is None:",
+        "if False:",
+        (
+            "tests/test_standby.py::"
+            "test_a_server_on_another_host_is_never_taken_over_unfenced[None]",
+        ),
+        "a standby would try to take a stalled server's seat on another host with no fence "
+        "(only fence()'s own refusal still stops it): the test sees no 'without --fence'",
+    ),
     # -- identity
     Mutant(
         "namespace-ignores-the-scope",

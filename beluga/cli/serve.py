@@ -68,8 +68,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--standby",
         action="store_true",
-        help="wait while another server serves the pool, take its seat once it is gone "
-        "(a server of this machine whose process ended), recover and serve",
+        help="wait while another server serves the pool, take its seat once it is gone or "
+        "fenced (docs/operations.md), recover and serve",
+    )
+    s.add_argument(
+        "--takeover-after",
+        type=float,
+        metavar="SECONDS",
+        default=None,
+        help="with --standby: how long the serving server's heartbeat may stand still before "
+        "it is fenced and its seat taken (default 5); a server of this machine is SIGKILLed",
+    )
+    s.add_argument(
+        "--fence",
+        metavar="COMMAND",
+        help="with --standby: a shell command that cuts a stalled server's host off the pool "
+        "(exit 0: done), e.g. the switch's port unbind; it gets BELUGA_FENCE_PID, "
+        "BELUGA_FENCE_BOOT_ID, BELUGA_FENCE_START_MS.  Without it, a server on another host "
+        "is never taken over",
     )
     s.add_argument(
         "--log-level",
@@ -114,10 +130,15 @@ def _log_to_stderr(level: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from beluga.kv.server import serve
+    from beluga.kv.server import TAKEOVER_AFTER_S, serve
 
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0..65535)")
+    if not args.standby and (args.takeover_after is not None or args.fence is not None):
+        raise ValueError("--takeover-after and --fence are for a standby: add --standby")
+    takeover_after = TAKEOVER_AFTER_S if args.takeover_after is None else args.takeover_after
+    if takeover_after <= 0:
+        raise ValueError(f"--takeover-after {takeover_after:g}: must be above 0 seconds")
     _log_to_stderr(args.log_level)
     serve(
         pool_spec(args),
@@ -130,6 +151,8 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_addr=args.metrics_addr,
         tier=args.tier,
         standby=args.standby,
+        takeover_after=takeover_after,
+        fence_command=args.fence,
     )
     return 0
 

@@ -13,29 +13,68 @@ attaches, waits while the seat names a live server, then takes the seat,
 recovers from the pool like any restarted server and serves; clients follow
 the new epoch in their rings without reconnecting (beluga.rpc.client), and
 writes the old server had granted are committed or refused by recovery, as
-after any restart.  Any number may wait: on one kernel the seat's advisory
-lock lets exactly one of them in, and the others go on waiting.
+after any restart (requests it had not answered are answered RESTARTED,
+unrun, and resent: rpc.c).  Any number may wait: the seat's advisory lock
+(one kernel) and the seat line itself let exactly one of them in, and the
+others go on waiting.
 
-A standby takes over only from a server it can *prove* gone: one of its own
-kernel whose pid and start time no longer name a running process.  A dead
-process cannot resume, and a stopped one (SIGSTOP) still counts as alive,
-so no old server can write after the takeover: no fencing is needed for
-this case, and none is claimed for any other.  A server on another host is
-never taken over by a standby: judged by a stalled heartbeat, it might only
-be paused and resume mid-batch after the takeover, writing index buckets,
-commit words and responses the new server owns.  That needs a fencing rule
-(issue 23) that is not built yet; until then a standby on another host than
-its server waits, and says so.
+Fencing: the one rule
+  *No server takes the seat while its previous holder can still store into
+  the pool.*  Everything the new server owns (index buckets, header clears,
+  commit words, grants, ring status and response lines) is then written by
+  it alone, so readers and writers rely on nothing new: the rules of
+  beluga.kv.service hold as they do for one server.
+
+  Why the rule is kept outside the pool.  The old server may be stopped, not
+  dead (SIGSTOP, a paused VM), at any instruction, including between its
+  last look at the seat and its next store.  CXL 2.0 memory shared between
+  hosts offers loads, stores and flushes, and no cross-host atomic or
+  conditional store, so no check it makes in the pool can be tied to the
+  store that follows it: a server that checked "the seat is mine" and then
+  paused stores after any takeover, whatever epoch it compares.  Making its
+  stores harmless instead (every server record sealed with the seat's
+  number, readers rejecting the others) would turn a lost race into misses
+  but cannot undo a store over a line the new server wrote, or a response
+  a client already took.  So the old server is cut off the pool before the
+  seat changes hands, by the thing that can do it:
+
+  - *one kernel*: the kernel.  A server whose pid and start time name no
+    running process is gone; one whose heartbeat has stalled for
+    ``takeover_after`` (stopped, or stuck) is SIGKILLed by the standby,
+    which takes the seat only once the kernel says the process is gone.  A
+    stopped process that is killed never runs again, so it never resumes.
+  - *another host*: the operator's ``--fence COMMAND``, run once the seat's
+    heartbeat has stalled for ``takeover_after`` of the standby's own
+    clock.  Its exit status 0 must mean that host can no longer store into
+    the pool: the switch's fabric manager unbinds its port (CXL 2.0 FM
+    API), its BMC powers it off, its hypervisor destroys the VM.  Then the
+    standby takes the seat, and only if the seat line is still the one it
+    saw stall (``HostRegistry.take_seat(fenced=...)``).  Without
+    ``--fence`` a standby never takes the seat from another host's server:
+    it waits, and says so; a fence that fails is retried after another
+    ``takeover_after``.
+
+  A server's own seat heartbeat is written at every refresh and, while it
+  recovers, by a thread (``RpcServer.beating_seat``), so a healthy server is
+  never judged stalled; ``takeover_after`` must exceed its longest pause
+  (default :data:`TAKEOVER_AFTER_S`).
+
+  Defence in depth, not relied on: a server that finds at a refresh that the
+  seat is no longer its own (a fence that lied) stops at once and exits
+  non-zero, "another Beluga server ... took this pool over".
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import signal
 import socket
+import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from beluga.errors import PoolChangedError, PoolError
@@ -43,6 +82,7 @@ from beluga.kv import protocol as p
 from beluga.kv.service import MetadataService
 from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
+from beluga.pool.hosts import Seat, Staleness
 from beluga.rpc import RpcServer
 
 if TYPE_CHECKING:
@@ -74,6 +114,7 @@ class MetadataServer:
         metrics_port: int | None = None,
         metrics_addr: str = "0.0.0.0",
         tier: MooncakeTier | TierConfig | str | None = None,
+        fenced: Seat | None = None,
         **service_options: Any,
     ) -> None:
         """``tier``: the cross-pod tier evicted values are demoted to (default ``BELUGA_TIER``).
@@ -81,9 +122,11 @@ class MetadataServer:
         The seat comes first: recovery writes to the pool (it clears stale
         headers and commit words, repairs the index), so it runs only once
         this server holds the seat, never while another server serves.
+        ``fenced``: the seat line of a server on another host that a standby
+        cut off the pool (the module doc); its seat may be taken.
         """
         self.pool = pool
-        self.rpc = RpcServer(pool, {}, refresh_s=refresh_s, first_refresh=False)
+        self.rpc = RpcServer(pool, {}, refresh_s=refresh_s, first_refresh=False, fenced=fenced)
         self.tier: MooncakeTier | None = None
         self._owns_tier = False
         self.metrics: ServerMetrics | None = None
@@ -103,7 +146,8 @@ class MetadataServer:
     ) -> None:
         """Recover the service from the pool, wire it into the RPC server, refresh once."""
         started = time.perf_counter()
-        self.service = MetadataService(self.pool, **service_options)
+        with self.rpc.beating_seat():  # a recovering server is not a stalled one
+            self.service = MetadataService(self.pool, **service_options)
         self.tier = make_tier(tier)
         self._owns_tier = self.tier is not None and not isinstance(tier, MooncakeTier)
         if self.tier is not None:
@@ -175,10 +219,20 @@ class MetadataServer:
 
 
 STANDBY_POLL_S = 0.05  # how often a standby looks at the seat
+#: how long a seat heartbeat may stand still before a standby fences its server
+TAKEOVER_AFTER_S = 5.0
+FENCE_TIMEOUT_S = 30.0  # the longest a fence may take (a command, or a killed process's exit)
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What a standby may take: a free seat, or (``fenced``) another host's cut-off server's."""
+
+    fenced: Seat | None = None
 
 
 def seat_free(pool: Pool) -> bool:
-    """Whether a standby may take the seat now: it is empty, or its server is proven gone.
+    """Whether the seat may be taken without fencing: it is empty, or its server is proven gone.
 
     Proven gone means: of this kernel, and its pid and start time name no
     running process (see the module doc for why nothing else counts).
@@ -189,37 +243,123 @@ def seat_free(pool: Pool) -> bool:
     return seat.identity.same_kernel() and not seat.identity.running()
 
 
-def wait_for_seat(pool: Pool, stopping: threading.Event, poll_s: float = STANDBY_POLL_S) -> bool:
-    """Wait until :func:`seat_free`; False when ``stopping`` was set first."""
+def fence(seat: Seat, command: str | None, timeout_s: float = FENCE_TIMEOUT_S) -> bool:
+    """Cut the seat's server off the pool; True once it can store nothing more into it.
+
+    ``command`` (``/bin/sh -c``) gets the server in ``BELUGA_FENCE_PID``,
+    ``BELUGA_FENCE_START_MS``, ``BELUGA_FENCE_BOOT_ID`` (hex) and
+    ``BELUGA_FENCE_SAME_KERNEL`` (1 or 0); its exit status 0 is the word
+    that the server's host is cut off.  On this kernel the kernel has the
+    last word: the process is SIGKILLed if it still runs, and the fence
+    holds once its pid and start time name no running process.
+    """
+    who = seat.identity
+    if command is not None:
+        env = {
+            **os.environ,
+            "BELUGA_FENCE_PID": str(who.pid),
+            "BELUGA_FENCE_START_MS": str(who.start_ms),
+            "BELUGA_FENCE_BOOT_ID": who.boot_id.hex(),
+            "BELUGA_FENCE_SAME_KERNEL": "1" if who.same_kernel() else "0",
+        }
+        try:
+            done = subprocess.run(
+                ["/bin/sh", "-c", command],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            log.warning("the fence command ran past %g s: not fenced", timeout_s)
+            return False
+        if done.returncode != 0:
+            log.warning("the fence command exited %d: not fenced", done.returncode)
+            return False
+    if not who.same_kernel():
+        return command is not None
+    deadline = time.monotonic() + timeout_s
+    while who.running():
+        try:
+            os.kill(who.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            log.warning("no permission to kill the server (pid %d): not fenced", who.pid)
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def wait_for_seat(
+    pool: Pool,
+    stopping: threading.Event,
+    takeover_after: float = TAKEOVER_AFTER_S,
+    fence_command: str | None = None,
+    poll_s: float = STANDBY_POLL_S,
+) -> Takeover | None:
+    """Wait until the seat may be taken (the module doc); None when ``stopping`` came first.
+
+    The seat's server is fenced once its heartbeat has stood still for
+    ``takeover_after`` of this process's clock.
+    """
+    if takeover_after <= 0:
+        raise ValueError(f"takeover_after {takeover_after:g}: must be above 0 seconds")
+    stalled = Staleness(takeover_after)
     warned = False
     while not stopping.is_set():
         pool.check_unchanged()
         if seat_free(pool):
-            return True
+            return Takeover()
         seat = pool.hosts.seat()
-        if not warned and seat is not None and not seat.identity.same_kernel():
-            log.warning(
-                "the seat's server (pid %d) is on another host: this standby takes over only "
-                "from a server of its own kernel, so it waits until that seat is left",
-                seat.identity.pid,
-            )
-            warned = True
+        if seat is not None and not stalled.fresh("seat", (seat.epoch, seat.heartbeat_ns)):
+            here = seat.identity.same_kernel()
+            where = "" if here else " on another host"
+            if not here and fence_command is None:
+                if not warned:
+                    log.warning(
+                        "the server (pid %d%s) has not heartbeat for %g s, but without --fence "
+                        "this standby cannot cut its host off the pool, so it waits",
+                        seat.identity.pid,
+                        where,
+                        takeover_after,
+                    )
+                    warned = True
+            else:
+                log.warning(
+                    "the server (pid %d%s) has not heartbeat for %g s: fencing it",
+                    seat.identity.pid,
+                    where,
+                    takeover_after,
+                )
+                if fence(seat, fence_command):
+                    log.info("fenced pid %d; taking the seat", seat.identity.pid)
+                    return Takeover(None if here else seat)
+                log.warning("not fenced; trying again after another %g s", takeover_after)
+            stalled.forget("seat")
         stopping.wait(poll_s)
-    return False
+    return None
 
 
 def take_over(
-    pool: Pool, stopping: threading.Event, options: dict[str, Any]
+    pool: Pool,
+    stopping: threading.Event,
+    options: dict[str, Any],
+    takeover_after: float = TAKEOVER_AFTER_S,
+    fence_command: str | None = None,
 ) -> MetadataServer | None:
     """Wait for the seat and take it (None: ``stopping`` came first).
 
     A rival standby that wins the seat sends this one back to waiting.
     """
     while True:
-        if not wait_for_seat(pool, stopping):
+        got = wait_for_seat(pool, stopping, takeover_after, fence_command)
+        if got is None:
             return None
         try:
-            return MetadataServer(pool, **options)
+            return MetadataServer(pool, fenced=got.fenced, **options)
         except PoolError as e:
             if isinstance(e, PoolChangedError):
                 raise
@@ -232,12 +372,16 @@ def serve(
     coherence: str | None = None,
     ready: Any = None,
     standby: bool = False,
+    takeover_after: float = TAKEOVER_AFTER_S,
+    fence_command: str | None = None,
     **options: Any,
 ) -> None:
     """Attach, serve until SIGTERM / SIGINT, then shut down cleanly.
 
     ``standby``: first wait for the seat (the module doc says when it is
     taken), then serve; a signal while waiting ends it cleanly, unserved.
+    ``takeover_after`` and ``fence_command``: when and how a standby fences
+    a server that stopped heartbeating (the module doc).
     """
     with Pool.attach(spec, coherence=coherence) as pool:
         stopping = threading.Event()
@@ -254,7 +398,7 @@ def serve(
             log.info("%s: standing by", spec)
             if ready is not None:
                 ready.set()
-            server = take_over(pool, stopping, options)
+            server = take_over(pool, stopping, options, takeover_after, fence_command)
             if server is None:
                 log.info("stopped while standing by")
                 return

@@ -50,6 +50,7 @@ is identified by its own pid), and never inherits its parent's.
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 import random
 import struct
@@ -105,7 +106,20 @@ REFUSED_HELD = -2  # answer: the wanted id is held by a live process
 REFUSED_RANGE = -3  # answer: the wanted id does not exist
 
 
+#: set to a name, this process counts as a host of its own (liveness by heartbeat only)
+EMULATED_HOST_ENV = "BELUGA_EMULATED_HOST"
+
+
 def _boot_id() -> bytes:
+    """This kernel's boot id (8 bytes), or that of the host named by ``$BELUGA_EMULATED_HOST``.
+
+    The variable emulates another host on one machine (tests, the chaos
+    tier): its processes' pids mean nothing to others, so their liveness is
+    judged by heartbeat, as across machines.  Never set it in production.
+    """
+    emulated = os.environ.get(EMULATED_HOST_ENV)
+    if emulated:
+        return hashlib.blake2b(b"beluga-emulated-host:" + emulated.encode(), digest_size=8).digest()
     try:
         with open("/proc/sys/kernel/random/boot_id", "rb") as f:
             return bytes.fromhex(f.read().strip().decode().replace("-", ""))[:8]
@@ -117,9 +131,16 @@ BOOT_ID = _boot_id()
 
 
 def process_start_ms(pid: int) -> int | None:
-    """Start time of a live process in ms since the epoch, or None if it is gone."""
+    """Start time of a live process in ms since the epoch, or None if it is gone.
+
+    A zombie is gone: it will never run again, only its parent has not reaped it.
+    """
     try:
-        return round(psutil.Process(pid).create_time() * 1000)
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return round(proc.create_time() * 1000)
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
 
@@ -629,24 +650,37 @@ class HostRegistry:
 
     # -- the seat ------------------------------------------------------------------
 
-    def take_seat(self, epoch: int, wait_s: float) -> Seat:
-        """Write this server into the seat, unless a live server holds it.
+    def take_seat(self, epoch: int, wait_s: float, fenced: Seat | None = None) -> Seat:
+        """Write this server into the seat, unless a server that may still write holds it.
 
-        A server of this kernel is judged exactly (pid and start time); one of
-        another host by whether its heartbeat changes within ``wait_s`` of our
-        clock, which is waited out only when the seat names such a server.
+        A server of this kernel is judged exactly (pid and start time): a
+        running one, stopped or not, keeps the seat.  One of another host
+        whose heartbeat moves within ``wait_s`` of our clock keeps it; one
+        whose heartbeat has stalled may only be paused, so the seat is taken
+        from it only when the caller has fenced it (``fenced``: the seat line
+        as it was when its host was cut off the pool, beluga.kv.server) and
+        the line has not changed since.
         """
         t = self.table
         seat = t.seat()
         if seat is not None and seat.epoch:
+            where = "" if seat.identity.same_kernel() else ", on another host"
             if seat.identity.same_kernel():
                 busy = seat.identity.running() and seat.identity != Identity.mine()
+            elif fenced is not None:
+                busy = seat != fenced
+            elif self._seat_moves(seat, wait_s):
+                busy = True
             else:
-                busy = self._seat_moves(seat, wait_s)
+                raise PoolError(
+                    f"the Beluga server of this pool (pid {seat.identity.pid}{where}) has not "
+                    f"heartbeat for {wait_s:g} s, but it may be paused, not dead, and write "
+                    "again: take over with `beluga serve --standby --fence COMMAND` (a command "
+                    "that cuts its host off the pool; docs/operations.md), or stop that server"
+                )
             if busy:
                 raise PoolError(
-                    f"another Beluga server (pid {seat.identity.pid}"
-                    f"{'' if seat.identity.same_kernel() else ', on another host'}) serves this "
+                    f"another Beluga server (pid {seat.identity.pid}{where}) serves this "
                     "pool; stop it first (one server per pool)"
                 )
         now = t.wall()

@@ -43,14 +43,22 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from beluga._native import _core
 from beluga.coherence import read_line, write_line
 from beluga.errors import BelugaError, CapacityError, RpcError
 from beluga.pool import Pool
-from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, Grant, HostRegistry, process_start_ms
+from beluga.pool.hosts import (
+    BOOT_ID,
+    DEFAULT_STALE_S,
+    Grant,
+    HostRegistry,
+    Seat,
+    process_start_ms,
+)
 from beluga.rpc.protocol import (
     STATUS_LINE,
     Op,
@@ -123,13 +131,16 @@ class RpcServer:
         tick: Callable[[], None] | None = None,
         torn_patience_s: float | None = None,
         first_refresh: bool = True,
+        fenced: Seat | None = None,
     ) -> None:
         """``torn_patience_s``: how long a torn request line is waited for (rpc.c TORN LINES).
 
         ``first_refresh=False`` takes the seat but adopts no ring and grants no
         id yet: for a caller that must hold the seat before it builds what the
         handlers need (the metadata server recovers from the pool), then
-        calls :meth:`refresh` itself.
+        calls :meth:`refresh` itself.  ``fenced``: the seat line of a server
+        on another host that the caller has cut off the pool, which may be
+        taken although its holder never left it (``HostRegistry.take_seat``).
         """
         self.pool = pool
         self.sb = pool.superblock
@@ -160,7 +171,7 @@ class RpcServer:
         self.registry = HostRegistry(pool.hosts, stale_s, before_grant=self._regrant)
         self._lock_fd = pool.mapping.exclusive_lock(f"the server seat of {pool.spec}")
         try:
-            self.seat = self.registry.take_seat(self.epoch, wait_s=stale_s)
+            self.seat = self.registry.take_seat(self.epoch, wait_s=stale_s, fenced=fenced)
             if first_refresh:
                 self.refresh()
         except BaseException:
@@ -189,6 +200,36 @@ class RpcServer:
             time.time_ns(),
         )
         write_line(self.mem, ring_offset(self.sb, host_id) + STATUS_LINE, status.pack())
+
+    @contextmanager
+    def beating_seat(self, period_s: float = 0.25) -> Iterator[None]:
+        """Heartbeat the seat from a thread while the caller works without refreshing.
+
+        For a server's start (recovery reads the whole pool before the first
+        :meth:`refresh`): standbys judge a server by its seat heartbeat, and
+        must not take a recovering server for a stalled one.  A seat taken
+        over meanwhile raises here, at the end, as :meth:`refresh` would.
+        """
+        done = threading.Event()
+        lost: list[BaseException] = []
+
+        def beat() -> None:
+            while not done.wait(period_s):
+                try:
+                    self.seat = self.registry.keep_seat(self.seat)
+                except BaseException as e:  # the seat is gone: report it to the caller
+                    lost.append(e)
+                    return
+
+        t = threading.Thread(target=beat, name="beluga-seat-beat", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+        if lost:
+            raise lost[0]
 
     def refresh(self) -> None:
         """Adopt new clients, drop dead ones, grant host ids, heartbeat every status line.
