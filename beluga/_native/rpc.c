@@ -58,8 +58,9 @@
  * until its host leaves).  bl_rpc_server_refuse_pending answers each of them
  * RESTARTED, and a caller still waiting sends it again (RpcClient does, within
  * its deadline).  So a request runs at most once per server, and a request
- * pending when its server died runs again only if its caller still wants it.  Python never parses a slot line; rpc_pack_line / rpc_parse_line
- * (rpc_py.c) give tests the format.
+ * pending when its server died runs again only if its caller still wants it.
+ * Python never parses a slot line; rpc_pack_line / rpc_parse_line (rpc_py.c)
+ * give tests the format.
  *
  * This file has no Python in it.  The bindings (rpc_py.c) parse and check
  * every argument, then call in here: the server's gather loop runs without

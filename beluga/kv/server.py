@@ -237,7 +237,11 @@ def seat_free(pool: Pool) -> bool:
     Proven gone means: of this kernel, and its pid and start time name no
     running process (see the module doc for why nothing else counts).
     """
-    seat = pool.hosts.seat()
+    return _gone(pool.hosts.seat())
+
+
+def _gone(seat: Seat | None) -> bool:
+    """:func:`seat_free` of a seat line already read."""
     if seat is None or not seat.epoch:
         return True
     return seat.identity.same_kernel() and not seat.identity.running()
@@ -311,9 +315,9 @@ def wait_for_seat(
     warned = False
     while not stopping.is_set():
         pool.check_unchanged()
-        if seat_free(pool):
-            return Takeover()
         seat = pool.hosts.seat()
+        if _gone(seat):
+            return Takeover()
         if seat is not None and not stalled.fresh("seat", (seat.epoch, seat.heartbeat_ns)):
             here = seat.identity.same_kernel()
             where = "" if here else " on another host"
