@@ -21,7 +21,8 @@ and not reported: the first request of an engine pays one-time costs),
 ``pool`` (a spec; absent: plain vLLM), ``extra`` (more
 kv_connector_extra_config), ``block_size`` (default 32, what the CPU attention
 needs), ``dtype``.  The connector's counters in the output are counted from
-the end of the warm-up.
+the end of the warm-up to the end of the last request's saves (which run on
+after its last token: see :func:`drain`).
 """
 
 from __future__ import annotations
@@ -128,13 +129,20 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     results = serve(
         llm.llm_engine, job["prompts"], params, job.get("concurrency", 1), connector.counters
     )
-    wall, after = time.perf_counter() - start, connector.counters()
+    wall = time.perf_counter() - start
+    drain(llm.llm_engine)
+    after = connector.counters()
+    llm.llm_engine.engine_core.shutdown()  # TP workers unlink their message queues' memory
     return {
         "startup_s": startup,
         "wall_s": wall,
         "results": results,
         "counters": {name: after[name] - before[name] for name in after},
     }
+
+
+#: seconds :func:`drain` waits for the last saves
+DRAIN_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -182,6 +190,25 @@ def serve(
                 del in_flight[out.request_id]
                 results[flight.index] = _result(out, flight, now, counters())
     return results
+
+
+def drain(engine: Any, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    """Step ``engine`` until its scheduler holds no finished request's blocks.
+
+    A request is finished when its last token is out, but the connector may
+    still be saving its blocks (vLLM frees them once the save is reported
+    done), so counters read before then miss those saves.  Raises
+    ``TimeoutError`` after ``timeout_s``.
+    """
+    scheduler = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+    if scheduler is None:  # not an in-process engine core: nothing to look at
+        return
+    deadline = time.monotonic() + timeout_s
+    while scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine still held finished requests after {timeout_s} s")
+        engine.step()
+        time.sleep(0.001)
 
 
 def _result(
