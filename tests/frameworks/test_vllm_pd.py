@@ -155,9 +155,44 @@ class Server:
         raise AssertionError(f"{self.url} did not start in time:\n{self.log.read_text()[-4000:]}")
 
     def kill(self) -> None:
+        """SIGKILL the server's processes, then remove the shared memory they had mapped
+        (vLLM's message queues between its processes: a killed creator never unlinks them)."""
+        mapped = shared_memory_of_session(self.proc.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=60)
+        for path in mapped:
+            path.unlink(missing_ok=True)
+
+
+def remove_orphan_semaphores(before: set[Path]) -> None:
+    """Remove the ``multiprocessing`` semaphores made since ``before`` that no live process
+    maps: the killed servers' (their resource tracker, which would unlink them, died too)."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped |= {
+                line.split()[-1] for line in maps.read_text().splitlines() if "sem.mp-" in line
+            }
+    for path in set(Path("/dev/shm").glob("sem.mp-*")) - before:
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
+
+
+def shared_memory_of_session(sid: int) -> set[Path]:
+    """The /dev/shm files of Python's ``SharedMemory`` (``psm_*``) and ``multiprocessing``
+    semaphores (``sem.mp-*``) that a process of session ``sid`` maps now."""
+    found: set[Path] = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) != sid:  # the session id: field 6 of /proc/PID/stat
+                continue
+            for line in (stat.parent / "maps").read_text().splitlines():
+                name = line.split()[-1]
+                if name.startswith(("/dev/shm/psm_", "/dev/shm/sem.mp-")):
+                    found.add(Path(name))
+    return found
 
 
 @contextlib.contextmanager
@@ -192,6 +227,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("pd")
     model = write_tiny_model(str(tmp / "model"))
     write_tokenizer(model, MODELS["tiny"]["vocab_size"])
+    semaphores = set(Path("/dev/shm").glob("sem.mp-*"))  # before the servers start
     with served_pool(16 << 10) as (path, _):
         servers = {
             "producer": Server(model, "kv_producer", path, 0, tmp / "producer.log"),
@@ -206,6 +242,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         finally:
             for server in servers.values():
                 server.kill()
+            remove_orphan_semaphores(semaphores)
 
 
 def completion(prompt: str, salt: str, **more: Any) -> dict[str, Any]:
