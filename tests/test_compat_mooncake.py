@@ -481,6 +481,63 @@ def test_close_waits_for_calls_in_flight(pool: Pool) -> None:
         assert native.remove("big")
 
 
+def test_close_stops_waiting_for_a_call_that_outlives_close_wait(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call stuck in flight (here: a get held inside the store's get_batch) does not hold close
+    forever: after CLOSE_WAIT_S it closes under the call, which then fails cleanly."""
+    s = connect(pool)
+    assert s.put("held", b"v") == 0
+    assert s._store is not None
+    inside, release = threading.Event(), threading.Event()
+    real_get = s._store.get_batch
+
+    def held_get(*args: Any, **kwargs: Any) -> Any:
+        inside.set()
+        release.wait(60)
+        return real_get(*args, **kwargs)
+
+    monkeypatch.setattr(s._store, "get_batch", held_get)
+    monkeypatch.setattr(compat, "CLOSE_WAIT_S", 0.2)
+    got: list[bytes] = []
+    caller = threading.Thread(target=lambda: got.append(s.get("held")))
+    caller.start()
+    assert inside.wait(30)
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    closer.join(30)
+    held = not release.is_set()
+    release.set()
+    caller.join(30)
+    assert not closer.is_alive() and held  # close returned while the call was still held
+    assert got == [b""]  # the held call ended with a miss on the closed store, not a crash
+    with KVStore(pool) as native:
+        assert native.remove("held")
+
+
+def test_the_lease_is_the_environments_as_a_masters_flag_would_set_it(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BELUGA_MOONCAKE_LEASE_TTL_MS plays mooncake_master's --default_kv_lease_ttl: a key is
+    cleared once that lease is past, and kept while the default 5 s lease runs."""
+    monkeypatch.setenv(compat.LEASE_ENV, "100")
+    short = connect(pool)
+    monkeypatch.delenv(compat.LEASE_ENV)
+    default = connect(pool)
+    for s in (short, default):
+        assert s.put(f"lease-{id(s)}", b"v") == 0
+    time.sleep(0.3)  # past the short lease; far inside the default one
+    assert short.batch_replica_clear([f"lease-{id(short)}"]) == [f"lease-{id(short)}"]
+    assert default.batch_replica_clear([f"lease-{id(default)}"]) == []
+    assert default.remove(f"lease-{id(default)}") == 0
+    for bad in ("0", "-5", "soon"):
+        monkeypatch.setenv(compat.LEASE_ENV, bad)
+        refused = MooncakeDistributedStore()
+        assert refused.setup("localhost", f"beluga:{pool.spec}", 0, 0, "tcp", "", "") == -600
+    for s in (short, default):
+        assert s.close() == 0
+
+
 def _child_uses(store: MooncakeDistributedStore, spec: str, out: Any) -> None:
     inherited = (store.put("child", b"c"), store.get("parent"), store.close())
     own = MooncakeDistributedStore()
