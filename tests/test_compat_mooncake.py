@@ -749,6 +749,113 @@ def scenario_more(s: Any, module: Any) -> list[Any]:
     return answers
 
 
+def scenario_tensors(s: Any, module: Any) -> list[Any]:
+    """The pub, *_from, tensor-parallel *_from / *_into, whole-tensor *_with_parallelism and
+    multi-buffer forms; every answer (tensors as lists, so both systems' answers compare)."""
+
+    def listed(t: Any) -> Any:
+        return None if t is None else t.tolist()
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    _buf, ptr = buffer_of(b"", 4096)
+    _out, out_ptr = buffer_of(b"", 4096)
+    parts = [buffer_of(b"head-"), buffer_of(b"middle--"), buffer_of(b"tail")]
+    into = [buffer_of(b"", n) for n in (5, 8, 4)]
+    bufs = [(ptr, 4096), (out_ptr, 4096)] + [(a, len(b)) for b, a in parts + into]
+    registered = [s.register_buffer(a, n) for a, n in bufs]
+    answers: list[Any] = [registered, s.pub_tensor("pt", t + 1), listed(s.get_tensor("pt"))]
+    answers += [s.pub_tensor("pt", t), s.upsert_pub_tensor("pt", t), listed(s.get_tensor("pt"))]
+    answers += [
+        s.batch_pub_tensor(["bp0", "bp1"], [t, t + 1]),
+        [listed(x) for x in s.batch_get_tensor(["bp0", "bp1"])],
+        s.batch_upsert_pub_tensor(["bp0"], [t + 5]),
+        listed(s.get_tensor("bp0")),
+        s.pub_tensor_with_tp("ptp", t, module.ReplicateConfig(), tp_size=2, split_dim=1),
+        [listed(s.get_tensor_with_tp("ptp", tp_rank=r, tp_size=2)) for r in range(2)],
+        s.batch_pub_tensor_with_tp(["bptp"], [t], tp_size=3, split_dim=0),
+        listed(s.get_tensor_with_tp("bptp", tp_rank=2, tp_size=3)),
+    ]
+    n = s.get_size("pt")
+    answers += [listed(s.get_tensor_into("pt", ptr, 4096))]
+    answers += [
+        s.put_tensor_from("ptf", ptr, n),
+        s.batch_put_tensor_from(["bf0", "bf1"], [ptr, ptr], [n, n]),
+        [listed(x) for x in s.batch_get_tensor(["ptf", "bf0", "bf1"])],
+        s.upsert_tensor_from("bf0", ptr, n),
+        s.batch_upsert_tensor_from(["bf1", "bf2"], [ptr, ptr], [n, n]),
+        listed(s.get_tensor("bf2")),
+        s.put_tensor_with_tp_from("tpf", ptr, n, tp_size=2, split_dim=1),
+        [listed(s.get_tensor_with_tp("tpf", tp_rank=r, tp_size=2)) for r in range(2)],
+        s.batch_put_tensor_with_tp_from(["btpf"], [ptr], [n], tp_size=2, split_dim=0),
+        listed(s.get_tensor_with_tp_into("btpf", out_ptr, 4096, tp_rank=1, tp_size=2)),
+        [listed(x) for x in s.batch_get_tensor_with_tp_into(["tpf"], [out_ptr], [4096], 0, 2)],
+        s.put_tensor_with_parallelism("par", t),
+        listed(s.get_tensor_with_parallelism("par")),
+        s.put_tensor_with_parallelism("par", t + 1),
+        s.upsert_tensor_with_parallelism("par", t + 1),
+        listed(s.get_tensor("par")),
+        s.batch_put_tensor_with_parallelism(["pb0", "pb1"], [t, t + 1]),
+        s.batch_upsert_tensor_with_parallelism(["pb1"], [t + 2]),
+        [listed(x) for x in s.batch_get_tensor_with_parallelism(["pb0", "pb1", "nope"])],
+        s.put_tensor_with_parallelism_from("pf", ptr, n),
+        s.upsert_tensor_with_parallelism_from("pf", ptr, n),
+        s.batch_put_tensor_with_parallelism_from(["pf1"], [ptr], [n]),
+        s.batch_upsert_tensor_with_parallelism_from(["pf2"], [ptr], [n]),
+        listed(s.get_tensor_with_parallelism_into("pf2", out_ptr, 4096)),
+        [listed(x) for x in s.batch_get_tensor_with_parallelism_into(["pf1"], [out_ptr], [4096])],
+        s.batch_put_from_multi_buffers(["mb"], [[a for _, a in parts]], [[5, 8, 4]]),
+        s.get("mb"),
+        s.batch_put_from_multi_buffers(["mb"], [[a for _, a in parts]], [[5, 8, 4]]),
+        s.batch_get_into_multi_buffers(["mb"], [[a for _, a in into]], [[5, 8, 4]]),
+        b"".join(bytes(b) for b, _ in into),
+        s.batch_get_into_multi_buffers(["nope"], [[a for _, a in into]], [[5, 8, 4]])[0] < 0,
+        s.batch_put_from_multi_buffers(["mb2", "mb3"], [[parts[0][1]]], [[5]]),
+    ]
+    answers += [[s.unregister_buffer(a) for a, _ in bufs]]
+    return answers
+
+
+def test_tensor_and_multi_buffer_forms_round_trip(store: MooncakeDistributedStore) -> None:
+    """Beluga's own answers to scenario_tensors (the side-by-side test compares them with
+    Mooncake's where it is installed): what a user reads back is what was written."""
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    answers = scenario_tensors(store, compat)
+    assert answers[0] == [0] * 8 and answers[2] == (t + 1).tolist()
+    assert answers[-8] == [0] and answers[-7] == b"head-middle--tail"  # gathered, in order
+    assert answers[-5] == [17] and answers[-4] == b"head-middle--tail"  # and scattered back
+    assert answers[-3] is True and answers[-2] == [-600, -600]  # a miss; lists that differ
+    assert answers[-1] == [0] * 8
+
+
+def test_a_parallelism_request_is_refused_and_stores_nothing(
+    store: MooncakeDistributedStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = torch.ones(2, 2)
+    request = object()  # a TensorParallelism / ReadTarget / writer_partition stand-in
+    assert store.put_tensor_with_parallelism("p", t, parallelism=request) == -600
+    assert store.batch_put_tensor_with_parallelism(["p"], [t], writer_partitions=[request]) == [
+        -600
+    ]
+    assert store.is_exist("p") == 0
+    assert store.put_tensor("p", t) == 0
+    assert store.get_tensor_with_parallelism("p", target=request) is None
+    assert "parallelism requests are not supported" in caplog.text
+
+
+def test_multi_buffers_that_do_not_fit_the_value_are_refused(
+    store: MooncakeDistributedStore,
+) -> None:
+    parts = [buffer_of(b"abc"), buffer_of(b"defg")]
+    ptrs = [a for _, a in parts]
+    assert store.batch_put_from_multi_buffers(["m"], [ptrs], [[3, 4]]) == [0]
+    small, small_ptr = buffer_of(b"", 3)
+    assert store.batch_get_into_multi_buffers(["m"], [[small_ptr]], [[3]]) == [-600]
+    assert bytes(small) == b"\0\0\0"  # nothing written into a buffer the value does not fit
+    assert store.batch_put_from_multi_buffers(["m", "n"], [ptrs], [[3, 4]]) == [-600, -600]
+    assert store.batch_put_from_multi_buffers(["n"], [[ptrs[0], 0]], [[3, 4]]) == [-600]
+    assert store.is_exist("n") == 0
+
+
 def test_soft_pin_ttl_is_an_optional_uint64() -> None:
     from beluga.compat.mooncake import ReplicateConfig
 
@@ -828,7 +935,7 @@ def test_answers_match_mooncake_side_by_side(pool: Pool) -> None:
     except BackendUnavailableError as exc:
         pytest.skip(str(exc))
     s = connect(pool)
-    ours = scenario(s), scenario_more(s, compat)
+    ours = scenario(s), scenario_more(s, compat), scenario_tensors(s, compat)
     s.remove_all()
     s.close()
     with MooncakeBaseline(segment_size=64 << 20, local_buffer_size=16 << 20) as mc:
@@ -836,7 +943,12 @@ def test_answers_match_mooncake_side_by_side(pool: Pool) -> None:
         theirs = (
             scenario(mc.client._store),
             scenario_more(mc.client._store, sys.modules[type(mc.client._store).__module__]),
+            scenario_tensors(mc.client._store, sys.modules[type(mc.client._store).__module__]),
         )
     assert ours[0] == theirs[0]
     differing = [i for i, (a, b) in enumerate(zip(ours[1], theirs[1], strict=True)) if a != b]
     assert ours[1] == theirs[1], f"answers {differing} differ: {ours[1]} vs {theirs[1]}"
+    differing = [i for i, (a, b) in enumerate(zip(ours[2], theirs[2], strict=True)) if a != b]
+    assert ours[2] == theirs[2], f"tensor answers {differing} differ: " + "; ".join(
+        f"{i}: {ours[2][i]} vs {theirs[2][i]}" for i in differing
+    )

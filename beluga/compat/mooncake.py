@@ -60,9 +60,12 @@ before they load it, and ``mooncake.store`` is this module in that process.
 - ``get_batch([])`` is ``[]`` (Mooncake 0.3.13 returns ``[b""]``);
   ``put_from`` of 0 bytes is ``-600``, like ``put`` of an empty value.
 - Only the methods defined here exist: Mooncake's segment mounting, session
-  reads and writes, multi-buffer forms, ``*_with_parallelism`` forms, replica
-  descriptors and tasks, ``pub_tensor`` and safetensors helpers raise
-  ``AttributeError``.
+  reads and writes, the multi-buffer *range* forms, replica descriptors and
+  tasks, CUDA-tensor reads and safetensors helpers raise ``AttributeError``.
+- The ``*_with_parallelism`` forms store and read whole tensors; given a
+  ``TensorParallelism``, ``ReadTarget`` or ``writer_partition`` request they
+  log why and return ``-600`` (or None): the pool does not split tensors by
+  those requests yet (the ``*_with_tp`` forms split as Mooncake does).
 - ``batch_replica_clear`` honours Mooncake's lease only for puts and reads
   made through this handle (:data:`LEASE_TTL_MS`, or ``$BELUGA_MOONCAKE_LEASE_TTL_MS``
   where Mooncake's master would be given ``--default_kv_lease_ttl``); a key
@@ -145,9 +148,6 @@ DIFFERENCES: dict[str, str] = {
     "test_clear_specific_segment_replica": (
         "the pool holds one copy of a value, so clearing the replica on one named segment "
         "removes the value; Mooncake keeps the replicas on other segments"
-    ),
-    "test_dummy_client.py::TestDistributedObjectStoreSingleStore::test_tensor_operations": (
-        "pub_tensor and the other *pub_tensor* forms are not implemented yet"
     ),
 }
 
@@ -1043,6 +1043,162 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS
         return self.put_from(key, address, length)
 
+    def batch_put_tensor_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
+        """As :meth:`put_tensor_from` for many buffers; one code per key."""
+        return self._tensors_from(keys, buffer_ptrs, sizes, replace=False)
+
+    def upsert_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        """As :meth:`put_tensor_from`, replacing any value."""
+        return self._tensors_from([key], [buffer_ptr], [size], replace=True)[0]
+
+    def batch_upsert_tensor_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
+        """As :meth:`batch_put_tensor_from`, replacing existing values."""
+        return self._tensors_from(keys, buffer_ptrs, sizes, replace=True)
+
+    def _tensors_from(self, keys: object, ptrs: object, sizes: object, replace: bool) -> list[int]:
+        """Store tensors' stored forms from buffers; ``-600`` for a buffer that holds none."""
+        names = _check_list(keys, "keys")
+        addresses, lengths = _check_ranges(ptrs, sizes)
+        if not len(names) == len(addresses) == len(lengths):
+            return [INVALID_PARAMS] * len(names)
+        tensors = [self._tensor_at(a, n) for a, n in zip(addresses, lengths, strict=True)]
+        codes = self._put_tensors(
+            [k for k, t in zip(names, tensors, strict=True) if t is not None],
+            [t for t in tensors if t is not None],
+            replace,
+        )
+        done = iter(codes)
+        return [INVALID_PARAMS if t is None else next(done) for t in tensors]
+
+    @staticmethod
+    def _tensor_at(address: int, length: int) -> Any:
+        """The tensor whose stored form is at ``address`` (a copy), or None."""
+        return None if not address else _decode_tensor(bytes(_raw_view(address, length)))
+
+    # -- publishing: a put with a replica config, which names no placement here --
+
+    def pub_tensor(self, key: str, tensor: Any, config: Any = None) -> int:
+        """As :meth:`put_tensor`; ``config`` is checked as :meth:`put` checks it."""
+        return _config_code(config) or self.put_tensor(key, tensor)
+
+    def batch_pub_tensor(
+        self, keys: list[str], tensors_list: list[Any], config: Any = None
+    ) -> list[int]:
+        """As :meth:`batch_put_tensor`, with a replica config."""
+        code = _config_code(config)
+        return [code] * len(keys) if code else self.batch_put_tensor(keys, tensors_list)
+
+    def upsert_pub_tensor(self, key: str, tensor: Any, config: Any = None) -> int:
+        """As :meth:`upsert_tensor`, with a replica config."""
+        return _config_code(config) or self.upsert_tensor(key, tensor)
+
+    def batch_upsert_pub_tensor(
+        self, keys: list[str], tensors_list: list[Any], config: Any = None
+    ) -> list[int]:
+        """As :meth:`batch_upsert_tensor`, with a replica config."""
+        code = _config_code(config)
+        return [code] * len(keys) if code else self.batch_upsert_tensor(keys, tensors_list)
+
+    def pub_tensor_with_tp(
+        self,
+        key: str,
+        tensor: Any,
+        config: Any = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> int:
+        """As :meth:`put_tensor_with_tp`, with a replica config."""
+        return _config_code(config) or self.put_tensor_with_tp(
+            key, tensor, tp_rank, tp_size, split_dim
+        )
+
+    def batch_pub_tensor_with_tp(
+        self,
+        base_keys: list[str],
+        tensors_list: list[Any],
+        config: Any = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        """As :meth:`batch_put_tensor_with_tp`, with a replica config."""
+        code = _config_code(config)
+        if code:
+            return [code] * len(base_keys)
+        return self.batch_put_tensor_with_tp(base_keys, tensors_list, tp_rank, tp_size, split_dim)
+
+    # -- multi-buffer values: one value gathered from (scattered into) buffers --
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: Any = None,
+    ) -> list[int]:
+        """Store each key's value gathered from its buffers, in order; one code per key."""
+        names = _check_list(keys, "keys")
+        ranges = self._multi(names, all_buffer_ptrs, all_sizes)
+        if ranges is None or _config_code(config):
+            return [INVALID_PARAMS] * len(names)
+        values = [
+            None if r is None else b"".join(bytes(_raw_view(a, n)) for a, n in r) for r in ranges
+        ]
+        return self._put_many(names, _check_keys(names), values, replace=False)
+
+    def batch_get_into_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> list[int]:
+        """Scatter each key's value over its buffers, in order; bytes read or a code.
+
+        A value that does not fill the buffers exactly is ``-600`` (Mooncake
+        reads a value into buffers of its stored layout only).
+        """
+        names = _check_list(keys, "keys")
+        ranges = self._multi(names, all_buffer_ptrs, all_sizes)
+        if ranges is None:
+            return [INVALID_PARAMS] * len(names)
+        values = self._values(_check_keys(names))
+        codes = []
+        for value, r in zip(values, ranges, strict=True):
+            if value is None or r is None:
+                codes.append(OBJECT_NOT_FOUND if r is not None else INVALID_PARAMS)
+                continue
+            if len(value) != sum(n for _, n in r):
+                codes.append(INVALID_PARAMS)
+                continue
+            at = 0
+            for a, n in r:
+                _raw_view(a, n)[:] = value[at : at + n]
+                at += n
+            codes.append(len(value))
+        return codes
+
+    @staticmethod
+    def _multi(
+        names: list[Any], all_ptrs: object, all_sizes: object
+    ) -> list[list[tuple[int, int]] | None] | None:
+        """Each key's (address, size) buffers (None for a key with a null or unequal list);
+        None when the lists do not match the keys."""
+        ptrs, sizes = _check_list(all_ptrs, "all_buffer_ptrs"), _check_list(all_sizes, "all_sizes")
+        if not len(names) == len(ptrs) == len(sizes):
+            return None
+        out: list[list[tuple[int, int]] | None] = []
+        for p, n in zip(ptrs, sizes, strict=True):
+            addresses, lengths = _check_ranges(p, n)
+            ok = len(addresses) == len(lengths) and addresses and all(addresses)
+            out.append(list(zip(addresses, lengths, strict=True)) if ok else None)
+        return out
+
     # -- tensor parallelism: Mooncake's split, one key per rank -----------------
 
     @staticmethod
@@ -1121,6 +1277,212 @@ class MooncakeDistributedStore:
         """As :meth:`get_tensor_with_tp` for many base keys."""
         names = [self._tp_key(k, tp_rank, tp_size) for k in _check_list(base_keys, "base_keys")]
         return self.batch_get_tensor(names)
+
+    def put_tensor_with_tp_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> int:
+        """As :meth:`put_tensor_with_tp` of the tensor whose stored form is at ``buffer_ptr``."""
+        return self.batch_put_tensor_with_tp_from(
+            [key], [buffer_ptr], [size], tp_rank, tp_size, split_dim
+        )[0]
+
+    def batch_put_tensor_with_tp_from(
+        self,
+        base_keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
+        """As :meth:`put_tensor_with_tp_from` for many buffers; one code per base key."""
+        names = _check_list(base_keys, "base_keys")
+        addresses, lengths = _check_ranges(buffer_ptrs, sizes)
+        if not len(names) == len(addresses) == len(lengths):
+            return [INVALID_PARAMS] * len(names)
+        tensors = [self._tensor_at(a, n) for a, n in zip(addresses, lengths, strict=True)]
+        return self._put_tp(names, tensors, tp_size, split_dim, replace=False)
+
+    def get_tensor_with_tp_into(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> Any:
+        """Rank ``tp_rank``'s shard read into the buffer, as :meth:`get_tensor_into`."""
+        return self.get_tensor_into(self._tp_key(key, tp_rank, tp_size), buffer_ptr, size)
+
+    def batch_get_tensor_with_tp_into(
+        self,
+        base_keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> list[Any]:
+        """As :meth:`get_tensor_with_tp_into` for many base keys."""
+        names = [self._tp_key(k, tp_rank, tp_size) for k in _check_list(base_keys, "base_keys")]
+        return self.batch_get_tensor_into(names, buffer_ptrs, sizes)
+
+    # -- *_with_parallelism: the whole tensor; a parallelism request is refused --
+
+    @staticmethod
+    def _whole(form: str, *requests: object) -> bool:
+        """Whether no TensorParallelism / ReadTarget / writer_partition request was given
+        (logged when one was: the pool stores whole tensors only, so far)."""
+        if all(r is None for r in requests):
+            return True
+        log.error("%s: parallelism requests are not supported by the Beluga drop-in", form)
+        return False
+
+    def put_tensor_with_parallelism(
+        self,
+        key: str,
+        tensor: Any,
+        parallelism: object = None,
+        config: Any = None,
+        writer_partition: object = None,
+    ) -> int:
+        """As :meth:`pub_tensor` when no parallelism request is given; else ``-600``."""
+        if not self._whole("put_tensor_with_parallelism", parallelism, writer_partition):
+            return INVALID_PARAMS
+        return self.pub_tensor(key, tensor, config)
+
+    def upsert_tensor_with_parallelism(
+        self,
+        key: str,
+        tensor: Any,
+        parallelism: object = None,
+        config: Any = None,
+        writer_partition: object = None,
+    ) -> int:
+        """As :meth:`upsert_pub_tensor` when no parallelism request is given; else ``-600``."""
+        if not self._whole("upsert_tensor_with_parallelism", parallelism, writer_partition):
+            return INVALID_PARAMS
+        return self.upsert_pub_tensor(key, tensor, config)
+
+    def batch_put_tensor_with_parallelism(
+        self,
+        keys: list[str],
+        tensors_list: list[Any],
+        parallelisms: object = None,
+        config: Any = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
+        """As :meth:`batch_pub_tensor` when no parallelism requests are given; else ``-600``."""
+        if not self._whole("batch_put_tensor_with_parallelism", parallelisms, writer_partitions):
+            return [INVALID_PARAMS] * len(keys)
+        return self.batch_pub_tensor(keys, tensors_list, config)
+
+    def batch_upsert_tensor_with_parallelism(
+        self,
+        keys: list[str],
+        tensors_list: list[Any],
+        parallelisms: object = None,
+        config: Any = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
+        """As :meth:`batch_upsert_pub_tensor` when no parallelism requests are given."""
+        if not self._whole("batch_upsert_tensor_with_parallelism", parallelisms, writer_partitions):
+            return [INVALID_PARAMS] * len(keys)
+        return self.batch_upsert_pub_tensor(keys, tensors_list, config)
+
+    def put_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: object = None,
+        config: Any = None,
+        writer_partition: object = None,
+    ) -> int:
+        """As :meth:`put_tensor_from` when no parallelism request is given; else ``-600``."""
+        return self.batch_put_tensor_with_parallelism_from(
+            [key], [buffer_ptr], [size], None if parallelism is None else [parallelism], config,
+            None if writer_partition is None else [writer_partition],
+        )[0]  # fmt: skip
+
+    def batch_put_tensor_with_parallelism_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object = None,
+        config: Any = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
+        """As :meth:`batch_put_tensor_from` when no parallelism requests are given."""
+        form = "batch_put_tensor_with_parallelism_from"
+        if not self._whole(form, parallelisms, writer_partitions) or _config_code(config):
+            return [INVALID_PARAMS] * len(keys)
+        return self._tensors_from(keys, buffer_ptrs, sizes, replace=False)
+
+    def upsert_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: object = None,
+        config: Any = None,
+        writer_partition: object = None,
+    ) -> int:
+        """As :meth:`upsert_tensor_from` when no parallelism request is given; else ``-600``."""
+        return self.batch_upsert_tensor_with_parallelism_from(
+            [key], [buffer_ptr], [size], None if parallelism is None else [parallelism], config,
+            None if writer_partition is None else [writer_partition],
+        )[0]  # fmt: skip
+
+    def batch_upsert_tensor_with_parallelism_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object = None,
+        config: Any = None,
+        writer_partitions: object = None,
+    ) -> list[int]:
+        """As :meth:`batch_upsert_tensor_from` when no parallelism requests are given."""
+        form = "batch_upsert_tensor_with_parallelism_from"
+        if not self._whole(form, parallelisms, writer_partitions) or _config_code(config):
+            return [INVALID_PARAMS] * len(keys)
+        return self._tensors_from(keys, buffer_ptrs, sizes, replace=True)
+
+    def get_tensor_with_parallelism(self, key: str, target: object = None) -> Any:
+        """As :meth:`get_tensor` when no ReadTarget is given; else None."""
+        return self.get_tensor(key) if self._whole("get_tensor_with_parallelism", target) else None
+
+    def batch_get_tensor_with_parallelism(
+        self, keys: list[str], targets: object = None
+    ) -> list[Any]:
+        """As :meth:`batch_get_tensor` when no ReadTargets are given; else None each."""
+        if not self._whole("batch_get_tensor_with_parallelism", targets):
+            return [None] * len(keys)
+        return self.batch_get_tensor(keys)
+
+    def get_tensor_with_parallelism_into(
+        self, key: str, buffer_ptr: int, size: int, target: object = None
+    ) -> Any:
+        """As :meth:`get_tensor_into` when no ReadTarget is given; else None."""
+        if not self._whole("get_tensor_with_parallelism_into", target):
+            return None
+        return self.get_tensor_into(key, buffer_ptr, size)
+
+    def batch_get_tensor_with_parallelism_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], targets: object = None
+    ) -> list[Any]:
+        """As :meth:`batch_get_tensor_into` when no ReadTargets are given; else None each."""
+        if not self._whole("batch_get_tensor_with_parallelism_into", targets):
+            return [None] * len(keys)
+        return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
 
     # -- ranged reads ----------------------------------------------------------
 
