@@ -7,6 +7,10 @@ intervals, injects:
 
 ``kill_server``         SIGKILL the server, start a new one (it rebuilds its index from the pool)
 ``stop_server``         SIGSTOP the server, sometimes past the write lease, then SIGCONT
+``stall_server``        (with standbys) SIGSTOP the server 1-2 s past the standbys'
+                        ``--takeover-after``: a standby must fence it (SIGKILL, as on
+                        one kernel) before it takes the seat; SIGCONT after the hold
+                        reaches a server no standby fenced
 ``kill_writer``         SIGKILL a writer or in-place writer; a new process takes its slot over
 ``kill_reader``         SIGKILL a reader; a new one takes over
 ``stop_writer``         SIGSTOP a writer past its write lease, then SIGCONT
@@ -34,7 +38,9 @@ processes wait beside the server.  A killed server is then not restarted by
 the driver: a standby takes the seat, recovers and serves, and the driver
 starts a new standby to keep N waiting.  A stopped server (SIGSTOP) keeps its
 seat on one kernel (it is alive; beluga.kv.server says why that is the rule),
-so the standbys must wait it out, and the verifier catches any that does not.
+so the standbys must wait it out, and the verifier catches any that does not;
+a server stalled past ``takeover_after_s`` (``stall_server``) is fenced and
+replaced instead, and a stall no standby fenced counts in the report.
 For every server kill the report gives the write outage: from the kill to the
 first put tried after it that was acknowledged (p50, p99, max).
 
@@ -89,6 +95,7 @@ _CTX = mp.get_context("fork")
 KINDS = (
     "kill_server",
     "stop_server",
+    "stall_server",
     "kill_writer",
     "kill_reader",
     "stop_writer",
@@ -103,6 +110,7 @@ KINDS = (
 WEIGHTS = {
     "kill_server": 4,
     "stop_server": 5,
+    "stall_server": 3,  # only with standbys
     "kill_writer": 7,
     "kill_reader": 5,
     "stop_writer": 7,
@@ -154,6 +162,7 @@ class ChaosConfig:
     settle_s: float = 1.5
     max_inject_s: float = 1200.0  # stop injecting after this long, whatever the count
     standbys: int = 0  # `beluga serve --standby` processes waiting beside the server
+    takeover_after_s: float = 1.0  # the standbys' --takeover-after (the product default is 5)
     weights: dict[str, float] = field(default_factory=lambda: dict(WEIGHTS))
 
     def __post_init__(self) -> None:
@@ -168,6 +177,8 @@ class ChaosConfig:
             raise ValueError("faults, write_lease_s and hang_bound_s must be positive")
         if not 0 <= self.standbys <= 8:
             raise ValueError(f"standbys must be 0..8, not {self.standbys}")
+        if self.takeover_after_s <= 0:
+            raise ValueError(f"takeover_after_s must be above 0, not {self.takeover_after_s}")
 
 
 @dataclass
@@ -217,6 +228,7 @@ class _Server:
     pid: int = 0  # kept: the process object is closed once reaped
     standby: bool = False  # waiting for the seat (not serving yet)
     seat_beat: int | None = None  # the seat's heartbeat when this standby took it
+    stalled: bool = False  # stopped past the standbys' takeover_after (stall_server)
 
     def __post_init__(self) -> None:
         assert self.proc.pid is not None
@@ -555,11 +567,13 @@ class ChaosDriver:
 
     def _spawn_server(self, standby: bool) -> _Server:
         cfg = self.cfg
-        options = {
+        options: dict[str, Any] = {
             "write_lease_s": cfg.write_lease_s,
             "read_lease_s": cfg.read_lease_s,
             "refresh_s": 0.05,
         }
+        if standby:
+            options["takeover_after"] = cfg.takeover_after_s
         mode = "model" if cfg.coherence == "model" else "native"
         ready_r, ready_w = _CTX.Pipe(duplex=False)
         proc = _CTX.Process(
@@ -594,6 +608,9 @@ class ChaosDriver:
             return
         for sb in self.standbys:
             if seat.identity.pid == sb.pid:
+                s = self.server
+                if s is not None and not s.gone and not s.proc.is_alive():
+                    self._server_died(s)  # fenced (or dead) a moment ago: not seen yet
                 if self.server is not None and not self.server.gone:
                     self._error(
                         "StandbyTookALiveSeat",
@@ -629,10 +646,22 @@ class ChaosDriver:
             if s.ready:
                 s.beat_seen = time.monotonic()
         if s.proc.sentinel in ready:
-            s.proc.join(5)
-            self._server_gone(s)
-            self._error("ServerExited", f"the server exited with code {s.proc.exitcode}")
-            self._start_server()
+            self._server_died(s)
+
+    def _server_died(self, s: _Server) -> None:
+        """The serving server's process ended without the driver ending it: a standby's fence
+        of a stalled server (SIGKILL), or else an error."""
+        s.proc.join(5)
+        code = s.proc.exitcode
+        fenced = s.stalled and code == -signal.SIGKILL
+        self._server_gone(s)
+        if fenced:
+            self.history.server_killed(time.monotonic())
+            stall = next(k for k in reversed(self.takeovers) if k.get("stalled") == s.pid)
+            stall["fenced_s"] = round(time.monotonic() - stall["t"], 4)
+        else:
+            self._error("ServerExited", f"the server exited with code {code}")
+        self._start_server()
 
     def _kill_server(self) -> None:
         s = self.server
@@ -643,7 +672,12 @@ class ChaosDriver:
         self._server_gone(s)
         self.history.server_killed(time.monotonic())
         self.takeovers.append(
-            {"t": t, "killed": s.pid, "during": "run" if self.injecting else "audit"}
+            {
+                "t": t,
+                "kind": "kill",
+                "killed": s.pid,
+                "during": "run" if self.injecting else "audit",
+            }
         )
 
     def _stop_server(self) -> None:
@@ -715,7 +749,12 @@ class ChaosDriver:
 
     def _inject_all(self) -> None:
         cfg = self.cfg
-        kinds = [k for k in KINDS if cfg.weights.get(k, 0) > 0]
+        kinds = [
+            k for k in KINDS
+            if cfg.weights.get(k, 0) > 0 and (k != "stall_server" or cfg.standbys)
+        ]  # fmt: skip
+        if not kinds:
+            raise ChaosError("no fault kind to inject: stall_server needs --standby N")
         weights = [cfg.weights[k] for k in kinds]
         last_log = time.monotonic()
         while sum(self.faults.values()) < cfg.faults:
@@ -750,7 +789,7 @@ class ChaosDriver:
 
     def _fault_kill_server(self) -> bool:
         s = self._server_up()
-        if s is None:
+        if s is None or s.stalled:  # a stalled server is left to the standbys' fence
             return False
         self._kill_server()
         self._record("kill_server", f"server pid {s.pid}", held=s.held)
@@ -770,6 +809,26 @@ class ChaosDriver:
             if not s.gone:
                 _signal(s.pid, signal.SIGCONT)
                 s.held, s.beat_seen = False, time.monotonic()
+
+        self._after(hold, resume)
+        return True
+
+    def _fault_stall_server(self) -> bool:
+        """Stop the server past the standbys' takeover_after: one must fence it and serve."""
+        s = self._server_up()
+        if s is None or s.held or not self.standbys:
+            return False
+        hold = self.cfg.takeover_after_s + self.rng.uniform(1.0, 2.0)
+        _signal(s.pid, signal.SIGSTOP)
+        s.held = s.stalled = True
+        self._record("stall_server", f"server pid {s.pid}", hold_s=round(hold, 3))
+        self.takeovers.append({"t": time.monotonic(), "kind": "stall", "stalled": s.pid,
+                               "during": "run"})  # fmt: skip
+
+        def resume() -> None:
+            if not s.gone:  # no standby fenced it in time: it serves on
+                _signal(s.pid, signal.SIGCONT)
+                s.held, s.stalled, s.beat_seen = False, False, time.monotonic()
 
         self._after(hold, resume)
         return True

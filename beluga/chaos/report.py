@@ -32,7 +32,8 @@ class ChaosReport:
     evictions_seen: int
     server_peaks: dict[str, int]
     server_restarts: int
-    #: per server kill: pid killed, standby that took the seat (by, seat_s), outage_s
+    #: per server kill or stall (``kind``): pid killed or stalled, the standby that took the
+    #: seat (by, seat_s), fenced_s (a stall's fence), outage_s
     takeovers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
@@ -57,14 +58,25 @@ class ChaosReport:
         return self.findings.values_verified + self.findings.misses
 
     @property
+    def stalls_fenced(self) -> dict[str, int]:
+        """Stalls past takeover_after (``stall_server``): how many, and how many a standby
+        fenced (killed) before it took the seat; the rest the server outlived."""
+        stalls = [t for t in self.takeovers if t.get("kind") == "stall"]
+        return {"stalls": len(stalls), "fenced": sum("fenced_s" in t for t in stalls)}
+
+    @property
     def seat_violations(self) -> int:
         """Standbys seen in the seat of a server that was not gone (never allowed)."""
         return self.errors.get("StandbyTookALiveSeat", 0)
 
-    def outage(self) -> dict[str, Any]:
-        """The write outage per server kill while writers run: kill to the first put tried
-        after it and acknowledged (p50, p99, max in s; ``unmeasured``: kills no put followed)."""
-        run = [t for t in self.takeovers if t.get("during") != "audit"]  # writers stopped then
+    def outage(self, kind: str = "kill") -> dict[str, Any]:
+        """The write outage per server kill (``kind`` "stall": per stall past the standbys'
+        takeover_after) while writers run: the fault to the first put tried after it and
+        acknowledged (p50, p99, max in s; ``unmeasured``: faults no put followed)."""
+        run = [
+            t for t in self.takeovers
+            if t.get("during") != "audit" and t.get("kind", "kill") == kind
+        ]  # fmt: skip
         xs = sorted(t["outage_s"] for t in run if t["outage_s"] is not None)
         unmeasured = len(run) - len(xs)
         if not xs:
@@ -96,6 +108,7 @@ class ChaosReport:
         c = self.config
         extra = "" if c.coherence == "native" else f" --coherence {c.coherence}"
         extra += f" --standby {c.standbys}" if c.standbys else ""
+        extra += f" --takeover-after {c.takeover_after_s:g}" if c.takeover_after_s != 1.0 else ""
         return f"beluga chaos --seed {self.seed} --faults {c.faults}{extra}"
 
     def to_json(self) -> dict[str, Any]:
@@ -113,6 +126,8 @@ class ChaosReport:
             "server_restarts": self.server_restarts,
             "standbys": self.config.standbys,
             "write_outage_s": self.outage(),
+            "stall_outage_s": self.outage("stall"),
+            "stalls_fenced": self.stalls_fenced,
             "seat_violations": self.seat_violations,
             "reads_verified": self.reads_verified,
             "values_verified": f.values_verified,
@@ -168,11 +183,12 @@ class ChaosReport:
             f"wrong bytes by path/reason/key: {causes}",
             f"errors by type: {errors}",
         ]
-        if self.takeovers:
+        kills = [t for t in self.takeovers if t.get("kind", "kill") == "kill"]
+        if kills:
             o = self.outage()
             who = "standby takeovers" if self.config.standbys else "server restarts"
             lines.append(
-                f"write outage per server kill ({who}, {len(self.takeovers)} kills): "
+                f"write outage per server kill ({who}, {len(kills)} kills): "
                 + (
                     f"p50 {o['p50']:.3f} s, p99 {o['p99']:.3f} s, max {o['max']:.3f} s"
                     if o["n"]
@@ -180,6 +196,19 @@ class ChaosReport:
                 )
                 + (f"; {o['unmeasured']} kills with no put after them" if o["unmeasured"] else "")
                 + f"; standbys in a live server's seat: {self.seat_violations}"
+            )
+        fenced = self.stalls_fenced
+        if fenced["stalls"]:
+            o = self.outage("stall")
+            lines.append(
+                f"servers stalled past takeover_after ({self.config.takeover_after_s:g} s): "
+                f"{fenced['stalls']}, fenced by a standby {fenced['fenced']}; write outage per "
+                "stall: "
+                + (
+                    f"p50 {o['p50']:.3f} s, p99 {o['p99']:.3f} s, max {o['max']:.3f} s"
+                    if o["n"]
+                    else "no put followed a stall"
+                )
             )
         for kind, items in (
             ("wrong bytes", f.wrong),

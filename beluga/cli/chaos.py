@@ -98,6 +98,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run N 'beluga serve --standby' processes beside the server: a killed server "
         "is replaced by a standby's takeover, not a restart (default 0)",
     )
+    c.add_argument(
+        "--takeover-after",
+        type=float,
+        default=_DEFAULT.takeover_after_s,
+        metavar="S",
+        help="the standbys' --takeover-after: a server stalled this long is fenced and "
+        f"replaced (stall_server faults; default {_DEFAULT.takeover_after_s:g})",
+    )
     c.add_argument("--json", metavar="FILE", help="write the full report (JSON) to FILE")
     c.set_defaults(handler=run_chaos_command)
 
@@ -127,6 +135,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         pool_path=args.pool,
         weights=weights,
         standbys=args.standby,
+        takeover_after_s=args.takeover_after,
     )
     report = run_chaos(config)
     print(report.summary())

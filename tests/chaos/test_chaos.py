@@ -35,7 +35,8 @@ REPLAY = f"BELUGA_CHAOS_SEED={SEED} python -m pytest tests/chaos/test_chaos.py"
 def _check(report: ChaosReport) -> None:
     why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
     assert report.faults_total >= FAULTS, f"too few faults injected{why}"
-    missing = [k for k in KINDS if not report.faults.get(k)]
+    kinds = [k for k in KINDS if k != "stall_server" or report.config.standbys]
+    missing = [k for k in kinds if not report.faults.get(k)]
     assert not missing, f"fault kinds never injected: {missing}{why}"
     paths = report.findings.reads_by_path
     assert all(paths[p] >= 100 for p in READ_PATHS), f"a read path was barely exercised{why}"
@@ -76,6 +77,38 @@ def test_a_chaos_round_breaks_no_promise(
     if standbys:
         why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
         assert report.seat_violations == 0, f"a standby took a live server's seat{why}"
-        kills = report.takeovers
+        kills = [k for k in report.takeovers if k["kind"] == "kill"]
         assert kills and all("by" in k for k in kills), f"a kill was not taken over{why}"
         assert report.outage()["n"] >= 1, f"no write followed a takeover{why}"
+        fenced = [k for k in report.takeovers if "fenced_s" in k]
+        assert all("by" in k for k in fenced), f"a fenced server's seat was not taken{why}"
+
+
+@pytest.mark.leaves("keys", "writes")
+def test_a_server_stalled_past_takeover_after_is_fenced_and_replaced(
+    shm_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGSTOP the serving server for 1-2 s past the standbys' takeover_after: a standby
+    SIGKILLs it, takes the seat and serves, with every read and acknowledged write checked;
+    the driver's SIGCONT then reaches no one.  A stall the server outlived (a standby slower
+    than the hold) is counted, and the round must still fence most of them."""
+    with capsys.disabled():
+        print(f"\nchaos stall round: seed {SEED}; replay: {REPLAY}", flush=True)
+    weights = {"stall_server": 6, "corrupt_payload": 2, "kill_writer": 1, "stop_reader": 1}
+    config = ChaosConfig(
+        faults=16, seed=SEED, pool_path=shm_path, standbys=1, takeover_after_s=0.5,
+        weights=weights,
+    )  # fmt: skip
+    try:
+        report = run_chaos(config, log=print)
+    except ChaosError as e:
+        pytest.fail(f"{e}\nreplay: {REPLAY}")
+    print(report.summary())
+    why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
+    assert report.ok, f"a promise was broken{why}"
+    stalls = report.stalls_fenced
+    assert stalls["stalls"] >= 3, f"too few stalls injected{why}"
+    assert stalls["fenced"] * 2 > stalls["stalls"], f"stalled servers were not fenced{why}"
+    fenced = [k for k in report.takeovers if "fenced_s" in k]
+    assert all("by" in k for k in fenced) and report.seat_violations == 0, why
+    assert report.outage("stall")["n"] >= 1, f"no write followed a fenced stall{why}"
