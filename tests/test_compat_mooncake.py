@@ -856,6 +856,20 @@ def test_multi_buffers_that_do_not_fit_the_value_are_refused(
     assert store.is_exist("n") == 0
 
 
+def test_mooncakes_enums_and_request_classes_have_its_names_and_values() -> None:
+    """Code that imports Mooncake's enums and builds parallelism requests runs unchanged;
+    the values are Mooncake 0.3.13's (the side-by-side test checks them against it)."""
+    assert int(compat.KVCACHE) == 1 and int(compat.GENERAL) == 9
+    assert compat.ReplicaStatus.COMPLETE == compat.COMPLETE == 3
+    assert compat.FAILED is compat.TaskStatus.FAILED and compat.ReplicaStatus.FAILED == 5
+    assert compat.REPLICA_MOVE == compat.TaskType.REPLICA_MOVE == 1
+    axis = compat.ParallelAxis()
+    assert (axis.kind, axis.rank, axis.size, axis.split_dim) == ("", 0, 1, None)
+    target = compat.ReadTarget()
+    assert target.mode == "as_stored" and target.parallelism is None
+    assert compat.TensorParallelism().axes == []
+
+
 def test_soft_pin_ttl_is_an_optional_uint64() -> None:
     from beluga.compat.mooncake import ReplicateConfig
 
@@ -945,6 +959,10 @@ def test_answers_match_mooncake_side_by_side(pool: Pool) -> None:
             scenario_more(mc.client._store, sys.modules[type(mc.client._store).__module__]),
             scenario_tensors(mc.client._store, sys.modules[type(mc.client._store).__module__]),
         )
+        module = sys.modules[type(mc.client._store).__module__]
+    assert module is not compat
+    exported = [n for n in dir(module) if n.isupper() and hasattr(getattr(module, n), "__int__")]
+    assert exported and all(int(getattr(compat, n)) == int(getattr(module, n)) for n in exported)
     assert ours[0] == theirs[0]
     differing = [i for i, (a, b) in enumerate(zip(ours[1], theirs[1], strict=True)) if a != b]
     assert ours[1] == theirs[1], f"answers {differing} differ: {ours[1]} vs {theirs[1]}"

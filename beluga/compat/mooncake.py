@@ -59,9 +59,19 @@ before they load it, and ``mooncake.store`` is this module in that process.
   closes, when that client contributed the segment).
 - ``get_batch([])`` is ``[]`` (Mooncake 0.3.13 returns ``[b""]``);
   ``put_from`` of 0 bytes is ``-600``, like ``put`` of an empty value.
-- Only the methods defined here exist: Mooncake's segment mounting, session
-  reads and writes, the multi-buffer *range* forms, replica descriptors and
-  tasks, CUDA-tensor reads and safetensors helpers raise ``AttributeError``.
+- Only the names defined here exist.  Absent so far, each an
+  ``AttributeError`` (or ``ImportError``): segment mounting
+  (``mount_segment`` ...), put and get sessions with their multi-buffer
+  *range* forms (``batch_put_session_start`` ...; they map onto the pool's
+  reserve and seal, not built yet), replica descriptors and copy/move tasks,
+  ``put_from_with_metadata``, CUDA-tensor reads, the safetensors helpers,
+  ``init_all`` and ``get_offload_rpc_read_count``; and the module's buffer
+  pools and leases, ``EngramStore``, ``MooncakeHostMemAllocator``,
+  ``MooncakeDistributedNoFRegister``, the descriptor classes,
+  ``bind_to_numa_node`` and the allocator addresses.  Mooncake's enums
+  (``ObjectDataType``, ``ReplicaStatus``, ``TaskStatus``, ``TaskType`` and
+  their module-level values) and request classes (``TensorParallelism``,
+  ``ParallelAxis``, ``ReadTarget``) exist with Mooncake's values.
 - The ``*_with_parallelism`` forms store and read whole tensors; given a
   ``TensorParallelism``, ``ReadTarget`` or ``writer_partition`` request they
   log why and return ``-600`` (or None): the pool does not split tensors by
@@ -122,8 +132,15 @@ __all__ = [
     "BufferHandle",
     "ErrorCode",
     "MooncakeDistributedStore",
+    "ObjectDataType",
+    "ParallelAxis",
+    "ReadTarget",
+    "ReplicaStatus",
     "ReplicateConfig",
     "SoftPinAction",
+    "TaskStatus",
+    "TaskType",
+    "TensorParallelism",
     "beluga_key",
     "install",
     "parse_size",
@@ -192,6 +209,88 @@ class SoftPinAction(enum.IntEnum):
     PRESERVE = 0
     ENABLE = 1
     DISABLE = 2
+
+
+class ObjectDataType(enum.IntEnum):
+    """Mooncake's label of what a value holds (accepted; the pool does not act on it)."""
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
+class ReplicaStatus(enum.IntEnum):
+    """Mooncake's replica states (a pool value has one copy: COMPLETE once committed)."""
+
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+class TaskStatus(enum.IntEnum):
+    """Mooncake's replica-task states (named so that code importing them runs)."""
+
+    PENDING = 0
+    PROCESSING = 1
+    FAILED = 2
+    SUCCESS = 3
+
+
+class TaskType(enum.IntEnum):
+    """Mooncake's replica-task kinds (named so that code importing them runs)."""
+
+    REPLICA_COPY = 0
+    REPLICA_MOVE = 1
+
+
+# Mooncake exports the enums' values at module level too; where two enums share a name
+# (FAILED, PROCESSING) the module's is TaskStatus's, as in Mooncake.
+UNKNOWN, KVCACHE, TENSOR, WEIGHT, SAMPLE = list(ObjectDataType)[:5]
+ACTIVATION, GRADIENT, OPTIMIZER_STATE, METADATA, GENERAL = list(ObjectDataType)[5:]
+UNDEFINED, INITIALIZED, COMPLETE, REMOVED = (
+    ReplicaStatus.UNDEFINED, ReplicaStatus.INITIALIZED, ReplicaStatus.COMPLETE,
+    ReplicaStatus.REMOVED,
+)  # fmt: skip
+PENDING, PROCESSING, FAILED, SUCCESS = list(TaskStatus)
+REPLICA_COPY, REPLICA_MOVE = list(TaskType)
+
+
+@dataclass
+class ParallelAxis:
+    """One axis of a Mooncake tensor-parallelism request (its fields and defaults)."""
+
+    kind: str = ""
+    rank: int = 0
+    size: int = 1
+    split_dim: int | None = None
+    expert_id: int | None = None
+    stage_id: int | None = None
+
+
+@dataclass
+class TensorParallelism:
+    """Mooncake's tensor-parallelism request: its axes.  The ``*_with_parallelism`` forms
+    refuse one (``-600``): the pool stores whole tensors, or ``*_with_tp`` shards."""
+
+    axes: list[ParallelAxis] = field(default_factory=list)
+
+
+@dataclass
+class ReadTarget:
+    """Mooncake's read request of the ``*_with_parallelism`` reads (refused when given)."""
+
+    mode: str = "as_stored"
+    parallelism: TensorParallelism | None = None
 
 
 _U64 = 1 << 64
