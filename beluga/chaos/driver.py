@@ -36,11 +36,14 @@ must read as a miss).
 With ``standbys=N`` (``beluga chaos --standby N``) N ``beluga serve --standby``
 processes wait beside the server.  A killed server is then not restarted by
 the driver: a standby takes the seat, recovers and serves, and the driver
-starts a new standby to keep N waiting.  A stopped server (SIGSTOP) keeps its
-seat on one kernel (it is alive; beluga.kv.server says why that is the rule),
-so the standbys must wait it out, and the verifier catches any that does not;
-a server stalled past ``takeover_after_s`` (``stall_server``) is fenced and
-replaced instead, and a stall no standby fenced counts in the report.
+starts a new standby to keep N waiting.  A server stopped (SIGSTOP) for less
+than the standbys' ``takeover_after_s`` keeps its seat (its heartbeat has not
+stood still long enough; beluga.kv.server says why that is the rule), and the
+verifier catches a standby that takes it.  A server stopped for longer
+(``stall_server``, or a ``stop_server`` hold past it; with ``emulated_hosts``,
+where a standby cannot see a process, any stop) is a stall: a standby fences
+it (SIGKILL, or its ``--fence`` command across hosts) and takes the seat, and
+a stall no standby fenced counts in the report.
 For every server kill the report gives the write outage: from the kill to the
 first put tried after it that was acknowledged (p50, p99, max).
 
@@ -88,7 +91,7 @@ from beluga.chaos.verifier import History
 from beluga.coherence import BlockState, digest, parse_header, read_line
 from beluga.errors import BelugaError
 from beluga.kv.server import serve
-from beluga.pool import Geometry, Pool
+from beluga.pool import Geometry, Pool, hosts
 
 _CTX = mp.get_context("fork")
 
@@ -163,6 +166,9 @@ class ChaosConfig:
     max_inject_s: float = 1200.0  # stop injecting after this long, whatever the count
     standbys: int = 0  # `beluga serve --standby` processes waiting beside the server
     takeover_after_s: float = 1.0  # the standbys' --takeover-after (the product default is 5)
+    #: each server and standby a host of its own (BELUGA_EMULATED_HOST): a standby then sees
+    #: a server only by its heartbeat and fences it with a --fence command, as across machines
+    emulated_hosts: bool = False
     weights: dict[str, float] = field(default_factory=lambda: dict(WEIGHTS))
 
     def __post_init__(self) -> None:
@@ -177,6 +183,8 @@ class ChaosConfig:
             raise ValueError("faults, write_lease_s and hang_bound_s must be positive")
         if not 0 <= self.standbys <= 8:
             raise ValueError(f"standbys must be 0..8, not {self.standbys}")
+        if self.emulated_hosts and not self.standbys:
+            raise ValueError("emulated_hosts is for standbys: give standbys >= 1")
         if self.takeover_after_s <= 0:
             raise ValueError(f"takeover_after_s must be above 0, not {self.takeover_after_s}")
 
@@ -245,11 +253,26 @@ class _Ready:
         self.conn.send_bytes(b"ready")
 
 
+#: the standbys' --fence with emulated hosts: every "host" is this kernel, so SIGKILL the
+#: server and wait until its pid names no process (the driver reaps it within a pump)
+CHAOS_FENCE = (
+    'kill -KILL "$BELUGA_FENCE_PID" 2>/dev/null; for _ in $(seq 1000); do '
+    'kill -0 "$BELUGA_FENCE_PID" 2>/dev/null || exit 0; sleep 0.01; done; exit 1'
+)
+
+
 def _server_main(
-    spec: str, coherence: str, options: dict[str, Any], conn: Connection, standby: bool
+    spec: str,
+    coherence: str,
+    options: dict[str, Any],
+    conn: Connection,
+    standby: bool,
+    host: str | None = None,
 ) -> None:
     with open(os.devnull, "w") as quiet:  # one "beluga serve" line per restart is noise here
         os.dup2(quiet.fileno(), 1)
+    if host is not None:
+        hosts.emulate_host(host)
     if coherence == "model":
         os.environ["BELUGA_MODEL_SEED"] = str(os.getpid())
     serve(spec, coherence=coherence, ready=_Ready(conn), standby=standby, **options)
@@ -309,6 +332,7 @@ class ChaosDriver:
         self.server: _Server | None = None
         self.standbys: list[_Server] = []  # waiting for the seat
         self.takeovers: list[dict[str, Any]] = []  # per server kill: who took over, when
+        self.hosts_made = 0  # emulated hosts named so far (one per server process)
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self.timer_seq = 0
         self.faults: Counter[str] = Counter()
@@ -574,11 +598,17 @@ class ChaosDriver:
         }
         if standby:
             options["takeover_after"] = cfg.takeover_after_s
+        host = None
+        if cfg.emulated_hosts:
+            self.hosts_made += 1
+            host = f"chaos-host-{self.hosts_made}"
+            if standby:
+                options["fence_command"] = CHAOS_FENCE
         mode = "model" if cfg.coherence == "model" else "native"
         ready_r, ready_w = _CTX.Pipe(duplex=False)
         proc = _CTX.Process(
             target=_server_main,
-            args=(self.path, mode, options, ready_w, standby),
+            args=(self.path, mode, options, ready_w, standby, host),
             name="standby" if standby else "server",
             daemon=True,
         )
@@ -804,11 +834,18 @@ class ChaosDriver:
         _signal(s.pid, signal.SIGSTOP)
         s.held = True
         self._record("stop_server", f"server pid {s.pid}", hold_s=round(hold, 3))
+        # past the standbys' takeover_after a stop is a stall (across hosts any stop is: the
+        # standby cannot see the process): a standby fences it and takes the seat
+        if self.standbys and (self.cfg.emulated_hosts or hold > self.cfg.takeover_after_s):
+            s.stalled = True
+            self.takeovers.append(
+                {"t": time.monotonic(), "kind": "stall", "stalled": s.pid, "during": "run"}
+            )
 
         def resume() -> None:
             if not s.gone:
                 _signal(s.pid, signal.SIGCONT)
-                s.held, s.beat_seen = False, time.monotonic()
+                s.held, s.stalled, s.beat_seen = False, False, time.monotonic()
 
         self._after(hold, resume)
         return True

@@ -109,6 +109,7 @@ class ChaosReport:
         extra = "" if c.coherence == "native" else f" --coherence {c.coherence}"
         extra += f" --standby {c.standbys}" if c.standbys else ""
         extra += f" --takeover-after {c.takeover_after_s:g}" if c.takeover_after_s != 1.0 else ""
+        extra += " --emulated-hosts" if c.emulated_hosts else ""
         return f"beluga chaos --seed {self.seed} --faults {c.faults}{extra}"
 
     def to_json(self) -> dict[str, Any]:

@@ -106,6 +106,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the standbys' --takeover-after: a server stalled this long is fenced and "
         f"replaced (stall_server faults; default {_DEFAULT.takeover_after_s:g})",
     )
+    c.add_argument(
+        "--emulated-hosts",
+        action="store_true",
+        help="with --standby: run each server and standby as a host of its own, so a "
+        "standby sees a server only by its heartbeat and fences it with a --fence command, "
+        "as across machines",
+    )
     c.add_argument("--json", metavar="FILE", help="write the full report (JSON) to FILE")
     c.set_defaults(handler=run_chaos_command)
 
@@ -136,6 +143,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         weights=weights,
         standbys=args.standby,
         takeover_after_s=args.takeover_after,
+        emulated_hosts=args.emulated_hosts,
     )
     report = run_chaos(config)
     print(report.summary())

@@ -130,6 +130,19 @@ def _boot_id() -> bytes:
 BOOT_ID = _boot_id()
 
 
+def boot_id() -> bytes:
+    """This process's host's boot id (:data:`BOOT_ID`, read here so :func:`emulate_host` holds)."""
+    return BOOT_ID
+
+
+def emulate_host(name: str) -> None:
+    """Make this process a host of its own named ``name`` from now on (``$BELUGA_EMULATED_HOST``
+    for processes forked after the boot id was read: the chaos tier's servers).  Tests only."""
+    global BOOT_ID
+    os.environ[EMULATED_HOST_ENV] = name
+    BOOT_ID = _boot_id()
+
+
 def process_start_ms(pid: int) -> int | None:
     """Start time of a live process in ms since the epoch, or None if it is gone.
 
@@ -165,10 +178,10 @@ class Identity:
     @classmethod
     def mine(cls) -> Identity:
         pid = os.getpid()
-        return cls(pid, process_start_ms(pid) or 0, BOOT_ID)
+        return cls(pid, process_start_ms(pid) or 0, boot_id())
 
     def same_kernel(self) -> bool:
-        return self.boot_id == BOOT_ID
+        return self.boot_id == boot_id()
 
     def running(self) -> bool:
         """On this kernel: whether this exact process still runs (exact, no timing)."""

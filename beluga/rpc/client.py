@@ -20,7 +20,7 @@ from beluga._native import _core
 from beluga.coherence import LINE, read_line, write_line
 from beluga.errors import RpcError
 from beluga.pool import Pool
-from beluga.pool.hosts import BOOT_ID, DEFAULT_STALE_S, Staleness, process_start_ms
+from beluga.pool.hosts import DEFAULT_STALE_S, Staleness, boot_id, process_start_ms
 from beluga.rpc.protocol import (
     MAX_DEPTH,
     STATUS_LINE,
@@ -122,7 +122,7 @@ class RpcClient:
         self.ring.wake = wake_ups(st.boot_id)
 
     def _alive(self, st: ServerStatus) -> bool:
-        if st.boot_id == BOOT_ID:
+        if st.boot_id == boot_id():
             return process_start_ms(st.pid) == st.start_ms
         return self._server_beat.fresh(st.epoch, st.heartbeat_ns)  # by our clock, not its
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from beluga._native import _core
 from beluga.coherence import seal_record, unseal_record
 from beluga.errors import BelugaError, CapacityError, RpcError
-from beluga.pool.hosts import BOOT_ID
+from beluga.pool.hosts import boot_id
 from beluga.pool.layout import Superblock
 
 RING_MAGIC = 0x474E4952  # "RING"
@@ -195,7 +195,7 @@ def response_buffer(sb: Superblock, depth: int, slot: int) -> int:
 
 def wake_ups(peer_boot_id: bytes) -> bool:
     """Whether to use the wake lines with a peer: same kernel, and not turned off."""
-    return peer_boot_id == BOOT_ID and os.environ.get("BELUGA_RPC_WAKE", "1") != "0"
+    return peer_boot_id == boot_id() and os.environ.get("BELUGA_RPC_WAKE", "1") != "0"
 
 
 _ERRORS: dict[int, type[BelugaError]] = {Status.CAPACITY: CapacityError}

@@ -52,11 +52,11 @@ from beluga.coherence import read_line, write_line
 from beluga.errors import BelugaError, CapacityError, RpcError
 from beluga.pool import Pool
 from beluga.pool.hosts import (
-    BOOT_ID,
     DEFAULT_STALE_S,
     Grant,
     HostRegistry,
     Seat,
+    boot_id,
     process_start_ms,
 )
 from beluga.rpc.protocol import (
@@ -196,7 +196,7 @@ class RpcServer:
             NO_HOST,
             os.getpid(),
             self.start_ms,
-            BOOT_ID,
+            boot_id(),
             time.time_ns(),
         )
         write_line(self.mem, ring_offset(self.sb, host_id) + STATUS_LINE, status.pack())

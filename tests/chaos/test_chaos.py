@@ -112,3 +112,29 @@ def test_a_server_stalled_past_takeover_after_is_fenced_and_replaced(
     fenced = [k for k in report.takeovers if "fenced_s" in k]
     assert all("by" in k for k in fenced) and report.seat_violations == 0, why
     assert report.outage("stall")["n"] >= 1, f"no write followed a fenced stall{why}"
+
+
+@pytest.mark.leaves("keys", "writes")
+def test_across_emulated_hosts_a_standby_fences_by_command_and_takes_over(
+    shm_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every server and standby a host of its own: a standby cannot see a killed or stopped
+    server's process, only its heartbeat, so it waits takeover_after, runs its --fence
+    command and takes the seat with the line it saw (HostRegistry.take_seat(fenced=...))."""
+    with capsys.disabled():
+        print(f"\nchaos emulated-hosts round: seed {SEED}; replay: {REPLAY}", flush=True)
+    weights = {"kill_server": 3, "stall_server": 2, "corrupt_payload": 2, "kill_writer": 1}
+    config = ChaosConfig(
+        faults=24, seed=SEED, pool_path=shm_path, standbys=1, takeover_after_s=0.5,
+        emulated_hosts=True, weights=weights,
+    )  # fmt: skip
+    try:
+        report = run_chaos(config, log=print)
+    except ChaosError as e:
+        pytest.fail(f"{e}\nreplay: {REPLAY}")
+    print(report.summary())
+    why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
+    assert report.ok and report.seat_violations == 0, f"a promise was broken{why}"
+    kills = [k for k in report.takeovers if k["kind"] == "kill"]
+    assert kills and all("by" in k for k in kills), f"a kill was not taken over{why}"
+    assert report.outage()["n"] >= 1, f"no write followed a takeover{why}"
