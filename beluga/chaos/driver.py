@@ -85,7 +85,7 @@ import psutil
 
 from beluga._native import _core
 from beluga.chaos import faults
-from beluga.chaos.report import ChaosReport
+from beluga.chaos.report import ChaosReport, replay_command
 from beluga.chaos.roles import RoleSpec, role_main
 from beluga.chaos.verifier import History
 from beluga.coherence import BlockState, digest, parse_header, read_line
@@ -356,11 +356,14 @@ class ChaosDriver:
             )
         self.log(
             f"beluga chaos: seed {self.seed}, {cfg.faults} faults, coherence {cfg.coherence}, "
-            f"pool {self.path} (replay: beluga chaos --seed {self.seed} --faults {cfg.faults}"
-            f"{'' if cfg.coherence == 'native' else ' --coherence ' + cfg.coherence}"
-            f"{f' --standby {cfg.standbys}' if cfg.standbys else ''})"
+            f"pool {self.path} (replay: {replay_command(self.seed, cfg)})"
         )
-        geometry = Geometry(max_hosts=32, rpc_bytes_per_host=128 << 10, block_size=cfg.block_size)
+        # across (emulated) hosts a killed client's id comes back only once its heartbeat is
+        # stale (hosts.DEFAULT_STALE_S), not at once: room for the kills meanwhile
+        max_hosts = 128 if cfg.emulated_hosts else 32
+        geometry = Geometry(
+            max_hosts=max_hosts, rpc_bytes_per_host=128 << 10, block_size=cfg.block_size
+        )
         self.pool = Pool.create(self.path, cfg.pool_bytes, geometry=geometry, coherence="native")
         self.nblocks = self.pool.superblock.nblocks
         try:

@@ -105,12 +105,7 @@ class ChaosReport:
         )
 
     def replay_command(self) -> str:
-        c = self.config
-        extra = "" if c.coherence == "native" else f" --coherence {c.coherence}"
-        extra += f" --standby {c.standbys}" if c.standbys else ""
-        extra += f" --takeover-after {c.takeover_after_s:g}" if c.takeover_after_s != 1.0 else ""
-        extra += " --emulated-hosts" if c.emulated_hosts else ""
-        return f"beluga chaos --seed {self.seed} --faults {c.faults}{extra}"
+        return replay_command(self.seed, self.config)
 
     def to_json(self) -> dict[str, Any]:
         f = self.findings
@@ -220,3 +215,12 @@ class ChaosReport:
             for item in items[:5]:
                 lines.append(f"  {kind}: {item}")
         return "\n".join(lines)
+
+
+def replay_command(seed: int, c: Any) -> str:
+    """The ``beluga chaos`` command line that replays a run's faults (``c``: its ChaosConfig)."""
+    extra = "" if c.coherence == "native" else f" --coherence {c.coherence}"
+    extra += f" --standby {c.standbys}" if c.standbys else ""
+    extra += f" --takeover-after {c.takeover_after_s:g}" if c.takeover_after_s != 1.0 else ""
+    extra += " --emulated-hosts" if c.emulated_hosts else ""
+    return f"beluga chaos --seed {seed} --faults {c.faults}{extra}"

@@ -14,6 +14,13 @@ through the pool:
             publishes an acknowledgement that guest 0 reads in turn
 ``litmus``  the block protocol's litmus pattern with the writer on guest 0
             and the observer on guest 1: never wrong data
+``takeover`` guest 0 runs ``beluga serve`` and acknowledges a put; guest 1
+            runs ``beluga serve --standby --fence`` (the fence: guest 0's
+            agent, :mod:`emulation.guest.fence`); guest 0 SIGSTOPs its server
+            (a paused host); guest 1's standby sees the heartbeat stand still,
+            fences it, takes the seat and serves: guest 1's put sent during
+            the stall is acknowledged, guest 0's acknowledged value reads back
+            on both guests, and the old server died by the fence
 
 Checks of the RPC and the KV store across hosts belong in ``PHASES`` as
 further pairs of roles.
@@ -22,11 +29,18 @@ further pairs of roles.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from beluga import litmus
+from beluga.errors import BelugaError
+from beluga.kv import KVStore
 from beluga.pool import HostEntry, Pool
 from beluga.pool.hosts import BOOT_ID
 from beluga.rpc import RpcServer
@@ -132,11 +146,149 @@ def litmus_observer(host: Host) -> None:
     )
 
 
+TAKEOVER_AFTER_S = 2.0
+FENCE = f"{sys.executable} /work/main/emulation/guest/fence.py"
+BEFORE, DURING = b"acknowledged before the stall " * 100, b"put while the server stalled " * 99
+
+
+def _serve(spec: str, *more: str) -> subprocess.Popen[bytes]:
+    """``beluga serve`` as an operator starts it, on this guest."""
+    return subprocess.Popen([sys.executable, "-m", "beluga", "serve", "--pool", spec, *more])
+
+
+def _wait_value(store: KVStore, key: str, host: Host) -> bytes | None:
+    return poll(lambda: store.get(key), lambda got: got is not None, WAIT_S, host.heartbeat)
+
+
+def _put(steps: Any, store: KVStore, key: str, value: bytes, what: str) -> bool:
+    """A put that must be acknowledged (return without raising); the step says so."""
+    try:
+        store.put(key, value)
+    except BelugaError as e:
+        return steps.expect(False, what, e)
+    return steps.expect(True, what)
+
+
+def _stalled(pool: Pool, window_s: float = 1.0) -> bool:
+    """Wait until the seat's heartbeat stands still for ``window_s`` (its server stopped)."""
+
+    def beat() -> int | None:
+        seat = pool.hosts.seat()
+        return None if seat is None else seat.heartbeat_ns
+
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        before = beat()
+        time.sleep(window_s)
+        if before is not None and beat() == before:
+            return True
+    return False
+
+
+def _release_entries(host: Host) -> None:
+    """The raw host ids of the earlier phases go back: the stores below claim their own."""
+    for entry in host.entries:
+        host.pool.hosts.release(entry)
+    host.entries = []
+
+
+def takeover_primary(host: Host) -> None:
+    from emulation.guest.fence import Agent, Mailbox
+
+    _release_entries(host)
+    spec, steps = host.pool.spec, host.steps
+    server = _serve(spec)
+    box = Mailbox(os.environ["BELUGA_DAX"])
+    agent = Agent(box, server)
+    try:
+        seat = poll(host.pool.hosts.seat, lambda s: s is not None and s.epoch > 0 and
+                    s.identity.pid == server.pid, WAIT_S)  # fmt: skip
+        steps.expect(seat is not None and seat.identity.pid == server.pid, "guest 0 serves")
+        with KVStore(spec, timeout=WAIT_S) as store:
+            _put(steps, store, "takeover/before", BEFORE, "guest 0's put is acknowledged")
+            ready = _wait_value(store, "takeover/standby", host)
+            steps.expect(ready is not None, "guest 1's standby waits")
+        server.send_signal(signal.SIGSTOP)  # the paused host
+        stopped = time.monotonic()
+        steps.expect(agent.fenced.wait(WAIT_S), "guest 1's standby fenced the stopped server")
+        steps.expect(server.wait(5) == -signal.SIGKILL, "the old server died by the fence")
+        print(f"fenced {time.monotonic() - stopped:.2f} s after the stop")
+        with KVStore(spec, timeout=WAIT_S) as store:
+            steps.expect(
+                _wait_value(store, "takeover/during", host) == DURING,
+                "guest 0 reads guest 1's put made during the stall, from the new server",
+            )
+            steps.expect(store.get("takeover/before") == BEFORE, "guest 0's value survived")
+            seat = host.pool.hosts.seat()
+            steps.expect(
+                seat is not None and not seat.identity.same_kernel(),
+                "the seat is held by guest 1's server",
+            )
+            _put(steps, store, "takeover/done", b"1", "guest 0 says it is done")
+    finally:
+        agent.close()
+        box.close()
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+
+
+def takeover_standby(host: Host) -> None:
+    _release_entries(host)
+    spec, steps = host.pool.spec, host.steps
+    theirs = poll(host.pool.hosts.seat, lambda s: s is not None and s.epoch > 0, WAIT_S)
+    steps.expect(theirs is not None, "guest 1 sees guest 0's server in the seat")
+    standby = _serve(spec, "--standby", "--takeover-after", str(TAKEOVER_AFTER_S),
+                     "--fence", FENCE)  # fmt: skip
+    try:
+        with KVStore(spec, timeout=WAIT_S) as store:
+            steps.expect(_wait_value(store, "takeover/before", host) == BEFORE,
+                         "guest 1 reads guest 0's value")  # fmt: skip
+            time.sleep(0.5)  # the standby is standing by (it logs so)
+            _put(steps, store, "takeover/standby", b"1", "guest 1 says its standby waits")
+            # sent once guest 0's server has stopped: only the standby can acknowledge it
+            steps.expect(_stalled(host.pool), "guest 1 sees the server's heartbeat stop")
+            started, failed = time.monotonic(), 0
+            while True:  # as an application does: the same store, the put tried again
+                try:
+                    store.put("takeover/during", DURING)
+                    break
+                except BelugaError as e:  # the call outlived the client's restart grace
+                    failed += 1
+                    if failed == 1:
+                        print(f"put failed during the takeover ({e}); trying again")
+                    if time.monotonic() - started > WAIT_S:
+                        break
+                    time.sleep(0.05)
+            steps.expect(
+                store.get("takeover/during") == DURING,
+                "guest 1's put sent during the stall is acknowledged, by the same store",
+                f"{failed} tries failed",
+            )
+            print(f"put acknowledged {time.monotonic() - started:.2f} s after it was first sent, "
+                  f"{failed} tries failed first")  # fmt: skip
+            seat = host.pool.hosts.seat()
+            steps.expect(
+                seat is not None and seat.identity.pid == standby.pid,
+                "guest 1's standby holds the seat",
+            )
+            steps.expect(store.get("takeover/before") == BEFORE, "guest 0's value survived")
+            steps.expect(_wait_value(store, "takeover/done", host) == b"1", "guest 0 is done")
+    finally:
+        standby.send_signal(signal.SIGTERM)
+        try:
+            standby.wait(30)
+        except subprocess.TimeoutExpired:
+            standby.kill()
+            standby.wait(10)
+
+
 Role = Callable[[Host], None]
 PHASES: list[tuple[str, Role, Role]] = [
     ("hosts", hosts_both, hosts_both),
     ("blocks", blocks_writer, blocks_reader),
     ("litmus", litmus_writer, litmus_observer),
+    ("takeover", takeover_primary, takeover_standby),
 ]
 
 

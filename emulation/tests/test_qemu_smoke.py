@@ -44,11 +44,15 @@ def test_the_dax_check_passes_in_a_guest(built: Sandbox) -> None:
 
 def test_two_guests_share_one_cxl_device(built: Sandbox) -> None:
     """Host ids claimed at once from both guests (the server in guest 0), blocks and the
-    publish litmus across the guests: every step of the shared check passes."""
+    publish litmus across the guests, and a takeover between them (guest 1's standby
+    fences guest 0's stopped server through the fence agent and serves): every step of the
+    shared check passes."""
     result = run("shared", timeout=2 * TIMEOUT_S, sandbox=built)
     assert result.returncode == 0, "\n".join(explain_guest(result, g) for g in range(2))
     assert result.output.count("all steps passed") == 2
     assert "no id held twice" in result.output and "FAIL" not in result.output
+    assert "the old server died by the fence" in result.output
+    assert "guest 1's standby holds the seat" in result.output
     assert_nothing_left_running()
 
 
