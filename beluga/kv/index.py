@@ -248,13 +248,20 @@ class PoolIndex:
         dropped = tagged.copy()
         dropped[keep] = False
         self.seq = seqs.tolist()
-        self.slots = [None] * (n * SLOTS)
-        self.where = {}
+        self.slots = slots = [None] * (n * SLOTS)
         ent = hit[keep].tolist()
-        for pos, i, tag in zip(keep.tolist(), ent, tags[keep].tolist(), strict=True):
-            d = digests[i]
-            self.slots[pos] = (d, tag, int(blocks[i]), int(versions[i]))
-            self.where[d] = pos
+        kept = [digests[i] for i in ent]
+        at = keep.tolist()
+        found = zip(
+            kept,
+            tags[keep].tolist(),
+            at_block[keep].tolist(),
+            at_version[keep].tolist(),
+            strict=True,
+        )
+        for pos, slot in zip(at, found, strict=True):  # a kept slot holds its entry's values
+            slots[pos] = slot
+        self.where = dict(zip(kept, at, strict=True))
         for b in np.flatnonzero((whole == 0) | dropped.reshape(n, SLOTS).any(axis=1)).tolist():
             self._write(b)
         missing = np.ones(blocks.size, dtype=bool)
