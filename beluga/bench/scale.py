@@ -98,6 +98,7 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
         filled = fill(pool, svc, keys, uuid.uuid4().hex[:8])
         recovery = []
         for _ in range(repeats):
+            del svc  # the last server's teardown is not the next one's recovery
             t = time.perf_counter()
             svc = MetadataService(pool, writer_alive=lambda host, gen: True)
             recovery.append(time.perf_counter() - t)
@@ -117,6 +118,7 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
             "keys": keys,
             "index_buckets": svc.ix.nbuckets,
             "recovery_s": statistics.median(recovery),
+            "recovery_us_per_block": 1e6 * statistics.median(recovery) / pool.superblock.nblocks,
             "alloc_us_per_key": 1e6 * filled["alloc_s"] / max(keys, 1),
             "commit_us_per_key": 1e6 * filled["commit_s"] / max(keys, 1),
             "tick_us": statistics.median(ticks) / 1e3,
@@ -166,6 +168,7 @@ def columns() -> list[tuple[str, str]]:
         ("blocks", "blocks"),
         ("keys", "keys"),
         ("recovery_s", "recovery s"),
+        ("recovery_us_per_block", "µs/block"),
         ("alloc_us_per_key", "ALLOC µs/key"),
         ("commit_us_per_key", "COMMIT µs/key"),
         ("tick_us", "tick µs"),
