@@ -52,7 +52,7 @@ def test_the_writers_curve_has_every_host_count_and_its_keys(doc: dict) -> None:
     rows = doc["writers"]
     assert [r["hosts"] for r in rows] == [1, 2]
     for r in rows:
-        rounds = max(4, 64 // r["hosts"])  # at least 64 host-batches a point
+        rounds = max(8, 128 // r["hosts"])  # at least 128 host-batches a point
         assert r["batch"] == 16 and r["keys"] == rounds * r["hosts"] * 16
         assert r["keys_per_s"] > 0
         _ordered(r, "alloc_batch", "commit_batch")

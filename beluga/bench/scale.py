@@ -197,7 +197,7 @@ def writers(size: int, hosts: Sequence[int] = HOSTS, batch: int = BATCH) -> list
             commit_ns: list[int] = []
             busy = 0
             keys = 0
-            for r in range(max(4, 64 // n)):  # at least 64 host-batches a point
+            for r in range(max(8, 128 // n)):  # at least 128 host-batches a point
                 digests = {
                     h: [digest(f"w{n}-{r}-{h}-{i}".encode()) for i in range(batch)]
                     for h in range(1, n + 1)

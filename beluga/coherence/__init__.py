@@ -247,8 +247,8 @@ _COLUMN_TYPES = ("<i8", "<u2", "<u8", "V16", "<u8", "<u4", "<u4")  # as header_c
 class HeaderTable:
     """The valid headers of a header table as numpy columns, one row a header, in block order.
 
-    ``digest`` is 16-byte void items (``.tolist()`` gives bytes).  Immutable once made;
-    its arrays are read-only views of the C core's output, so sharing it is safe.
+    ``digest`` is 16-byte void items (``.tolist()`` gives bytes).  Thread-safe and
+    fork-safe: immutable, its arrays read-only views of the C core's output.
     """
 
     block: np.ndarray
@@ -272,6 +272,8 @@ def parse_header_table(table: bytes) -> HeaderTable:
     known = np.isin(cols[1], [s.value for s in BlockState])
     if not known.all():
         cols = [c[known] for c in cols]
+        for c in cols:
+            c.flags.writeable = False
     return HeaderTable(*cols)
 
 

@@ -76,6 +76,10 @@ Recovery
   it after its lease ran out was never committed, so it never comes back.
   Then the pool index is repaired in place (``PoolIndex.repair``): slots the
   recovered entries confirm stay, so readers keep hitting during a restart.
+  The scan makes no object per block: the C core parses the header table
+  into numpy columns, the allocator decides every extent that overlaps no
+  other at once (``reserve_many``), and only values tied to another by a key
+  or a block are decided one at a time, newest first, with the same outcome.
 """
 
 from __future__ import annotations
