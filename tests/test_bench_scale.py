@@ -75,6 +75,9 @@ def test_the_extrapolation_follows_from_the_rows(doc: dict) -> None:
     w = e["writers"]
     assert w["hosts"] == 2 and w["fill_s"] == pytest.approx(pod_keys / two["keys_per_s"])
     assert w["alloc_batch_p99_us"] == pytest.approx(two["alloc_batch_p99_us"] * 16 / 2)
+    (row,) = doc["rows"]
+    assert row["recovery_us_per_block"] == pytest.approx(1e6 * row["recovery_s"] / row["blocks"])
+    assert e["full_gc_s"] == pytest.approx(row["full_gc_ms"] / row["keys"] * pod_keys / 1e3)
     r = e["reads"]
     assert r["pod_load"] == pytest.approx(0.5 / 3)
     # the pod's load lies below the first measured one: interpolation holds it there

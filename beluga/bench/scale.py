@@ -9,6 +9,8 @@ recovery      a restarted server's ``recover()``: load and parse every block
               repair the pool index; against block count and key count
 fill          ALLOC and COMMIT batches of 256 (the server's side only: the
               payload publish between them is the writer's and is not timed)
+full GC       one full ``gc.collect()`` with the recovered server alive (it
+              scans every object the server holds: a pause of every RPC)
 tick          one ``tick()`` of the server (hint folding, one index scrub
               step of 64 buckets, lease checks) and the scrub step alone
 writers       ALLOC/COMMIT batch throughput and p50/p99 against 1..16 hosts
@@ -24,6 +26,7 @@ blocks) and 16 hosts, with the assumptions stated in the report
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 import uuid
@@ -65,7 +68,8 @@ ASSUMPTIONS = (
     "RPC's round trip per batch), each host's ALLOC then COMMIT batch served in turn as the "
     "server's loop serves rings; its keys/s does not grow with hosts (one server thread), "
     "and a host's batch waits behind the others', so the p99 at the pod's 16 hosts is scaled "
-    "from the most hosts measured by 16 / hosts",
+    "from the most hosts measured by 16 / hosts; a p99 includes any full garbage collection "
+    "that fell in a batch, whose pause grows with the keys the server holds (full GC)",
     "reads: one process reading a 64-byte value with loads (no RPC); a read's cost does not "
     "depend on the pool's size (two bucket lines and a header), only on the index's load, "
     "which at the pod is at most (keys / blocks) / 3 (a bucket a block, 3 slots each); "
@@ -125,6 +129,11 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
             recovery.append(time.perf_counter() - t)
         if len(svc.index) != keys:
             raise AssertionError(f"recovery found {len(svc.index)} keys of the {keys} stored")
+        collections = []
+        for _ in range(repeats):  # a full collection scans every object the server holds
+            t = time.perf_counter()
+            gc.collect()
+            collections.append(time.perf_counter() - t)
         ticks, scrubs = [], []
         for _ in range(50):
             t = time.perf_counter_ns()
@@ -142,6 +151,7 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
             "recovery_us_per_block": 1e6 * statistics.median(recovery) / pool.superblock.nblocks,
             "alloc_us_per_key": 1e6 * filled["alloc_s"] / max(keys, 1),
             "commit_us_per_key": 1e6 * filled["commit_s"] / max(keys, 1),
+            "full_gc_ms": 1e3 * statistics.median(collections),
             "tick_us": statistics.median(ticks) / 1e3,
             "scrub_us": statistics.median(scrubs) / 1e3,
         }
@@ -356,6 +366,7 @@ def run(
     blocks = [r["blocks"] for r in rows]
     a, b = _fit(blocks, [r["recovery_s"] for r in rows])
     per_key = statistics.median(r["alloc_us_per_key"] + r["commit_us_per_key"] for r in rows)
+    gc_a, gc_b = _fit([r["keys"] for r in rows], [r["full_gc_ms"] for r in rows])
     extrapolated = {
         "pod_bytes": POD_BYTES,
         "pod_blocks": pod_blocks,
@@ -363,6 +374,7 @@ def run(
         "recovery_s": a + b * pod_blocks,
         "recovery_us_per_block": 1e6 * b,
         "fill_alloc_commit_s": per_key * pod_keys / 1e6,
+        "full_gc_s": (gc_a + gc_b * pod_keys) / 1e3,
         "tick_us": statistics.median(r["tick_us"] for r in rows),
         "full_scrub_pass_s": statistics.median(r["scrub_us"] for r in rows)
         * (rows[-1]["index_buckets"] / rows[-1]["blocks"])
@@ -411,6 +423,7 @@ def columns() -> list[tuple[str, str]]:
         ("recovery_us_per_block", "µs/block"),
         ("alloc_us_per_key", "ALLOC µs/key"),
         ("commit_us_per_key", "COMMIT µs/key"),
+        ("full_gc_ms", "full GC ms"),
         ("tick_us", "tick µs"),
         ("scrub_us", "scrub(64) µs"),
     ]
@@ -457,6 +470,8 @@ def format_extrapolation(doc: dict[str, Any]) -> str:
         f"{e['pod_keys']:,} keys):",
         f"  recovery {e['recovery_s']:,.0f} s ({e['recovery_us_per_block']:.2f} µs a block)",
         f"  filling it through ALLOC + COMMIT, server side: {e['fill_alloc_commit_s']:,.0f} s",
+        f"  one full garbage collection in the server: {e['full_gc_s']:,.1f} s (a pause of "
+        "every RPC; Python starts one when enough objects outlived the younger ones)",
         f"  one tick {e['tick_us']:.0f} µs; one full pass of the index scrub "
         f"{e['full_scrub_pass_s']:,.1f} s of server CPU (64 buckets a tick)",
     ]
