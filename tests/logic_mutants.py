@@ -308,6 +308,27 @@ MUTANTS: list[Mutant] = [
         cheap=True,
     ),
     Mutant(
+        "reserve-many-ignores-overlaps",
+        "allocator",
+        "beluga/kv/allocator.py",
+        "tangled[ok] = overlapping(firsts[ok], counts[ok])",
+        "tangled[ok] = False",
+        (SVC + "test_reserve_many_decides_as_reserve_one_at_a_time",),
+        "two recovered extents sharing a block would both be reserved: two values, one block",
+        cheap=True,
+    ),
+    Mutant(
+        "recover-ignores-copies-of-a-key",
+        "service",
+        "beluga/kv/service.py",
+        "if len(set(keys)) == len(keys):",
+        "if True:",
+        (SVC + "test_recovery_decides_as_one_header_at_a_time",),
+        "after a crash during an overwrite both copies of a key would be kept, the older "
+        "one's extent never freed",
+        cheap=True,
+    ),
+    Mutant(
         "find-misses-a-run-at-the-end",
         "allocator",
         "beluga/kv/allocator.py",

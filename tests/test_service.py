@@ -283,14 +283,17 @@ def test_a_grant_outlives_its_server_before_its_writer_writes(h: Harness) -> Non
 # -- recovery: which copies a restarted server keeps -----------------------------------
 
 
-def _seal(pool: Pool, key: str, block: int, version: int, nbytes: int, done: bool) -> None:
-    """Stand a header in the pool as a writer leaves it: PUBLISHED with its commit word
-    (``done``), or WRITING (a write in flight)."""
+def _seal(
+    pool: Pool, key: str, block: int, version: int, nbytes: int, done: bool, commit: bool = True
+) -> None:
+    """Stand a header in the pool as a writer leaves it: PUBLISHED (``done``) with its
+    commit word unless not ``commit`` (its COMMIT never came), or WRITING (in flight)."""
     sb, mem = pool.superblock, pool.memory
     args = (sb.block_header_offset(block), sb.block_payload_offset(block), digest(key.encode()))
     if done:
         mem.publish(*args, version, bytes(nbytes), writer=WRITER[0], writer_gen=WRITER[1])
-        mem.nt_store(sb.block_commit_offset(block), version.to_bytes(8, "little"))
+        if commit:
+            mem.nt_store(sb.block_commit_offset(block), version.to_bytes(8, "little"))
     else:
         mem.begin_write(*args, version, nbytes, writer=WRITER[0], writer_gen=WRITER[1])
     mem.sfence()
@@ -349,3 +352,67 @@ def test_overlapping_names_every_extent_that_shares_a_block() -> None:
     firsts = np.array([10, 0, 4, 2, 20, 30, 31])
     counts = np.array([5, 1, 1, 10, 1, 1, 1])  # [10,15) [0] [4] [2,12) [20] [30] [31]
     assert overlapping(firsts, counts).tolist() == [True, False, True, True, False, False, False]
+
+
+def _recovered_one_at_a_time(
+    headers: dict[int, tuple[str, int, int, str]], nblocks: int, bs: int
+) -> tuple[dict[bytes, tuple[int, int]], set[int], set[int]]:
+    """What recovery keeps, by the rule as first written (one header at a time): the
+    index (digest -> block, version, oldest first), the writes in flight, the cleared."""
+    free = [True] * nblocks
+    index: dict[bytes, tuple[int, int]] = {}
+    pending, cleared = set(), set()
+
+    def reserve(block: int, n: int) -> bool:
+        if block + n > nblocks or not all(free[block : block + n]):
+            return False
+        free[block : block + n] = [False] * n
+        return True
+
+    rows = sorted(headers.items())
+    done = [(b, h) for b, h in rows if h[3] == "committed"]
+    for block, (key, version, nbytes, _) in sorted(done, key=lambda t: -t[1][1]):
+        d, n = digest(key.encode()), max(1, -(-nbytes // bs))
+        if d in index or not reserve(block, n):
+            cleared.add(block)
+        else:
+            index[d] = (block, version)
+    for block, (_, _, nbytes, _) in sorted(
+        [(b, h) for b, h in rows if h[3] != "committed"], key=lambda t: -t[1][1]
+    ):
+        (pending if reserve(block, max(1, -(-nbytes // bs))) else cleared).add(block)
+    return dict(sorted(index.items(), key=lambda kv: kv[1][1])), pending, cleared
+
+
+@pytest.mark.leaves("keys", "writes")
+def test_recovery_decides_as_one_header_at_a_time(small: Pool) -> None:
+    """Random pools (copies of a key, overlapping extents, tied versions, writes in
+    flight) against the rule written one header at a time."""
+    sb, mem = small.superblock, small.memory
+    bs, rng = sb.block_size, random.Random(2203)
+    for _ in range(25):
+        mem.nt_store(sb.headers.offset, bytes(sb.nblocks * LINE))  # an empty pool again
+        mem.nt_store(sb.commits.offset, bytes(sb.commits.length))
+        headers = {
+            rng.randrange(40): (
+                rng.choice("abcdefgh"),
+                rng.randint(1, 30),
+                rng.randint(1, 3 * bs),
+                rng.choice(["committed"] * 4 + ["sealed", "writing"]),
+            )
+            for _ in range(rng.randint(1, 30))
+        }
+        for block, (key, version, nbytes, state) in headers.items():
+            _seal(small, key, block, version, nbytes, state != "writing", state == "committed")
+        want_index, want_pending, cleared = _recovered_one_at_a_time(headers, sb.nblocks, bs)
+        svc = MetadataService(small, clock=Clock(), writer_alive=lambda h, g: True)
+        assert {d: (e.block, e.version) for d, e in svc.index.items()} == want_index
+        assert list(svc.index) == list(want_index)  # the same LRU order
+        assert set(svc.pending) == want_pending
+        for block in cleared:
+            assert parse_header(mem.load(sb.block_header_offset(block), LINE)) is None
+        kept = {b for b, _ in want_index.values()}
+        for block in range(40):
+            word = int.from_bytes(mem.load(sb.block_commit_offset(block), 8), "little")
+            assert (word != 0) == (block in kept), block
+        assert set(svc.ix.where) == set(want_index)
