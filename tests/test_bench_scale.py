@@ -58,6 +58,17 @@ def test_the_writers_curve_has_every_host_count_and_its_keys(doc: dict) -> None:
         _ordered(r, "alloc_batch", "commit_batch")
 
 
+def test_the_writers_through_the_server_each_have_their_own_host_id(doc: dict) -> None:
+    rows = doc["writers_rpc"]
+    assert [r["hosts"] for r in rows] == [1, 2]
+    for r in rows:
+        assert len(set(r["host_ids"])) == r["hosts"]
+        assert r["keys"] == (32 // r["hosts"]) * r["hosts"] * 16 and r["keys_per_s"] > 0
+        _ordered(r, "put_batch")
+    w = doc["extrapolated"]["writers_rpc"]
+    assert w["hosts"] == 2 and w["keys_per_s"] == rows[-1]["keys_per_s"]
+
+
 def test_the_reads_curve_reaches_each_load_and_reads_every_stored_key(doc: dict) -> None:
     rows = doc["reads"]
     assert [r["target_load"] for r in rows] == [0.2, 0.6]
@@ -85,6 +96,7 @@ def test_the_extrapolation_follows_from_the_rows(doc: dict) -> None:
     assert r["pod_load"] < first["load"] and r["hit_p99_us"] == first["hit_p99_us"]
     text = scale.format_extrapolation(doc)
     assert "hosts writing at once" in text and "index's load" in text
+    assert "through the real server" in text
     assert f"{w['keys_per_s']:,.0f} keys/s" in text
 
 

@@ -14,7 +14,8 @@ full GC       one full ``gc.collect()`` with the recovered server alive (it
 tick          one ``tick()`` of the server (hint folding, one index scrub
               step of 64 buckets, lease checks) and the scrub step alone
 writers       ALLOC/COMMIT batch throughput and p50/p99 against 1..16 hosts
-              writing at once, each with its own host id (``writers``)
+              writing at once, each with its own host id (``writers``), and
+              ``put_batch`` through the real server the same way (``writers_rpc``)
 reads         one-sided read p50/p99, hits and misses, against the pool
               index's load factor, 10..90% (``reads``)
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -36,7 +38,10 @@ from typing import Any
 import numpy as np
 
 from beluga._native import _core
+from beluga.bench.store import serve_in_child
+from beluga.child import server_process
 from beluga.coherence import digest
+from beluga.kv import KVStore
 from beluga.kv import protocol as p
 from beluga.kv.index import SLOTS
 from beluga.kv.service import MetadataService
@@ -45,6 +50,7 @@ from beluga.rpc import Request
 from beluga.units import GiB, MiB, TiB
 
 GEOMETRY = Geometry(max_hosts=16)
+RPC_GEOMETRY = Geometry(max_hosts=17)  # 16 writing hosts and the server
 BATCH = 256
 HOSTS = (1, 2, 4, 8, 16)
 LOADS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -70,6 +76,9 @@ ASSUMPTIONS = (
     "and a host's batch waits behind the others', so the p99 at the pod's 16 hosts is scaled "
     "from the most hosts measured by 16 / hosts; a p99 includes any full garbage collection "
     "that fell in a batch, whose pause grows with the keys the server holds (full GC)",
+    "writers through the server: one thread a host in one process, each with its own "
+    "KVStore and host id, on the same 2 vCPUs as the server (the clients' digests, publishes "
+    "and encodings compete with it), so its keys/s is a floor for hosts of their own",
     "reads: one process reading a 64-byte value with loads (no RPC); a read's cost does not "
     "depend on the pool's size (two bucket lines and a header), only on the index's load, "
     "which at the pod is at most (keys / blocks) / 3 (a bucket a block, 3 slots each); "
@@ -266,6 +275,78 @@ def writers(size: int, hosts: Sequence[int] = HOSTS, batch: int = BATCH) -> list
         Pool.destroy(path)
 
 
+def writers_rpc(
+    size: int, hosts: Sequence[int] = HOSTS, batch: int = BATCH, batches: int = 32
+) -> list[dict[str, Any]]:
+    """``put_batch`` of one-block keys through the real server, against hosts writing at once.
+
+    For each number of hosts: a fresh pool, ``beluga serve`` in a child process, and
+    one thread a host, each with its own ``KVStore`` (its own host id), all storing
+    batches of ``batch`` 64-byte values at once (``batches`` in all, shared between
+    the hosts).  A put is the whole protocol: ALLOC RPC, publish, COMMIT RPC.  The
+    clients are threads of one process on the same CPUs as the server.
+    """
+    rows = []
+    for n in hosts:
+        path, pool = _scratch_rpc(size)
+        try:
+            with server_process(serve_in_child, pool.spec):
+                stores = [KVStore(pool.spec) for _ in range(n)]
+                try:
+                    rows.append(_put_at_once(stores, batch, max(1, batches // n)))
+                finally:
+                    for store in stores:
+                        store.close()
+        finally:
+            pool.close()
+            Pool.destroy(path)
+    return rows
+
+
+def _put_at_once(stores: Sequence[KVStore], batch: int, rounds: int) -> dict[str, Any]:
+    """Every store puts ``rounds`` batches in its own thread, all started together."""
+    start = threading.Barrier(len(stores))
+    took: list[list[int]] = [[] for _ in stores]
+    failed: list[BaseException] = []
+
+    def write(i: int) -> None:
+        try:
+            start.wait(timeout=30)
+            for r in range(rounds):
+                keys = [f"h{i}-{r}-{k}" for k in range(batch)]
+                t = time.perf_counter_ns()
+                stores[i].put_batch(keys, [digest(k.encode()) * 4 for k in keys])
+                took[i].append(time.perf_counter_ns() - t)
+        except BaseException as e:  # re-raised below, in the caller's thread
+            failed.append(e)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(stores))]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=300)
+    wall = time.perf_counter() - t
+    if failed or any(th.is_alive() for th in threads):
+        raise AssertionError(f"a writer failed or hung: {failed[:1]}")
+    p50, p99 = _percentiles([ns for per in took for ns in per])
+    keys = len(stores) * rounds * batch
+    return {
+        "hosts": len(stores),
+        "host_ids": sorted(s.rpc.host_id for s in stores),
+        "batch": batch,
+        "keys": keys,
+        "keys_per_s": keys / wall,
+        "put_batch_p50_us": p50,
+        "put_batch_p99_us": p99,
+    }
+
+
+def _scratch_rpc(size: int) -> tuple[str, Pool]:
+    path = f"/dev/shm/beluga-scale-{uuid.uuid4().hex[:8]}"
+    return path, Pool.create(path, size, geometry=RPC_GEOMETRY, coherence="native")
+
+
 def reads(
     size: int, loads: Sequence[float] = LOADS, values: int = 512, lookups: int = 4000
 ) -> list[dict[str, Any]]:
@@ -355,11 +436,13 @@ def run(
     writer_pool: int = WRITER_POOL,
     writer_batch: int = BATCH,
     read_pool: int = READ_POOL,
+    through_rpc: bool = True,
 ) -> dict[str, Any]:
     """Measure every size, the writers against hosts and the reads against the index's
     load; fit and extrapolate each curve to the paper's 8 TB pod."""
     rows = [measure(s, fraction) for s in sizes]
     by_hosts = writers(writer_pool, hosts, writer_batch) if hosts else []
+    by_hosts_rpc = writers_rpc(writer_pool, hosts, writer_batch) if hosts and through_rpc else []
     by_load = reads(read_pool, loads) if loads else []
     pod_blocks = POD_BYTES // GEOMETRY.block_size
     pod_keys = int(pod_blocks * fraction)
@@ -394,6 +477,13 @@ def run(
             "alloc_batch_p99_us": most["alloc_batch_p99_us"] * POD_HOSTS / most["hosts"],
             "commit_batch_p99_us": most["commit_batch_p99_us"] * POD_HOSTS / most["hosts"],
         }
+    if by_hosts_rpc:
+        most = max(by_hosts_rpc, key=lambda r: r["hosts"])
+        extrapolated["writers_rpc"] = {
+            "hosts": most["hosts"],
+            "keys_per_s": most["keys_per_s"],
+            "fill_s": pod_keys / most["keys_per_s"],
+        }
     if by_load:
         # the pod's index holds one key a value in >= one bucket a block (3 slots each)
         pod_load = fraction / SLOTS
@@ -408,6 +498,7 @@ def run(
     return {
         "rows": rows,
         "writers": by_hosts,
+        "writers_rpc": by_hosts_rpc,
         "reads": by_load,
         "extrapolated": extrapolated,
         "assumptions": list(ASSUMPTIONS),
@@ -452,6 +543,17 @@ def format_extrapolation(doc: dict[str, Any]) -> str:
                 ("commit_batch_p99_us", "COMMIT p99 µs", ".0f"),
             ],
         )
+    if doc.get("writers_rpc"):
+        lines += ["put_batch through the real server against hosts writing at once (threads):"]
+        lines += _table(
+            doc["writers_rpc"],
+            [
+                ("hosts", "hosts", "d"),
+                ("keys_per_s", "keys/s", ",.0f"),
+                ("put_batch_p50_us", "put_batch p50 µs", ",.0f"),
+                ("put_batch_p99_us", "put_batch p99 µs", ",.0f"),
+            ],
+        )
     if doc.get("reads"):
         lines += ["one-sided reads against the pool index's load:"]
         lines += _table(
@@ -481,6 +583,12 @@ def format_extrapolation(doc: dict[str, Any]) -> str:
             f"  writers: {w['keys_per_s']:,.0f} keys/s for the pod whatever its hosts (fill "
             f"{w['fill_s']:,.0f} s); with {w['pod_hosts']} hosts a batch's p99 ALLOC "
             f"{w['alloc_batch_p99_us']:,.0f} µs, COMMIT {w['commit_batch_p99_us']:,.0f} µs"
+        )
+    if "writers_rpc" in e:
+        w = e["writers_rpc"]
+        lines.append(
+            f"  through the server with {w['hosts']} hosts: {w['keys_per_s']:,.0f} keys/s "
+            f"end to end (fill {w['fill_s']:,.0f} s)"
         )
     if "reads" in e:
         r = e["reads"]

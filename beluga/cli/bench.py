@@ -189,6 +189,11 @@ def _add_scale(cmds: argparse._SubParsersAction) -> None:
         default=",".join(map(str, scale_bench.LOADS)),
         help="comma-separated pool index load factors to read at, in (0, 1) ('' to skip)",
     )
+    s.add_argument(
+        "--no-rpc",
+        action="store_true",
+        help="skip the writers through the real server (a child `beluga serve` per point)",
+    )
     s.set_defaults(handler=run_scale)
 
 
@@ -202,7 +207,11 @@ def run_scale(args: argparse.Namespace) -> int:
     if any(not 0 < x < 1 for x in loads):
         raise ValueError(f"--loads are fractions in (0, 1), not {args.loads}")
     result = scale_bench.run(
-        [parse_size(s) for s in args.sizes.split(",")], args.fill, hosts, loads
+        [parse_size(s) for s in args.sizes.split(",")],
+        args.fill,
+        hosts,
+        loads,
+        through_rpc=not args.no_rpc,
     )
     for row in result["rows"]:
         row["pool"] = human_bytes(row["pool_bytes"])
