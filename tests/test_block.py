@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from beluga.coherence import LINE, BlockState, Memory, Miss, digest, parse_header, parse_headers
+from beluga.coherence import (
+    LINE,
+    BlockState,
+    Memory,
+    Miss,
+    digest,
+    parse_header,
+    parse_header_table,
+    parse_headers,
+)
 from beluga.errors import CoherenceError
 
 KEY = digest(b"key")
@@ -151,3 +160,20 @@ def test_a_header_table_scan_finds_exactly_the_valid_headers() -> None:
     assert parse_headers(b"") == []
     with pytest.raises(CoherenceError, match="whole 64-byte lines"):
         parse_headers(bytes(LINE + 1))
+    columns = parse_header_table(bytes(shared[: nblocks * LINE]))
+    assert columns.block.tolist() == [b for b, _ in found]
+    assert [
+        (BlockState(s), v, d, n, w, g)
+        for s, v, d, n, w, g in zip(
+            columns.state.tolist(),
+            columns.version.tolist(),
+            columns.digest.tolist(),
+            columns.length.tolist(),
+            columns.writer.tolist(),
+            columns.writer_gen.tolist(),
+            strict=True,
+        )
+    ] == [(h.state, h.version, h.digest, h.length, h.writer, h.writer_gen) for _, h in found]
+    assert len(parse_header_table(b"")) == 0
+    with pytest.raises(CoherenceError, match="whole 64-byte lines"):
+        parse_header_table(bytes(LINE + 1))

@@ -16,6 +16,7 @@ import struct
 import threading
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -176,7 +177,9 @@ def test_repair_keeps_good_slots_and_drops_the_rest(pool: Pool) -> None:
     pool.memory.sfence()
     again = PoolIndex(pool.memory, pool.superblock)
     missing = os.urandom(16)
-    counts = again.repair({**good, missing: (60, 61)})
+    entries = {**good, missing: (60, 61)}
+    blocks, versions = zip(*entries.values(), strict=True)
+    counts = again.repair(list(entries), np.array(blocks), np.array(versions, dtype=np.uint64))
     assert counts["kept"] == len(good) and counts["dropped"] >= 1 and counts["inserted"] == 1
     assert set(again.where) == {*good, missing}
 

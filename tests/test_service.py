@@ -9,13 +9,16 @@ late seal never becomes a committed value, before or after a restart.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
-from beluga.coherence import digest
+from beluga.coherence import LINE, digest, parse_header
 from beluga.errors import CapacityError
 from beluga.kv import protocol as p
+from beluga.kv.allocator import BlockAllocator, overlapping
 from beluga.kv.service import MetadataService
 from beluga.pool import Geometry, Pool
 from beluga.rpc import Request
@@ -275,3 +278,141 @@ def test_a_grant_outlives_its_server_before_its_writer_writes(h: Harness) -> Non
     assert h.svc.stats()["writes_in_flight"] == 1  # it knows the grant
     fresh = h.put("acknowledged", b"v" * 100, who=(2, 1))
     assert fresh.block != stalled.block
+
+
+# -- recovery: which copies a restarted server keeps -----------------------------------
+
+
+def _seal(
+    pool: Pool, key: str, block: int, version: int, nbytes: int, done: bool, commit: bool = True
+) -> None:
+    """Stand a header in the pool as a writer leaves it: PUBLISHED (``done``) with its
+    commit word unless not ``commit`` (its COMMIT never came), or WRITING (in flight)."""
+    sb, mem = pool.superblock, pool.memory
+    args = (sb.block_header_offset(block), sb.block_payload_offset(block), digest(key.encode()))
+    if done:
+        mem.publish(*args, version, bytes(nbytes), writer=WRITER[0], writer_gen=WRITER[1])
+        if commit:
+            mem.nt_store(sb.block_commit_offset(block), version.to_bytes(8, "little"))
+    else:
+        mem.begin_write(*args, version, nbytes, writer=WRITER[0], writer_gen=WRITER[1])
+    mem.sfence()
+
+
+@pytest.mark.leaves("keys", "writes")
+def test_recovery_keeps_the_newest_copy_that_fits(small: Pool) -> None:
+    """Newer versions win blocks; a key whose newest copy lost its blocks keeps an older
+    one; every loser's header and commit word is cleared."""
+    bs = small.superblock.block_size
+    _seal(small, "a", 0, 10, 2 * bs, True)  # blocks 0-1
+    _seal(small, "b", 1, 12, 100, True)  # newer, on block 1: a@0 loses
+    _seal(small, "a", 5, 5, 100, True)  # so a's older copy is the one kept
+    _seal(small, "c", 7, 3, 100, True)  # an older copy of c ...
+    _seal(small, "c", 8, 4, 100, True)  # ... that the newer one replaces
+    _seal(small, "e", 11, 21, 2 * bs, False)  # writes in flight on blocks 11-12 ...
+    _seal(small, "f", 12, 19, 100, False)  # ... and an older one under it
+    _seal(small, "d", 10, 20, 100, False)
+    small.memory.nt_store(small.superblock.block_commit_offset(20), (9).to_bytes(8, "little"))
+    small.memory.sfence()  # a commit word of no header
+    svc = MetadataService(small, clock=Clock(), writer_alive=lambda h, g: True)
+    got = {d: (e.block, e.version, e.nblocks) for d, e in svc.index.items()}
+    keys = {digest(k): k for k in (b"a", b"b", b"c")}
+    assert [keys[d] for d in got] == [b"c", b"a", b"b"]  # oldest first: the LRU order
+    assert got == {digest(b"a"): (5, 5, 1), digest(b"b"): (1, 12, 1), digest(b"c"): (8, 4, 1)}
+    assert sorted(svc.pending) == [10, 11] and svc.pending[11].nblocks == 2
+    assert svc.alloc.used == 6 and svc.version >= 21
+    sb, mem = small.superblock, small.memory
+    for block in (0, 7, 12):  # the losers' headers
+        assert parse_header(mem.load(sb.block_header_offset(block), LINE)) is None
+    for block in (0, 7, 20):  # their commit words and the stray one
+        assert mem.load(sb.block_commit_offset(block), 8) == bytes(8)
+    assert set(svc.ix.where) == set(got) and svc.stats()["recovered_keys"] == 3
+
+
+def test_reserve_many_decides_as_reserve_one_at_a_time() -> None:
+    """Random extents (overlapping, out of range, on taken blocks) against the
+    one-at-a-time rule it replaces."""
+    rng = random.Random(22)
+    for _ in range(300):
+        n = rng.randint(1, 64)
+        bulk, one = BlockAllocator(n), BlockAllocator(n)
+        for first in rng.sample(range(n), rng.randint(0, n // 4)):
+            assert bulk.reserve(first, 1) and one.reserve(first, 1)
+        runs = [(rng.randint(-2, n + 2), rng.randint(-1, 6)) for _ in range(rng.randint(0, 40))]
+        want = [one.reserve(f, c) for f, c in runs]
+        firsts = np.array([f for f, _ in runs], dtype=np.int64)
+        counts = np.array([c for _, c in runs], dtype=np.int64)
+        assert bulk.reserve_many(firsts, counts).tolist() == want
+        assert (bulk.free == one.free).all() and bulk.nfree == one.nfree
+    with pytest.raises(ValueError, match="two flat arrays"):
+        BlockAllocator(4).reserve_many(np.zeros(2, np.int64), np.zeros(3, np.int64))
+
+
+def test_overlapping_names_every_extent_that_shares_a_block() -> None:
+    firsts = np.array([10, 0, 4, 2, 20, 30, 31])
+    counts = np.array([5, 1, 1, 10, 1, 1, 1])  # [10,15) [0] [4] [2,12) [20] [30] [31]
+    assert overlapping(firsts, counts).tolist() == [True, False, True, True, False, False, False]
+
+
+def _recovered_one_at_a_time(
+    headers: dict[int, tuple[str, int, int, str]], nblocks: int, bs: int
+) -> tuple[dict[bytes, tuple[int, int]], set[int], set[int]]:
+    """What recovery keeps, by the rule as first written (one header at a time): the
+    index (digest -> block, version, oldest first), the writes in flight, the cleared."""
+    free = [True] * nblocks
+    index: dict[bytes, tuple[int, int]] = {}
+    pending, cleared = set(), set()
+
+    def reserve(block: int, n: int) -> bool:
+        if block + n > nblocks or not all(free[block : block + n]):
+            return False
+        free[block : block + n] = [False] * n
+        return True
+
+    rows = sorted(headers.items())
+    done = [(b, h) for b, h in rows if h[3] == "committed"]
+    for block, (key, version, nbytes, _) in sorted(done, key=lambda t: -t[1][1]):
+        d, n = digest(key.encode()), max(1, -(-nbytes // bs))
+        if d in index or not reserve(block, n):
+            cleared.add(block)
+        else:
+            index[d] = (block, version)
+    for block, (_, _, nbytes, _) in sorted(
+        [(b, h) for b, h in rows if h[3] != "committed"], key=lambda t: -t[1][1]
+    ):
+        (pending if reserve(block, max(1, -(-nbytes // bs))) else cleared).add(block)
+    return dict(sorted(index.items(), key=lambda kv: kv[1][1])), pending, cleared
+
+
+@pytest.mark.leaves("keys", "writes")
+def test_recovery_decides_as_one_header_at_a_time(small: Pool) -> None:
+    """Random pools (copies of a key, overlapping extents, tied versions, writes in
+    flight) against the rule written one header at a time."""
+    sb, mem = small.superblock, small.memory
+    bs, rng = sb.block_size, random.Random(2203)
+    for _ in range(25):
+        mem.nt_store(sb.headers.offset, bytes(sb.nblocks * LINE))  # an empty pool again
+        mem.nt_store(sb.commits.offset, bytes(sb.commits.length))
+        headers = {
+            rng.randrange(40): (
+                rng.choice("abcdefgh"),
+                rng.randint(1, 30),
+                rng.randint(1, 3 * bs),
+                rng.choice(["committed"] * 4 + ["sealed", "writing"]),
+            )
+            for _ in range(rng.randint(1, 30))
+        }
+        for block, (key, version, nbytes, state) in headers.items():
+            _seal(small, key, block, version, nbytes, state != "writing", state == "committed")
+        want_index, want_pending, cleared = _recovered_one_at_a_time(headers, sb.nblocks, bs)
+        svc = MetadataService(small, clock=Clock(), writer_alive=lambda h, g: True)
+        assert {d: (e.block, e.version) for d, e in svc.index.items()} == want_index
+        assert list(svc.index) == list(want_index)  # the same LRU order
+        assert set(svc.pending) == want_pending
+        for block in cleared:
+            assert parse_header(mem.load(sb.block_header_offset(block), LINE)) is None
+        kept = {b for b, _ in want_index.values()}
+        for block in range(40):
+            word = int.from_bytes(mem.load(sb.block_commit_offset(block), 8), "little")
+            assert (word != 0) == (block in kept), block
+        assert set(svc.ix.where) == set(want_index)

@@ -561,6 +561,87 @@ static PyObject *mod_ix_hash(PyObject *mod, PyObject *args)
     return Py_BuildValue("(IKK)", tag, (unsigned long long)b1, (unsigned long long)b2);
 }
 
+/* ix_hash_many(digests, nbuckets) -> (tags, b1, b2): ix_hash of 16-byte digests back to
+ * back, as packed native-endian columns (uint32, uint64, uint64 a digest) for numpy */
+static PyObject *mod_ix_hash_many(PyObject *mod, PyObject *args)
+{
+    Py_buffer d;
+    unsigned long long nb;
+    if (!PyArg_ParseTuple(args, "y*K", &d, &nb))
+        return NULL;
+    if (d.len % 16 || !nb || (nb & (nb - 1))) {
+        PyBuffer_Release(&d);
+        return bl_fail(bl_coherence_error,
+                       "ix_hash_many needs 16-byte digests back to back and a power of two");
+    }
+    Py_ssize_t n = d.len / 16;
+    PyObject *tags = PyBytes_FromStringAndSize(NULL, n * 4);
+    PyObject *b1 = PyBytes_FromStringAndSize(NULL, n * 8);
+    PyObject *b2 = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (!tags || !b1 || !b2) {
+        PyBuffer_Release(&d);
+        Py_XDECREF(tags);
+        Py_XDECREF(b1);
+        Py_XDECREF(b2);
+        return NULL;
+    }
+    uint32_t *t = (uint32_t *)PyBytes_AS_STRING(tags);
+    uint64_t *x = (uint64_t *)PyBytes_AS_STRING(b1), *y = (uint64_t *)PyBytes_AS_STRING(b2);
+    for (Py_ssize_t i = 0; i < n; i++)
+        bl_ix_hash((const uint8_t *)d.buf + 16 * i, nb, &t[i], &x[i], &y[i]);
+    PyBuffer_Release(&d);
+    return Py_BuildValue("(NNN)", tags, b1, b2);
+}
+
+/* ix_columns(table) -> (whole, seqs, tags, blocks, versions): a table of bucket lines unpacked
+ * (as ix_unpack) into packed native-endian columns for numpy: whole one byte a bucket (1: sealed
+ * and whole), seqs uint64 a bucket, tags and blocks uint32 and versions uint64, BL_IX_SLOTS a
+ * bucket; a bucket that is not whole reads as seq 0 with empty slots */
+static PyObject *mod_ix_columns(PyObject *mod, PyObject *args)
+{
+    Py_buffer v;
+    if (!PyArg_ParseTuple(args, "y*", &v))
+        return NULL;
+    if (v.len % BL_LINE) {
+        PyBuffer_Release(&v);
+        return bl_fail(bl_coherence_error, "a bucket table is whole %u-byte lines, not %zd bytes",
+                       BL_LINE, v.len);
+    }
+    Py_ssize_t n = v.len / BL_LINE, s = n * BL_IX_SLOTS;
+    const Py_ssize_t sizes[5] = {n, n * 8, s * 4, s * 4, s * 8};
+    PyObject *cols[5];
+    int ok = 1;
+    for (int c = 0; c < 5; c++)
+        ok &= (cols[c] = PyBytes_FromStringAndSize(NULL, sizes[c])) != NULL;
+    if (ok) {
+        uint8_t *whole = (uint8_t *)PyBytes_AS_STRING(cols[0]);
+        uint64_t *seqs = (uint64_t *)PyBytes_AS_STRING(cols[1]);
+        uint32_t *tags = (uint32_t *)PyBytes_AS_STRING(cols[2]);
+        uint32_t *blocks = (uint32_t *)PyBytes_AS_STRING(cols[3]);
+        uint64_t *versions = (uint64_t *)PyBytes_AS_STRING(cols[4]);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            bl_ix_bucket b;
+            memcpy(&b, (const char *)v.buf + i * BL_LINE, sizeof(b));
+            whole[i] = (uint8_t)bl_ix_bucket_ok(&b);
+            if (!whole[i])
+                memset(&b, 0, sizeof(b));
+            seqs[i] = b.seq;
+            for (int j = 0; j < BL_IX_SLOTS; j++) {
+                tags[i * BL_IX_SLOTS + j] = b.slot[j].tag;
+                blocks[i * BL_IX_SLOTS + j] = b.slot[j].block;
+                versions[i * BL_IX_SLOTS + j] = b.slot[j].version;
+            }
+        }
+    }
+    PyBuffer_Release(&v);
+    if (!ok) {
+        for (int c = 0; c < 5; c++)
+            Py_XDECREF(cols[c]);
+        return NULL;
+    }
+    return Py_BuildValue("(NNNNN)", cols[0], cols[1], cols[2], cols[3], cols[4]);
+}
+
 /* ix_pack(seq, slots) -> one sealed bucket line; slots: BL_IX_SLOTS (tag, block, version) */
 static PyObject *mod_ix_pack(PyObject *mod, PyObject *args)
 {
@@ -669,7 +750,11 @@ static PyMethodDef index_functions[] = {
     {"key_digest", mod_key_digest, METH_O, "key_digest(key) -> 16-byte BLAKE2b digest"},
     {"key_digests", mod_key_digests, METH_O, "key_digests(keys) -> [digest] (batched)"},
     {"ix_hash", mod_ix_hash, METH_VARARGS, "ix_hash(digest, nbuckets) -> (tag, b1, b2)"},
+    {"ix_hash_many", mod_ix_hash_many, METH_VARARGS,
+     "ix_hash_many(digests, nbuckets) -> (tags, b1, b2) packed columns (for numpy)"},
     {"ix_pack", mod_ix_pack, METH_VARARGS, "ix_pack(seq, slots) -> bucket line"},
+    {"ix_columns", mod_ix_columns, METH_VARARGS,
+     "ix_columns(table) -> (whole, seqs, tags, blocks, versions) packed columns (for numpy)"},
     {"ix_unpack", mod_ix_unpack, METH_VARARGS, "ix_unpack(line) -> (seq, slots) | None"},
     {"ix_counts", mod_ix_counts, METH_VARARGS,
      "ix_counts(line) -> (seq, hits, misses, owner, tier_hits, promotions) | None"},

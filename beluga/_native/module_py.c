@@ -134,6 +134,63 @@ static PyObject *mod_parse_headers(PyObject *mod, PyObject *args)
     return out;
 }
 
+/* header_columns(table) -> (blocks, states, versions, digests, lengths, writers, writer_gens):
+ * the valid headers of a table (as parse_headers) as packed native-endian columns for numpy
+ * (int64, uint16, uint64, 16 bytes, uint64, uint32, uint32 a header): recovery's scan with no
+ * Python object per block. */
+static PyObject *mod_header_columns(PyObject *mod, PyObject *args)
+{
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b))
+        return NULL;
+    if (b.len % BL_LINE) {
+        PyBuffer_Release(&b);
+        return fail("a header table is whole %u-byte lines, not %zd bytes", BL_LINE, b.len);
+    }
+    Py_ssize_t lines = b.len / BL_LINE, n = 0;
+    int64_t *valid = PyMem_Malloc((size_t)(lines ? lines : 1) * sizeof(int64_t));
+    if (!valid) {
+        PyBuffer_Release(&b);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < lines; i++) {
+        bl_header h;
+        memcpy(&h, (const char *)b.buf + i * BL_LINE, sizeof(h));
+        if (bl_header_check(&h))
+            valid[n++] = i;
+    }
+    static const size_t widths[7] = {8, 2, 8, 16, 8, 4, 4};
+    PyObject *cols[7];
+    int ok = 1;
+    for (int c = 0; c < 7; c++)
+        ok &= (cols[c] = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)widths[c])) != NULL;
+    if (ok) {
+        char *out[7];
+        for (int c = 0; c < 7; c++)
+            out[c] = PyBytes_AS_STRING(cols[c]);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            bl_header h;
+            memcpy(&h, (const char *)b.buf + valid[k] * BL_LINE, sizeof(h));
+            memcpy(out[0] + k * 8, &valid[k], 8);
+            memcpy(out[1] + k * 2, &h.state, 2);
+            memcpy(out[2] + k * 8, &h.version, 8);
+            memcpy(out[3] + k * 16, h.digest, 16);
+            memcpy(out[4] + k * 8, &h.length, 8);
+            memcpy(out[5] + k * 4, &h.writer, 4);
+            memcpy(out[6] + k * 4, &h.writer_gen, 4);
+        }
+    }
+    PyBuffer_Release(&b);
+    PyMem_Free(valid);
+    if (!ok) {
+        for (int c = 0; c < 7; c++)
+            Py_XDECREF(cols[c]);
+        return NULL;
+    }
+    return Py_BuildValue("(NNNNNNN)", cols[0], cols[1], cols[2], cols[3], cols[4], cols[5],
+                         cols[6]);
+}
+
 /* selected() -> dict: the instruction chosen for each operation. */
 static PyObject *mod_selected(PyObject *mod, PyObject *unused)
 {
@@ -271,6 +328,8 @@ static PyMethodDef module_methods[] = {
     {"parse_header", mod_parse_header, METH_VARARGS, "parse_header(line) -> tuple | None"},
     {"parse_headers", mod_parse_headers, METH_VARARGS,
      "parse_headers(table) -> [(block, fields)] of every valid header line"},
+    {"header_columns", mod_header_columns, METH_VARARGS,
+     "header_columns(table) -> packed columns of every valid header line (for numpy)"},
     {"crc32c_combine", mod_crc32c_combine, METH_VARARGS,
      "crc32c_combine(crc_a, crc_b, len_b) -> CRC32C of A || B"},
     {"selected", mod_selected, METH_NOARGS, "instructions in use"},

@@ -1,4 +1,4 @@
-"""``beluga bench scale``: how the metadata server's costs grow with the pool (partial).
+"""``beluga bench scale``: how the metadata server's costs grow with the pool.
 
 Measured here, in one process, with the metadata service driven directly (no
 RPC, as tests/test_service.py drives it), on pools of a few sizes filled to
@@ -9,19 +9,27 @@ recovery      a restarted server's ``recover()``: load and parse every block
               repair the pool index; against block count and key count
 fill          ALLOC and COMMIT batches of 256 (the server's side only: the
               payload publish between them is the writer's and is not timed)
+full GC       one full ``gc.collect()`` with the recovered server alive (it
+              scans every object the server holds: a pause of every RPC)
 tick          one ``tick()`` of the server (hint folding, one index scrub
               step of 64 buckets, lease checks) and the scrub step alone
+writers       ALLOC/COMMIT batch throughput and p50/p99 against 1..16 hosts
+              writing at once, each with its own host id (``writers``), and
+              ``put_batch`` through the real server the same way (``writers_rpc``)
+reads         one-sided read p50/p99, hits and misses, against the pool
+              index's load factor, 10..90% (``reads``)
 
-Each curve is fitted as cost = a + b x (least squares over the sizes run)
-and extrapolated to the paper's pod: 8 TB of 64 KiB blocks (128 M blocks),
-with the assumptions stated in the report (``ASSUMPTIONS``).  Not measured
-yet (issue 22): ALLOC/COMMIT against 1..16 writing hosts, read p50/p99
-against the index load factor.
+Each size curve is fitted as cost = a + b x (least squares over the sizes
+run) and extrapolated to the paper's pod: 8 TB of 64 KiB blocks (128 M
+blocks) and 16 hosts, with the assumptions stated in the report
+(``ASSUMPTIONS``).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -29,27 +37,53 @@ from typing import Any
 
 import numpy as np
 
+from beluga._native import _core
+from beluga.bench.store import serve_in_child
+from beluga.child import server_process
 from beluga.coherence import digest
+from beluga.kv import KVStore
 from beluga.kv import protocol as p
+from beluga.kv.index import SLOTS
 from beluga.kv.service import MetadataService
 from beluga.pool import Geometry, Pool
 from beluga.rpc import Request
 from beluga.units import GiB, MiB, TiB
 
 GEOMETRY = Geometry(max_hosts=16)
+RPC_GEOMETRY = Geometry(max_hosts=17)  # 16 writing hosts and the server
 BATCH = 256
+HOSTS = (1, 2, 4, 8, 16)
+LOADS = (0.1, 0.3, 0.5, 0.7, 0.9)
 WRITER = (1, 1)
 POD_BYTES = 8 * TiB
+POD_HOSTS = 16
+WRITER_POOL = 1 * GiB  # 16 hosts' batches of 256 one-block keys fit its 15,982 blocks
+READ_POOL = 256 * MiB
 ASSUMPTIONS = (
     "recovery and fill cost grow linearly in blocks and keys (the fit's b); the fit is over "
-    "pools of this machine's sizes, so caches that 8 TB would overflow (the header table is "
-    "64 B a block: 8 GiB at 128 M blocks, loaded into one Python list) make the real figure "
-    "larger, not smaller",
+    "pools of this machine's sizes, so caches that 8 TB would overflow make the real figure "
+    "larger, not smaller; recovery loads the whole header table at once (64 B a block: "
+    "8 GiB at 128 M blocks) and parses it into numpy columns (50 B a valid header), and "
+    "the server keeps a few Python objects a key",
     "recovery runs single-threaded in Python at this machine's speed (2 shared vCPUs)",
     "readers do not wait for recovery: they read the pool index with loads; writers wait "
     "(ALLOC and COMMIT are served after recover() returns)",
     "a tick's cost does not grow with the pool: it scrubs a fixed 64 buckets, so a full "
     "scrub pass takes (buckets / 64) ticks, which does grow linearly",
+    "writers: the service is driven directly by one thread (no RPC transport: add the slot "
+    "RPC's round trip per batch), each host's ALLOC then COMMIT batch served in turn as the "
+    "server's loop serves rings; its keys/s does not grow with hosts (one server thread), "
+    "and a host's batch waits behind the others', so the p99 at the pod's 16 hosts is scaled "
+    "from the most hosts measured by 16 / hosts; a p99 includes any full garbage collection "
+    "that fell in a batch, whose pause grows with the keys the server holds (full GC)",
+    "writers through the server: one thread a host in one process, each with its own "
+    "KVStore and host id, on the same 2 vCPUs as the server (the clients' digests, publishes "
+    "and encodings compete with it), so its keys/s is a floor for hosts of their own",
+    "reads: one process reading a 64-byte value with loads (no RPC); a read's cost does not "
+    "depend on the pool's size (two bucket lines and a header), only on the index's load, "
+    "which at the pod is at most (keys / blocks) / 3 (a bucket a block, 3 slots each); "
+    "filler entries stand in for other keys; several readers at once contend only for the "
+    "memory system, not measured here",
 )
 
 
@@ -98,11 +132,17 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
         filled = fill(pool, svc, keys, uuid.uuid4().hex[:8])
         recovery = []
         for _ in range(repeats):
+            del svc  # the last server's teardown is not the next one's recovery
             t = time.perf_counter()
             svc = MetadataService(pool, writer_alive=lambda host, gen: True)
             recovery.append(time.perf_counter() - t)
         if len(svc.index) != keys:
             raise AssertionError(f"recovery found {len(svc.index)} keys of the {keys} stored")
+        collections = []
+        for _ in range(repeats):  # a full collection scans every object the server holds
+            t = time.perf_counter()
+            gc.collect()
+            collections.append(time.perf_counter() - t)
         ticks, scrubs = [], []
         for _ in range(50):
             t = time.perf_counter_ns()
@@ -117,11 +157,263 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
             "keys": keys,
             "index_buckets": svc.ix.nbuckets,
             "recovery_s": statistics.median(recovery),
+            "recovery_us_per_block": 1e6 * statistics.median(recovery) / pool.superblock.nblocks,
             "alloc_us_per_key": 1e6 * filled["alloc_s"] / max(keys, 1),
             "commit_us_per_key": 1e6 * filled["commit_s"] / max(keys, 1),
+            "full_gc_ms": 1e3 * statistics.median(collections),
             "tick_us": statistics.median(ticks) / 1e3,
             "scrub_us": statistics.median(scrubs) / 1e3,
         }
+    finally:
+        pool.close()
+        Pool.destroy(path)
+
+
+def _scratch(size: int) -> tuple[str, Pool]:
+    path = f"/dev/shm/beluga-scale-{uuid.uuid4().hex[:8]}"
+    return path, Pool.create(path, size, geometry=GEOMETRY, coherence="native")
+
+
+def _percentiles(ns: Sequence[int]) -> tuple[float, float]:
+    """p50 and p99 in µs of timings in ns."""
+    p50, p99 = np.percentile(np.asarray(ns, dtype=float), [50, 99])
+    return float(p50) / 1e3, float(p99) / 1e3
+
+
+def _serve(svc: MetadataService, reqs: Sequence[Request], handler: str) -> list[tuple[int, bytes]]:
+    """Serve one batch of each host, in turn as the server's loop does: each host's
+    latency is its wait behind the hosts before it plus its own batch, in ns."""
+    out, waited = [], 0
+    for req in reqs:
+        t = time.perf_counter_ns()
+        answer = getattr(svc, handler)(req)
+        waited += time.perf_counter_ns() - t
+        out.append((waited, answer))
+    return out
+
+
+def writers(size: int, hosts: Sequence[int] = HOSTS, batch: int = BATCH) -> list[dict[str, Any]]:
+    """ALLOC and COMMIT batches against the number of hosts writing at once.
+
+    The metadata service is driven directly (no RPC transport), by one thread in
+    rounds: each of ``n`` hosts (own host id, generation 1) has one ALLOC batch of
+    ``batch`` one-block keys outstanding, served in turn; then the publishes (the
+    writers' work, not timed) and one COMMIT batch each, in turn.  The round's keys
+    are then removed (not timed), so every round starts from the same pool.
+    """
+    path, pool = _scratch(size)
+    sb, mem = pool.superblock, pool.memory
+    try:
+        if max(hosts) * batch > sb.nblocks:
+            raise ValueError(
+                f"{max(hosts)} hosts with {batch} keys each do not fit a {size}-byte pool's "
+                f"{sb.nblocks} blocks: pass a larger pool or a smaller batch"
+            )
+        svc = MetadataService(pool, writer_alive=lambda host, gen: True)
+        rows = []
+        for n in hosts:
+            alloc_ns: list[int] = []
+            commit_ns: list[int] = []
+            busy = 0
+            keys = 0
+            for r in range(max(8, 128 // n)):  # at least 128 host-batches a point
+                digests = {
+                    h: [digest(f"w{n}-{r}-{h}-{i}".encode()) for i in range(batch)]
+                    for h in range(1, n + 1)
+                }
+                ask = [
+                    Request(h, int(p.StoreOp.ALLOC), p.encode_alloc([(d, 64, 1) for d in ds]), 1)
+                    for h, ds in digests.items()
+                ]
+                served = _serve(svc, ask, "op_alloc")
+                alloc_ns += [w for w, _ in served]
+                busy += served[-1][0]
+                commits = []
+                for (h, ds), (_, answer) in zip(digests.items(), served, strict=True):
+                    grants = p.decode_grants(answer)
+                    for d, g in zip(ds, grants, strict=True):
+                        mem.publish(
+                            sb.block_header_offset(g.block),
+                            sb.block_payload_offset(g.block),
+                            d,
+                            g.version,
+                            d * 4,
+                            writer=h,
+                            writer_gen=1,
+                        )
+                    payload = p.encode_commit(
+                        [(d, g.block, g.version) for d, g in zip(ds, grants, strict=True)]
+                    )
+                    commits.append(Request(h, int(p.StoreOp.COMMIT), payload, 1))
+                served = _serve(svc, commits, "op_commit")
+                commit_ns += [w for w, _ in served]
+                busy += served[-1][0]
+                if not all(all(p.decode_flags(a)) for _, a in served):
+                    raise AssertionError(f"a COMMIT of {n} hosts' batches was refused")
+                keys += n * batch
+                everything = [d for ds in digests.values() for d in ds]
+                svc.op_remove(Request(1, int(p.StoreOp.REMOVE), p.encode_digests(everything), 1))
+            a50, a99 = _percentiles(alloc_ns)
+            c50, c99 = _percentiles(commit_ns)
+            rows.append(
+                {
+                    "hosts": n,
+                    "batch": batch,
+                    "keys": keys,
+                    "keys_per_s": keys / (busy / 1e9),
+                    "alloc_batch_p50_us": a50,
+                    "alloc_batch_p99_us": a99,
+                    "commit_batch_p50_us": c50,
+                    "commit_batch_p99_us": c99,
+                }
+            )
+        if svc.index or svc.pending:
+            raise AssertionError("the writers' rounds left keys or writes behind")
+        return rows
+    finally:
+        pool.close()
+        Pool.destroy(path)
+
+
+def writers_rpc(
+    size: int, hosts: Sequence[int] = HOSTS, batch: int = BATCH, batches: int = 32
+) -> list[dict[str, Any]]:
+    """``put_batch`` of one-block keys through the real server, against hosts writing at once.
+
+    For each number of hosts: a fresh pool, ``beluga serve`` in a child process, and
+    one thread a host, each with its own ``KVStore`` (its own host id), all storing
+    batches of ``batch`` 64-byte values at once (``batches`` in all, shared between
+    the hosts).  A put is the whole protocol: ALLOC RPC, publish, COMMIT RPC.  The
+    clients are threads of one process on the same CPUs as the server.
+    """
+    rows = []
+    for n in hosts:
+        path, pool = _scratch_rpc(size)
+        try:
+            with server_process(serve_in_child, pool.spec):
+                stores = [KVStore(pool.spec) for _ in range(n)]
+                try:
+                    rows.append(_put_at_once(stores, batch, max(1, batches // n)))
+                finally:
+                    for store in stores:
+                        store.close()
+        finally:
+            pool.close()
+            Pool.destroy(path)
+    return rows
+
+
+def _put_at_once(stores: Sequence[KVStore], batch: int, rounds: int) -> dict[str, Any]:
+    """Every store puts ``rounds`` batches in its own thread, all started together."""
+    start = threading.Barrier(len(stores))
+    took: list[list[int]] = [[] for _ in stores]
+    failed: list[BaseException] = []
+
+    def write(i: int) -> None:
+        try:
+            start.wait(timeout=30)
+            for r in range(rounds):
+                keys = [f"h{i}-{r}-{k}" for k in range(batch)]
+                t = time.perf_counter_ns()
+                stores[i].put_batch(keys, [digest(k.encode()) * 4 for k in keys])
+                took[i].append(time.perf_counter_ns() - t)
+        except BaseException as e:  # re-raised below, in the caller's thread
+            failed.append(e)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(stores))]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=300)
+    wall = time.perf_counter() - t
+    if failed or any(th.is_alive() for th in threads):
+        raise AssertionError(f"a writer failed or hung: {failed[:1]}")
+    p50, p99 = _percentiles([ns for per in took for ns in per])
+    keys = len(stores) * rounds * batch
+    return {
+        "hosts": len(stores),
+        "host_ids": sorted(s.rpc.host_id for s in stores),
+        "batch": batch,
+        "keys": keys,
+        "keys_per_s": keys / wall,
+        "put_batch_p50_us": p50,
+        "put_batch_p99_us": p99,
+    }
+
+
+def _scratch_rpc(size: int) -> tuple[str, Pool]:
+    path = f"/dev/shm/beluga-scale-{uuid.uuid4().hex[:8]}"
+    return path, Pool.create(path, size, geometry=RPC_GEOMETRY, coherence="native")
+
+
+def reads(
+    size: int, loads: Sequence[float] = LOADS, values: int = 512, lookups: int = 4000
+) -> list[dict[str, Any]]:
+    """One-sided reads (``_core.Index.get_into``, the read path of every client: two bucket
+    lines and a header with loads, the payload copied with its checksum) against the
+    load factor of the pool index (keys / slots).
+
+    ``values`` real one-block values of 64 bytes are stored through the service; the
+    index is then filled, load by load, with entries of random keys (tags and slots
+    taken, pointing at no header of theirs) placed by the server's own cuckoo insert,
+    which also moves the real keys to their other bucket as a full index does.  Hits
+    time the real keys, misses keys never stored.
+    """
+    path, pool = _scratch(size)
+    sb = pool.superblock
+    try:
+        svc = MetadataService(pool, writer_alive=lambda host, gen: True)
+        prefix = uuid.uuid4().hex[:8]
+        fill(pool, svc, min(values, sb.nblocks), prefix)
+        real = [f"{prefix}-{i}".encode() for i in range(min(values, sb.nblocks))]
+        absent = [f"absent-{i}".encode() for i in range(len(real))]
+        index = _core.Index(
+            pool.memory,
+            sb.index.offset,
+            sb.nbuckets,
+            sb.headers.offset,
+            sb.payloads.offset,
+            sb.block_size,
+            sb.nblocks,
+        )
+        ix, slots = svc.ix, sb.nbuckets * SLOTS
+        rng = np.random.default_rng(22)
+        buf = bytearray(sb.block_size)
+        rows = []
+        for load in sorted(loads):
+            while len(ix) < load * slots:
+                block = int(rng.integers(sb.nblocks))
+                if not ix.put(rng.bytes(16), block, int(rng.integers(1, 1 << 62))):
+                    break  # no cuckoo path within the insert's bounds: the index is full
+            pool.memory.sfence()
+            hits, misses = [], []
+            for i in range(lookups):
+                t = time.perf_counter_ns()
+                got = index.get_into(real[i % len(real)], buf)
+                hits.append(time.perf_counter_ns() - t)
+                if got < 0:
+                    raise AssertionError(f"a stored key missed at index load {len(ix) / slots:.2f}")
+                t = time.perf_counter_ns()
+                got = index.get_into(absent[i % len(absent)], buf)
+                misses.append(time.perf_counter_ns() - t)
+                if got >= 0:
+                    raise AssertionError("a key never stored was found")
+            h50, h99 = _percentiles(hits)
+            m50, m99 = _percentiles(misses)
+            rows.append(
+                {
+                    "target_load": load,
+                    "load": len(ix) / slots,
+                    "index_slots": slots,
+                    "hit_p50_us": h50,
+                    "hit_p99_us": h99,
+                    "miss_p50_us": m50,
+                    "miss_p99_us": m99,
+                    "insert_failures": ix.failed,
+                }
+            )
+        return rows
     finally:
         pool.close()
         Pool.destroy(path)
@@ -135,14 +427,29 @@ def _fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def run(sizes: Sequence[int], fraction: float = 0.5) -> dict[str, Any]:
-    """Measure every size; fit and extrapolate each curve to the paper's 8 TB pod."""
+def run(
+    sizes: Sequence[int],
+    fraction: float = 0.5,
+    hosts: Sequence[int] = HOSTS,
+    loads: Sequence[float] = LOADS,
+    *,
+    writer_pool: int = WRITER_POOL,
+    writer_batch: int = BATCH,
+    read_pool: int = READ_POOL,
+    through_rpc: bool = True,
+) -> dict[str, Any]:
+    """Measure every size, the writers against hosts and the reads against the index's
+    load; fit and extrapolate each curve to the paper's 8 TB pod."""
     rows = [measure(s, fraction) for s in sizes]
+    by_hosts = writers(writer_pool, hosts, writer_batch) if hosts else []
+    by_hosts_rpc = writers_rpc(writer_pool, hosts, writer_batch) if hosts and through_rpc else []
+    by_load = reads(read_pool, loads) if loads else []
     pod_blocks = POD_BYTES // GEOMETRY.block_size
     pod_keys = int(pod_blocks * fraction)
     blocks = [r["blocks"] for r in rows]
     a, b = _fit(blocks, [r["recovery_s"] for r in rows])
     per_key = statistics.median(r["alloc_us_per_key"] + r["commit_us_per_key"] for r in rows)
+    gc_a, gc_b = _fit([r["keys"] for r in rows], [r["full_gc_ms"] for r in rows])
     extrapolated = {
         "pod_bytes": POD_BYTES,
         "pod_blocks": pod_blocks,
@@ -150,6 +457,7 @@ def run(sizes: Sequence[int], fraction: float = 0.5) -> dict[str, Any]:
         "recovery_s": a + b * pod_blocks,
         "recovery_us_per_block": 1e6 * b,
         "fill_alloc_commit_s": per_key * pod_keys / 1e6,
+        "full_gc_s": (gc_a + gc_b * pod_keys) / 1e3,
         "tick_us": statistics.median(r["tick_us"] for r in rows),
         "full_scrub_pass_s": statistics.median(r["scrub_us"] for r in rows)
         * (rows[-1]["index_buckets"] / rows[-1]["blocks"])
@@ -157,7 +465,44 @@ def run(sizes: Sequence[int], fraction: float = 0.5) -> dict[str, Any]:
         / 64
         / 1e6,
     }
-    return {"rows": rows, "extrapolated": extrapolated, "assumptions": list(ASSUMPTIONS)}
+    if by_hosts:
+        most = max(by_hosts, key=lambda r: r["hosts"])
+        extrapolated["writers"] = {
+            # one server serves every host in turn: its keys/s is the pod's, whatever the hosts
+            "hosts": most["hosts"],
+            "keys_per_s": most["keys_per_s"],
+            "fill_s": pod_keys / most["keys_per_s"],
+            "pod_hosts": POD_HOSTS,
+            # each of the pod's hosts waits behind the others' batches: p99 grows with hosts
+            "alloc_batch_p99_us": most["alloc_batch_p99_us"] * POD_HOSTS / most["hosts"],
+            "commit_batch_p99_us": most["commit_batch_p99_us"] * POD_HOSTS / most["hosts"],
+        }
+    if by_hosts_rpc:
+        most = max(by_hosts_rpc, key=lambda r: r["hosts"])
+        extrapolated["writers_rpc"] = {
+            "hosts": most["hosts"],
+            "keys_per_s": most["keys_per_s"],
+            "fill_s": pod_keys / most["keys_per_s"],
+        }
+    if by_load:
+        # the pod's index holds one key a value in >= one bucket a block (3 slots each)
+        pod_load = fraction / SLOTS
+        at = [r["load"] for r in by_load]  # measured in rising order; held flat outside them
+        extrapolated["reads"] = {
+            "pod_load": pod_load,
+            **{
+                k: float(np.interp(pod_load, at, [r[k] for r in by_load]))
+                for k in ("hit_p50_us", "hit_p99_us", "miss_p50_us", "miss_p99_us")
+            },
+        }
+    return {
+        "rows": rows,
+        "writers": by_hosts,
+        "writers_rpc": by_hosts_rpc,
+        "reads": by_load,
+        "extrapolated": extrapolated,
+        "assumptions": list(ASSUMPTIONS),
+    }
 
 
 def columns() -> list[tuple[str, str]]:
@@ -166,25 +511,93 @@ def columns() -> list[tuple[str, str]]:
         ("blocks", "blocks"),
         ("keys", "keys"),
         ("recovery_s", "recovery s"),
+        ("recovery_us_per_block", "µs/block"),
         ("alloc_us_per_key", "ALLOC µs/key"),
         ("commit_us_per_key", "COMMIT µs/key"),
+        ("full_gc_ms", "full GC ms"),
         ("tick_us", "tick µs"),
         ("scrub_us", "scrub(64) µs"),
     ]
 
 
+def _table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> list[str]:
+    """Plain text rows of (key, heading, format) columns."""
+    cells = [[h for _, h, _ in cols]] + [[format(r[k], f) for k, _, f in cols] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    return ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+
+
 def format_extrapolation(doc: dict[str, Any]) -> str:
     e = doc["extrapolated"]
-    lines = [
+    lines = []
+    if doc.get("writers"):
+        lines += ["ALLOC/COMMIT against hosts writing at once (service driven directly):"]
+        lines += _table(
+            doc["writers"],
+            [
+                ("hosts", "hosts", "d"),
+                ("keys_per_s", "keys/s", ",.0f"),
+                ("alloc_batch_p50_us", "ALLOC p50 µs", ".0f"),
+                ("alloc_batch_p99_us", "ALLOC p99 µs", ".0f"),
+                ("commit_batch_p50_us", "COMMIT p50 µs", ".0f"),
+                ("commit_batch_p99_us", "COMMIT p99 µs", ".0f"),
+            ],
+        )
+    if doc.get("writers_rpc"):
+        lines += ["put_batch through the real server against hosts writing at once (threads):"]
+        lines += _table(
+            doc["writers_rpc"],
+            [
+                ("hosts", "hosts", "d"),
+                ("keys_per_s", "keys/s", ",.0f"),
+                ("put_batch_p50_us", "put_batch p50 µs", ",.0f"),
+                ("put_batch_p99_us", "put_batch p99 µs", ",.0f"),
+            ],
+        )
+    if doc.get("reads"):
+        lines += ["one-sided reads against the pool index's load:"]
+        lines += _table(
+            doc["reads"],
+            [
+                ("load", "load", ".2f"),
+                ("hit_p50_us", "hit p50 µs", ".2f"),
+                ("hit_p99_us", "hit p99 µs", ".2f"),
+                ("miss_p50_us", "miss p50 µs", ".2f"),
+                ("miss_p99_us", "miss p99 µs", ".2f"),
+                ("insert_failures", "full", "d"),
+            ],
+        )
+    lines += [
         f"extrapolated to {e['pod_bytes'] / TiB:g} TiB ({e['pod_blocks']:,} blocks, "
         f"{e['pod_keys']:,} keys):",
         f"  recovery {e['recovery_s']:,.0f} s ({e['recovery_us_per_block']:.2f} µs a block)",
         f"  filling it through ALLOC + COMMIT, server side: {e['fill_alloc_commit_s']:,.0f} s",
+        f"  one full garbage collection in the server: {e['full_gc_s']:,.1f} s (a pause of "
+        "every RPC; Python starts one when enough objects outlived the younger ones)",
         f"  one tick {e['tick_us']:.0f} µs; one full pass of the index scrub "
         f"{e['full_scrub_pass_s']:,.1f} s of server CPU (64 buckets a tick)",
-        "assumptions:",
-        *[f"  - {a}" for a in doc["assumptions"]],
     ]
+    if "writers" in e:
+        w = e["writers"]
+        lines.append(
+            f"  writers: {w['keys_per_s']:,.0f} keys/s for the pod whatever its hosts (fill "
+            f"{w['fill_s']:,.0f} s); with {w['pod_hosts']} hosts a batch's p99 ALLOC "
+            f"{w['alloc_batch_p99_us']:,.0f} µs, COMMIT {w['commit_batch_p99_us']:,.0f} µs"
+        )
+    if "writers_rpc" in e:
+        w = e["writers_rpc"]
+        lines.append(
+            f"  through the server with {w['hosts']} hosts: {w['keys_per_s']:,.0f} keys/s "
+            f"end to end (fill {w['fill_s']:,.0f} s)"
+        )
+    if "reads" in e:
+        r = e["reads"]
+        lines.append(
+            f"  reads at the pod's index load {r['pod_load']:.2f} (interpolated): hit p50 "
+            f"{r['hit_p50_us']:.2f} µs, p99 {r['hit_p99_us']:.2f} µs; miss p50 "
+            f"{r['miss_p50_us']:.2f} µs, p99 {r['miss_p99_us']:.2f} µs"
+        )
+    lines += ["assumptions:", *[f"  - {a}" for a in doc["assumptions"]]]
     return "\n".join(lines)
 
 

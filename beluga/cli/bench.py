@@ -171,21 +171,48 @@ def _add_store(cmds: argparse._SubParsersAction) -> None:
 def _add_scale(cmds: argparse._SubParsersAction) -> None:
     s = cmds.add_parser(
         "scale",
-        help="how server recovery, ALLOC/COMMIT and ticks grow with the pool, extrapolated "
-        "to 8 TB (partial: see beluga/bench/scale.py)",
+        help="how server recovery, ALLOC/COMMIT (against writing hosts), ticks and one-sided "
+        "reads (against the index's load) grow, extrapolated to an 8 TB, 16-host pod",
     )
     add_json_arg(s)
     s.add_argument(
         "--sizes", default="256M,1G", help="comma-separated pool sizes (scratch pools in /dev/shm)"
     )
     s.add_argument("--fill", type=float, default=0.5, help="fraction of blocks holding a value")
+    s.add_argument(
+        "--hosts",
+        default=",".join(map(str, scale_bench.HOSTS)),
+        help="comma-separated numbers of hosts writing at once ('' to skip)",
+    )
+    s.add_argument(
+        "--loads",
+        default=",".join(map(str, scale_bench.LOADS)),
+        help="comma-separated pool index load factors to read at, in (0, 1) ('' to skip)",
+    )
+    s.add_argument(
+        "--no-rpc",
+        action="store_true",
+        help="skip the writers through the real server (a child `beluga serve` per point)",
+    )
     s.set_defaults(handler=run_scale)
 
 
 def run_scale(args: argparse.Namespace) -> int:
     if not 0 < args.fill <= 1:
         raise ValueError(f"--fill is a fraction in (0, 1], not {args.fill}")
-    result = scale_bench.run([parse_size(s) for s in args.sizes.split(",")], args.fill)
+    hosts = [int(h) for h in args.hosts.split(",") if h]
+    loads = [float(x) for x in args.loads.split(",") if x]
+    if any(not 1 <= h <= scale_bench.GEOMETRY.max_hosts for h in hosts):
+        raise ValueError(f"--hosts are 1..{scale_bench.GEOMETRY.max_hosts}, not {args.hosts}")
+    if any(not 0 < x < 1 for x in loads):
+        raise ValueError(f"--loads are fractions in (0, 1), not {args.loads}")
+    result = scale_bench.run(
+        [parse_size(s) for s in args.sizes.split(",")],
+        args.fill,
+        hosts,
+        loads,
+        through_rpc=not args.no_rpc,
+    )
     for row in result["rows"]:
         row["pool"] = human_bytes(row["pool_bytes"])
     report(args, "scale", result, scale_bench.columns())

@@ -47,6 +47,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from beluga._native import _core, step
 
 Memory = _core.Memory
@@ -238,11 +240,49 @@ def parse_headers(table: bytes) -> list[tuple[int, BlockHeader]]:
     return [(block, h) for block, h in found if h is not None]
 
 
+_COLUMN_TYPES = ("<i8", "<u2", "<u8", "V16", "<u8", "<u4", "<u4")  # as header_columns packs them
+
+
+@dataclass(frozen=True)
+class HeaderTable:
+    """The valid headers of a header table as numpy columns, one row a header, in block order.
+
+    ``digest`` is 16-byte void items (``.tolist()`` gives bytes).  Thread-safe and
+    fork-safe: immutable, its arrays read-only views of the C core's output.
+    """
+
+    block: np.ndarray
+    state: np.ndarray
+    version: np.ndarray
+    digest: np.ndarray
+    length: np.ndarray
+    writer: np.ndarray
+    writer_gen: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.block)
+
+
+def parse_header_table(table: bytes) -> HeaderTable:
+    """``parse_headers`` without an object per block: the same headers (valid magic and
+    checksum, a state this Beluga knows) as columns, for recovery's scan of a whole pool."""
+    cols = [
+        np.frombuffer(c, t) for c, t in zip(_core.header_columns(table), _COLUMN_TYPES, strict=True)
+    ]
+    known = np.isin(cols[1], [s.value for s in BlockState])
+    if not known.all():
+        cols = [c[known] for c in cols]
+        for c in cols:
+            c.flags.writeable = False
+    return HeaderTable(*cols)
+
+
 __all__ = [
     "LINE",
     "MODES",
     "BlockHeader",
     "BlockState",
+    "HeaderTable",
     "Memory",
     "Miss",
     "ModelConfig",
@@ -252,6 +292,7 @@ __all__ = [
     "line_reader",
     "line_writer",
     "parse_header",
+    "parse_header_table",
     "parse_headers",
     "read_line",
     "resolve_mode",

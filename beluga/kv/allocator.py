@@ -14,6 +14,9 @@ CHUNK = 1 << 14
 
 
 class BlockAllocator:
+    """The free bitmap of the data area.  Not thread-safe (the server's one thread owns
+    it) and not fork-safe: it is process memory, rebuilt from the pool by recovery."""
+
     def __init__(self, nblocks: int) -> None:
         if nblocks < 1:
             raise ValueError("an allocator needs at least one block")
@@ -72,6 +75,40 @@ class BlockAllocator:
         self.nfree -= count
         return True
 
+    def reserve_many(self, firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """``reserve`` of many extents at once, exactly as if called in the order given:
+        an extent out of range, or with a block taken before the call or by an earlier
+        extent of the list, is refused.  The booleans of ``reserve``, one an extent.
+
+        Extents that overlap no other of the list are decided and marked with array
+        operations; only the tangled ones (overlapping another) go one at a time.
+        """
+        firsts = np.asarray(firsts, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        if firsts.ndim != 1 or firsts.shape != counts.shape:
+            raise ValueError("reserve_many takes two flat arrays of the same length")
+        ok = (firsts >= 0) & (counts >= 1) & (firsts <= self.nblocks - counts)
+        taken = np.concatenate(([0], np.cumsum(~self.free)))  # taken[i]: used blocks below i
+        lo = np.where(ok, firsts, 0)
+        ok &= taken[np.where(ok, firsts + counts, 0)] == taken[lo]
+        tangled = np.zeros_like(ok)
+        tangled[ok] = overlapping(firsts[ok], counts[ok])
+        clear = ok & ~tangled
+        self._mark(firsts[clear], counts[clear])
+        for i in np.flatnonzero(tangled).tolist():
+            ok[i] = self.reserve(int(firsts[i]), int(counts[i]))
+        return ok
+
+    def _mark(self, firsts: np.ndarray, counts: np.ndarray) -> None:
+        """Mark free extents that overlap each other nowhere as used."""
+        if not firsts.size:
+            return
+        edges = np.zeros(self.nblocks + 1, dtype=np.int64)
+        np.add.at(edges, firsts, 1)
+        np.add.at(edges, firsts + counts, -1)
+        self.free[np.cumsum(edges[:-1]) > 0] = False
+        self.nfree -= int(counts.sum())
+
     def release(self, first: int, count: int) -> None:
         """Return an extent; releasing a free block is a bug and raises."""
         extent = self.free[first : first + count]
@@ -79,3 +116,18 @@ class BlockAllocator:
             raise AssertionError(f"double free of blocks [{first}, +{count})")
         extent[:] = True
         self.nfree += count
+
+
+def overlapping(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Which extents (first, count >= 1) share a block with another extent of the list."""
+    order = np.argsort(firsts, kind="stable")
+    lo = firsts[order]
+    hi = lo + counts[order]
+    hit = np.zeros(lo.size, dtype=bool)
+    if lo.size > 1:
+        reach = np.maximum.accumulate(hi)  # the furthest end of the extents sorted before
+        hit[1:] = lo[1:] < reach[:-1]
+        hit[:-1] |= lo[1:] < hi[:-1]
+    out = np.empty_like(hit)
+    out[order] = hit
+    return out

@@ -35,7 +35,9 @@ Not thread-safe and not fork-safe: it lives on the server's one thread.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from beluga._native import _core, step
 from beluga.coherence import LINE, Memory
@@ -48,6 +50,9 @@ MAX_VISIT = 256  # buckets a search looks at
 _move_fence = step("INDEX_MOVE_FENCE", Memory.sfence)
 
 Slot = tuple[bytes, int, int, int]  # digest, tag, block, version
+# the numpy types of the packed columns of _core.ix_columns and _core.ix_hash_many
+_IX_COLUMNS = ("u1", "=u8", "=u4", "=u4", "=u8")
+_HASH_COLUMNS = ("=u4", "=u8", "=u8")
 
 
 class PoolIndex:
@@ -194,49 +199,77 @@ class PoolIndex:
 
     # -- recovery ------------------------------------------------------------
 
-    def repair(self, entries: Mapping[bytes, tuple[int, int]]) -> dict[str, int]:
-        """Make the pool's index hold exactly ``entries`` (digest -> (block, version)).
+    def repair(
+        self, digests: Sequence[bytes], blocks: np.ndarray, versions: np.ndarray
+    ) -> dict[str, int]:
+        """Make the pool's index hold exactly the entries digests[i] -> (blocks[i], versions[i]).
 
-        Slots that an entry confirms stay where they are; every other slot is
-        cleared, then missing entries are inserted.  Returns counts of what
-        was kept, dropped and inserted.  Unfenced: the caller fences.
+        Slots that an entry confirms (same block, version and tag, in a bucket of its
+        digest; the first such slot of an entry in bucket order) stay where they are;
+        every other slot is cleared, then missing entries are inserted in the order
+        given.  The mirror starts again from what the pool holds.  Returns counts of
+        what was kept, dropped and inserted.  Unfenced: the caller fences.
+
+        The scan is array operations over every bucket: no Python object per bucket,
+        one per kept entry.
         """
         mem, n = self.mem, self.nbuckets
+        blocks = np.asarray(blocks, dtype=np.int64)
+        versions = np.asarray(versions, dtype=np.uint64)
+        if not len(digests) == blocks.size == versions.size:
+            raise ValueError("repair takes a block and a version for each digest")
+        if blocks.size and not 0 <= int(blocks.min()) <= int(blocks.max()) < self.sb.nblocks:
+            raise ValueError(f"repair's blocks lie in [0, {self.sb.nblocks})")
         mem.invalidate(self.base, n * LINE)
         mem.mfence()
-        raw = mem.load(self.base, n * LINE)
-        by_block = {block: (d, version) for d, (block, version) in entries.items()}
-        kept = dropped = 0
-        for b in range(n):
-            line = raw[b * LINE : (b + 1) * LINE]
-            got = _core.ix_unpack(line)
-            dirty = got is None
-            seq, slots = got if got is not None else (0, [(0, 0, 0)] * SLOTS)
-            self.seq[b] = seq
-            for i, (tag, block, version) in enumerate(slots):
-                if not tag:
-                    continue
-                hit = by_block.get(block)
-                ok = hit is not None and hit[1] == version and hit[0] not in self.where
-                if ok:
-                    assert hit is not None
-                    t, b1, b2 = self._buckets(hit[0])
-                    ok = t == tag and b in (b1, b2)
-                if ok:
-                    assert hit is not None
-                    self.slots[b * SLOTS + i] = (hit[0], tag, block, version)
-                    self.where[hit[0]] = b * SLOTS + i
-                    kept += 1
-                else:
-                    dirty = True
-                    dropped += 1
-            if dirty:
-                self._write(b)
+        raw = _core.ix_columns(mem.load(self.base, n * LINE))
+        whole, seqs, tags, at_block, at_version = (
+            np.frombuffer(c, t) for c, t in zip(raw, _IX_COLUMNS, strict=True)
+        )
+        hashed = _core.ix_hash_many(b"".join(digests), n)
+        want_tag, b1, b2 = (np.frombuffer(c, t) for c, t in zip(hashed, _HASH_COLUMNS, strict=True))
+        b1, b2 = b1.astype(np.int64), b2.astype(np.int64)  # bucket numbers: far below 2**63
+        # the entry each slot names by its block (-1: none), then whether it confirms it
+        entry_of = np.full(self.sb.nblocks + 1, -1, dtype=np.int64)
+        entry_of[blocks] = np.arange(blocks.size)
+        tagged = tags != 0
+        hit = entry_of[np.minimum(at_block, self.sb.nblocks)]
+        cand = np.flatnonzero(tagged & (hit >= 0))
+        e = hit[cand]
+        bucket = cand // SLOTS
+        confirms = (
+            (versions[e] == at_version[cand])
+            & (want_tag[e] == tags[cand])
+            & ((b1[e] == bucket) | (b2[e] == bucket))
+        )
+        cand = cand[confirms]
+        _, first = np.unique(hit[cand], return_index=True)  # one slot an entry
+        keep = np.sort(cand[first])
+        dropped = tagged.copy()
+        dropped[keep] = False
+        self.seq = seqs.tolist()
+        self.slots = slots = [None] * (n * SLOTS)
+        ent = hit[keep].tolist()
+        kept = [digests[i] for i in ent]
+        at = keep.tolist()
+        found = zip(
+            kept,
+            tags[keep].tolist(),
+            at_block[keep].tolist(),
+            at_version[keep].tolist(),
+            strict=True,
+        )
+        for pos, slot in zip(at, found, strict=True):  # a kept slot holds its entry's values
+            slots[pos] = slot
+        self.where = dict(zip(kept, at, strict=True))
+        for b in np.flatnonzero((whole == 0) | dropped.reshape(n, SLOTS).any(axis=1)).tolist():
+            self._write(b)
+        missing = np.ones(blocks.size, dtype=bool)
+        missing[ent] = False
         inserted = 0
-        for d, (block, version) in entries.items():
-            if d not in self.where and self.put(d, block, version):
-                inserted += 1
-        return {"kept": kept, "dropped": dropped, "inserted": inserted}
+        for i in np.flatnonzero(missing).tolist():
+            inserted += self.put(digests[i], int(blocks[i]), int(versions[i]))
+        return {"kept": len(ent), "dropped": int(dropped.sum()), "inserted": inserted}
 
     # -- hints ---------------------------------------------------------------
 
