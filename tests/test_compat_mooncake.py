@@ -13,10 +13,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import multiprocessing as mp
+import os
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -815,6 +817,61 @@ def scenario_tensors(s: Any, module: Any) -> list[Any]:
     return answers
 
 
+def scenario_meta(s: Any, module: Any, folder: str) -> list[Any]:
+    """Metadata-prefixed puts, safetensors files, and the segment, replica and task forms
+    (no meaning on a pool: their codes and shapes must be Mooncake's); every answer."""
+    _data, data_ptr = buffer_of(bytes(range(64)))
+    _meta, meta_ptr = buffer_of(b"METADATA")
+    t = torch.arange(6.0).reshape(2, 3)
+    os.makedirs(folder, exist_ok=True)
+    path = f"{folder}/t.safetensors"
+    answers: list[Any] = [
+        s.put_from_with_metadata("m", data_ptr, meta_ptr, 64, 8),
+        s.get("m"),
+        s.put_tensor("st", t),
+        s.save_tensor_to_safetensor("st", path),
+        s.save_tensor_to_safetensor("nope", f"{folder}/nope.safetensors"),
+        s.load_tensor_from_safetensor("st2", path).tolist(),
+        s.get_tensor("st2").tolist(),
+        s.load_tensor_from_safetensor("st3", f"{folder}/missing.safetensors"),
+        s.get_replica_desc("nope"),
+        s.batch_get_replica_desc(["nope"]),
+        [
+            (r.is_memory_replica(), r.is_disk_replica(), int(r.status))
+            for r in s.get_replica_desc("m")
+        ],
+        s.get_replica_desc("m")[0].get_memory_descriptor().buffer_descriptor.size,
+        list(s.batch_get_replica_desc(["m", "nope"])),
+        s.create_copy_task("nope", ["x"])[1],
+        s.create_copy_task("m", ["x"])[1],
+        s.create_move_task("m", "a", "b")[1],
+        s.query_task((1, 2)),
+        s.unmount_segment(["bogus"]),
+        s.mount_segment(f"{folder}/no-such-file", 16 << 20),
+        sorted(s.allocate_and_mount_segment(16 << 20).items())[0],
+        s.allocate_and_mount_segment(16 << 20)["allocated_size"],
+        s.unmount_local_disk_segment(),
+        s.get_offload_rpc_read_count(),
+    ]
+    with pytest.raises(RuntimeError, match="Expected DiskDescriptor"):
+        s.get_replica_desc("m")[0].get_disk_descriptor()
+    return answers
+
+
+def test_metadata_files_segments_replicas_and_tasks(
+    store: MooncakeDistributedStore, tmp_path: Path
+) -> None:
+    """Beluga's own answers to scenario_meta (compared with Mooncake's side by side)."""
+    a = scenario_meta(store, compat, str(tmp_path))
+    assert a[0] == 0 and a[1] == b"METADATA" + bytes(range(64))  # metadata first, then data
+    assert a[3] == 0 and a[4] == compat.FILE_NOT_FOUND and a[5] == a[6] == [[0, 1, 2], [3, 4, 5]]
+    assert a[7] is None and a[8] == [] and a[9] == {}
+    assert a[10] == [(True, False, 3)] and a[11] == 72 and a[12] == ["m"]
+    assert a[13] == -704 and a[14] == a[15] == -600 and a[16] == (None, -1400)
+    assert a[17] == -1 and a[18] == {"ret": -1, "segment_ids": []}
+    assert a[19] == ("allocated_size", 16 << 20) and a[21] == a[22] == 0
+
+
 def test_tensor_and_multi_buffer_forms_round_trip(store: MooncakeDistributedStore) -> None:
     """Beluga's own answers to scenario_tensors (the side-by-side test compares them with
     Mooncake's where it is installed): what a user reads back is what was written."""
@@ -939,7 +996,7 @@ def test_differences_name_mooncakes_tests_with_reasons() -> None:
         assert len(reason) > 20, test_id
 
 
-def test_answers_match_mooncake_side_by_side(pool: Pool) -> None:
+def test_answers_match_mooncake_side_by_side(pool: Pool, tmp_path: Path) -> None:
     from beluga.bench.mooncake import MooncakeBaseline
     from beluga.errors import BackendUnavailableError
     from beluga.kv.tier.mooncake import check_available
@@ -949,7 +1006,12 @@ def test_answers_match_mooncake_side_by_side(pool: Pool) -> None:
     except BackendUnavailableError as exc:
         pytest.skip(str(exc))
     s = connect(pool)
-    ours = scenario(s), scenario_more(s, compat), scenario_tensors(s, compat)
+    ours = (
+        scenario(s),
+        scenario_more(s, compat),
+        scenario_tensors(s, compat),
+        scenario_meta(s, compat, str(tmp_path / "ours")),
+    )
     s.remove_all()
     s.close()
     with MooncakeBaseline(segment_size=64 << 20, local_buffer_size=16 << 20) as mc:
@@ -958,6 +1020,11 @@ def test_answers_match_mooncake_side_by_side(pool: Pool) -> None:
             scenario(mc.client._store),
             scenario_more(mc.client._store, sys.modules[type(mc.client._store).__module__]),
             scenario_tensors(mc.client._store, sys.modules[type(mc.client._store).__module__]),
+            scenario_meta(
+                mc.client._store,
+                sys.modules[type(mc.client._store).__module__],
+                str(tmp_path / "theirs"),
+            ),
         )
         module = sys.modules[type(mc.client._store).__module__]
     assert module is not compat
@@ -966,6 +1033,10 @@ def test_answers_match_mooncake_side_by_side(pool: Pool) -> None:
     assert ours[0] == theirs[0]
     differing = [i for i, (a, b) in enumerate(zip(ours[1], theirs[1], strict=True)) if a != b]
     assert ours[1] == theirs[1], f"answers {differing} differ: {ours[1]} vs {theirs[1]}"
+    differing = [i for i, (a, b) in enumerate(zip(ours[3], theirs[3], strict=True)) if a != b]
+    assert ours[3] == theirs[3], "segment/replica/file answers differ: " + "; ".join(
+        f"{i}: {ours[3][i]} vs {theirs[3][i]}" for i in differing
+    )
     differing = [i for i, (a, b) in enumerate(zip(ours[2], theirs[2], strict=True)) if a != b]
     assert ours[2] == theirs[2], f"tensor answers {differing} differ: " + "; ".join(
         f"{i}: {ours[2][i]} vs {theirs[2][i]}" for i in differing

@@ -60,16 +60,18 @@ before they load it, and ``mooncake.store`` is this module in that process.
 - ``get_batch([])`` is ``[]`` (Mooncake 0.3.13 returns ``[b""]``);
   ``put_from`` of 0 bytes is ``-600``, like ``put`` of an empty value.
 - Only the names defined here exist.  Absent so far, each an
-  ``AttributeError`` (or ``ImportError``): segment mounting
-  (``mount_segment`` ...), put and get sessions with their multi-buffer
-  *range* forms (``batch_put_session_start`` ...; they map onto the pool's
-  reserve and seal, not built yet), replica descriptors and copy/move tasks,
-  ``put_from_with_metadata``, CUDA-tensor reads, the safetensors helpers,
-  ``init_all`` and ``get_offload_rpc_read_count``; and the module's buffer
-  pools and leases, ``EngramStore``, ``MooncakeHostMemAllocator``,
-  ``MooncakeDistributedNoFRegister``, the descriptor classes,
-  ``bind_to_numa_node`` and the allocator addresses.  Mooncake's enums
-  (``ObjectDataType``, ``ReplicaStatus``, ``TaskStatus``, ``TaskType`` and
+  ``AttributeError`` (or ``ImportError``): put and get sessions with their
+  multi-buffer *range* forms (``batch_put_session_start`` ...; they map onto
+  the pool's reserve and seal, not built yet), CUDA-tensor reads and
+  ``init_all``; and the module's buffer pools and leases, ``EngramStore``,
+  ``MooncakeHostMemAllocator``, ``MooncakeDistributedNoFRegister``,
+  ``bind_to_numa_node`` and the allocator addresses.
+- Segments, replicas and copy/move tasks have no meaning on a pool; their
+  methods give Mooncake's answers (checked side by side): a mounted segment
+  is ``ret`` 0 with an id and adds nothing to the pool, a value has one
+  COMPLETE memory replica, a copy or move of a present value is ``-600``
+  and every task is ``TASK_NOT_FOUND``.  Mooncake's enums (``ObjectDataType``,
+  ``ReplicaStatus``, ``TaskStatus``, ``TaskType`` and
   their module-level values) and request classes (``TensorParallelism``,
   ``ParallelAxis``, ``ReadTarget``) exist with Mooncake's values.
 - The ``*_with_parallelism`` forms store and read whole tensors; given a
@@ -193,6 +195,9 @@ class ErrorCode(enum.IntEnum):
     INVALID_PARAMS = -600  # bad argument, or the client is not set up
     OBJECT_NOT_FOUND = -704
     RPC_FAIL = -900
+    FILE_NOT_FOUND = -1100  # also Mooncake's answer to saving a key that is missing
+    FILE_WRITE_FAIL = -1103
+    TASK_NOT_FOUND = -1400
 
 
 OK = ErrorCode.OK.value
@@ -200,6 +205,9 @@ INTERNAL_ERROR = ErrorCode.INTERNAL_ERROR.value
 NO_AVAILABLE_HANDLE = ErrorCode.NO_AVAILABLE_HANDLE.value
 INVALID_PARAMS = ErrorCode.INVALID_PARAMS.value
 OBJECT_NOT_FOUND = ErrorCode.OBJECT_NOT_FOUND.value
+FILE_NOT_FOUND = ErrorCode.FILE_NOT_FOUND.value
+FILE_WRITE_FAIL = ErrorCode.FILE_WRITE_FAIL.value
+TASK_NOT_FOUND = ErrorCode.TASK_NOT_FOUND.value
 RPC_FAIL = ErrorCode.RPC_FAIL.value
 
 
@@ -291,6 +299,45 @@ class ReadTarget:
 
     mode: str = "as_stored"
     parallelism: TensorParallelism | None = None
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """Where a replica's bytes are (Mooncake's buffer descriptor): here the pool's block."""
+
+    buffer_address: int
+    size: int
+    transport_endpoint: str
+
+
+@dataclass(frozen=True)
+class MemoryDescriptor:
+    """A memory replica's descriptor."""
+
+    buffer_descriptor: Descriptor
+
+
+@dataclass(frozen=True)
+class ReplicaDescriptor:
+    """One replica of a value: on a pool, its one copy, a memory replica, COMPLETE."""
+
+    memory: MemoryDescriptor
+    status: ReplicaStatus = ReplicaStatus.COMPLETE
+
+    def is_memory_replica(self) -> bool:
+        return True
+
+    def is_disk_replica(self) -> bool:
+        return False
+
+    def is_local_disk_replica(self) -> bool:
+        return False
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        return self.memory
+
+    def get_disk_descriptor(self) -> Any:
+        raise RuntimeError("Expected DiskDescriptor")  # Mooncake's words for a memory replica
 
 
 _U64 = 1 << 64
@@ -572,6 +619,7 @@ class MooncakeDistributedStore:
         self._written: dict[bytes, str] = {}  # Beluga key -> Mooncake key, for remove_all
         self._leases: dict[bytes, float] = {}  # key -> monotonic time of its last put or get here
         self._lease_s = LEASE_TTL_MS / 1000
+        self._segments: set[str] = set()  # segment ids this handle "mounted"
         self._allocated: list[ctypes.Array[ctypes.c_ubyte]] = []  # alloc_from_mem_pool's memory
 
     # -- life cycle ----------------------------------------------------------
@@ -707,6 +755,145 @@ class MooncakeDistributedStore:
             except _FAILURES:
                 return 2
             return 0
+
+    # -- segments, replicas and tasks: no meaning on a pool, Mooncake's answers -----
+
+    def allocate_and_mount_segment(
+        self, size: int, protocol: str = "tcp", location: str = ""
+    ) -> dict[str, Any]:
+        """Mooncake's answer to mounting memory; the pool's capacity is its own, so the
+        segment adds nothing to it (``ret`` -600 before ``setup`` or for size 0)."""
+        _check_count(size, "size")
+        return self._mount(size) if size else {"ret": INVALID_PARAMS, "segment_ids": []}
+
+    def mount_segment(
+        self, path: str, size: int, offset: int = 0, protocol: str = "tcp", location: str = ""
+    ) -> dict[str, Any]:
+        """As :meth:`allocate_and_mount_segment` for a file's memory (``ret`` -1 if it is
+        not there, as Mooncake's)."""
+        _check_count(size, "size")
+        _check_count(offset, "offset")
+        if not isinstance(path, str) or not os.path.exists(path):
+            return {"ret": INTERNAL_ERROR, "segment_ids": []}
+        return self._mount(size)
+
+    def _mount(self, size: int) -> dict[str, Any]:
+        with self._lock:
+            if self._store is None:
+                return {"ret": INVALID_PARAMS, "segment_ids": []}
+            segment = f"beluga-{os.getpid()}-{random.getrandbits(64):016x}"
+            self._segments.add(segment)
+        return {"ret": OK, "segment_ids": [segment], "allocated_size": size}
+
+    def unmount_segment(self, segment_ids: list[str], grace_period_seconds: int = 0) -> int:
+        """0 when every id is a segment this handle mounted (forgotten now), else -1."""
+        ids = [str(i) for i in _check_list(segment_ids, "segment_ids")]
+        _check_count(grace_period_seconds, "grace_period_seconds")
+        with self._lock:
+            if not ids or not set(ids) <= self._segments:
+                return INTERNAL_ERROR
+            self._segments -= set(ids)
+        return OK
+
+    def unmount_and_free_segment(
+        self, segment_ids: list[str], grace_period_seconds: int = 0
+    ) -> int:
+        """As :meth:`unmount_segment` (the memory was never the pool's to free)."""
+        return self.unmount_segment(segment_ids, grace_period_seconds)
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        """0: a pool has no local disk segment."""
+        _check_count(grace_period_seconds, "grace_period_seconds")
+        return OK
+
+    def get_offload_rpc_read_count(self) -> int:
+        """0: a pool offloads nothing to disk."""
+        return 0
+
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """The value's one replica, or ``[]`` for a missing key."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """Replicas of each present key (missing keys are left out, as in Mooncake)."""
+        names = _check_list(keys, "keys")
+        sizes = [self.get_size(k) for k in names]
+        where = self._hostname
+        return {
+            k: [ReplicaDescriptor(MemoryDescriptor(Descriptor(0, n, where)))]
+            for k, n in zip(names, sizes, strict=True)
+            if n >= 0
+        }
+
+    def create_copy_task(self, key: str, targets: list[str]) -> tuple[tuple[int, int], int]:
+        """``-704`` for a missing key; else ``-600``: a pool holds one copy and has no
+        segments to copy it to."""
+        _check_list(targets, "targets")
+        return (0, 0), OBJECT_NOT_FOUND if self.is_exist(key) != 1 else INVALID_PARAMS
+
+    def create_move_task(self, key: str, source: str, target: str) -> tuple[tuple[int, int], int]:
+        """As :meth:`create_copy_task`: there is no segment to move a value between."""
+        return (0, 0), OBJECT_NOT_FOUND if self.is_exist(key) != 1 else INVALID_PARAMS
+
+    def query_task(self, task_id: tuple[int, int]) -> tuple[None, int]:
+        """No task exists on a pool: ``(None, -1400)``."""
+        return None, TASK_NOT_FOUND
+
+    # -- metadata-prefixed values and safetensors files -------------------------
+
+    def put_from_with_metadata(
+        self,
+        key: str,
+        buffer_ptr: int,
+        metadata_buffer_ptr: int,
+        size: int,
+        metadata_size: int,
+        config: Any = None,
+    ) -> int:
+        """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size`` bytes
+        at ``buffer_ptr`` as one value, unless the key exists."""
+        (data, meta), (n, m) = _check_ranges(
+            [buffer_ptr, metadata_buffer_ptr], [size, metadata_size]
+        )
+        if not data or not meta or _config_code(config):
+            return INVALID_PARAMS
+        value = bytes(_raw_view(meta, m)) + bytes(_raw_view(data, n))
+        names = [key]
+        return self._put_many(names, _check_keys(names), [value], replace=False)[0]
+
+    def save_tensor_to_safetensor(self, key: str, file_name: str | None = None) -> int:
+        """Write the tensor stored under ``key`` to a safetensors file (named ``key`` unless
+        ``file_name``); 0, ``-1100`` for a missing key (Mooncake's code), ``-1103``."""
+        tensor = self.get_tensor(key)
+        if tensor is None:
+            return FILE_NOT_FOUND
+        try:
+            from safetensors.torch import save_file
+
+            save_file({key: tensor.contiguous()}, file_name or key)
+        except Exception as exc:  # safetensors raises its own error types for a bad path
+            log.error("save_tensor_to_safetensor(%r): %s", key, exc)
+            return FILE_WRITE_FAIL
+        return OK
+
+    def load_tensor_from_safetensor(self, key: str | None = None, file_name: str = "") -> Any:
+        """Read a safetensors file's tensor named ``key`` (else its first, with a warning),
+        store it under ``key`` (else ``file_name``) and return it; None if unreadable."""
+        try:
+            from safetensors.torch import load_file
+
+            tensors = load_file(file_name)
+        except Exception as exc:  # safetensors raises its own error types for a bad file
+            log.error("load_tensor_from_safetensor(%r): %s", file_name, exc)
+            return None
+        if not tensors:
+            return None
+        name = file_name if key is None else key
+        if name not in tensors:
+            log.warning("%s holds no tensor %r: storing its first one", file_name, name)
+        tensor = tensors.get(name, next(iter(tensors.values())))
+        code = self.put_tensor(name, tensor)
+        return tensor if code == OK else None
 
     def get_hostname(self) -> str:
         """The ``local_hostname`` given to ``setup`` ("" before it)."""
