@@ -858,6 +858,56 @@ def scenario_meta(s: Any, module: Any, folder: str) -> list[Any]:
     return answers
 
 
+def scenario_sessions(s: Any) -> list[Any]:
+    """Put sessions assembling objects from ranges, get sessions reading ranges; every
+    answer."""
+    pieces = [buffer_of(b"0123456789"), buffer_of(b"abcdef"), buffer_of(b"XYZ")]
+    ptr = [a for _, a in pieces]
+    out = [buffer_of(b"", 4), buffer_of(b"", 6)]
+    out_ptr = [a for _, a in out]
+    bufs = [(a, len(b)) for b, a in pieces + out]
+    answers: list[Any] = [[s.register_buffer(a, n) for a, n in bufs]]
+    answers += [
+        s.batch_put_session_start(["ps1", "ps2"], [16, 3]),
+        s.batch_put_session_start(["ps1"], [16]),  # open already
+        s.get("ps1"),  # not readable before the end
+        s.batch_put_from_multi_buffer_ranges(["ps1"], [[ptr[1], ptr[0]]], [[6, 10]], [[10, 0]]),
+        s.batch_put_from_multi_buffer_ranges(["ps2"], [[ptr[2]]], [[3]], [[1]]),  # past the end
+        s.batch_put_from_multi_buffer_ranges(["nope"], [[ptr[2]]], [[3]], [[0]]),
+        s.batch_put_from_multi_buffer_ranges(["ps2"], [[ptr[2]]], [[3]], [[0]]),
+        s.batch_put_session_end(["ps1", "ps2", "nope"]),
+        s.get("ps1"),
+        s.get("ps2"),
+        s.batch_put_session_start(["ps3"], [4]),
+        s.batch_put_session_revoke(["ps3", "nope"]),
+        s.get("ps3"),
+        s.batch_get_session_start([]),
+        s.batch_get_session_start(["ps1", "nope"]),
+        s.batch_get_into_multi_buffer_ranges(
+            ["ps1", "ps2"], [out_ptr, [out_ptr[0]]], [[4, 6], [3]], [[2, 10], [0]]
+        ),
+        bytes(out[0][0]) + bytes(out[1][0]),
+        s.batch_get_into_multi_buffer_ranges(["ps1"], [[out_ptr[0]]], [[4]], [[14]]),
+        s.batch_get_session_end(["ps1"]),
+        s.batch_get_into_multi_buffer_ranges(["ps1"], [[out_ptr[0]]], [[4]], [[0]]),
+    ]
+    answers += [[s.unregister_buffer(a) for a, _ in bufs]]
+    return answers
+
+
+def test_sessions_assemble_objects_from_ranges_and_read_ranges(
+    store: MooncakeDistributedStore,
+) -> None:
+    """Beluga's own answers to scenario_sessions (compared with Mooncake's side by side)."""
+    a = scenario_sessions(store)
+    assert a[1] == [0, 0] and a[2] == [-600] and a[3] == b""  # unreadable until the end
+    assert a[4] == [16] and a[5] == [-600] and a[6] == [-600] and a[7] == [3]
+    assert a[8] == [0, 0, -600] and a[9] == b"0123456789abcdef" and a[10] == b"XYZ"
+    assert a[12] == [0, -600] and a[13] == b""  # revoked: nothing stored
+    assert a[15] == [0, -704] and a[16] == [10, -600]  # ps2 has no get session
+    assert a[17] == b"2345abcdef" and a[18] == [-600] and a[19] == 0 and a[20] == [-600]
+
+
 def test_metadata_files_segments_replicas_and_tasks(
     store: MooncakeDistributedStore, tmp_path: Path
 ) -> None:
@@ -1011,6 +1061,7 @@ def test_answers_match_mooncake_side_by_side(pool: Pool, tmp_path: Path) -> None
         scenario_more(s, compat),
         scenario_tensors(s, compat),
         scenario_meta(s, compat, str(tmp_path / "ours")),
+        scenario_sessions(s),
     )
     s.remove_all()
     s.close()
@@ -1025,6 +1076,7 @@ def test_answers_match_mooncake_side_by_side(pool: Pool, tmp_path: Path) -> None
                 sys.modules[type(mc.client._store).__module__],
                 str(tmp_path / "theirs"),
             ),
+            scenario_sessions(mc.client._store),
         )
         module = sys.modules[type(mc.client._store).__module__]
     assert module is not compat
@@ -1033,6 +1085,10 @@ def test_answers_match_mooncake_side_by_side(pool: Pool, tmp_path: Path) -> None
     assert ours[0] == theirs[0]
     differing = [i for i, (a, b) in enumerate(zip(ours[1], theirs[1], strict=True)) if a != b]
     assert ours[1] == theirs[1], f"answers {differing} differ: {ours[1]} vs {theirs[1]}"
+    differing = [i for i, (a, b) in enumerate(zip(ours[4], theirs[4], strict=True)) if a != b]
+    assert ours[4] == theirs[4], "session answers differ: " + "; ".join(
+        f"{i}: {ours[4][i]} vs {theirs[4][i]}" for i in differing
+    )
     differing = [i for i, (a, b) in enumerate(zip(ours[3], theirs[3], strict=True)) if a != b]
     assert ours[3] == theirs[3], "segment/replica/file answers differ: " + "; ".join(
         f"{i}: {ours[3][i]} vs {theirs[3][i]}" for i in differing

@@ -59,10 +59,13 @@ before they load it, and ``mooncake.store`` is this module in that process.
   closes, when that client contributed the segment).
 - ``get_batch([])`` is ``[]`` (Mooncake 0.3.13 returns ``[b""]``);
   ``put_from`` of 0 bytes is ``-600``, like ``put`` of an empty value.
+- Put sessions assemble an object in the caller's process from the ranges
+  given, and store it at ``batch_put_session_end`` with one write (the data
+  path's ``save``), so it is unreadable until then, as in Mooncake; a key
+  written by another client meanwhile is refused at the end, not at the
+  start.
 - Only the names defined here exist.  Absent so far, each an
-  ``AttributeError`` (or ``ImportError``): put and get sessions with their
-  multi-buffer *range* forms (``batch_put_session_start`` ...; they map onto
-  the pool's reserve and seal, not built yet), CUDA-tensor reads and
+  ``AttributeError`` (or ``ImportError``): CUDA-tensor reads and
   ``init_all``; and the module's buffer pools and leases, ``EngramStore``,
   ``MooncakeHostMemAllocator``, ``MooncakeDistributedNoFRegister``,
   ``bind_to_numa_node`` and the allocator addresses.
@@ -620,6 +623,8 @@ class MooncakeDistributedStore:
         self._leases: dict[bytes, float] = {}  # key -> monotonic time of its last put or get here
         self._lease_s = LEASE_TTL_MS / 1000
         self._segments: set[str] = set()  # segment ids this handle "mounted"
+        self._put_sessions: dict[str, bytearray] = {}  # key -> the object being assembled
+        self._get_sessions: set[str] = set()
         self._allocated: list[ctypes.Array[ctypes.c_ubyte]] = []  # alloc_from_mem_pool's memory
 
     # -- life cycle ----------------------------------------------------------
@@ -729,6 +734,9 @@ class MooncakeDistributedStore:
             self._registered.clear()
             self._written.clear()
             self._leases.clear()
+            self._put_sessions.clear()
+            self._get_sessions.clear()
+            self._segments.clear()
             self._allocated.clear()
             if store is None:
                 return OK
@@ -755,6 +763,154 @@ class MooncakeDistributedStore:
             except _FAILURES:
                 return 2
             return 0
+
+    # -- put and get sessions: an object assembled from ranges, read in ranges --------
+
+    def batch_put_session_start(
+        self, keys: list[str], sizes: list[int], config: Any = None
+    ) -> list[int]:
+        """Open a put session per key for an object of ``sizes[i]`` bytes; one code per key.
+
+        The object is assembled in this process's memory from the ranges
+        :meth:`batch_put_from_multi_buffer_ranges` brings and stored at
+        :meth:`batch_put_session_end` by one write (the data path's ``save``),
+        so nobody reads it before then.  ``-600`` for a key with a session
+        open already; a key that is stored already is refused at the end.
+        """
+        names = _check_list(keys, "keys")
+        lengths = [_check_count(n, "a size") for n in _check_list(sizes, "sizes")]
+        if len(names) != len(lengths) or _config_code(config):
+            return [INVALID_PARAMS] * len(names)
+        ks = _check_keys(names)
+        codes = []
+        with self._lock:
+            if self._store is None:
+                return [INVALID_PARAMS] * len(names)
+            for name, k, n in zip(names, ks, lengths, strict=True):
+                if k is None or not n or name in self._put_sessions:
+                    codes.append(INVALID_PARAMS)
+                    continue
+                self._put_sessions[name] = bytearray(n)
+                codes.append(OK)
+        return codes
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_dst_offsets: list[list[int]],
+    ) -> list[int]:
+        """Copy each key's buffers into its open session's object at ``all_dst_offsets``;
+        bytes copied per key, ``-600`` without a session or for a range past the object's
+        end."""
+        names = _check_list(keys, "keys")
+        shaped = [_check_list(x, "a range list") for x in (all_buffer_ptrs, all_sizes,
+                                                           all_dst_offsets)]  # fmt: skip
+        if any(len(x) != len(names) for x in shaped):
+            return [INVALID_PARAMS] * len(names)
+        codes = []
+        for name, ptrs, sizes, offsets in zip(names, *shaped, strict=True):
+            with self._lock:
+                target = self._put_sessions.get(name)
+            addresses, lengths = _check_ranges(ptrs, sizes)
+            starts = [_check_count(o, "an offset") for o in _check_list(offsets, "offsets")]
+            if (
+                target is None
+                or not len(addresses) == len(lengths) == len(starts)
+                or not all(addresses)
+                or any(o + n > len(target) for o, n in zip(starts, lengths, strict=True))
+            ):
+                codes.append(INVALID_PARAMS)
+                continue
+            for a, n, o in zip(addresses, lengths, starts, strict=True):
+                target[o : o + n] = _raw_view(a, n)
+            codes.append(sum(lengths))
+        return codes
+
+    def batch_put_session_end(self, keys: list[str]) -> list[int]:
+        """Store each session's object (one write for the batch) and close the session; a
+        code per key (``-600`` without a session)."""
+        names = _check_list(keys, "keys")
+        with self._lock:
+            objects = [self._put_sessions.pop(n, None) for n in names]
+        done = [(n, o) for n, o in zip(names, objects, strict=True) if o is not None]
+        stored = iter(
+            self._put_many(
+                [n for n, _ in done],
+                _check_keys([n for n, _ in done]),
+                [bytes(o) for _, o in done],
+                replace=False,
+            )
+            if done
+            else []
+        )
+        return [INVALID_PARAMS if o is None else next(stored) for o in objects]
+
+    def batch_put_session_revoke(self, keys: list[str]) -> list[int]:
+        """Close put sessions storing nothing; 0 per key, ``-600`` without a session."""
+        names = _check_list(keys, "keys")
+        with self._lock:
+            return [OK if self._put_sessions.pop(n, None) is not None else INVALID_PARAMS
+                    for n in names]  # fmt: skip
+
+    def batch_get_session_start(self, keys: list[str]) -> list[int]:
+        """Open a get session per stored key; 0, or ``-704`` for a missing key."""
+        names = _check_list(keys, "keys")
+        if not names:
+            return []
+        exists = self.batch_is_exist(names)
+        with self._lock:
+            for name, e in zip(names, exists, strict=True):
+                if e == 1:
+                    self._get_sessions.add(name)
+                else:
+                    self._get_sessions.discard(name)
+        return [OK if e == 1 else OBJECT_NOT_FOUND if e == 0 else e for e in exists]
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_src_offsets: list[list[int]],
+    ) -> list[int]:
+        """Copy ranges of each session's value, from ``all_src_offsets``, into its buffers;
+        bytes copied per key, ``-600`` without a session or for a range past the value,
+        ``-704`` for a value gone since the session opened."""
+        names = _check_list(keys, "keys")
+        shaped = [_check_list(x, "a range list") for x in (all_buffer_ptrs, all_sizes,
+                                                           all_src_offsets)]  # fmt: skip
+        if any(len(x) != len(names) for x in shaped):
+            return [INVALID_PARAMS] * len(names)
+        with self._lock:
+            open_ = [n in self._get_sessions for n in names]
+        values = self._values(_check_keys([n for n, o in zip(names, open_, strict=True) if o]))
+        found = iter(values)
+        codes = []
+        for is_open, ptrs, sizes, offsets in zip(open_, *shaped, strict=True):
+            value = next(found) if is_open else None
+            addresses, lengths = _check_ranges(ptrs, sizes)
+            starts = [_check_count(o, "an offset") for o in _check_list(offsets, "offsets")]
+            if not is_open or not len(addresses) == len(lengths) == len(starts):
+                codes.append(INVALID_PARAMS)
+            elif value is None:
+                codes.append(OBJECT_NOT_FOUND)
+            elif not all(addresses) or any(
+                o + n > len(value) for o, n in zip(starts, lengths, strict=True)
+            ):
+                codes.append(INVALID_PARAMS)
+            else:
+                for a, n, o in zip(addresses, lengths, starts, strict=True):
+                    _raw_view(a, n)[:] = value[o : o + n]
+                codes.append(sum(lengths))
+        return codes
+
+    def batch_get_session_end(self, keys: list[str]) -> int:
+        """Close get sessions; 0."""
+        with self._lock:
+            self._get_sessions.difference_update(_check_list(keys, "keys"))
+        return OK
 
     # -- segments, replicas and tasks: no meaning on a pool, Mooncake's answers -----
 
