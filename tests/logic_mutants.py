@@ -476,6 +476,17 @@ MUTANTS: list[Mutant] = [
         "a standby would try to take a stalled server's seat on another host with no fence "
         "(only fence()'s own refusal still stops it): the test sees no 'without --fence'",
     ),
+    Mutant(
+        "seat-taken-from-another-host-unsettled",
+        "standby",
+        "beluga/pool/hosts.py",
+        "            mine = self._settle(mine)",
+        "            pass",
+        (HOSTS + "test_a_rival_standby_that_stores_the_seat_at_once_wins_and_the_other_waits",),
+        "two standbys on two hosts that stored the seat line at once would both serve: the "
+        "test's rival overwrites the seat and take_seat returns instead of raising",
+        cheap=True,
+    ),
     # -- identity
     Mutant(
         "namespace-ignores-the-scope",

@@ -23,16 +23,19 @@ from dataclasses import replace
 import pytest
 
 from beluga.child import server_process
+from beluga.coherence import write_line
 from beluga.errors import PoolError, RpcError
 from beluga.pool import Geometry, HostState, Pool
 from beluga.pool.hosts import (
     HOST_MAGIC,
+    SEAT_SETTLE_S,
     ClaimRequest,
     Grant,
     HostEntry,
     HostRegistry,
     HostTable,
     Identity,
+    Seat,
     Staleness,
 )
 from beluga.rpc import RpcServer
@@ -345,3 +348,51 @@ def test_a_host_line_is_its_fields_padded_then_their_crc32c() -> None:
     line = body + struct.pack("<I", crc32c_reference(body))
     assert entry.pack() == line and HostEntry.unpack(line) == entry
     assert HostEntry.unpack(line[:60] + bytes(4)) is None
+
+
+def _foreign_seat(table: HostTable, pid: int, boot: bytes, epoch: int = 7) -> Seat:
+    """A seat line of a server on another host (its boot id ``boot``), heartbeat now."""
+    now = table.wall()
+    return Seat(epoch, Identity(pid, 1, boot), now, now, 1, 0)
+
+
+def test_a_rival_standby_that_stores_the_seat_at_once_wins_and_the_other_waits(
+    pool: Pool,
+) -> None:
+    """Two standbys on two hosts fenced one stalled server and both store the seat line:
+    the one whose store lands last keeps the seat; the other raises during the settle
+    (its standby waits again) instead of serving beside it."""
+    table = pool.hosts
+    stalled = _foreign_seat(table, 4242, b"\x01" * 8)
+    write_line(table.mem, table._seat_off, stalled.pack())
+    rival = _foreign_seat(table, 5151, b"\x02" * 8, epoch=9)
+    mine_pid = os.getpid()
+
+    def rival_stores_after_ours() -> None:  # it looked before our store, stores after it
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seat = table.seat()
+            if seat is not None and seat.identity.pid == mine_pid:
+                write_line(table.mem, table._seat_off, rival.pack())
+                return
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=rival_stores_after_ours)
+    thread.start()
+    with pytest.raises(PoolError, match="took the seat at once"):
+        HostRegistry(table).take_seat(11, wait_s=1.0, fenced=stalled)
+    thread.join(10)
+    assert table.seat() == rival  # the rival's line stands: nothing of ours overwrote it
+
+
+def test_a_seat_taken_from_another_host_without_a_rival_is_held(pool: Pool) -> None:
+    table = pool.hosts
+    stalled = _foreign_seat(table, 4242, b"\x01" * 8)
+    write_line(table.mem, table._seat_off, stalled.pack())
+    started = time.monotonic()
+    mine = HostRegistry(table).take_seat(11, wait_s=1.0, fenced=stalled)
+    assert time.monotonic() - started >= SEAT_SETTLE_S  # it held the seat through the settle
+    seat = table.seat()
+    assert seat is not None and seat.identity == mine.identity and seat.epoch == 11
+    assert seat.takeovers == 1
+    HostRegistry(table).leave_seat(mine)

@@ -333,6 +333,7 @@ class ChaosDriver:
         self.standbys: list[_Server] = []  # waiting for the seat
         self.takeovers: list[dict[str, Any]] = []  # per server kill: who took over, when
         self.hosts_made = 0  # emulated hosts named so far (one per server process)
+        self.lost_seat_races = 0  # standbys that stored the seat at once and lost it again
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self.timer_seq = 0
         self.faults: Counter[str] = Counter()
@@ -644,6 +645,14 @@ class ChaosDriver:
                 s = self.server
                 if s is not None and not s.gone and not s.proc.is_alive():
                     self._server_died(s)  # fenced (or dead) a moment ago: not seen yet
+                s = self.server
+                if s is not None and not s.gone and s.seat_beat is not None and not s.ready:
+                    # a standby that stored the seat line while this one did, from another
+                    # host, and lost (HostRegistry.take_seat's settle): it waits again
+                    s.standby, s.seat_beat = True, None
+                    self.standbys.append(s)
+                    self.server = None
+                    self.lost_seat_races += 1
                 if self.server is not None and not self.server.gone:
                     self._error(
                         "StandbyTookALiveSeat",
@@ -671,7 +680,14 @@ class ChaosDriver:
             return
         if not s.ready and s.seat_beat is not None and self.pool is not None:
             seat = self.pool.hosts.seat()  # a standby serves once it beats the seat
-            if seat is not None and seat.identity.pid == s.pid and seat.heartbeat_ns != s.seat_beat:
+            # (across hosts, once it has held it past the settle: it may lose it till then)
+            settle = hosts.SEAT_SETTLE_S if self.cfg.emulated_hosts else 0.0
+            if (
+                seat is not None
+                and seat.identity.pid == s.pid
+                and seat.heartbeat_ns != s.seat_beat
+                and time.monotonic() - s.started > settle
+            ):
                 s.ready, s.beat_seen = True, time.monotonic()
         if not s.ready and s.ready_conn in ready:
             with contextlib.suppress(EOFError, OSError):
@@ -1171,6 +1187,7 @@ class ChaosDriver:
             server_peaks={**self.history.peaks, "blocks_total": self.nblocks},
             server_restarts=len(self.history.server_kills),
             takeovers=self._outages(),
+            seat_races_lost=self.lost_seat_races,
         )
 
     def _outages(self) -> list[dict[str, Any]]:

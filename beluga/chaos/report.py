@@ -35,6 +35,8 @@ class ChaosReport:
     #: per server kill or stall (``kind``): pid killed or stalled, the standby that took the
     #: seat (by, seat_s), fenced_s (a stall's fence), outage_s
     takeovers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: standbys that stored the seat line at the moment another did, and went back to waiting
+    seat_races_lost: int = 0
 
     @property
     def faults_total(self) -> int:
@@ -125,6 +127,7 @@ class ChaosReport:
             "stall_outage_s": self.outage("stall"),
             "stalls_fenced": self.stalls_fenced,
             "seat_violations": self.seat_violations,
+            "seat_races_lost": self.seat_races_lost,
             "reads_verified": self.reads_verified,
             "values_verified": f.values_verified,
             "bytes_verified": f.bytes_verified,
@@ -192,6 +195,11 @@ class ChaosReport:
                 )
                 + (f"; {o['unmeasured']} kills with no put after them" if o["unmeasured"] else "")
                 + f"; standbys in a live server's seat: {self.seat_violations}"
+                + (
+                    f"; seat races a standby lost (and waited again): {self.seat_races_lost}"
+                    if self.seat_races_lost
+                    else ""
+                )
             )
         fenced = self.stalls_fenced
         if fenced["stalls"]:

@@ -89,6 +89,10 @@ GRANT_MAGIC = 0x544E5247  # "GRNT"
 CLAIM_MAGIC = 0x4D49414C  # "LAIM"
 ANSWER_MAGIC = 0x52534E41  # "ANSR"
 SEAT_MAGIC = 0x54414553  # "SEAT"
+#: how long a server that took the seat from another host keeps checking that it is still
+#: its own before it writes anything else (HostRegistry.take_seat): two standbys on two hosts
+#: that fenced one server at once both store the seat line; the last store wins
+SEAT_SETTLE_S = 0.5
 _HOST = struct.Struct("<IIIIQ8sQQQ")  # magic, id, state, pid, start, boot, beat, gen, nonce
 _GRANT = struct.Struct("<IIIIQ8sQ")  # magic, id, gen, pid, start, boot, nonce
 _CLAIM = struct.Struct("<IiIQ8sQ")  # magic, wanted id (-1: any), pid, start, boot, nonce
@@ -673,6 +677,15 @@ class HostRegistry:
         from it only when the caller has fenced it (``fenced``: the seat line
         as it was when its host was cut off the pool, beluga.kv.server) and
         the line has not changed since.
+
+        A standby on another host may store the seat line at the same moment
+        (both fenced the same stalled server; both saw an empty seat last
+        held elsewhere), and CXL memory has no atomic to stop it.  So a seat
+        taken from another host is held, heartbeaten, for ``SEAT_SETTLE_S``
+        and re-read every beat: the last store wins, the other server raises
+        ``PoolError`` here and its standby waits again.  A standby paused
+        between its look and its store can still break this (the operator's
+        fence must cover standbys too: docs/operations.md).
         """
         t = self.table
         seat = t.seat()
@@ -702,7 +715,22 @@ class HostRegistry:
         takeovers = (seat.takeovers if seat is not None else 0) + took_over
         mine = Seat(epoch, Identity.mine(), now, now, seats + 1, takeovers)
         write_line(t.mem, t._seat_off, mine.pack())
+        elsewhere = seat is not None and not seat.identity.same_kernel()
+        if fenced is not None or (elsewhere and seat is not None and not seat.epoch):
+            mine = self._settle(mine)
         return mine
+
+    def _settle(self, mine: Seat) -> Seat:
+        """Hold a seat just taken for SEAT_SETTLE_S, beating it, until no rival overwrote it."""
+        deadline = time.monotonic() + SEAT_SETTLE_S
+        while True:
+            time.sleep(0.05)
+            try:
+                mine = self.keep_seat(mine)
+            except PoolError as e:
+                raise PoolError(f"a standby on another host took the seat at once: {e}") from e
+            if time.monotonic() >= deadline:
+                return mine
 
     def _seat_moves(self, seat: Seat, wait_s: float) -> bool:
         deadline = time.monotonic() + wait_s
