@@ -41,6 +41,7 @@ from beluga.kv.tier.mooncake import (
     MooncakeClient,
     MooncakeInstall,
     check_available,
+    child_env,
     connect,
 )
 from beluga.units import MiB
@@ -128,7 +129,7 @@ class MooncakeBaseline:
         )
         metadata_url = f"http://{LOOPBACK}:{metadata_port}/metadata"
         master_address = f"{LOOPBACK}:{rpc_port}"
-        env = _child_env(install.libdir)
+        env = child_env(install.libdir)
         master = self._spawn(
             "master",
             [
@@ -271,15 +272,6 @@ def _signal_session(process: subprocess.Popen[bytes], signum: int) -> None:
     if process.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signum)
-
-
-def _child_env(libdir: Path | None) -> dict[str, str]:
-    env = dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
-    if libdir is not None:
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            filter(None, [str(libdir), env.get("LD_LIBRARY_PATH")])
-        )
-    return env
 
 
 def _free_loopback_ports(count: int) -> list[int]:

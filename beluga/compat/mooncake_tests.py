@@ -209,8 +209,7 @@ def _wait_port(port: int, process: subprocess.Popen[bytes], what: str, timeout_s
 def mooncake_cluster(logdir: Path) -> Iterator[dict[str, str]]:
     """Mooncake's master (with the HTTP metadata server) and a real client, on the tests'
     ports; the environment their tests read."""
-    from beluga.bench.mooncake import _child_env
-    from beluga.kv.tier.mooncake import check_available
+    from beluga.kv.tier.mooncake import check_available, child_env
 
     install = check_available()
     taken = [port for port in MOONCAKE_PORTS if not _port_free(port)]
@@ -219,7 +218,7 @@ def mooncake_cluster(logdir: Path) -> Iterator[dict[str, str]]:
             f"ports {taken} are in use; Mooncake's tests need {list(MOONCAKE_PORTS)} free: "
             "stop what listens there (another Mooncake master?) and run again"
         )
-    env = _child_env(install.libdir)
+    env = child_env(install.libdir)
     started: list[subprocess.Popen[bytes]] = []
 
     def spawn(name: str, argv: list[str]) -> subprocess.Popen[bytes]:

@@ -71,6 +71,17 @@ class MooncakeInstall:
     libdir: Path | None
 
 
+def child_env(libdir: Path | None) -> dict[str, str]:
+    """The environment of a Mooncake program this process starts (master, storage): TCP on
+    loopback, and ``libdir`` (the extracted libibverbs, when there is one) on its library path."""
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
+    if libdir is not None:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(libdir), env.get("LD_LIBRARY_PATH")])
+        )
+    return env
+
+
 def check_available() -> MooncakeInstall:
     """Find Mooncake and load it, or say exactly what to install.
 
