@@ -1848,10 +1848,9 @@ class MooncakeDistributedStore:
         writer_partition: object = None,
     ) -> int:
         """As :meth:`put_tensor_from` when no parallelism request is given; else ``-600``."""
-        return self.batch_put_tensor_with_parallelism_from(
-            [key], [buffer_ptr], [size], None if parallelism is None else [parallelism], config,
-            None if writer_partition is None else [writer_partition],
-        )[0]  # fmt: skip
+        requests = (parallelism, writer_partition)
+        form = "put_tensor_with_parallelism_from"
+        return self._whole_from(form, [key], [buffer_ptr], [size], requests, config, False)[0]
 
     def batch_put_tensor_with_parallelism_from(
         self,
@@ -1863,10 +1862,9 @@ class MooncakeDistributedStore:
         writer_partitions: object = None,
     ) -> list[int]:
         """As :meth:`batch_put_tensor_from` when no parallelism requests are given."""
+        requests = (parallelisms, writer_partitions)
         form = "batch_put_tensor_with_parallelism_from"
-        if not self._whole(form, parallelisms, writer_partitions) or _config_code(config):
-            return [INVALID_PARAMS] * len(keys)
-        return self._tensors_from(keys, buffer_ptrs, sizes, replace=False)
+        return self._whole_from(form, keys, buffer_ptrs, sizes, requests, config, False)
 
     def upsert_tensor_with_parallelism_from(
         self,
@@ -1878,10 +1876,9 @@ class MooncakeDistributedStore:
         writer_partition: object = None,
     ) -> int:
         """As :meth:`upsert_tensor_from` when no parallelism request is given; else ``-600``."""
-        return self.batch_upsert_tensor_with_parallelism_from(
-            [key], [buffer_ptr], [size], None if parallelism is None else [parallelism], config,
-            None if writer_partition is None else [writer_partition],
-        )[0]  # fmt: skip
+        requests = (parallelism, writer_partition)
+        form = "upsert_tensor_with_parallelism_from"
+        return self._whole_from(form, [key], [buffer_ptr], [size], requests, config, True)[0]
 
     def batch_upsert_tensor_with_parallelism_from(
         self,
@@ -1893,10 +1890,24 @@ class MooncakeDistributedStore:
         writer_partitions: object = None,
     ) -> list[int]:
         """As :meth:`batch_upsert_tensor_from` when no parallelism requests are given."""
+        requests = (parallelisms, writer_partitions)
         form = "batch_upsert_tensor_with_parallelism_from"
-        if not self._whole(form, parallelisms, writer_partitions) or _config_code(config):
+        return self._whole_from(form, keys, buffer_ptrs, sizes, requests, config, True)
+
+    def _whole_from(
+        self,
+        form: str,
+        keys: list[str],
+        ptrs: list[int],
+        sizes: list[int],
+        requests: tuple[object, object],
+        config: Any,
+        replace: bool,
+    ) -> list[int]:
+        """The ``*_with_parallelism_from`` forms: whole tensors from buffers, or ``-600``."""
+        if not self._whole(form, *requests) or _config_code(config):
             return [INVALID_PARAMS] * len(keys)
-        return self._tensors_from(keys, buffer_ptrs, sizes, replace=True)
+        return self._tensors_from(keys, ptrs, sizes, replace=replace)
 
     def get_tensor_with_parallelism(self, key: str, target: object = None) -> Any:
         """As :meth:`get_tensor` when no ReadTarget is given; else None."""

@@ -715,8 +715,8 @@ class HostRegistry:
         takeovers = (seat.takeovers if seat is not None else 0) + took_over
         mine = Seat(epoch, Identity.mine(), now, now, seats + 1, takeovers)
         write_line(t.mem, t._seat_off, mine.pack())
-        elsewhere = seat is not None and not seat.identity.same_kernel()
-        if fenced is not None or (elsewhere and seat is not None and not seat.epoch):
+        empty_elsewhere = seat is not None and not seat.epoch and not seat.identity.same_kernel()
+        if fenced is not None or empty_elsewhere:
             mine = self._settle(mine)
         return mine
 

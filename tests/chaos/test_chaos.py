@@ -32,6 +32,21 @@ SEED = int(os.environ.get("BELUGA_CHAOS_SEED") or random.SystemRandom().getrandb
 REPLAY = f"BELUGA_CHAOS_SEED={SEED} python -m pytest tests/chaos/test_chaos.py"
 
 
+def _round(
+    name: str, config: ChaosConfig, capsys: pytest.CaptureFixture[str]
+) -> tuple[ChaosReport, str]:
+    """Run one round, its seed printed past pytest's capture first; the report and the text
+    every assertion message carries (its summary and both ways to replay it)."""
+    with capsys.disabled():
+        print(f"\nchaos {name}: seed {SEED}; replay: {REPLAY}", flush=True)
+    try:
+        report = run_chaos(config, log=print)
+    except ChaosError as e:  # the round could not proceed: still say how to replay it
+        pytest.fail(f"{e}\nreplay: {REPLAY}")
+    print(report.summary())
+    return report, f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
+
+
 def _check(report: ChaosReport) -> None:
     why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
     assert report.faults_total >= FAULTS, f"too few faults injected{why}"
@@ -60,22 +75,12 @@ def test_a_chaos_round_breaks_no_promise(
     """``mixed``: every odd-numbered writer, in-place writer and reader runs under the
     non-coherent model (``coherence="model"``), the others natively.  With standbys, every
     killed server is replaced by a standby's takeover, and a stopped one must keep its seat."""
-    with capsys.disabled():
-        print(
-            f"\nchaos round ({coherence}, {standbys} standbys): seed {SEED}; replay: {REPLAY}",
-            flush=True,
-        )
     config = ChaosConfig(
         faults=FAULTS, seed=SEED, coherence=coherence, pool_path=shm_path, standbys=standbys
     )
-    try:
-        report = run_chaos(config, log=print)
-    except ChaosError as e:  # the round could not proceed: still say how to replay it
-        pytest.fail(f"{e}\nreplay: {REPLAY}")
-    print(report.summary())
+    report, why = _round(f"round ({coherence}, {standbys} standbys)", config, capsys)
     _check(report)
     if standbys:
-        why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
         assert report.seat_violations == 0, f"a standby took a live server's seat{why}"
         kills = [k for k in report.takeovers if k["kind"] == "kill"]
         assert kills and all("by" in k for k in kills), f"a kill was not taken over{why}"
@@ -92,19 +97,12 @@ def test_a_server_stalled_past_takeover_after_is_fenced_and_replaced(
     SIGKILLs it, takes the seat and serves, with every read and acknowledged write checked;
     the driver's SIGCONT then reaches no one.  A stall the server outlived (a standby slower
     than the hold) is counted, and the round must still fence most of them."""
-    with capsys.disabled():
-        print(f"\nchaos stall round: seed {SEED}; replay: {REPLAY}", flush=True)
     weights = {"stall_server": 6, "corrupt_payload": 2, "kill_writer": 1, "stop_reader": 1}
     config = ChaosConfig(
         faults=16, seed=SEED, pool_path=shm_path, standbys=1, takeover_after_s=0.5,
         weights=weights,
     )  # fmt: skip
-    try:
-        report = run_chaos(config, log=print)
-    except ChaosError as e:
-        pytest.fail(f"{e}\nreplay: {REPLAY}")
-    print(report.summary())
-    why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
+    report, why = _round("stall round", config, capsys)
     assert report.ok, f"a promise was broken{why}"
     stalls = report.stalls_fenced
     assert stalls["stalls"] >= 3, f"too few stalls injected{why}"
@@ -121,19 +119,12 @@ def test_across_emulated_hosts_a_standby_fences_by_command_and_takes_over(
     """Every server and standby a host of its own: a standby cannot see a killed or stopped
     server's process, only its heartbeat, so it waits takeover_after, runs its --fence
     command and takes the seat with the line it saw (HostRegistry.take_seat(fenced=...))."""
-    with capsys.disabled():
-        print(f"\nchaos emulated-hosts round: seed {SEED}; replay: {REPLAY}", flush=True)
     weights = {"kill_server": 3, "stall_server": 2, "corrupt_payload": 2, "kill_writer": 1}
     config = ChaosConfig(
         faults=24, seed=SEED, pool_path=shm_path, standbys=1, takeover_after_s=0.5,
         emulated_hosts=True, weights=weights,
     )  # fmt: skip
-    try:
-        report = run_chaos(config, log=print)
-    except ChaosError as e:
-        pytest.fail(f"{e}\nreplay: {REPLAY}")
-    print(report.summary())
-    why = f"\n{report.summary()}\nreplay: {report.replay_command()}, or {REPLAY}"
+    report, why = _round("emulated-hosts round", config, capsys)
     assert report.ok and report.seat_violations == 0, f"a promise was broken{why}"
     kills = [k for k in report.takeovers if k["kind"] == "kill"]
     assert kills and all("by" in k for k in kills), f"a kill was not taken over{why}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +101,17 @@ def metadata(model: str) -> LMCacheMetadata:
 
 
 @contextlib.contextmanager
-def lmcache_engines(pool: str, *models: str) -> Iterator[list[Any]]:
-    """One LMCacheEngine per model path, built as LMCache builds them, destroyed after."""
+def lmcache_engines(
+    pool: str, *models: str, make_config: Callable[[str], LMCacheEngineConfig] | None = None
+) -> Iterator[list[Any]]:
+    """One LMCacheEngine per model path, built as LMCache builds them, destroyed after;
+    ``make_config`` (default :func:`config`): LMCache's config for the pool."""
     names = [f"engine-{i}" for i in range(len(models))]
     try:
         built = [
             LMCacheEngineBuilder.get_or_create(
                 name,
-                config(pool),
+                (make_config or config)(pool),
                 metadata(model),
                 CPUConnector(torch.bfloat16),
                 lambda tensor, rank: None,

@@ -15,9 +15,7 @@ The GPU connector is the CPU stand-in of tests/frameworks/test_lmcache.py.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,12 +25,11 @@ from tests.frameworks.conftest import need
 need("lmcache", "lmcache")
 
 import torch  # noqa: E402
-from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 
 from beluga.compat import mooncake as compat  # noqa: E402
 from beluga.kv import KVStore  # noqa: E402
-from tests.frameworks.test_lmcache import CHUNK, HIDDEN, LAYERS, CPUConnector, metadata  # noqa: E402
+from tests.frameworks.test_lmcache import CHUNK, HIDDEN, LAYERS, lmcache_engines  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -71,29 +68,6 @@ def config(pool: str) -> LMCacheEngineConfig:
     )
 
 
-@contextlib.contextmanager
-def engines(pool: str, model: str, count: int) -> Iterator[list[Any]]:
-    names = [f"mooncake-engine-{i}" for i in range(count)]
-    try:
-        built = [
-            LMCacheEngineBuilder.get_or_create(
-                name,
-                config(pool),
-                metadata(model),
-                CPUConnector(torch.bfloat16),
-                lambda tensor, rank: None,
-                lambda obj, rank: obj,
-            )
-            for name in names
-        ]
-        for engine in built:
-            engine.post_init()
-        yield built
-    finally:
-        for name in names:
-            LMCacheEngineBuilder.destroy(name)
-
-
 def connector_of(engine: Any) -> Any:
     """LMCache's Mooncake connector inside the engine's remote backend."""
     for backend in engine.storage_manager.storage_backends.values():
@@ -106,7 +80,10 @@ def connector_of(engine: Any) -> Any:
 
 
 def test_lmcaches_mooncake_connector_shares_kv_through_the_pool(served_pool: str) -> None:
-    with engines(served_pool, "tiny-llama", 2) as (first, second):
+    with lmcache_engines(served_pool, "tiny-llama", "tiny-llama", make_config=config) as (
+        first,
+        second,
+    ):
         assert isinstance(connector_of(first).store, compat.MooncakeDistributedStore)
         tokens = torch.arange(1, 3 * CHUNK + 6)  # three full chunks and a partial one
         gen = torch.Generator().manual_seed(5)
