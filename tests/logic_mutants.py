@@ -55,8 +55,8 @@ MUTANTS: list[Mutant] = [
         "reader-batch-skips-version-confirm",
         "index reader",
         "beluga/_native/index.c",
-        "x->state == BL_PUBLISHED && x->version == version &&",
-        "x->state == BL_PUBLISHED &&",
+        "h->state == BL_PUBLISHED && h->version == version &&",
+        "h->state == BL_PUBLISHED &&",
         (IX + "test_a_slot_whose_version_disagrees_with_the_header_is_a_miss",),
         "a stale slot over a sealed, uncommitted rewrite of the key would be a batched hit",
         cheap=True,
@@ -65,10 +65,19 @@ MUTANTS: list[Mutant] = [
         "reader-batch-skips-digest-confirm",
         "index reader",
         "beluga/_native/index.c",
-        "!memcmp(x->digest, digests + 16 * i, 16) && x->length <= cap",
-        "x->length <= cap",
+        "!memcmp(h->digest, digest, 16) && h->length <= cap",
+        "h->length <= cap",
         (IX + "test_a_slot_whose_digest_disagrees_with_the_header_is_a_miss",),
         "a slot naming another key's block would hand out that key's bytes in a batch",
+    ),
+    Mutant(
+        "reader-batch-skips-second-buckets",
+        "index reader",
+        "beluga/_native/index.c",
+        "            at[k] = b2[i], which[k++] = i;",
+        "            (void)0;",
+        (IX + "test_a_key_in_its_second_bucket_is_found",),
+        "a key the writer had to place in its second bucket would be a miss for a batch",
     ),
     Mutant(
         "reader-searches-first-bucket-only",
@@ -542,9 +551,10 @@ MUTANTS: list[Mutant] = [
 
 #: mutants tried and removed: no test can tell them from the code (name: why)
 EQUIVALENT: dict[str, str] = {
-    "reader-batch-searches-first-bucket-only": (
-        "bl_ix_lookup_many with `k < BL_IX_SLOTS`: a key not found in its first bucket "
-        "goes through bl_ix_lookup alone, which searches both (only slower)"
+    "reader-batch-trusts-a-miss-without-the-second-look": (
+        "lookup_batch's round 4 taken as always agreeing (`if (1)`): only a cuckoo move from "
+        "a key's second bucket to its first between the batch's two loads tells them apart, "
+        "and no test can place a move there"
     ),
     "reader-takes-slot-of-version-zero": (
         "dropping `&& e->version` from lookup_many: no header is PUBLISHED with version 0 "

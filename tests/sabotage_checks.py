@@ -41,6 +41,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -551,26 +552,62 @@ def _reader_index(pool: Pool) -> object:
 
 def index_probe_on_a_caching_host(model: ModelConfig) -> None:
     """A reader that cached a key's buckets finds what the server committed since."""
+    _probe_on_a_caching_host(model, lambda reader, key, grant: reader.get(key))
+
+
+def index_batch_probe_on_a_caching_host(model: ModelConfig) -> None:
+    """The batched probes (the pipeline of exists / prefix / locate, and get_many_into)
+    find what the server committed since the reader cached the lines they read."""
+    fillers = [b"absent-%d" % i for i in range(20)]  # the key lands in the pipeline's 2nd group
+
+    def look(reader: Any, key: bytes, grant: p.Grant | None) -> bytes | None:
+        located = reader.locate([*fillers, key])  # first: its stale lines would show
+        found = reader.exists([*fillers, key])
+        if any(found[:-1]) or any(located[:-1]):
+            raise Violation("a batched probe found a key never written")
+        at = located[-1]
+        if at is not None and (grant is None or at[1:3] != (grant.block, grant.version)):
+            raise Violation(f"a batched probe located {at[1:3]}, not the committed {grant}")
+        buf = bytearray(4096)
+        (got,) = reader.get_many_into([key], [buf])
+        if not found[-1] == (at is not None) == (got >= 0) == (reader.prefix([key]) == 1):
+            raise Violation("the batched probes disagree about a key")
+        return bytes(buf[:got]) if got >= 0 else None
+
+    for seed in SEEDS:  # every invalidated line refilled at once: a stale copy to load
+        _probe_on_a_caching_host(replace(model, seed=seed, refill_rate=1.0), look)
+
+
+def _probe_on_a_caching_host(
+    model: ModelConfig, look: Callable[[Any, bytes, p.Grant | None], bytes | None]
+) -> None:
+    """A reader that cached a key's lines (through ``look``) finds what was committed since;
+    ``look`` gets the grant of the key's last commit (None before the first)."""
     with _pool_file(model) as host:
         svc, writer = MetadataService(host(1)), host(2)
         reader = _reader_index(host(3))
+        committed: dict[bytes, p.Grant] = {}
 
         def put(key: bytes, data: bytes) -> None:
             g = _alloc(svc, key, len(data))
             _publish(writer, key, g, data)
             if not _commit(svc, key, g):
                 raise Violation("a commit was refused")
+            committed[key] = g
+
+        def get(key: bytes) -> bytes | None:
+            return look(reader, key, committed.get(key))
 
         put(b"k", b"first" * 500)
-        if reader.get(b"k") != b"first" * 500:
+        if get(b"k") != b"first" * 500:
             raise Violation("a committed key was not found by a reader")
-        if reader.get(b"later") is not None:  # caches the buckets of a key not there yet
+        if get(b"later") is not None:  # caches the buckets of a key not there yet
             raise Violation("a key never written was found")
         put(b"later", b"third" * 500)  # the reader's next look is its first since
-        if reader.get(b"later") != b"third" * 500:
+        if get(b"later") != b"third" * 500:
             raise Violation("a reader holding a key's buckets missed the key committed since")
         put(b"k", b"second" * 500)  # a new version, at another block
-        if reader.get(b"k") != b"second" * 500:
+        if get(b"k") != b"second" * 500:
             raise Violation("a reader holding a key's old buckets missed its new version")
 
 
@@ -674,6 +711,7 @@ CHECKS: dict[str, Callable[[ModelConfig], None]] = {
         service_restart_on_a_caching_host,
         service_answers_durable,
         index_probe_on_a_caching_host,
+        index_batch_probe_on_a_caching_host,
         index_move_sweep,
         memops_selfcheck,
     )
@@ -727,8 +765,11 @@ CATCHERS: dict[str, list[str]] = {
     "SERVICE_RECOVER_MFENCE": ["service_restart_on_a_caching_host"],
     "SERVICE_COMMIT_FENCE": ["service_answers_durable"],
     "SERVICE_CLEAR_FENCE": ["service_answers_durable"],
-    "INDEX_BUCKET_INVALIDATE": ["index_probe_on_a_caching_host"],
-    "INDEX_BUCKET_MFENCE": ["index_probe_on_a_caching_host"],
+    "INDEX_BUCKET_INVALIDATE": [
+        "index_probe_on_a_caching_host",
+        "index_batch_probe_on_a_caching_host",
+    ],
+    "INDEX_BUCKET_MFENCE": ["index_probe_on_a_caching_host", "index_batch_probe_on_a_caching_host"],
     "INDEX_MOVE_FENCE": ["index_move_sweep"],
 }
 

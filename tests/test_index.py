@@ -8,14 +8,18 @@ repaired in place) and readers keep reading while it is gone.
 
 from __future__ import annotations
 
-import hashlib
+import ctypes
+import mmap
 import os
 import random
 import signal
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -64,18 +68,38 @@ def reader(pool: Pool) -> object:
 
 
 @given(st.binary(min_size=1, max_size=256))
-def test_key_digest_is_blake2b_128(key: bytes) -> None:
-    assert _core.key_digest(key) == hashlib.blake2b(key, digest_size=16).digest() == digest(key)
+def test_key_digest_is_blake3_128(key: bytes) -> None:
+    assert _core.key_digest(key) == blake3.blake3(key).digest(16) == digest(key)
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 127, 128, 129, 192, 193, 255, 256])
+def test_key_digest_at_every_block_edge(length: int) -> None:
+    """One to four 64-byte blocks: each edge, alone and in a batch of mixed lengths."""
+    keys = [bytes((i * 7 + length) % 256 for i in range(n)) for n in (length, 1, 256, 64, length)]
+    assert _core.key_digest(keys[0]) == blake3.blake3(keys[0]).digest(16)
+    assert _core.key_digests(keys) == [blake3.blake3(k).digest(16) for k in keys]
 
 
 @given(st.lists(st.one_of(st.binary(min_size=1, max_size=256), st.text(min_size=1, max_size=60))))
 def test_batched_digests_equal_one_by_one(keys: list[bytes | str]) -> None:
-    """Eight (AVX-512) or four (AVX2) at a time where keys fit one block, else one by one."""
-    want = [
-        hashlib.blake2b(k if isinstance(k, bytes) else k.encode(), digest_size=16).digest()
-        for k in keys
-    ]
+    """Eight at a time in AVX2 lanes (any mix of lengths), the rest one by one."""
+    want = [blake3.blake3(k if isinstance(k, bytes) else k.encode()).digest(16) for k in keys]
     assert _core.key_digests(keys) == want
+
+
+def test_digest_lanes_off_give_the_same_digests() -> None:
+    """BELUGA_NO_BLAKE3_X8: one key at a time, the same answers as the lanes."""
+    keys = [os.urandom(n) for n in range(1, 257)]
+    code = (
+        "import sys; from beluga._native import _core; "
+        "sys.stdout.write(b''.join(_core.key_digests(eval(sys.stdin.read()))).hex())"
+    )
+    env = dict(os.environ, BELUGA_NO_BLAKE3_X8="1")
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=repr(keys), env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert bytes.fromhex(out.stdout) == b"".join(_core.key_digests(keys))
 
 
 def test_key_digest_refuses_bad_keys() -> None:
@@ -207,6 +231,76 @@ def test_reads_need_no_rpc(pool: Pool) -> None:
         assert not sent, f"reads went through the server: ops {sent}"
         s.put("k0", b"a write still does")
         assert sent, "the counting wrapper saw nothing"
+
+
+def _second_bucket_keys(pool: Pool, keys: list[str]) -> list[str]:
+    """The stored keys whose entry sits in their second bucket (read from the pool)."""
+    sb = pool.superblock
+    out = []
+    for k in keys:
+        d = digest(k.encode())
+        tag, _, b2 = _core.ix_hash(d, sb.nbuckets)
+        got = _core.ix_unpack(pool.memory.load(sb.index.offset + b2 * LINE, LINE))
+        if got is not None and any(slot[0] == tag for slot in got[1] if slot[2]):
+            out.append(k)
+    return out
+
+
+def test_batched_probes_agree_with_what_is_stored(shm_path: str) -> None:
+    """exists / locate / prefix / batch_get_into over 700 keys (three probe chunks, many
+    pipeline groups), first-bucket, second-bucket and absent keys mixed, agree with the
+    keys stored and with the one-key probe."""
+    geometry = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=4096)
+    pool = Pool.create(shm_path, 16 << 20, geometry=geometry)
+    try:
+        rng = random.Random(7)
+        keys = [f"probe-{i}" for i in range(700)]
+        stored = set(rng.sample(keys, 520))
+        with server(pool.spec), KVStore(pool) as s:
+            in_order = [k for k in keys if k in stored]
+            for at in range(0, len(in_order), 100):
+                part = in_order[at : at + 100]
+                s.put_batch(part, [value_of(k, 40) for k in part])
+            assert _second_bucket_keys(pool, in_order), "no key went to its second bucket"
+            truth = [k in stored for k in keys]
+            assert s.batch_is_exist(keys) == truth == [s.is_exist(k) for k in keys]
+            assert [r is not None for r in s.locate(keys, prefix=False)] == truth
+            first_absent = truth.index(False)
+            assert s.lookup_prefix(keys) == first_absent
+            assert s.lookup_prefix(in_order) == len(in_order)
+            assert s.index.prefix([]) == 0 and s.index.exists([]) == []
+            bufs = [bytearray(64) for _ in keys]
+            got = s.batch_get_into(keys, bufs)
+            assert got == [40 if t else -1 for t in truth]
+            for k, b, t in zip(keys, bufs, truth, strict=True):
+                assert not t or bytes(b[:40]) == value_of(k, 40)
+    finally:
+        pool.close()
+        Pool.destroy(shm_path)
+
+
+def test_a_batch_of_keys_ending_at_a_page_edge_reads_nothing_past_them(pool: Pool) -> None:
+    """Buffer keys are digested in the batch's lanes (masked loads): a key whose last byte
+    is the last of its page, before an unmapped one, digests right and does not fault."""
+    guard = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+    edge = ctypes.addressof(ctypes.c_char.from_buffer(guard)) + mmap.PAGESIZE
+    assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(edge), mmap.PAGESIZE, 0) == 0
+    view = memoryview(guard)
+    try:
+        with server(pool.spec), KVStore(pool) as s:
+            for n in (1, 3, 4, 5, 31, 32, 33, 63, 64, 65, 100, 255, 256):
+                raw = os.urandom(n)
+                guard[mmap.PAGESIZE - n : mmap.PAGESIZE] = raw
+                key = view[mmap.PAGESIZE - n : mmap.PAGESIZE]
+                want = blake3.blake3(raw).digest(16)
+                assert _core.key_digests([key] * 9) == [want] * 9
+                s.put(raw, b"v")
+                assert s.batch_is_exist([key] * 9) == [True] * 9
+                assert s.lookup_prefix([key, raw, key]) == 3
+                key.release()
+    finally:
+        view.release()
+        guard.close()
 
 
 def test_a_too_small_buffer_is_refused_with_the_size(pool: Pool) -> None:

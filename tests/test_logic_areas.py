@@ -171,6 +171,7 @@ def test_a_key_in_its_second_bucket_is_found(h: Harness) -> None:
     ix = reader(h.pool)
     assert ix.get(keys[-1].encode()) == value_of(keys[-1], 2000)
     assert ix.get_many([k.encode() for k in keys]) == [value_of(k, 2000) for k in keys]
+    assert ix.exists(keys) == [True] * len(keys) and ix.prefix(keys) == len(keys)  # batched
 
 
 # -- cuckoo moves ---------------------------------------------------------------------------

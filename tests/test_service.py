@@ -10,6 +10,8 @@ late seal never becomes a committed value, before or after a restart.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -416,3 +418,29 @@ def test_recovery_decides_as_one_header_at_a_time(small: Pool) -> None:
             word = int.from_bytes(mem.load(sb.block_commit_offset(block), 8), "little")
             assert (word != 0) == (block in kept), block
         assert set(svc.ix.where) == set(want_index)
+
+
+def test_a_server_process_keeps_full_collections_to_what_is_new() -> None:
+    """keep_collections_short (``beluga serve`` after recovery): what exists is frozen out
+    of the collector, so is what survives each later full collection (not a younger one),
+    and a frozen object is still freed by its reference count.  In a child process: the
+    test process's own objects must not be frozen."""
+    code = """
+import gc, weakref
+from beluga.kv.service import keep_collections_short
+class Obj: pass
+kept = [Obj() for _ in range(1000)]
+keep_collections_short()
+frozen = gc.get_freeze_count()
+more = [Obj() for _ in range(500)]
+gc.collect(1)
+young = gc.get_freeze_count()
+gc.collect()
+full = gc.get_freeze_count()
+gone = weakref.ref(kept[0])
+kept.clear()
+print(frozen >= 1000, young == frozen, full >= frozen + 500, gone() is None)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"] * 4

@@ -9,14 +9,14 @@
  * executor, the RPC polling loop) only ever calls through the table, so it is
  * the same code in both modes.
  *
- * The core files (cpu, crc32c, blake2b, memops, model, sabotage, block,
+ * The core files (cpu, crc32c, blake3, memops, model, sabotage, block,
  * blockio, sg, index, rpc) include only this header and the C library; the
  * Python bindings (*_py.c, beluga_py.h) sit on top.  Between two files calls
  * go one way only (tests/test_native.py checks it):
  *
- *   crc32c, blake2b, memops        ->  cpu
+ *   crc32c, blake3, memops         ->  cpu
  *   block, blockio, index, rpc     ->  crc32c
- *   blockio, index  ->  block;     index  ->  blockio
+ *   blockio, index  ->  block;     index  ->  blockio, blake3
  *   every BL_STEP of a sabotage build  ->  sabotage
  */
 #ifndef BELUGA_NATIVE_H
@@ -225,6 +225,9 @@ typedef struct bl_memops {
     void (*flush)(bl_mem *m, size_t off, size_t n);      /* write back and drop */
     void (*writeback)(bl_mem *m, size_t off, size_t n);  /* write back, keep */
     void (*invalidate)(bl_mem *m, size_t off, size_t n); /* drop before a read */
+    /* a hint that [off, off+n) will be loaded soon: nothing a protocol relies on (the model
+     * ignores it); issued after the invalidate's MFENCE it starts the reload early */
+    void (*prefetch)(bl_mem *m, size_t off, size_t n);
     void (*sfence)(bl_mem *m);
     void (*mfence)(bl_mem *m);
 } bl_memops;
@@ -254,11 +257,11 @@ void bl_crc32c_set_copy(void (*copy)(void *, const void *, size_t));
 void bl_record_seal(void *rec, size_t size);
 int bl_record_sealed(const void *rec, size_t size);
 
-/* blake2b.c: the 16-byte key digest (BLAKE2b-128, as hashlib.blake2b(key, digest_size=16)). */
-#define BL_MAX_KEY 256u /* bytes of a key, at most */
-void bl_blake2b_128(const void *key, size_t n, uint8_t out[16]);
-void bl_blake2b_128_many(const uint8_t *const *key, const size_t *len, uint8_t *const *out,
-                         size_t n);
+/* blake3.c: the 16-byte key digest (BLAKE3's first 16 bytes, as blake3.blake3(key).digest(16)). */
+#define BL_MAX_KEY 256u /* bytes of a key, at most (one BLAKE3 chunk is 1024) */
+void bl_key_digest(const void *key, size_t n, uint8_t out[16]);
+void bl_key_digest_many(const uint8_t *const *key, const size_t *len, uint8_t *const *out,
+                        size_t n);
 
 /* memops.c: instruction selection and the native table (NULL, and why, where there is none). */
 void bl_memops_init(void);
@@ -422,6 +425,8 @@ int64_t bl_ix_lookup(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint3
                      bl_header *h);
 void bl_ix_lookup_many(bl_mem *m, const bl_ix *ix, const uint8_t *digests, size_t n,
                        uint32_t *block, bl_header *h, int64_t *r);
+void bl_ix_lookup_keys(bl_mem *m, const bl_ix *ix, const uint8_t *const *key, const size_t *len,
+                       size_t n, uint8_t *digests, uint32_t *block, bl_header *h, int64_t *r);
 int bl_ix_geometry_ok(size_t mem_size, const bl_ix *ix, long long hint_off);
 int bl_ix_is_race(int64_t r);
 int64_t bl_ix_read_into(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint8_t *out,

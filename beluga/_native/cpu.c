@@ -1,7 +1,7 @@
 /*
  * cpu.c - what this CPU can do, read once, and the chicken bits that force a choice.
  *
- * memops.c (flushes, non-temporal copies), crc32c.c and blake2b.c each pick
+ * memops.c (flushes, non-temporal copies), crc32c.c and blake3.c each pick
  * their instructions from these features once, when the module loads.  A
  * feature counts only if the OS lets a process use it: AVX2 needs the OS to
  * save the ymm registers and AVX-512 the opmask and zmm ones too (XCR0), which a VM may not do even

@@ -41,7 +41,7 @@
  * written in the child (they are its parent's host id's); reads stay correct.
  *
  * This file has no Python in it.  The Python type Index (index_py.c) runs a
- * whole get / get_into / batch in one call: key digest (blake2b.c), probe,
+ * whole get / get_into / batch in one call: key digest (blake3.c), probe,
  * confirm, copy, checksum, re-check, through the functions here.
  */
 #include <pthread.h>
@@ -171,75 +171,238 @@ int64_t bl_ix_lookup(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint3
     return r;
 }
 
+#define PROBE_GROUP 32 /* keys digested between two fences of a pipelined probe */
+
+/* Invalidate the lines of buckets at[0..n), one MFENCE, then load them all into out. */
+static void load_lines(bl_mem *m, const bl_ix *ix, uint64_t *at, size_t n, bl_ix_bucket *out)
+{
+    if (BL_STEP(INDEX_BUCKET_INVALIDATE))
+        for (size_t i = 0; i < n; i++)
+            m->ops->invalidate(m, ix->index_off + at[i] * BL_LINE, BL_LINE);
+    if (BL_STEP(INDEX_BUCKET_MFENCE))
+        m->ops->mfence(m);
+    for (size_t i = 0; i < n; i++)
+        m->ops->load(m, ix->index_off + at[i] * BL_LINE, &out[i], BL_LINE);
+}
+
+/* The first usable slot of bucket b with this tag: its block (version in *version), or
+ * UINT32_MAX when there is none. */
+static uint32_t candidate(const bl_ix *ix, const bl_ix_bucket *b, uint32_t tag, uint64_t *version)
+{
+    for (int s = 0; s < BL_IX_SLOTS; s++) {
+        const bl_ix_slot *e = &b->slot[s];
+        if (e->tag == tag && e->block < ix->nblocks && e->version) {
+            *version = e->version;
+            return e->block;
+        }
+    }
+    return UINT32_MAX;
+}
+
+/* Load a candidate's header (invalidated and fenced already) into h: the value's length
+ * when it confirms the candidate (full digest, version, PUBLISHED), else -1. */
+static int64_t confirm(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint32_t block,
+                       bl_header *h)
+{
+    uint64_t version = h->version;
+    m->ops->load(m, ix->headers_off + (size_t)block * BL_LINE, h, BL_LINE);
+    size_t cap = (size_t)(ix->nblocks - block) * ix->block_size;
+    if (bl_header_check(h) && h->state == BL_PUBLISHED && h->version == version &&
+        !memcmp(h->digest, digest, 16) && h->length <= cap &&
+        h->length <= m->size - (ix->payloads_off + (size_t)block * ix->block_size))
+        return (int64_t)h->length;
+    return -1;
+}
+
+/* The header lines of the candidates among keys [lo, hi): invalidated (drop) or prefetched. */
+static void header_lines(bl_mem *m, const bl_ix *ix, const uint32_t *block, size_t lo, size_t hi,
+                         int drop)
+{
+    for (size_t i = lo; i < hi; i++)
+        if (block[i] != UINT32_MAX) {
+            size_t off = ix->headers_off + (size_t)block[i] * BL_LINE;
+            if (!drop)
+                m->ops->prefetch(m, off, BL_LINE);
+            else if (BL_STEP(BLOCK_HEADER_INVALIDATE))
+                m->ops->invalidate(m, off, BL_LINE);
+        }
+}
+
+/* Keys [lo, hi) of the group `back` steps behind `step`; 0 when there is none. */
+static int group_of(size_t step, size_t back, size_t group, size_t groups, size_t n, size_t *lo,
+                    size_t *hi)
+{
+    if (step < back || step - back >= groups)
+        return 0;
+    *lo = (step - back) * group;
+    *hi = *lo + group < n ? *lo + group : n;
+    return 1;
+}
+
 /*
- * Look many digests up at once: every bucket line invalidated, one MFENCE,
- * all loaded; then every candidate's header invalidated, one MFENCE, all
- * loaded and checked (the header, not the bucket's CRC, is what confirms).
- * A key whose first candidate did not confirm, or that was not found (a
- * torn bucket among the causes), goes through bl_ix_lookup alone (torn-line
- * retries, the other candidates, the race with a move).
- * r[i]: the length, or a BL_MISS_* code; block[i], h[i] as bl_ix_lookup.
+ * Look many keys up at once.  Keys (key, len) are digested into `digests` on
+ * the way, a group of PROBE_GROUP at a time; with key NULL, `digests` holds
+ * them already and the whole batch is one group.
+ *
+ * THE PIPELINE.  Every line is invalidated, then an MFENCE, then loaded, as
+ * in bl_ix_lookup; what the batch adds is that one fence serves every line
+ * invalidated before it, and that the reloads of one group's lines run while
+ * the next groups are digested (a digest is ALU work; a reload waits on
+ * memory).  Step s of the loop, for groups x:
+ *
+ *   digest group s (keys only) ; MFENCE ;
+ *   prefetch the first buckets of group s-1 (a hint; invalidated in step s-1) ;
+ *   load the first buckets of group s-2, pick each key's candidate, and
+ *     invalidate the candidates' header lines ;
+ *   prefetch the header lines of group s-3 ;
+ *   load and check the headers of group s-4 ;
+ *   invalidate the first buckets of group s.
+ *
+ * So each line is loaded at least one MFENCE after its invalidate, and the
+ * prefetch that brings it in comes after that MFENCE too.  Only first
+ * buckets: the server fills a key's first bucket first, so most keys are
+ * there, a third fewer lines than loading both.  Then, for the keys that need
+ * it, rounds of one fence each:
+ *
+ *   - the second bucket of each key without a candidate in its first, and
+ *     the headers of candidates found there;
+ *   - for each key with no candidate in either bucket, the first bucket
+ *     again: both lines whole and its sequence unchanged make it a miss, as
+ *     in bl_ix_lookup (a move from the second bucket to the first that raced
+ *     the two loads changed the sequence).
+ *
+ * No bucket CRC before a hit: a candidate counts only once its header
+ * confirms it, so a torn bucket can cost a redo, never a wrong hit (checking
+ * both lines' CRCs was a fifth of lookup_prefix(256)).  Anything else (a
+ * candidate that did not confirm, a torn line, a moved bucket) goes through
+ * bl_ix_lookup alone: torn-line retries, the other candidates, the race with
+ * a move.  r[i]: the length, or a BL_MISS_* code; block[i], h[i] as
+ * bl_ix_lookup.
  */
+static void lookup_batch(bl_mem *m, const bl_ix *ix, const uint8_t *const *key, const size_t *len,
+                         uint8_t *digests, size_t n, uint32_t *block, bl_header *h, int64_t *r)
+{
+    if (!n)
+        return;
+    uint64_t *b1 = malloc(n * sizeof(uint64_t)), *b2 = malloc(n * sizeof(uint64_t));
+    uint64_t *at = malloc(n * sizeof(uint64_t));
+    uint32_t *tag = malloc(n * sizeof(uint32_t));
+    size_t *which = malloc(n * sizeof(size_t));
+    uint8_t **out = malloc(n * sizeof(uint8_t *));
+    uint8_t *alone = calloc(n, 1); /* 1: settle through bl_ix_lookup; 2: a clean miss */
+    bl_ix_bucket *first = malloc(n * sizeof(bl_ix_bucket));
+    bl_ix_bucket *second = malloc(n * sizeof(bl_ix_bucket));
+    if (!b1 || !b2 || !at || !tag || !which || !out || !alone || !first || !second) {
+        for (size_t i = 0; i < n; i++) { /* no room to batch: one at a time */
+            if (key)
+                bl_key_digest(key[i], len[i], digests + 16 * i);
+            r[i] = bl_ix_lookup(m, ix, digests + 16 * i, &block[i], &h[i]);
+        }
+        goto out;
+    }
+    size_t group = key ? PROBE_GROUP : n, groups = (n + group - 1) / group;
+    for (size_t i = 0; i < n; i++)
+        out[i] = digests + 16 * i;
+    size_t lo, hi;
+    for (size_t step = 0; step < groups + 4; step++) {
+        if (group_of(step, 0, group, groups, n, &lo, &hi)) {
+            if (key)
+                bl_key_digest_many(key + lo, len + lo, out + lo, hi - lo);
+            for (size_t i = lo; i < hi; i++)
+                bl_ix_hash(digests + 16 * i, ix->nbuckets, &tag[i], &b1[i], &b2[i]);
+        }
+        if (step) {
+            int buckets = BL_STEP(INDEX_BUCKET_MFENCE), headers = BL_STEP(BLOCK_HEADER_MFENCE);
+            if (buckets & headers) /* one fence serves both kinds of line */
+                m->ops->mfence(m);
+        }
+        if (group_of(step, 1, group, groups, n, &lo, &hi))
+            for (size_t i = lo; i < hi; i++)
+                m->ops->prefetch(m, ix->index_off + b1[i] * BL_LINE, BL_LINE);
+        if (group_of(step, 2, group, groups, n, &lo, &hi)) {
+            for (size_t i = lo; i < hi; i++) {
+                m->ops->load(m, ix->index_off + b1[i] * BL_LINE, &first[i], BL_LINE);
+                r[i] = BL_MISS_KEY;
+                block[i] = candidate(ix, &first[i], tag[i], &h[i].version);
+            }
+            header_lines(m, ix, block, lo, hi, 1);
+        }
+        if (group_of(step, 3, group, groups, n, &lo, &hi))
+            header_lines(m, ix, block, lo, hi, 0);
+        if (group_of(step, 4, group, groups, n, &lo, &hi))
+            for (size_t i = lo; i < hi; i++)
+                if (block[i] != UINT32_MAX &&
+                    (r[i] = confirm(m, ix, digests + 16 * i, block[i], &h[i])) < 0)
+                    alone[i] = 1;
+        if (group_of(step, 0, group, groups, n, &lo, &hi) && BL_STEP(INDEX_BUCKET_INVALIDATE))
+            for (size_t i = lo; i < hi; i++)
+                m->ops->invalidate(m, ix->index_off + b1[i] * BL_LINE, BL_LINE);
+    }
+    /* the keys with no candidate in their first bucket: their second */
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (block[i] == UINT32_MAX && !alone[i])
+            at[k] = b2[i], which[k++] = i;
+    load_lines(m, ix, at, k, second);
+    size_t absent = 0, found = 0;
+    for (size_t j = 0; j < k; j++) {
+        size_t i = which[j];
+        block[i] = candidate(ix, &second[j], tag[i], &h[i].version);
+        if (block[i] != UINT32_MAX)
+            found++;
+        else if (bl_ix_bucket_ok(&first[i]) && bl_ix_bucket_ok(&second[j]))
+            at[absent] = b1[i], which[absent++] = i, alone[i] = 2; /* a miss if round 4 agrees */
+        else
+            alone[i] = 1; /* a torn line */
+    }
+    if (found) { /* the headers of the candidates found in second buckets */
+        if (BL_STEP(BLOCK_HEADER_INVALIDATE))
+            for (size_t i = 0; i < n; i++)
+                if (block[i] != UINT32_MAX && r[i] == BL_MISS_KEY && !alone[i])
+                    m->ops->invalidate(m, ix->headers_off + (size_t)block[i] * BL_LINE, BL_LINE);
+        if (BL_STEP(BLOCK_HEADER_MFENCE))
+            m->ops->mfence(m);
+        for (size_t i = 0; i < n; i++)
+            if (block[i] != UINT32_MAX && r[i] == BL_MISS_KEY && !alone[i] &&
+                (r[i] = confirm(m, ix, digests + 16 * i, block[i], &h[i])) < 0)
+                alone[i] = 1;
+    }
+    load_lines(m, ix, at, absent, second); /* round 4: first buckets again */
+    for (size_t j = 0; j < absent; j++) {
+        size_t i = which[j];
+        if (bl_ix_bucket_ok(&second[j]) && second[j].seq == first[i].seq)
+            alone[i] = 0, r[i] = BL_MISS_KEY, block[i] = UINT32_MAX; /* settled: a miss */
+        else
+            alone[i] = 1;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (alone[i])
+            r[i] = bl_ix_lookup(m, ix, digests + 16 * i, &block[i], &h[i]);
+out:
+    free(b1);
+    free(b2);
+    free(at);
+    free(tag);
+    free(which);
+    free(out);
+    free(alone);
+    free(first);
+    free(second);
+}
+
+/* Look many digests up at once (lookup_batch, the whole batch one group). */
 void bl_ix_lookup_many(bl_mem *m, const bl_ix *ix, const uint8_t *digests, size_t n,
                        uint32_t *block, bl_header *h, int64_t *r)
 {
-    uint64_t *pair = malloc((2 * n + 1) * sizeof(uint64_t));
-    uint32_t *tag = malloc((n + 1) * sizeof(uint32_t));
-    bl_ix_bucket *b = malloc((2 * n + 1) * sizeof(bl_ix_bucket));
-    if (!pair || !tag || !b) { /* no room to batch: one at a time */
-        for (size_t i = 0; i < n; i++)
-            r[i] = bl_ix_lookup(m, ix, digests + 16 * i, &block[i], &h[i]);
-        goto out;
-    }
-    for (size_t i = 0; i < n; i++)
-        bl_ix_hash(digests + 16 * i, ix->nbuckets, &tag[i], &pair[2 * i], &pair[2 * i + 1]);
-    if (BL_STEP(INDEX_BUCKET_INVALIDATE))
-        for (size_t i = 0; i < 2 * n; i++)
-            m->ops->invalidate(m, ix->index_off + pair[i] * BL_LINE, BL_LINE);
-    if (BL_STEP(INDEX_BUCKET_MFENCE))
-        m->ops->mfence(m);
-    for (size_t i = 0; i < 2 * n; i++)
-        m->ops->load(m, ix->index_off + pair[i] * BL_LINE, &b[i], BL_LINE);
-    /* the first candidate of each key, or a miss to redo.  No bucket CRC here: a candidate
-     * counts only once its header confirms it (full digest, version, PUBLISHED), so a torn
-     * bucket can cost a redo through bl_ix_lookup, never a wrong hit; checking both lines'
-     * CRCs was a fifth of lookup_prefix(256) */
-    for (size_t i = 0; i < n; i++) {
-        r[i] = BL_MISS_KEY;
-        block[i] = UINT32_MAX;
-        for (int k = 0; k < 2 * BL_IX_SLOTS && block[i] == UINT32_MAX; k++) {
-            const bl_ix_slot *e = &b[2 * i + k / BL_IX_SLOTS].slot[k % BL_IX_SLOTS];
-            if (e->tag == tag[i] && e->block < ix->nblocks && e->version) {
-                block[i] = e->block;
-                h[i].version = e->version;
-            }
-        }
-    }
-    if (BL_STEP(BLOCK_HEADER_INVALIDATE))
-        for (size_t i = 0; i < n; i++)
-            if (block[i] != UINT32_MAX)
-                m->ops->invalidate(m, ix->headers_off + (size_t)block[i] * BL_LINE, BL_LINE);
-    if (BL_STEP(BLOCK_HEADER_MFENCE))
-        m->ops->mfence(m);
-    for (size_t i = 0; i < n; i++) {
-        if (block[i] != UINT32_MAX) {
-            uint64_t version = h[i].version;
-            m->ops->load(m, ix->headers_off + (size_t)block[i] * BL_LINE, &h[i], BL_LINE);
-            const bl_header *x = &h[i];
-            size_t cap = (size_t)(ix->nblocks - block[i]) * ix->block_size;
-            if (bl_header_check(x) && x->state == BL_PUBLISHED && x->version == version &&
-                !memcmp(x->digest, digests + 16 * i, 16) && x->length <= cap &&
-                x->length <= m->size - (ix->payloads_off + (size_t)block[i] * ix->block_size)) {
-                r[i] = (int64_t)x->length;
-                continue;
-            }
-        }
-        r[i] = bl_ix_lookup(m, ix, digests + 16 * i, &block[i], &h[i]);
-    }
-out:
-    free(pair);
-    free(tag);
-    free(b);
+    lookup_batch(m, ix, NULL, NULL, (uint8_t *)digests, n, block, h, r);
+}
+
+/* Digest keys and look them up at once, the reloads overlapping the digests (lookup_batch);
+ * each key 1..BL_MAX_KEY bytes, digests[16 * i] its digest on return. */
+void bl_ix_lookup_keys(bl_mem *m, const bl_ix *ix, const uint8_t *const *key, const size_t *len,
+                       size_t n, uint8_t *digests, uint32_t *block, bl_header *h, int64_t *r)
+{
+    lookup_batch(m, ix, key, len, digests, n, block, h, r);
 }
 
 /* ---- reads ----------------------------------------------------------------------------------- */

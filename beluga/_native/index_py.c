@@ -2,7 +2,7 @@
  * index_py.c - the Python face of the pool index: the Index type and the format helpers.
  *
  * Index runs a whole get / get_into / batch in one call: key digest
- * (blake2b.c), probe, confirm, copy, checksum, re-check (index.c); the GIL is
+ * (blake3.c), probe, confirm, copy, checksum, re-check (index.c); the GIL is
  * dropped for large copies.  Thread-safe (state that changes, the hint
  * buffer, is touched only with the GIL held); the Memory's section count
  * keeps release() from unmapping under a copy.  An Index inherited by a
@@ -46,7 +46,7 @@ static int key_digest(PyObject *key, uint8_t out[16])
                          (int)BL_MAX_KEY, n);
             return 0;
         }
-        bl_blake2b_128(s, (size_t)n, out);
+        bl_key_digest(s, (size_t)n, out);
         return 1;
     }
     Py_buffer v;
@@ -57,7 +57,7 @@ static int key_digest(PyObject *key, uint8_t out[16])
     }
     int ok = v.len >= 1 && (size_t)v.len <= BL_MAX_KEY;
     if (ok)
-        bl_blake2b_128(v.buf, (size_t)v.len, out);
+        bl_key_digest(v.buf, (size_t)v.len, out);
     else
         PyErr_Format(PyExc_ValueError,
                      "a key is 1..%d bytes, not %zd; hash longer keys (e.g. "
@@ -205,51 +205,97 @@ static PyObject *Index_get_into(IndexObject *self, PyObject *args)
     return PyLong_FromLongLong(r >= 0 ? r : -1);
 }
 
-/* Digests of a sequence of keys into a new array (PyMem); NULL with an error raised.
- * str and bytes keys of up to 128 bytes are digested eight at a time. */
-static uint8_t *digests_of(PyObject *seq, Py_ssize_t *n)
+/* The bytes of the keys of a sequence: str as UTF-8, bytes, or any buffer (held until
+ * keys_release). */
+typedef struct {
+    const uint8_t **key;
+    size_t *len;
+    Py_buffer *views;
+    size_t held;
+} key_list;
+
+/* Release what keys_of took. */
+static void keys_release(key_list *k)
 {
-    *n = PySequence_Fast_GET_SIZE(seq);
-    size_t cap = (size_t)(*n ? *n : 1);
-    uint8_t *d = PyMem_Malloc(cap * 16);
-    const uint8_t **key = PyMem_Malloc(cap * sizeof(*key));
-    size_t *len = PyMem_Malloc(cap * sizeof(*len));
-    uint8_t **out = PyMem_Malloc(cap * sizeof(*out));
-    size_t short_keys = 0;
-    if (!d || !key || !len || !out) {
+    for (size_t i = 0; i < k->held; i++)
+        PyBuffer_Release(&k->views[i]);
+    PyMem_Free(k->views);
+    PyMem_Free(k->key);
+    PyMem_Free(k->len);
+    memset(k, 0, sizeof(*k));
+}
+
+/* Each key's bytes (1..BL_MAX_KEY of them); 0 with an error raised (and nothing held). */
+static int keys_of(PyObject *seq, Py_ssize_t n, key_list *k)
+{
+    size_t cap = (size_t)(n ? n : 1);
+    memset(k, 0, sizeof(*k));
+    k->key = PyMem_Malloc(cap * sizeof(*k->key));
+    k->len = PyMem_Malloc(cap * sizeof(*k->len));
+    if (!k->key || !k->len) {
         PyErr_NoMemory();
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < *n; i++) {
-        PyObject *k = PySequence_Fast_GET_ITEM(seq, i);
+    uint8_t scratch[16];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
         const char *p = NULL;
         Py_ssize_t size = 0;
-        if (PyBytes_CheckExact(k)) {
-            p = PyBytes_AS_STRING(k);
-            size = PyBytes_GET_SIZE(k);
-        } else if (PyUnicode_Check(k)) {
-            p = PyUnicode_AsUTF8AndSize(k, &size);
-            if (!p)
+        if (PyBytes_CheckExact(o)) {
+            p = PyBytes_AS_STRING(o);
+            size = PyBytes_GET_SIZE(o);
+        } else if (PyUnicode_Check(o)) {
+            if (!(p = PyUnicode_AsUTF8AndSize(o, &size)))
                 goto fail;
+        } else if (PyObject_CheckBuffer(o)) {
+            if (!k->views && !(k->views = PyMem_Calloc(cap, sizeof(*k->views)))) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            if (PyObject_GetBuffer(o, &k->views[k->held], PyBUF_SIMPLE) < 0) {
+                PyErr_Clear();
+                key_digest(o, scratch); /* raises what a bad key gets */
+                goto fail;
+            }
+            p = k->views[k->held].buf, size = k->views[k->held++].len;
         }
-        if (p && size >= 1 && size <= 128) { /* the common key: batched below */
-            key[short_keys] = (const uint8_t *)p;
-            len[short_keys] = (size_t)size;
-            out[short_keys++] = d + 16 * i;
-        } else if (!key_digest(k, d + 16 * i)) /* longer, other buffers, or bad: one by one */
+        if (!p || size < 1 || (size_t)size > BL_MAX_KEY) {
+            key_digest(o, scratch); /* raises what a bad key gets */
             goto fail;
+        }
+        k->key[i] = (const uint8_t *)p, k->len[i] = (size_t)size;
     }
-    bl_blake2b_128_many(key, len, out, short_keys);
-    PyMem_Free(key);
-    PyMem_Free(len);
+    return 1;
+fail:
+    keys_release(k);
+    return 0;
+}
+
+/* Digests of a sequence of keys into a new array (PyMem); NULL with an error raised.
+ * Eight at a time (bl_key_digest_many). */
+static uint8_t *digests_of(PyObject *seq, Py_ssize_t *n)
+{
+    *n = PySequence_Fast_GET_SIZE(seq);
+    key_list k;
+    uint8_t *d = PyMem_Malloc((size_t)(*n ? *n : 1) * 16);
+    uint8_t **out = PyMem_Malloc((size_t)(*n ? *n : 1) * sizeof(*out));
+    if (!d || !out) {
+        PyMem_Free(d);
+        PyMem_Free(out);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (!keys_of(seq, *n, &k)) {
+        PyMem_Free(d);
+        PyMem_Free(out);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++)
+        out[i] = d + 16 * i;
+    bl_key_digest_many(k.key, k.len, out, (size_t)*n);
+    keys_release(&k);
     PyMem_Free(out);
     return d;
-fail:
-    PyMem_Free(d);
-    PyMem_Free(key);
-    PyMem_Free(len);
-    PyMem_Free(out);
-    return NULL;
 }
 
 /* get_many_into(keys, buffers) -> [length or -1 per key], all copies in one section */
@@ -351,26 +397,37 @@ static PyObject *Index_get_many(IndexObject *self, PyObject *keys)
     return out;
 }
 
-/* Probe keys without copying; `mode` 0: locate (tuples), 1: exists (bools). */
+/* Probe keys without copying; `mode` 0: locate (tuples), 1: exists (bools), 2: how many
+ * leading keys are stored (an int; the first miss ends the probe). */
 static PyObject *probe_common(IndexObject *self, PyObject *args, PyObject *kw, int mode)
 {
     static char *kwlist[] = {"keys", "prefix", NULL};
     PyObject *keys, *seq, *out = NULL;
-    int prefix = 0;
+    int prefix = mode == 2;
     if (!ready(self) || !PyArg_ParseTupleAndKeywords(args, kw, "O|p", kwlist, &keys, &prefix))
         return NULL;
+    prefix |= mode == 2;
     seq = PySequence_Fast(keys, "keys must be a sequence");
     if (!seq)
         return NULL;
-    Py_ssize_t n;
-    uint8_t *d = digests_of(seq, &n);
-    Py_DECREF(seq);
-    if (!d)
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), stored = 0;
+    key_list k;
+    uint8_t *d = PyMem_Malloc((size_t)(n ? n : 1) * 16);
+    if (!d) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    if (!keys_of(seq, n, &k)) { /* seq is kept until the keys' bytes are done with */
+        Py_DECREF(seq);
+        PyMem_Free(d);
         return NULL;
-    out = PyList_New(0);
+    }
+    out = mode == 2 ? Py_NewRef(Py_None) : PyList_New(n);
     bl_section s;
     if (!out || bl_section_enter(&s, self->mem, 0, NULL, NULL) < 0) {
         Py_XDECREF(out);
+        keys_release(&k);
+        Py_DECREF(seq);
         PyMem_Free(d);
         return NULL;
     }
@@ -381,13 +438,19 @@ static PyObject *probe_common(IndexObject *self, PyObject *args, PyObject *kw, i
         PyErr_NoMemory();
         Py_CLEAR(out);
     }
+    Py_ssize_t done = 0; /* items answered */
     for (Py_ssize_t at = 0; out && at < n; at += PROBE_CHUNK) {
         size_t len = (size_t)(n - at < PROBE_CHUNK ? n - at : PROBE_CHUNK);
-        bl_ix_lookup_many(&self->mem->mem, &self->ix, d + 16 * at, len, blocks, hs, rs);
+        bl_ix_lookup_keys(&self->mem->mem, &self->ix, k.key + at, k.len + at, len, d + 16 * at,
+                          blocks, hs, rs);
         int stop = 0;
         for (size_t j = 0; j < len && !stop; j++) {
             int64_t r = rs[j];
             record(self, r >= 0, blocks[j], hs[j].version);
+            stored += r >= 0;
+            stop = r < 0 && prefix; /* the first miss ends a prefix (and is its last item) */
+            if (mode == 2)
+                continue;
             PyObject *v;
             if (mode)
                 v = PyBool_FromLong(r >= 0);
@@ -397,20 +460,24 @@ static PyObject *probe_common(IndexObject *self, PyObject *args, PyObject *kw, i
                 v = Py_BuildValue("(y#IKK)", (const char *)(d + 16 * (at + j)), (Py_ssize_t)16,
                                   blocks[j], (unsigned long long)hs[j].version,
                                   (unsigned long long)hs[j].length);
-            if (!v || PyList_Append(out, v) < 0) {
-                Py_XDECREF(v);
+            if (!v) {
                 Py_CLEAR(out);
                 break;
             }
-            Py_DECREF(v);
-            stop = r < 0 && prefix; /* the first miss ends a prefix (and is its last item) */
+            PyList_SET_ITEM(out, done++, v);
         }
         if (stop)
             break;
     }
     PyMem_Free(hs);
     bl_section_leave(&s);
+    keys_release(&k);
+    Py_DECREF(seq);
     PyMem_Free(d);
+    if (out && mode == 2)
+        Py_SETREF(out, PyLong_FromSsize_t(stored));
+    else if (out && done < n && PyList_SetSlice(out, done, n, NULL) < 0) /* a prefix ended */
+        Py_CLEAR(out);
     return out;
 }
 
@@ -424,6 +491,12 @@ static PyObject *Index_locate(IndexObject *self, PyObject *args, PyObject *kw)
 static PyObject *Index_exists(IndexObject *self, PyObject *args, PyObject *kw)
 {
     return probe_common(self, args, kw, 1);
+}
+
+/* prefix(keys) -> int: how many leading keys are stored (lookup_prefix, no list) */
+static PyObject *Index_prefix(IndexObject *self, PyObject *args, PyObject *kw)
+{
+    return probe_common(self, args, kw, 2);
 }
 
 /* exists_one(key) -> bool: is_exist without building a list */
@@ -485,6 +558,8 @@ static PyMethodDef Index_methods[] = {
      "locate(keys, prefix=False) -> [(digest, block, version, length) | None]"},
     {"exists", (PyCFunction)(void (*)(void))Index_exists, METH_VARARGS | METH_KEYWORDS,
      "exists(keys, prefix=False) -> [bool]"},
+    {"prefix", (PyCFunction)(void (*)(void))Index_prefix, METH_VARARGS | METH_KEYWORDS,
+     "prefix(keys) -> how many leading keys are stored"},
     {"exists_one", (PyCFunction)Index_exists_one, METH_O, "exists_one(key) -> bool"},
     {"flush_hints", (PyCFunction)Index_flush_hints, METH_NOARGS, "store buffered hints now"},
     {"count_tier", (PyCFunction)Index_count_tier, METH_VARARGS,
@@ -511,7 +586,7 @@ static PyTypeObject IndexType = {
 
 /* ---- module helpers: the format, for the server's writer and for tests --------------------- */
 
-/* key_digest(key) -> 16 bytes (BLAKE2b-128, as beluga.coherence.digest) */
+/* key_digest(key) -> 16 bytes (BLAKE3's first 16, as beluga.coherence.digest) */
 static PyObject *mod_key_digest(PyObject *mod, PyObject *key)
 {
     uint8_t d[16];
@@ -747,7 +822,7 @@ static PyObject *mod_ix_hints(PyObject *mod, PyObject *args)
 }
 
 static PyMethodDef index_functions[] = {
-    {"key_digest", mod_key_digest, METH_O, "key_digest(key) -> 16-byte BLAKE2b digest"},
+    {"key_digest", mod_key_digest, METH_O, "key_digest(key) -> 16-byte BLAKE3 digest"},
     {"key_digests", mod_key_digests, METH_O, "key_digests(keys) -> [digest] (batched)"},
     {"ix_hash", mod_ix_hash, METH_VARARGS, "ix_hash(digest, nbuckets) -> (tag, b1, b2)"},
     {"ix_hash_many", mod_ix_hash_many, METH_VARARGS,

@@ -593,6 +593,9 @@ static uint32_t model_load_crc(bl_mem *mem, size_t off, void *dst, size_t n, uin
     return bl_crc32c(crc, dst, n);
 }
 
+/* A prefetch is only a hint: the simulated host ignores it. */
+static void model_prefetch(bl_mem *mem, size_t off, size_t n) {}
+
 static const bl_memops model_ops = {
     .name = "model",
     .load = model_load,
@@ -602,6 +605,7 @@ static const bl_memops model_ops = {
     .flush = model_flush,
     .writeback = model_writeback,
     .invalidate = model_invalidate,
+    .prefetch = model_prefetch,
     .sfence = model_sfence,
     .mfence = model_mfence,
 };

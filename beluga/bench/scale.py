@@ -138,11 +138,19 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
             recovery.append(time.perf_counter() - t)
         if len(svc.index) != keys:
             raise AssertionError(f"recovery found {len(svc.index)} keys of the {keys} stored")
-        collections = []
+        collections, frozen = [], []
         for _ in range(repeats):  # a full collection scans every object the server holds
             t = time.perf_counter()
             gc.collect()
             collections.append(time.perf_counter() - t)
+        gc.freeze()  # what `beluga serve` does after recovery (service.keep_collections_short)
+        try:
+            for _ in range(repeats):
+                t = time.perf_counter()
+                gc.collect()
+                frozen.append(time.perf_counter() - t)
+        finally:
+            gc.unfreeze()
         ticks, scrubs = [], []
         for _ in range(50):
             t = time.perf_counter_ns()
@@ -161,6 +169,7 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
             "alloc_us_per_key": 1e6 * filled["alloc_s"] / max(keys, 1),
             "commit_us_per_key": 1e6 * filled["commit_s"] / max(keys, 1),
             "full_gc_ms": 1e3 * statistics.median(collections),
+            "full_gc_frozen_ms": 1e3 * statistics.median(frozen),
             "tick_us": statistics.median(ticks) / 1e3,
             "scrub_us": statistics.median(scrubs) / 1e3,
         }
@@ -450,6 +459,7 @@ def run(
     a, b = _fit(blocks, [r["recovery_s"] for r in rows])
     per_key = statistics.median(r["alloc_us_per_key"] + r["commit_us_per_key"] for r in rows)
     gc_a, gc_b = _fit([r["keys"] for r in rows], [r["full_gc_ms"] for r in rows])
+    fz_a, fz_b = _fit([r["keys"] for r in rows], [r["full_gc_frozen_ms"] for r in rows])
     extrapolated = {
         "pod_bytes": POD_BYTES,
         "pod_blocks": pod_blocks,
@@ -458,6 +468,7 @@ def run(
         "recovery_us_per_block": 1e6 * b,
         "fill_alloc_commit_s": per_key * pod_keys / 1e6,
         "full_gc_s": (gc_a + gc_b * pod_keys) / 1e3,
+        "full_gc_frozen_s": (fz_a + fz_b * pod_keys) / 1e3,
         "tick_us": statistics.median(r["tick_us"] for r in rows),
         "full_scrub_pass_s": statistics.median(r["scrub_us"] for r in rows)
         * (rows[-1]["index_buckets"] / rows[-1]["blocks"])
@@ -515,6 +526,7 @@ def columns() -> list[tuple[str, str]]:
         ("alloc_us_per_key", "ALLOC µs/key"),
         ("commit_us_per_key", "COMMIT µs/key"),
         ("full_gc_ms", "full GC ms"),
+        ("full_gc_frozen_ms", "frozen ms"),
         ("tick_us", "tick µs"),
         ("scrub_us", "scrub(64) µs"),
     ]
@@ -572,8 +584,10 @@ def format_extrapolation(doc: dict[str, Any]) -> str:
         f"{e['pod_keys']:,} keys):",
         f"  recovery {e['recovery_s']:,.0f} s ({e['recovery_us_per_block']:.2f} µs a block)",
         f"  filling it through ALLOC + COMMIT, server side: {e['fill_alloc_commit_s']:,.0f} s",
-        f"  one full garbage collection in the server: {e['full_gc_s']:,.1f} s (a pause of "
-        "every RPC; Python starts one when enough objects outlived the younger ones)",
+        f"  one full garbage collection: {e['full_gc_s']:,.1f} s (a pause of every RPC; Python "
+        "starts one when enough objects outlived the younger ones); "
+        f"{e['full_gc_frozen_s']:,.2f} s with what recovery built frozen out of the collector, "
+        "as `beluga serve` does",
         f"  one tick {e['tick_us']:.0f} µs; one full pass of the index scrub "
         f"{e['full_scrub_pass_s']:,.1f} s of server CPU (64 buckets a tick)",
     ]

@@ -185,8 +185,8 @@ def unseal_record(record: bytes) -> bytes | None:
 def digest(key: bytes) -> bytes:
     """The 16-byte identity of a key as stored in block headers.
 
-    BLAKE2b-128 (``hashlib.blake2b(key, digest_size=16)``), computed by the C
-    core (blake2b.c): the same code that digests keys on the read path
+    BLAKE3's first 16 bytes (``blake3.blake3(key).digest(16)``), computed by the
+    C core (blake3.c): the same code that digests keys on the read path
     (``_core.Index``, ``_core.key_digests``), so writers and readers cannot
     disagree.  ValueError for a key that is not 1..256 bytes.
     """

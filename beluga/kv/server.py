@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Any
 
 from beluga.errors import PoolChangedError, PoolError
 from beluga.kv import protocol as p
-from beluga.kv.service import MetadataService
+from beluga.kv.service import MetadataService, keep_collections_short
 from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
 from beluga.pool.hosts import Seat, Staleness
@@ -419,6 +419,7 @@ def serve(
             s["blocks_total"],
             server.rpc.epoch,
         )
+        keep_collections_short()  # after recovery: what it built is never scanned again
         if ready is not None and not standby:
             ready.set()
         try:

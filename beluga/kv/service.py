@@ -141,6 +141,31 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def keep_collections_short() -> None:
+    """In a server's own process: full collections scan only what is new since the last.
+
+    A full (oldest-generation) collection scans every object the process holds,
+    and the service holds a few per key: 28 s extrapolated to the pod's 67 M
+    keys (docs/alignment.md), every RPC waiting.  The objects alive now (what
+    recovery built) are frozen out of the collector (``gc.freeze``), and so are
+    the survivors of every later full collection, so each scans only what was
+    made since the one before.  Frozen objects are still freed by their
+    reference counts (the service's entries hold no cycles); what is lost is the
+    collection of a cycle that was alive at a full collection and became garbage
+    later.  For ``beluga serve`` (server.serve), never for a library's host
+    process (it would freeze the caller's objects too).
+    """
+    gc.freeze()
+    if _freeze_survivors not in gc.callbacks:
+        gc.callbacks.append(_freeze_survivors)
+
+
+def _freeze_survivors(phase: str, info: dict[str, int]) -> None:
+    """gc callback: after a full collection, its survivors leave the collector."""
+    if phase == "stop" and info.get("generation") == 2:
+        gc.freeze()
+
+
 @dataclass(slots=True)
 class Entry:
     block: int

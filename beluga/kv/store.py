@@ -588,7 +588,7 @@ class KVStore:
 
     def lookup_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of a chain are stored (one call, no RPC)."""
-        return sum(self.index.exists(keys, prefix=True))
+        return self.index.prefix(keys)
 
     def retired(self, since: tuple[int, int] | None = None) -> Retired:
         """The keys that left the pool (evicted, removed, dropped as corrupt) since the

@@ -37,7 +37,8 @@ from beluga.coherence import LINE, seal_record, unseal_record
 from beluga.errors import LayoutVersionError, PoolError
 
 MAGIC = b"BELUGA\x00P"
-LAYOUT_VERSION = 3  # 2: host grants, claim lobby, server seat, commit table; 3: index region
+LAYOUT_VERSION = 4  # 2: host grants, claim lobby, server seat, commit table; 3: index region;
+# 4: keys digested with BLAKE3 (blake3.c), not BLAKE2b
 REGION_ALIGN = 2 << 20
 SUPERBLOCK_BYTES = 4096
 LABEL_BYTES = 64
