@@ -126,6 +126,10 @@ WEIGHTS = {
     "corrupt_index": 8,
 }
 COHERENCE = ("native", "mixed", "model")
+#: a drawn fault kind that does not fit yet is tried again every FAULT_RETRY_S, at most
+#: MAX_FAULT_WAITS times (5 s: past a stall's hold and the takeover), before another is drawn
+FAULT_RETRY_S = 0.05
+MAX_FAULT_WAITS = 100
 
 
 class ChaosError(BelugaError):
@@ -806,14 +810,23 @@ class ChaosDriver:
             raise ChaosError("no fault kind to inject: stall_server needs --standby N")
         weights = [cfg.weights[k] for k in kinds]
         last_log = time.monotonic()
+        # A drawn kind that does not fit right now (the server is stalled, every reader is
+        # stopped) is tried again shortly rather than yielding to one that fits: redrawing
+        # would starve the kinds that need a running server whenever stalls are frequent,
+        # so a round's mix would follow its weights only on average over lucky seeds.
+        pending: str | None = None
+        waited = 0
         while sum(self.faults.values()) < cfg.faults:
             if time.monotonic() - self.start > cfg.max_inject_s:
                 self.log(f"beluga chaos: stopped injecting after {cfg.max_inject_s} s")
                 break
-            self._pump(self.rng.expovariate(1 / cfg.fault_interval_s))
-            for _ in range(8):
-                if self._inject(self.rng.choices(kinds, weights)[0]):
-                    break
+            self._pump(FAULT_RETRY_S if pending else self.rng.expovariate(1 / cfg.fault_interval_s))
+            if pending is None or waited >= MAX_FAULT_WAITS:
+                pending, waited = self.rng.choices(kinds, weights)[0], 0
+            if self._inject(pending):
+                pending = None
+            else:
+                waited += 1
             if time.monotonic() - last_log > 10:
                 last_log = time.monotonic()
                 self.log(
