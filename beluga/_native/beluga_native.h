@@ -363,7 +363,7 @@ typedef struct {
 } bl_blockio;
 
 int bl_read_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
-                   size_t nrows, uint8_t *const *bufs, const char **why);
+                   size_t nrows, uint8_t *const *bufs, const bl_header *seen, const char **why);
 int bl_write_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
                     size_t nrows, const uint8_t *const *bufs, const char **why);
 

@@ -9,7 +9,8 @@
  *
  *   read   every block's header is loaded (all invalidated, one MFENCE) and
  *          checked: well formed, PUBLISHED, this key, this version, a sane
- *          length.  Every row's pool range is invalidated, one MFENCE, then
+ *          length (a batched get passes the headers its index probe just
+ *          loaded the same way and checked alike, saving that round).  Every row's pool range is invalidated, one MFENCE, then
  *          each row is copied a chunk at a time and the CRC32C of each chunk
  *          is taken from the destination while it is still in L1 (the
  *          memops table's load_crc, which overlaps the copy of one piece
@@ -258,11 +259,15 @@ static int64_t judge(const bl_mem *m, const bl_blockio *b, const bl_header *h)
 /*
  * Read many blocks through one table, each validated (see the top of the
  * file).  blocks[i].result gets the block's length or a BL_MISS_* code.
- * Returns 0, or -1 with *why when the call itself is wrong (a row outside
- * every block's extent, overlapping blocks): then nothing was copied.
+ * seen: NULL, or each block's header as the caller already loaded it fresh
+ * (invalidated, fenced, loaded: the index probe's confirmation) before this
+ * call, which then stands for the first header load; a header loaded any
+ * other way would let a stale one pass.  Returns 0, or -1 with *why when the
+ * call itself is wrong (a row outside every block's extent, overlapping
+ * blocks): then nothing was copied.
  */
 int bl_read_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
-                   size_t nrows, uint8_t *const *bufs, const char **why)
+                   size_t nrows, uint8_t *const *bufs, const bl_header *seen, const char **why)
 {
     job j;
     bl_header *first = malloc((nblocks + 1) * sizeof(bl_header));
@@ -278,7 +283,10 @@ int bl_read_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t
         *why = "a row reads pool bytes outside every block of the call";
         goto out_job;
     }
-    load_headers(m, blocks, nblocks, first);
+    if (seen)
+        memcpy(first, seen, nblocks * sizeof(bl_header));
+    else
+        load_headers(m, blocks, nblocks, first);
     for (size_t i = 0; i < nblocks; i++) {
         blocks[i].result = judge(m, &blocks[i], &first[i]);
         blocks[i].length = blocks[i].result >= 0 ? first[i].length : 0;

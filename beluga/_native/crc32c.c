@@ -35,7 +35,14 @@
  * vector from the register it was loaded into, right after storing it: one
  * pass, loads and folds overlapping (copy_fold_ymm, chosen where AVX2 and
  * VPCLMULQDQ exist; BELUGA_COPY_CRC=copy+crc forces the two-pass form,
- * which also serves CPUs without them and BELUGA_CRC=hw|sw).
+ * which also serves CPUs without them and BELUGA_CRC=hw|sw).  The folds
+ * hold the core's schedulers while their loads wait, so fewer misses are in
+ * flight than in a plain copy, whose issue runs ahead: from flushed lines the
+ * fused pass took 1.33-1.40x a plain copy's time (1 MiB as 64 x 16 KiB, Zen 3).
+ * So it prefetches COPY_FOLD_AHEAD bytes ahead, inside the source only:
+ * 1.14-1.23x.  (A plain copy gets nothing from it: measured slower, it has
+ * none.)  Coherence: a prefetch after the reader's fence is an early load of
+ * a line the reader loads anyway, so it sees nothing older than the load.
  */
 #include <string.h>
 
@@ -175,6 +182,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const void 
  * by XOR into the first 4 bytes: crc(c, M) = crc(0, M ^ c).
  */
 #define CRC_FOLD_MIN 256u /* below this the 3-stream CRC32 path is as fast */
+#define COPY_FOLD_AHEAD 2048u /* copy_fold_ymm's software prefetch distance, bytes */
 static uint64_t fold_2048[2], fold_1536[2], fold_1024[2], fold_768[2], fold_512[2],
     fold_256[2], fold_lanes[8];
 
@@ -291,10 +299,15 @@ __attribute__((target("avx2,vpclmulqdq,sse4.2"))) static uint32_t copy_fold_ymm(
         memcpy(q, p, n);
         return crc_hw(c, q, n);
     }
+    const uint8_t *ahead_end = p + n; /* prefetches stay inside the source */
     __m256i k = fold_k_ymm(fold_1024);
     __m256i a0 = _mm256_xor_si256(COPY_YMM(q, p, 0), _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, (int)c));
     __m256i a1 = COPY_YMM(q, p, 32), a2 = COPY_YMM(q, p, 64), a3 = COPY_YMM(q, p, 96);
     for (p += 128, q += 128, n -= 128; n >= 128; n -= 128, p += 128, q += 128) {
+        if (p + COPY_FOLD_AHEAD + 128 <= ahead_end) {
+            _mm_prefetch((const char *)p + COPY_FOLD_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + COPY_FOLD_AHEAD + 64, _MM_HINT_T0);
+        }
         __m256i x0 = COPY_YMM(q, p, 0), x1 = COPY_YMM(q, p, 32);
         __m256i x2 = COPY_YMM(q, p, 64), x3 = COPY_YMM(q, p, 96);
         a0 = fold_ymm(a0, k, x0);

@@ -436,7 +436,8 @@ int64_t bl_ix_read_into(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], ui
 /*
  * Many values into their buffers (bufs[i] of lens[i] bytes): one batched
  * lookup, then one bl_read_blocks over every found value (its fences shared
- * by the batch, its CRC fused into the copy); a value that lost a race there
+ * by the batch, its CRC fused into the copy, the lookup's confirmed headers
+ * its first look at each block); a value that lost a race there
  * is read again alone.  got[i]: length or a miss code; versions[i]: the
  * version read (the value's length for BL_TOO_SMALL).
  */
@@ -448,9 +449,10 @@ void bl_ix_read_many(bl_mem *m, const bl_ix *ix, const uint8_t *d, size_t n,
     bl_blockio *io = calloc(n + 1, sizeof(bl_blockio));
     uint64_t *rows = calloc(4 * n + 4, sizeof(uint64_t));
     size_t *which = calloc(n + 1, sizeof(size_t));
+    bl_header *seen = calloc(n + 1, sizeof(bl_header));
     const char *why = NULL;
     size_t k = 0;
-    if (!h || !io || !rows || !which)
+    if (!h || !io || !rows || !which || !seen)
         goto alone;
     bl_ix_lookup_many(m, ix, d, n, blocks, h, got);
     for (size_t i = 0; i < n; i++) {
@@ -471,9 +473,10 @@ void bl_ix_read_many(bl_mem *m, const bl_ix *ix, const uint8_t *d, size_t n,
                              .version = h[i].version};
         uint64_t row[4] = {i, 0, io[k].payload_off, (uint64_t)got[i]};
         memcpy(&rows[4 * k], row, sizeof(row));
+        seen[k] = h[i]; /* confirmed by the probe: the read's first look (see bl_read_blocks) */
         which[k++] = i;
     }
-    if (k && bl_read_blocks(m, io, k, rows, k, bufs, &why) == 0) {
+    if (k && bl_read_blocks(m, io, k, rows, k, bufs, seen, &why) == 0) {
         for (size_t j = 0; j < k; j++) {
             size_t i = which[j];
             if (io[j].result == got[i])
@@ -498,6 +501,7 @@ out:
     free(io);
     free(rows);
     free(which);
+    free(seen);
 }
 
 /* ---- hints ----------------------------------------------------------------------------------- */

@@ -686,7 +686,7 @@ static PyObject *blocks_common(MemoryObject *self, PyObject *args, int write)
     int rc = write ? bl_write_blocks(&self->mem, bio, (size_t)n, job.rows, (size_t)job.nrows,
                                      (const uint8_t *const *)job.ptrs, &why)
                    : bl_read_blocks(&self->mem, bio, (size_t)n, job.rows, (size_t)job.nrows,
-                                    job.ptrs, &why);
+                                    job.ptrs, NULL, &why);
     bl_section_leave(&s);
     if (rc < 0) {
         fail("%s", why);
