@@ -300,10 +300,13 @@ static void nt_copy_sse2(void *dst, const void *src, size_t n)
 static void fence_store(void) { _mm_sfence(); }
 /* Full fence: also orders loads after earlier flushes. */
 static void fence_full(void) { _mm_mfence(); }
-/* Native table: plain loads from the mapping. */
+/* Native table: plain loads from the mapping (one line, the probes' unit, inline). */
 static void native_load(bl_mem *m, size_t off, void *dst, size_t n)
 {
-    copy_fn(dst, m->base + off, n);
+    if (n == BL_LINE)
+        memcpy(dst, m->base + off, BL_LINE);
+    else
+        copy_fn(dst, m->base + off, n);
 }
 
 /* Native table: load and checksum in one pass (crc32c.c's COPY + CRC). */
