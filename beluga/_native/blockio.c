@@ -10,7 +10,8 @@
  *   read   every block's header is loaded (all invalidated, one MFENCE) and
  *          checked: well formed, PUBLISHED, this key, this version, a sane
  *          length (a batched get passes the headers its index probe just
- *          loaded the same way and checked alike, saving that round).  Every row's pool range is invalidated, one MFENCE, then
+ *          loaded the same way and checked alike, saving that round).
+ *          Every row's pool range is invalidated, one MFENCE, then
  *          each row is copied a chunk at a time and the CRC32C of each chunk
  *          is taken from the destination while it is still in L1 (the
  *          memops table's load_crc, which overlaps the copy of one piece

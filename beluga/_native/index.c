@@ -171,7 +171,7 @@ int64_t bl_ix_lookup(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint3
     return r;
 }
 
-#define PROBE_GROUP 32 /* keys digested between two fences of a pipelined probe */
+#define PROBE_GROUP 16 /* keys digested between two fences of a pipelined probe (8, 32: slower) */
 
 /* Invalidate the lines of buckets at[0..n), one MFENCE, then load them all into out. */
 static void load_lines(bl_mem *m, const bl_ix *ix, uint64_t *at, size_t n, bl_ix_bucket *out)
