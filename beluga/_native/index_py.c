@@ -31,12 +31,27 @@ static void record(IndexObject *self, int hit, uint32_t block, uint64_t version)
         bl_ix_flush_hints(&self->mem->mem, &self->hints);
 }
 
+/* A str key's UTF-8 bytes: an ASCII string's own characters (the same bytes, no call), else
+ * PyUnicode_AsUTF8AndSize's; NULL with an error raised. */
+static const char *str_bytes(PyObject *key, Py_ssize_t *n)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    if (!PyUnicode_IS_READY(key))
+        return PyUnicode_AsUTF8AndSize(key, n);
+#endif
+    if (PyUnicode_IS_ASCII(key)) {
+        *n = PyUnicode_GET_LENGTH(key);
+        return (const char *)PyUnicode_DATA(key);
+    }
+    return PyUnicode_AsUTF8AndSize(key, n);
+}
+
 /* A key (str or bytes-like, 1..256 bytes) to its digest; 0 with ValueError raised otherwise. */
 static int key_digest(PyObject *key, uint8_t out[16])
 {
     if (PyUnicode_Check(key)) {
         Py_ssize_t n;
-        const char *s = PyUnicode_AsUTF8AndSize(key, &n);
+        const char *s = str_bytes(key, &n);
         if (!s)
             return 0;
         if (n < 1 || (size_t)n > BL_MAX_KEY) {
@@ -245,7 +260,7 @@ static int keys_of(PyObject *seq, Py_ssize_t n, key_list *k)
             p = PyBytes_AS_STRING(o);
             size = PyBytes_GET_SIZE(o);
         } else if (PyUnicode_Check(o)) {
-            if (!(p = PyUnicode_AsUTF8AndSize(o, &size)))
+            if (!(p = str_bytes(o, &size)))
                 goto fail;
         } else if (PyObject_CheckBuffer(o)) {
             if (!k->views && !(k->views = PyMem_Calloc(cap, sizeof(*k->views)))) {
