@@ -256,6 +256,7 @@ const char *bl_crc32c_copy_selected(void);
 void bl_crc32c_set_copy(void (*copy)(void *, const void *, size_t));
 void bl_record_seal(void *rec, size_t size);
 int bl_record_sealed(const void *rec, size_t size);
+void bl_lines_sealed(const void *const *lines, size_t n, uint8_t *ok);
 
 /* blake3.c: the 16-byte key digest (BLAKE3's first 16 bytes, as blake3.blake3(key).digest(16)). */
 #define BL_MAX_KEY 256u /* bytes of a key, at most (one BLAKE3 chunk is 1024) */
@@ -338,6 +339,7 @@ _Static_assert(sizeof(bl_header) == BL_LINE, "a block header is one cache line")
 
 void bl_header_seal(bl_header *h);
 int bl_header_check(const bl_header *h);
+void bl_headers_check(const bl_header *const *h, size_t n, uint8_t *ok);
 void bl_publish(bl_mem *m, size_t hdr_off, size_t payload_off, const bl_header *proto,
                 const void *data, size_t n);
 void bl_begin_write(bl_mem *m, size_t hdr_off, const bl_header *proto, size_t n);

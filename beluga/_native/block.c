@@ -42,6 +42,14 @@ int bl_header_check(const bl_header *h)
     return h->magic == BL_HDR_MAGIC && bl_record_sealed(h, sizeof(*h));
 }
 
+/* bl_header_check of n headers at once into ok[i] (their checksums side by side). */
+void bl_headers_check(const bl_header *const *h, size_t n, uint8_t *ok)
+{
+    bl_lines_sealed((const void *const *)h, n, ok);
+    for (size_t i = 0; i < n; i++)
+        ok[i] = ok[i] && h[i]->magic == BL_HDR_MAGIC;
+}
+
 /* Write one header line so that it reaches memory whole; `fenced`: SFENCE after it. */
 static void put_header(bl_mem *m, size_t hdr_off, bl_header *h, int fenced)
 {

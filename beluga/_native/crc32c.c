@@ -151,6 +151,24 @@ __attribute__((target("sse4.2"))) static uint32_t crc_line_hw(const uint8_t *p)
     return ~(uint32_t)crc_hw_stream(~0u, p, BL_LINE - BL_SEAL_BYTES);
 }
 
+/* crc_line_hw of four lines, their chains interleaved: the CRC32 instruction's latency is
+ * three times its throughput, so four chains run in about the time of one. */
+__attribute__((target("sse4.2"))) static void crc_lines4_hw(const uint8_t *const *p,
+                                                            uint32_t out[4])
+{
+    uint64_t c[4] = {~0u, ~0u, ~0u, ~0u}, w;
+    for (size_t at = 0; at < BL_LINE - BL_SEAL_BYTES - 4; at += 8)
+        for (int k = 0; k < 4; k++) {
+            memcpy(&w, p[k] + at, 8);
+            c[k] = _mm_crc32_u64(c[k], w);
+        }
+    for (int k = 0; k < 4; k++) {
+        uint32_t tail;
+        memcpy(&tail, p[k] + BL_LINE - BL_SEAL_BYTES - 4, 4);
+        out[k] = ~_mm_crc32_u32((uint32_t)c[k], tail);
+    }
+}
+
 /* Three streams of len bytes in flight at once, joined by shift tables. */
 __attribute__((target("sse4.2"))) static inline uint64_t crc_hw_3way(
     uint64_t c, const uint8_t *p, size_t len, const shift_table *s1, const shift_table *s2)
@@ -437,12 +455,34 @@ void bl_record_seal(void *rec, size_t size)
         p[i] = (uint8_t)(c >> (8 * i));
 }
 
+/* The CRC a record of `size` bytes carries in its last 4 bytes (little-endian). */
+static uint32_t record_seal_of(const void *rec, size_t size)
+{
+    const uint8_t *p = (const uint8_t *)rec + size - BL_SEAL_BYTES;
+    uint32_t stored = 0;
+    for (unsigned i = 0; i < BL_SEAL_BYTES; i++)
+        stored |= (uint32_t)p[i] << (8 * i);
+    return stored;
+}
+
 /* Whether a record of `size` bytes is whole: its last 4 bytes are the CRC32C of the rest. */
 int bl_record_sealed(const void *rec, size_t size)
 {
-    uint32_t c = record_crc(rec, size), stored = 0;
-    const uint8_t *p = (const uint8_t *)rec + size - BL_SEAL_BYTES;
-    for (unsigned i = 0; i < BL_SEAL_BYTES; i++)
-        stored |= (uint32_t)p[i] << (8 * i);
-    return stored == c;
+    return record_seal_of(rec, size) == record_crc(rec, size);
+}
+
+/* bl_record_sealed of n one-line records into ok[i] (1 or 0), four checked side by side. */
+void bl_lines_sealed(const void *const *lines, size_t n, uint8_t *ok)
+{
+    size_t i = 0;
+#if BL_X86
+    for (; line_hw && i + 4 <= n; i += 4) {
+        uint32_t c[4];
+        crc_lines4_hw((const uint8_t *const *)lines + i, c);
+        for (int k = 0; k < 4; k++)
+            ok[i + k] = record_seal_of(lines[i + k], BL_LINE) == c[k];
+    }
+#endif
+    for (; i < n; i++)
+        ok[i] = (uint8_t)bl_record_sealed(lines[i], BL_LINE);
 }

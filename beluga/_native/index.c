@@ -199,19 +199,54 @@ static uint32_t candidate(const bl_ix *ix, const bl_ix_bucket *b, uint32_t tag, 
     return UINT32_MAX;
 }
 
-/* Load a candidate's header (invalidated and fenced already) into h: the value's length
- * when it confirms the candidate (full digest, version, PUBLISHED), else -1. */
+/* What a candidate's loaded header says: the value's length when it confirms the candidate
+ * (well formed by bl_header_check, PUBLISHED, the full digest, the slot's version), else -1. */
+static int64_t confirmed(const bl_mem *m, const bl_ix *ix, const uint8_t digest[16],
+                         uint32_t block, const bl_header *h, uint64_t version, int well_formed)
+{
+    size_t cap = (size_t)(ix->nblocks - block) * ix->block_size;
+    if (well_formed && h->state == BL_PUBLISHED && h->version == version &&
+        !memcmp(h->digest, digest, 16) && h->length <= cap &&
+        h->length <= m->size - (ix->payloads_off + (size_t)block * ix->block_size))
+        return (int64_t)h->length;
+    return -1;
+}
+
+/* Load a candidate's header (invalidated and fenced already) into h, whose version field
+ * holds the slot's: confirmed's answer. */
 static int64_t confirm(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint32_t block,
                        bl_header *h)
 {
     uint64_t version = h->version;
     m->ops->load(m, ix->headers_off + (size_t)block * BL_LINE, h, BL_LINE);
-    size_t cap = (size_t)(ix->nblocks - block) * ix->block_size;
-    if (bl_header_check(h) && h->state == BL_PUBLISHED && h->version == version &&
-        !memcmp(h->digest, digest, 16) && h->length <= cap &&
-        h->length <= m->size - (ix->payloads_off + (size_t)block * ix->block_size))
-        return (int64_t)h->length;
-    return -1;
+    return confirmed(m, ix, digest, block, h, version, bl_header_check(h));
+}
+
+/* confirm of every candidate among keys [lo, hi), PROBE_GROUP at a time: their headers
+ * loaded first, then checked side by side (bl_headers_check); one that fails is alone. */
+static void confirm_group(bl_mem *m, const bl_ix *ix, const uint8_t *digests,
+                          const uint32_t *block, bl_header *h, size_t lo, size_t hi, int64_t *r,
+                          uint8_t *alone)
+{
+    for (; hi - lo > PROBE_GROUP; lo += PROBE_GROUP)
+        confirm_group(m, ix, digests, block, h, lo, lo + PROBE_GROUP, r, alone);
+    const bl_header *loaded[PROBE_GROUP];
+    uint64_t version[PROBE_GROUP];
+    size_t at[PROBE_GROUP], k = 0;
+    uint8_t ok[PROBE_GROUP];
+    for (size_t i = lo; i < hi; i++)
+        if (block[i] != UINT32_MAX) {
+            version[k] = h[i].version;
+            m->ops->load(m, ix->headers_off + (size_t)block[i] * BL_LINE, &h[i], BL_LINE);
+            loaded[k] = &h[i], at[k++] = i;
+        }
+    bl_headers_check(loaded, k, ok);
+    for (size_t j = 0; j < k; j++) {
+        size_t i = at[j];
+        r[i] = confirmed(m, ix, digests + 16 * i, block[i], &h[i], version[j], ok[j]);
+        if (r[i] < 0)
+            alone[i] = 1;
+    }
 }
 
 /* The header lines of the candidates among keys [lo, hi): invalidated (drop) or prefetched. */
@@ -330,10 +365,7 @@ static void lookup_batch(bl_mem *m, const bl_ix *ix, const uint8_t *const *key, 
         if (group_of(step, 3, group, groups, n, &lo, &hi))
             header_lines(m, ix, block, lo, hi, 0);
         if (group_of(step, 4, group, groups, n, &lo, &hi))
-            for (size_t i = lo; i < hi; i++)
-                if (block[i] != UINT32_MAX &&
-                    (r[i] = confirm(m, ix, digests + 16 * i, block[i], &h[i])) < 0)
-                    alone[i] = 1;
+            confirm_group(m, ix, digests, block, h, lo, hi, r, alone);
         if (group_of(step, 0, group, groups, n, &lo, &hi) && BL_STEP(INDEX_BUCKET_INVALIDATE))
             for (size_t i = lo; i < hi; i++)
                 m->ops->invalidate(m, ix->index_off + b1[i] * BL_LINE, BL_LINE);
