@@ -268,6 +268,11 @@ def test_batched_probes_agree_with_what_is_stored(shm_path: str) -> None:
             first_absent = truth.index(False)
             assert s.lookup_prefix(keys) == first_absent
             assert s.lookup_prefix(in_order) == len(in_order)
+            absent = next(k for k in keys if k not in stored)
+            for cut in (0, 1, 31, 32, 33, 255, 256, 257, 288, 289, 511, 512, 519):
+                chain = [*in_order[:cut], absent, *in_order[cut:]]  # the miss ends it at cut
+                assert s.lookup_prefix(chain) == cut, f"a chain whose key {cut} is absent"
+                assert len(s.locate(chain)) == cut + 1 and s.locate(chain)[-1] is None
             assert s.index.prefix([]) == 0 and s.index.exists([]) == []
             bufs = [bytearray(64) for _ in keys]
             got = s.batch_get_into(keys, bufs)

@@ -16,6 +16,7 @@
 #include "beluga_py.h"
 
 #define PROBE_CHUNK 256 /* keys looked up together by locate / exists */
+#define PREFIX_FIRST 32  /* a prefix's first chunk: a chain that misses early stops there */
 
 typedef struct {
     PyObject_HEAD
@@ -454,8 +455,9 @@ static PyObject *probe_common(IndexObject *self, PyObject *args, PyObject *kw, i
         Py_CLEAR(out);
     }
     Py_ssize_t done = 0; /* items answered */
-    for (Py_ssize_t at = 0; out && at < n; at += PROBE_CHUNK) {
-        size_t len = (size_t)(n - at < PROBE_CHUNK ? n - at : PROBE_CHUNK);
+    for (Py_ssize_t at = 0, chunk = prefix ? PREFIX_FIRST : PROBE_CHUNK; out && at < n;
+         at += chunk, chunk = PROBE_CHUNK) {
+        size_t len = (size_t)(n - at < chunk ? n - at : chunk);
         bl_ix_lookup_keys(&self->mem->mem, &self->ix, k.key + at, k.len + at, len, d + 16 * at,
                           blocks, hs, rs);
         int stop = 0;
