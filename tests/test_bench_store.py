@@ -95,8 +95,9 @@ def test_quick_json_has_every_figure(capsys: pytest.CaptureFixture[str]) -> None
         assert figures[f"store.beluga.get_into.{label}.of_invalidate_load"] == pytest.approx(
             floor / get_into
         )
-    lookup = figures["store.beluga.lookup_prefix.256.p50_us"]
-    assert figures["store.beluga.lookup_prefix.256.per_item_us"] == pytest.approx(lookup / 256)
+    for op in ("lookup_prefix", "lookup_prefix_cold"):  # a stored chain, and one not stored
+        lookup = figures[f"store.beluga.{op}.256.p50_us"]
+        assert figures[f"store.beluga.{op}.256.per_item_us"] == pytest.approx(lookup / 256)
     _check_sweep(doc["alignment"], figures, ALIGN_QUICK)
 
 

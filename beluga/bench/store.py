@@ -8,6 +8,8 @@ put_batch, get_batch,  64 values of 16 KiB in one call (also per item)
 batch_get_into
 is_exist               one stored key
 lookup_prefix          a chain of 256 stored keys (Beluga only)
+lookup_prefix_cold     a chain of 256 keys none of which is stored (a new
+                       prompt's first lookup: Beluga only)
 invalidate_load        the floor of a read from the pool: invalidate the value's
                        bytes, then load them (Beluga only, the value's own bytes;
                        for the batch, all 64 invalidated behind one fence, then
@@ -277,6 +279,9 @@ class Runner:
         self._record("lookup_prefix", str(PREFIX_CHAIN), samples, 0, PREFIX_CHAIN)
         for key in keys:
             self.store.remove(key)
+        _check(lookup(keys) == 0, self.system, "lookup_prefix found removed keys")
+        samples = time_calls(lambda: lookup(keys), self.plan.iterations(BATCH_VALUE))
+        self._record("lookup_prefix_cold", str(PREFIX_CHAIN), samples, 0, PREFIX_CHAIN)
 
     def _fresh(self, write: Callable[[list[str]], object], keys: int, nbytes: int) -> list[int]:
         """Time ``write(fresh keys)``; each round's keys are removed, untimed, after it."""
