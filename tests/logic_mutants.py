@@ -71,6 +71,16 @@ MUTANTS: list[Mutant] = [
         "a slot naming another key's block would hand out that key's bytes in a batch",
     ),
     Mutant(
+        "reader-batch-trusts-four-header-checksums",
+        "index reader",
+        "beluga/_native/crc32c.c",
+        "ok[i + k] = record_seal_of(lines[i + k], BL_LINE) == c[k];",
+        "ok[i + k] = 1;",
+        (IX + "test_a_header_whose_checksum_fails_is_a_miss_wherever_it_falls_in_a_batch",),
+        "a torn or hostile header among a batch's four-at-a-time checks would confirm its key",
+        cheap=True,
+    ),
+    Mutant(
         "reader-batch-skips-second-buckets",
         "index reader",
         "beluga/_native/index.c",

@@ -134,6 +134,34 @@ def test_a_slot_whose_version_disagrees_with_the_header_is_a_miss(h: Harness) ->
 
 
 @pytest.mark.leaves("keys")
+def test_a_header_whose_checksum_fails_is_a_miss_wherever_it_falls_in_a_batch(
+    h: Harness,
+) -> None:
+    """A header with every field right but one flipped bit (its CRC then fails): a miss for
+    its key, at each place of the batched probe's groups (its four-at-a-time CRC checks and
+    the leftovers after them), and a hit for every other key."""
+    keys = [f"crc-{i}" for i in range(22)]
+    grants = [h.put(k, value_of(k, 300)) for k in keys]
+    sb, mem = h.pool.superblock, h.pool.memory
+    ix = reader(h.pool)
+    for torn in range(len(keys)):
+        at = sb.block_header_offset(grants[torn].block)
+        line = bytearray(mem.load(at, LINE))
+        line[50] ^= 0x10  # in the stamp: every field a probe or a read checks stays
+        mem.store(at, bytes(line))
+        try:
+            truth = [i != torn for i in range(len(keys))]
+            assert ix.exists([k.encode() for k in keys]) == truth, f"header {torn} torn"
+            assert ix.prefix([k.encode() for k in keys]) == torn
+            got = ix.get_many_into([k.encode() for k in keys], [bytearray(300) for _ in keys])
+            assert [g >= 0 for g in got] == truth
+        finally:
+            line[50] ^= 0x10
+            mem.store(at, bytes(line))
+    assert ix.exists([k.encode() for k in keys]) == [True] * len(keys)
+
+
+@pytest.mark.leaves("keys")
 def test_a_slot_whose_digest_disagrees_with_the_header_is_a_miss(h: Harness) -> None:
     """A slot with the key's tag names another key's block and version: a miss for the key."""
     h.put("k", value_of("k", 5000))
