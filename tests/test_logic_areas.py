@@ -202,6 +202,41 @@ def test_a_key_in_its_second_bucket_is_found(h: Harness) -> None:
     assert ix.exists(keys) == [True] * len(keys) and ix.prefix(keys) == len(keys)  # batched
 
 
+@pytest.mark.leaves("keys")
+def test_a_prefix_settles_its_open_keys_round_by_round_up_to_its_first_miss(
+    h: Harness,
+) -> None:
+    """Forty first buckets of four keys each: every fourth key lives in its second bucket,
+    so a chain of them has more open keys (no first-bucket candidate) than two of a
+    prefix's rounds take.  A chain stored whole is counted whole; one with an absent key
+    at `cut` is counted to `cut`, wherever the rounds fall."""
+    nb = h.pool.superblock.nbuckets
+    by_first: dict[int, list[str]] = {}
+    groups: list[list[str]] = []
+    for i in range(1_000_000):
+        key = f"r{i}"
+        _, b1, _ = _core.ix_hash(digest(key.encode()), nb)
+        by_first.setdefault(b1, []).append(key)
+        if len(by_first[b1]) == SLOTS + 1:
+            groups.append(by_first[b1])
+            if len(groups) == 40:
+                break
+    for key in (k for g in groups for k in g):
+        assert h.put(key, value_of(key, 100))
+    where = h.svc.ix.where  # a key the crowding pushed out of both its buckets is not in it
+    keys = [k for g in groups for k in g if digest(k.encode()) in where]
+    seconds = [k for k in keys if slot_of(h, k)[0] == _core.ix_hash(digest(k.encode()), nb)[2]]
+    assert len(seconds) > 2 * 16, "too few keys in their second buckets for two rounds"
+    ix = reader(h.pool)
+    raw = [k.encode() for k in keys]
+    assert ix.prefix(raw) == len(keys) and ix.exists(raw, prefix=True) == [True] * len(keys)
+    for cut in sorted({0, 3, 31, 32, 33, len(keys) // 2, len(keys) - 1, len(keys)}):
+        chain = [*raw[:cut], b"absent", *raw[cut:]]
+        assert ix.prefix(chain) == cut, f"absent key at {cut}"
+        assert ix.exists(chain, prefix=True) == [True] * cut + [False]
+        assert ix.exists(chain) == [True] * cut + [False] + [True] * (len(keys) - cut)
+
+
 # -- cuckoo moves ---------------------------------------------------------------------------
 
 

@@ -428,7 +428,8 @@ int64_t bl_ix_lookup(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint3
 void bl_ix_lookup_many(bl_mem *m, const bl_ix *ix, const uint8_t *digests, size_t n,
                        uint32_t *block, bl_header *h, int64_t *r);
 void bl_ix_lookup_keys(bl_mem *m, const bl_ix *ix, const uint8_t *const *key, const size_t *len,
-                       size_t n, uint8_t *digests, uint32_t *block, bl_header *h, int64_t *r);
+                       size_t n, uint8_t *digests, uint32_t *block, bl_header *h, int64_t *r,
+                       int prefix);
 int bl_ix_geometry_ok(size_t mem_size, const bl_ix *ix, long long hint_off);
 int bl_ix_is_race(int64_t r);
 int64_t bl_ix_read_into(bl_mem *m, const bl_ix *ix, const uint8_t digest[16], uint8_t *out,

@@ -306,6 +306,11 @@ static int group_of(size_t step, size_t back, size_t group, size_t groups, size_
  *     in bl_ix_lookup (a move from the second bucket to the first that raced
  *     the two loads changed the sequence).
  *
+ * For every key at once; for a prefix (lookup_prefix, locate), PROBE_GROUP
+ * such keys a round in key order, until a round ends in a miss: a chain
+ * stored up to its middle pays the rounds of its first missing keys, not of
+ * all the keys after them, which the prefix never looks at.
+ *
  * No bucket CRC before a hit: a candidate counts only once its header
  * confirms it, so a torn bucket can cost a redo, never a wrong hit (checking
  * both lines' CRCs was a fifth of lookup_prefix(256)).  Anything else (a
@@ -315,7 +320,8 @@ static int group_of(size_t step, size_t back, size_t group, size_t groups, size_
  * bl_ix_lookup.
  */
 static void lookup_batch(bl_mem *m, const bl_ix *ix, const uint8_t *const *key, const size_t *len,
-                         uint8_t *digests, size_t n, uint32_t *block, bl_header *h, int64_t *r)
+                         uint8_t *digests, size_t n, uint32_t *block, bl_header *h, int64_t *r,
+                         int prefix)
 {
     if (!n)
         return;
@@ -370,46 +376,58 @@ static void lookup_batch(bl_mem *m, const bl_ix *ix, const uint8_t *const *key, 
             for (size_t i = lo; i < hi; i++)
                 m->ops->invalidate(m, ix->index_off + b1[i] * BL_LINE, BL_LINE);
     }
-    /* the keys with no candidate in their first bucket: their second */
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++)
-        if (block[i] == UINT32_MAX && !alone[i])
-            at[k] = b2[i], which[k++] = i;
-    load_lines(m, ix, at, k, second);
-    size_t absent = 0, found = 0;
-    for (size_t j = 0; j < k; j++) {
-        size_t i = which[j];
-        block[i] = candidate(ix, &second[j], tag[i], &h[i].version);
-        if (block[i] != UINT32_MAX)
-            found++;
-        else if (bl_ix_bucket_ok(&first[i]) && bl_ix_bucket_ok(&second[j]))
-            at[absent] = b1[i], which[absent++] = i, alone[i] = 2; /* a miss if round 4 agrees */
-        else
-            alone[i] = 1; /* a torn line */
-    }
-    if (found) { /* the headers of the candidates found in second buckets */
-        if (BL_STEP(BLOCK_HEADER_INVALIDATE))
-            for (size_t i = 0; i < n; i++)
-                if (block[i] != UINT32_MAX && r[i] == BL_MISS_KEY && !alone[i])
-                    m->ops->invalidate(m, ix->headers_off + (size_t)block[i] * BL_LINE, BL_LINE);
-        if (BL_STEP(BLOCK_HEADER_MFENCE))
-            m->ops->mfence(m);
-        for (size_t i = 0; i < n; i++)
-            if (block[i] != UINT32_MAX && r[i] == BL_MISS_KEY && !alone[i] &&
-                (r[i] = confirm(m, ix, digests + 16 * i, block[i], &h[i])) < 0)
+    /* The keys the pipeline left open, in rounds over keys [lo, hi): every key at once, or
+     * for a prefix PROBE_GROUP open keys a round, until a round ends in a miss (the keys
+     * after it are never looked at: a prefix ends there). */
+    for (size_t lo = 0, hi; lo < n; lo = hi) {
+        size_t k = 0, missed = 0;
+        for (hi = lo; hi < n && (!prefix || k < PROBE_GROUP); hi++) /* no first-bucket candidate */
+            if (block[hi] == UINT32_MAX && !alone[hi])
+                at[k] = b2[hi], which[k++] = hi;
+        load_lines(m, ix, at, k, second); /* their second buckets */
+        size_t absent = 0, found = 0;
+        for (size_t j = 0; j < k; j++) {
+            size_t i = which[j];
+            block[i] = candidate(ix, &second[j], tag[i], &h[i].version);
+            if (block[i] != UINT32_MAX)
+                found++;
+            else if (bl_ix_bucket_ok(&first[i]) && bl_ix_bucket_ok(&second[j])) /* a miss if */
+                at[absent] = b1[i], which[absent++] = i, alone[i] = 2;       /* round 4 agrees */
+            else
+                alone[i] = 1; /* a torn line */
+        }
+        if (found) { /* the headers of the candidates found in second buckets */
+            if (BL_STEP(BLOCK_HEADER_INVALIDATE))
+                for (size_t i = lo; i < hi; i++)
+                    if (block[i] != UINT32_MAX && r[i] == BL_MISS_KEY && !alone[i])
+                        m->ops->invalidate(m, ix->headers_off + (size_t)block[i] * BL_LINE,
+                                           BL_LINE);
+            if (BL_STEP(BLOCK_HEADER_MFENCE))
+                m->ops->mfence(m);
+            for (size_t i = lo; i < hi; i++)
+                if (block[i] != UINT32_MAX && r[i] == BL_MISS_KEY && !alone[i] &&
+                    (r[i] = confirm(m, ix, digests + 16 * i, block[i], &h[i])) < 0)
+                    alone[i] = 1;
+        }
+        load_lines(m, ix, at, absent, second); /* round 4: first buckets again */
+        for (size_t j = 0; j < absent; j++) {
+            size_t i = which[j];
+            if (bl_ix_bucket_ok(&second[j]) && second[j].seq == first[i].seq)
+                alone[i] = 0, r[i] = BL_MISS_KEY, block[i] = UINT32_MAX; /* settled: a miss */
+            else
                 alone[i] = 1;
+        }
+        for (size_t i = lo; i < hi; i++) {
+            if (alone[i])
+                r[i] = bl_ix_lookup(m, ix, digests + 16 * i, &block[i], &h[i]);
+            missed |= r[i] < 0;
+        }
+        if (prefix && missed) {
+            for (size_t i = hi; i < n; i++) /* not looked at: only a prefix's end lies here */
+                r[i] = BL_MISS_KEY, block[i] = UINT32_MAX;
+            break;
+        }
     }
-    load_lines(m, ix, at, absent, second); /* round 4: first buckets again */
-    for (size_t j = 0; j < absent; j++) {
-        size_t i = which[j];
-        if (bl_ix_bucket_ok(&second[j]) && second[j].seq == first[i].seq)
-            alone[i] = 0, r[i] = BL_MISS_KEY, block[i] = UINT32_MAX; /* settled: a miss */
-        else
-            alone[i] = 1;
-    }
-    for (size_t i = 0; i < n; i++)
-        if (alone[i])
-            r[i] = bl_ix_lookup(m, ix, digests + 16 * i, &block[i], &h[i]);
 out:
     free(b1);
     free(b2);
@@ -426,15 +444,17 @@ out:
 void bl_ix_lookup_many(bl_mem *m, const bl_ix *ix, const uint8_t *digests, size_t n,
                        uint32_t *block, bl_header *h, int64_t *r)
 {
-    lookup_batch(m, ix, NULL, NULL, (uint8_t *)digests, n, block, h, r);
+    lookup_batch(m, ix, NULL, NULL, (uint8_t *)digests, n, block, h, r, 0);
 }
 
 /* Digest keys and look them up at once, the reloads overlapping the digests (lookup_batch);
- * each key 1..BL_MAX_KEY bytes, digests[16 * i] its digest on return. */
+ * each key 1..BL_MAX_KEY bytes, digests[16 * i] its digest on return.  prefix: only the
+ * keys up to the first miss are answered (those after it read as misses, unlooked at). */
 void bl_ix_lookup_keys(bl_mem *m, const bl_ix *ix, const uint8_t *const *key, const size_t *len,
-                       size_t n, uint8_t *digests, uint32_t *block, bl_header *h, int64_t *r)
+                       size_t n, uint8_t *digests, uint32_t *block, bl_header *h, int64_t *r,
+                       int prefix)
 {
-    lookup_batch(m, ix, key, len, digests, n, block, h, r);
+    lookup_batch(m, ix, key, len, digests, n, block, h, r, prefix);
 }
 
 /* ---- reads ----------------------------------------------------------------------------------- */

@@ -459,7 +459,7 @@ static PyObject *probe_common(IndexObject *self, PyObject *args, PyObject *kw, i
          at += chunk, chunk = PROBE_CHUNK) {
         size_t len = (size_t)(n - at < chunk ? n - at : chunk);
         bl_ix_lookup_keys(&self->mem->mem, &self->ix, k.key + at, k.len + at, len, d + 16 * at,
-                          blocks, hs, rs);
+                          blocks, hs, rs, prefix);
         int stop = 0;
         for (size_t j = 0; j < len && !stop; j++) {
             int64_t r = rs[j];
