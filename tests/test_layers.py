@@ -119,8 +119,9 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "units, errors",
-        # child.py starts, waits for and stops processes with nothing of Beluga but errors
-        ("units.py", "errors.py", "child.py"),
+        # child.py starts, waits for and stops processes with nothing of Beluga but errors;
+        # signals.py records stop signals in a flag that bounded waits poll
+        ("units.py", "errors.py", "child.py", "signals.py"),
         ("below everything: sizes, the exception tree, child processes and waits",),
     ),
 )

@@ -2,7 +2,11 @@
 
 One RpcServer thread owns a MetadataService.  SIGTERM and SIGINT stop it
 cleanly: clients see the server go away (and fail fast) instead of hanging,
-and the next server rebuilds everything from the pool.  With a metrics port
+and the next server rebuilds everything from the pool.  The handlers only
+raise a :class:`~beluga.signals.StopFlag` (the rule of beluga.signals); every
+wait of :func:`serve` is bounded and looks at it: the standby's look at the
+seat, a fence, taking the seat, the RPC poll.  A signal during recovery is
+acted on once recovery is done, before anything is served.  With a metrics port
 it also serves Prometheus metrics (beluga.kv.metrics) until it stops.
 
 It logs through ``logging`` (logger ``beluga.kv.server``); the ``beluga``
@@ -84,6 +88,7 @@ from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
 from beluga.pool.hosts import Seat, Staleness
 from beluga.rpc import RpcServer
+from beluga.signals import StopFlag, stop_on_signals
 
 if TYPE_CHECKING:
     from beluga.kv.metrics import ServerMetrics
@@ -115,6 +120,7 @@ class MetadataServer:
         metrics_addr: str = "0.0.0.0",
         tier: MooncakeTier | TierConfig | str | None = None,
         fenced: Seat | None = None,
+        stopping: StopFlag | None = None,
         **service_options: Any,
     ) -> None:
         """``tier``: the cross-pod tier evicted values are demoted to (default ``BELUGA_TIER``).
@@ -124,9 +130,12 @@ class MetadataServer:
         this server holds the seat, never while another server serves.
         ``fenced``: the seat line of a server on another host that a standby
         cut off the pool (the module doc); its seat may be taken.
+        ``stopping``: the flag that stops it (its process's signals set it).
         """
         self.pool = pool
-        self.rpc = RpcServer(pool, {}, refresh_s=refresh_s, first_refresh=False, fenced=fenced)
+        self.rpc = RpcServer(
+            pool, {}, refresh_s=refresh_s, first_refresh=False, fenced=fenced, stopping=stopping
+        )
         self.tier: MooncakeTier | None = None
         self._owns_tier = False
         self.metrics: ServerMetrics | None = None
@@ -222,6 +231,8 @@ STANDBY_POLL_S = 0.05  # how often a standby looks at the seat
 #: how long a seat heartbeat may stand still before a standby fences its server
 TAKEOVER_AFTER_S = 5.0
 FENCE_TIMEOUT_S = 30.0  # the longest a fence may take (a command, or a killed process's exit)
+FENCE_POLL_S = 0.01  # how often a standby looks whether its fence command is done
+FENCE_TERM_GRACE_S = 1.0  # how long a fence command ended early has after SIGTERM
 
 
 @dataclass(frozen=True)
@@ -247,7 +258,12 @@ def _gone(seat: Seat | None) -> bool:
     return seat.identity.same_kernel() and not seat.identity.running()
 
 
-def fence(seat: Seat, command: str | None, timeout_s: float = FENCE_TIMEOUT_S) -> bool:
+def fence(
+    seat: Seat,
+    command: str | None,
+    timeout_s: float = FENCE_TIMEOUT_S,
+    stopping: StopFlag | None = None,
+) -> bool:
     """Cut the seat's server off the pool; True once it can store nothing more into it.
 
     ``command`` (``/bin/sh -c``) gets the server in ``BELUGA_FENCE_PID``,
@@ -256,6 +272,10 @@ def fence(seat: Seat, command: str | None, timeout_s: float = FENCE_TIMEOUT_S) -
     that the server's host is cut off.  On this kernel the kernel has the
     last word: the process is SIGKILLed if it still runs, and the fence
     holds once its pid and start time name no running process.
+
+    ``stopping`` set meanwhile (this standby was told to stop) ends the
+    fence unfinished (False): a command still running is ended (SIGTERM,
+    then SIGKILL after :data:`FENCE_TERM_GRACE_S`), and nothing is taken.
     """
     who = seat.identity
     if command is not None:
@@ -266,24 +286,18 @@ def fence(seat: Seat, command: str | None, timeout_s: float = FENCE_TIMEOUT_S) -
             "BELUGA_FENCE_BOOT_ID": who.boot_id.hex(),
             "BELUGA_FENCE_SAME_KERNEL": "1" if who.same_kernel() else "0",
         }
-        try:
-            done = subprocess.run(
-                ["/bin/sh", "-c", command],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                timeout=timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            log.warning("the fence command ran past %g s: not fenced", timeout_s)
+        code = _run_fence_command(command, env, timeout_s, stopping)
+        if code is None:
             return False
-        if done.returncode != 0:
-            log.warning("the fence command exited %d: not fenced", done.returncode)
+        if code != 0:
+            log.warning("the fence command exited %d: not fenced", code)
             return False
     if not who.same_kernel():
         return command is not None
     deadline = time.monotonic() + timeout_s
     while who.running():
+        if stopping is not None and stopping.is_set():
+            return False
         try:
             os.kill(who.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -297,9 +311,36 @@ def fence(seat: Seat, command: str | None, timeout_s: float = FENCE_TIMEOUT_S) -
     return True
 
 
+def _run_fence_command(
+    command: str, env: dict[str, str], timeout_s: float, stopping: StopFlag | None
+) -> int | None:
+    """Run a fence command to its end; its exit status, or None if it ran out of time or was
+    stopped (and ended: SIGTERM, then SIGKILL)."""
+    proc = subprocess.Popen(["/bin/sh", "-c", command], env=env, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (code := proc.poll()) is None:
+            if stopping is not None and stopping.is_set():
+                log.warning("told to stop while the fence command ran: not fenced")
+                return None
+            if time.monotonic() > deadline:
+                log.warning("the fence command ran past %g s: not fenced", timeout_s)
+                return None
+            time.sleep(FENCE_POLL_S)
+        return code
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(FENCE_TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def wait_for_seat(
     pool: Pool,
-    stopping: threading.Event,
+    stopping: StopFlag,
     takeover_after: float = TAKEOVER_AFTER_S,
     fence_command: str | None = None,
     poll_s: float = STANDBY_POLL_S,
@@ -338,7 +379,7 @@ def wait_for_seat(
                     where,
                     takeover_after,
                 )
-                if fence(seat, fence_command):
+                if fence(seat, fence_command, stopping=stopping):
                     log.info("fenced pid %d; taking the seat", seat.identity.pid)
                     return Takeover(None if here else seat)
                 log.warning("not fenced; trying again after another %g s", takeover_after)
@@ -349,7 +390,7 @@ def wait_for_seat(
 
 def take_over(
     pool: Pool,
-    stopping: threading.Event,
+    stopping: StopFlag,
     options: dict[str, Any],
     takeover_after: float = TAKEOVER_AFTER_S,
     fence_command: str | None = None,
@@ -363,11 +404,12 @@ def take_over(
         if got is None:
             return None
         try:
-            return MetadataServer(pool, fenced=got.fenced, **options)
+            return MetadataServer(pool, fenced=got.fenced, stopping=stopping, **options)
         except PoolError as e:
             if isinstance(e, PoolChangedError):
                 raise
-            log.debug("lost the seat to another server (%s); waiting again", e)
+            if not stopping.is_set():
+                log.debug("lost the seat to another server (%s); waiting again", e)
             stopping.wait(STANDBY_POLL_S)
 
 
@@ -385,19 +427,10 @@ def serve(
     ``standby``: first wait for the seat (the module doc says when it is
     taken), then serve; a signal while waiting ends it cleanly, unserved.
     ``takeover_after`` and ``fence_command``: when and how a standby fences
-    a server that stopped heartbeating (the module doc).
+    a server that stopped heartbeating (the module doc).  Main thread only
+    (it installs the signal handlers, which only raise a flag: beluga.signals).
     """
-    with Pool.attach(spec, coherence=coherence) as pool:
-        stopping = threading.Event()
-        server: MetadataServer | None = None
-
-        def stop(*_: object) -> None:
-            stopping.set()
-            if server is not None:
-                server.stop()
-
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+    with stop_on_signals() as stopping, Pool.attach(spec, coherence=coherence) as pool:
         if standby:
             log.info("%s: standing by", spec)
             if ready is not None:
@@ -406,23 +439,30 @@ def serve(
             if server is None:
                 log.info("stopped while standing by")
                 return
-            if stopping.is_set():
-                server.stop()
         else:
-            server = MetadataServer(pool, **options)
-        s = server.service.stats()
-        log.info(
-            "%s: %s keys recovered, %s of %s blocks in use; epoch %08x",
-            spec,
-            s["keys"],
-            s["blocks_used"],
-            s["blocks_total"],
-            server.rpc.epoch,
-        )
-        keep_collections_short()  # after recovery: what it built is never scanned again
-        if ready is not None and not standby:
-            ready.set()
+            try:
+                server = MetadataServer(pool, stopping=stopping, **options)
+            except PoolError as e:
+                if not stopping.is_set() or isinstance(e, PoolChangedError):
+                    raise
+                log.info("stopped before it took the seat")
+                return
         try:
+            if stopping.is_set():  # told to stop while it recovered: serve nothing
+                log.info("stopped while it recovered")
+                return
+            s = server.service.stats()
+            log.info(
+                "%s: %s keys recovered, %s of %s blocks in use; epoch %08x",
+                spec,
+                s["keys"],
+                s["blocks_used"],
+                s["blocks_total"],
+                server.rpc.epoch,
+            )
+            keep_collections_short()  # after recovery: what it built is never scanned again
+            if ready is not None and not standby:
+                ready.set()
             server.serve_forever()
         finally:
             server.close()

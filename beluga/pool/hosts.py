@@ -72,6 +72,7 @@ from beluga.coherence import (
 )
 from beluga.errors import PoolError, RpcError
 from beluga.pool.layout import Region, lobby_lines
+from beluga.signals import StopFlag
 
 # Every line read here is written by another host: invalidate, MFENCE, load.  The
 # steps are sabotage points (beluga_native.h), the server's and the claimants' apart.
@@ -567,6 +568,17 @@ class HostTable:
             write_line(self.mem, self._host_off(entry.host_id), left.pack())
 
 
+SEAT_POLL_S = 0.05  # how often a server taking the seat looks at it again
+
+
+def _stopped(seconds: float, stopping: StopFlag | None) -> bool:
+    """Sleep ``seconds``, or less once ``stopping`` is set; whether it is."""
+    if stopping is None:
+        time.sleep(seconds)
+        return False
+    return stopping.wait(seconds)
+
+
 class HostRegistry:
     """The server's side of the host table: it grants ids and judges liveness.
 
@@ -667,7 +679,13 @@ class HostRegistry:
 
     # -- the seat ------------------------------------------------------------------
 
-    def take_seat(self, epoch: int, wait_s: float, fenced: Seat | None = None) -> Seat:
+    def take_seat(
+        self,
+        epoch: int,
+        wait_s: float,
+        fenced: Seat | None = None,
+        stopping: StopFlag | None = None,
+    ) -> Seat:
         """Write this server into the seat, unless a server that may still write holds it.
 
         A server of this kernel is judged exactly (pid and start time): a
@@ -686,6 +704,9 @@ class HostRegistry:
         ``PoolError`` here and its standby waits again.  A standby paused
         between its look and its store can still break this (the operator's
         fence must cover standbys too: docs/operations.md).
+
+        Both waits end early, with ``PoolError``, once ``stopping`` is set
+        (the process was told to stop: beluga.signals).
         """
         t = self.table
         seat = t.seat()
@@ -695,7 +716,7 @@ class HostRegistry:
                 busy = seat.identity.running() and seat.identity != Identity.mine()
             elif fenced is not None:
                 busy = seat != fenced
-            elif self._seat_moves(seat, wait_s):
+            elif self._seat_moves(seat, wait_s, stopping):
                 busy = True
             else:
                 raise PoolError(
@@ -717,14 +738,16 @@ class HostRegistry:
         write_line(t.mem, t._seat_off, mine.pack())
         empty_elsewhere = seat is not None and not seat.epoch and not seat.identity.same_kernel()
         if fenced is not None or empty_elsewhere:
-            mine = self._settle(mine)
+            mine = self._settle(mine, stopping)
         return mine
 
-    def _settle(self, mine: Seat) -> Seat:
+    def _settle(self, mine: Seat, stopping: StopFlag | None) -> Seat:
         """Hold a seat just taken for SEAT_SETTLE_S, beating it, until no rival overwrote it."""
         deadline = time.monotonic() + SEAT_SETTLE_S
         while True:
-            time.sleep(0.05)
+            if _stopped(SEAT_POLL_S, stopping):
+                self.leave_seat(mine)
+                raise PoolError("told to stop while settling into the seat; it was left")
             try:
                 mine = self.keep_seat(mine)
             except PoolError as e:
@@ -732,13 +755,14 @@ class HostRegistry:
             if time.monotonic() >= deadline:
                 return mine
 
-    def _seat_moves(self, seat: Seat, wait_s: float) -> bool:
+    def _seat_moves(self, seat: Seat, wait_s: float, stopping: StopFlag | None) -> bool:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             now = self.table.seat()
             if now != seat:
                 return now is not None and now.epoch != 0
-            time.sleep(0.05)
+            if _stopped(SEAT_POLL_S, stopping):
+                raise PoolError("told to stop while watching the seat's heartbeat")
         return False
 
     def keep_seat(self, seat: Seat) -> Seat:

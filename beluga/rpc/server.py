@@ -69,6 +69,7 @@ from beluga.rpc.protocol import (
     ring_offset,
     wake_ups,
 )
+from beluga.signals import StopFlag
 
 
 class Request(NamedTuple):
@@ -132,6 +133,7 @@ class RpcServer:
         torn_patience_s: float | None = None,
         first_refresh: bool = True,
         fenced: Seat | None = None,
+        stopping: StopFlag | None = None,
     ) -> None:
         """``torn_patience_s``: how long a torn request line is waited for (rpc.c TORN LINES).
 
@@ -141,6 +143,10 @@ class RpcServer:
         calls :meth:`refresh` itself.  ``fenced``: the seat line of a server
         on another host that the caller has cut off the pool, which may be
         taken although its holder never left it (``HostRegistry.take_seat``).
+        ``stopping``: the flag that stops this server (:meth:`stop` raises it);
+        a process passes the one its signal handlers set (beluga.signals), so
+        a signal stops the seat's wait, :meth:`serve_forever` and
+        :meth:`serve_echo` within a poll, and nothing waits on a lock.
         """
         self.pool = pool
         self.sb = pool.superblock
@@ -166,12 +172,14 @@ class RpcServer:
         self.idle_after_s = idle_after_s
         if torn_patience_s is not None:
             self.rings.torn_patience_s = torn_patience_s
-        self._stop = threading.Event()
+        self._stop = StopFlag() if stopping is None else stopping
         self._thread: threading.Thread | None = None
         self.registry = HostRegistry(pool.hosts, stale_s, before_grant=self._regrant)
         self._lock_fd = pool.mapping.exclusive_lock(f"the server seat of {pool.spec}")
         try:
-            self.seat = self.registry.take_seat(self.epoch, wait_s=stale_s, fenced=fenced)
+            self.seat = self.registry.take_seat(
+                self.epoch, wait_s=stale_s, fenced=fenced, stopping=self._stop
+            )
             if first_refresh:
                 self.refresh()
         except BaseException:
@@ -369,7 +377,7 @@ class RpcServer:
         return self._thread
 
     def stop(self) -> None:
-        """Make serve_forever / serve_echo return promptly (thread-safe)."""
+        """Make serve_forever / serve_echo return promptly (thread-safe; takes no lock)."""
         self._stop.set()
         self.rings.stop()
 

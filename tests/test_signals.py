@@ -1,0 +1,195 @@
+"""A signal handler only records the signal, and every wait of a server notices it.
+
+The rule (beluga.signals): CPython runs a Python signal handler in the main
+thread between two bytecodes, wherever that thread is, holding whatever it
+holds.  A handler that takes a lock the interrupted code holds waits for
+itself forever: ``beluga serve --standby`` hung on SIGTERM that way, its
+handler's ``Event.set`` waiting for the lock its own ``Event.wait`` held.
+
+That window is a few bytecodes wide, so repeating signals at random rarely
+hits it.  These tests put the signal exactly there instead: a child process
+runs ``serve`` under a profile hook (``sys.setprofile``, the main thread
+only) that sends the child SIGTERM at a chosen point, so the handler runs at
+the next bytecode, inside that point:
+
+- a standby, at the first lock its main thread takes (or the first sleep,
+  whichever comes first) after it stands by: where the old handler
+  deadlocked;
+- a server, as its recovery starts: the old handler raised a flag that no
+  wait looked at, so it recovered and served on;
+- a server that is stopping, at every C call its main thread returns from
+  while it closes (every lock taken on the way), so a second SIGTERM can
+  land inside anything the shutdown holds.
+
+Each child must exit 0 within :data:`HANG_S` (a hang is forever: the bound
+only ends the test) and must report that the hook fired, so a test whose
+point was never reached fails instead of passing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from beluga.pool import Pool
+from beluga.rpc import RpcServer
+from beluga.signals import StopFlag, stop_on_signals
+
+HANG_S = 20.0  # a child not gone by then is hung (the old code never ended)
+
+# The child: serve(spec) under a profile hook that SIGTERMs the process at one point.
+CHILD = r"""
+import logging, os, signal, sys
+from beluga.kv.server import serve
+from beluga.kv.service import MetadataService
+from beluga.rpc.server import RpcServer
+
+where, spec = sys.argv[1], sys.argv[2]
+LOCKS = {"lock.acquire", "lock.__enter__", "RLock.acquire", "RLock.__enter__"}
+SLEEPS = {"sleep", "select", "poll", "epoll.poll"}
+fired = []
+logging.basicConfig(level=logging.INFO, format="%(message)s")  # serve's lines, on stderr
+
+
+def term(point):
+    if not fired:
+        print(f"hook: SIGTERM at {point}", file=sys.stderr, flush=True)
+    fired.append(point)
+    os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at this hook's next bytecode
+
+
+def first_lock_or_sleep(frame, event, arg):
+    name = getattr(arg, "__qualname__", "")
+    if (event == "c_return" and name in LOCKS) or (event == "c_call" and name in SLEEPS):
+        sys.setprofile(None)
+        term(f"{event} {name}")
+
+
+def recovery_starts(frame, event, arg):
+    if event == "call" and frame.f_code is MetadataService.__init__.__code__:
+        sys.setprofile(None)
+        term("recovery")
+
+
+def every_call_while_closing(frame, event, arg):
+    if event == "call" and frame.f_code is RpcServer.close.__code__:
+        sys.setprofile(storm)
+
+
+def storm(frame, event, arg):
+    # while a Python handler is installed: after it, SIGTERM would end the process
+    if event == "c_return" and callable(signal.getsignal(signal.SIGTERM)):
+        term(f"c_return {getattr(arg, '__qualname__', arg)}")
+
+
+class Ready:
+    def set(self):
+        print("ready", file=sys.stderr, flush=True)
+        if where == "standby":
+            sys.setprofile(first_lock_or_sleep)
+        elif where == "closing":
+            sys.setprofile(every_call_while_closing)
+            os.kill(os.getpid(), signal.SIGTERM)  # the first stop; the storm comes in close
+
+
+if where == "recovery":
+    sys.setprofile(recovery_starts)
+serve(spec, coherence="native", ready=Ready(), standby=where == "standby")
+sys.setprofile(None)
+print(f"hook: fired {len(fired)} times; exited cleanly", file=sys.stderr, flush=True)
+"""
+
+
+def _run_child(where: str, spec: str) -> str:
+    """Run CHILD to its end; its stderr.  Fails (after killing it) if it hangs."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, where, spec], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, err = proc.communicate(timeout=HANG_S)
+        hung = False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        hung = True
+    assert not hung, f"the {where} child hung after its SIGTERM; its stderr:\n{err}"
+    assert proc.returncode == 0, f"the {where} child exited {proc.returncode}:\n{err}"
+    assert "hook: SIGTERM at" in err, f"the hook never fired, so nothing was tested:\n{err}"
+    assert "exited cleanly" in err, err
+    return err
+
+
+def test_a_standby_signalled_while_its_wait_holds_a_lock_exits(pool: Pool) -> None:
+    """The old handler's Event.set waited for the lock of the Event.wait it interrupted."""
+    with RpcServer(pool):  # holds the seat (this process is alive): the standby waits
+        err = _run_child("standby", pool.spec)
+    assert "stopped while standing by" in err
+
+
+def test_a_server_signalled_as_its_recovery_starts_stops_once_recovered(pool: Pool) -> None:
+    """The old handler's flag was never looked at: it recovered, then served on, forever."""
+    err = _run_child("recovery", pool.spec)
+    assert "stopped while it recovered" in err
+    assert pool.hosts.seat() is not None and not pool.hosts.seat().epoch  # it left the seat
+
+
+def test_a_server_signalled_at_every_call_while_it_closes_exits(pool: Pool) -> None:
+    """A second SIGTERM inside the shutdown: the old handler's stop took the stop Event's
+    lock that close() held; now every one of them is only recorded."""
+    err = _run_child("closing", pool.spec)
+    fired = int(err.split("hook: fired ")[1].split()[0])
+    assert fired > 1, f"the storm reached no call inside close():\n{err}"
+    assert not pool.hosts.seat().epoch  # close() finished: it left the seat
+
+
+# -- the flag itself ----------------------------------------------------------------------
+
+
+def test_a_signal_only_sets_the_flag_and_the_previous_handler_comes_back() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with stop_on_signals() as stop:
+        assert not stop.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait(HANG_S) and stop.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_waiter_notices_a_flag_set_by_another_thread() -> None:
+    stop = StopFlag()
+    assert not stop.wait(0.02)  # nobody set it: the wait runs out
+    setter = threading.Timer(0.05, stop.set)
+    setter.start()
+    try:
+        assert stop.wait(HANG_S)
+    finally:
+        setter.join(HANG_S)
+    assert stop.signum == 0  # set by a call, not a signal
+
+
+def test_handlers_are_installed_only_from_the_main_thread() -> None:
+    errors: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            with stop_on_signals():
+                pass
+        except ValueError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=install)
+    t.start()
+    t.join(HANG_S)
+    assert errors and "main thread" in str(errors[0])
+
+
+def test_an_rpc_server_stopped_by_its_flag_ends_serve_forever(pool: Pool) -> None:
+    stop = StopFlag()
+    with RpcServer(pool, stopping=stop) as server:
+        thread = server.start_thread()
+        stop.set()  # what a signal handler does: no call into the server
+        thread.join(HANG_S)
+        assert not thread.is_alive()
+    assert not pool.hosts.seat().epoch  # and close() left the seat
