@@ -21,16 +21,7 @@ import pytest
 import torch
 
 from beluga.errors import BackendUnavailableError, KVLayoutError
-from beluga.kv import KVStore, MetadataServer
 from beluga.pool import Geometry, Pool
-from beluga.serving.engine import (
-    ServingEngine,
-    create_kv_pool,
-    kv_format,
-    kv_geometry,
-    kv_pool_size,
-)
-from beluga.serving.model import ModelEngine, ModelShape
 from beluga.transfer import KVLayout, KVSpec, block_table, gather_write, scatter_read
 from beluga.transfer.gpu import GpuPool, _merged_ranges
 
@@ -209,32 +200,3 @@ def test_the_cpu_path_refuses_a_gpu_cache(pool: Pool) -> None:
     layout = KVLayout.flash_attention(SPEC, caches("cuda", seed=6))
     with pytest.raises(KVLayoutError, match="GpuPool"):
         gather_write(pool.memory, layout, [0], offsets(pool, [0]), block_bytes=BLOCK)
-
-
-@cuda
-def test_gpu_engines_share_prefixes_with_recomputed_logits(shm_path: str) -> None:
-    shape = ModelShape(num_layers=2)
-    models = [ModelEngine(shape, seed=4, device="cuda") for _ in range(2)]
-    fmt = kv_format(models[0])
-    pool = create_kv_pool(shm_path, kv_pool_size(64, kv_geometry(fmt)), fmt, coherence="native")
-    server = MetadataServer(pool)
-    thread = server.start_thread()
-    stores = [KVStore(shm_path, coherence="native") for _ in models]
-    engines = [ServingEngine(m, s) for m, s in zip(models, stores, strict=True)]
-    try:
-        tokens = np.random.default_rng(1).integers(0, shape.vocab_size, 83).tolist()
-        assert engines[0].serve(tokens).saved_blocks == 5
-        hit = engines[1].serve(tokens, want_logits=True)
-        assert hit.cached_tokens == 80 and hit.logits is not None
-        full = models[1].prefill(tokens).logits.cpu().numpy()
-        assert float(np.abs(hit.logits - full[80:]).max()) <= 1e-4
-    finally:
-        for e in engines:
-            e.close()
-        for s in stores:
-            s.close()
-        server.stop()
-        thread.join(10)
-        server.close()
-        pool.close()
-        Pool.destroy(shm_path)

@@ -22,6 +22,13 @@ driver (the caller's process)
 The pipes carry token ids out and timings back (and logits when asked for);
 KV never goes through them, only through the pool.  Times cross processes
 as ``time.monotonic()`` readings, one clock for the whole machine.
+
+Engines on a GPU share it: each process holds its own model (weights made on
+the GPU, :class:`~beluga.serving.model.ModelEngine`) and its own KV, so every
+engine is given a budget (``EngineConfig.memory_bytes``, by default
+:func:`~beluga.serving.model.engine_memory_bytes` of its longest prompt) that
+its allocator may not exceed, and a cluster whose budgets do not fit on the
+GPU is refused before anything starts (:func:`check_gpu_budget`).
 """
 
 from __future__ import annotations
@@ -49,6 +56,11 @@ from beluga.serving.engine import ROLES, Served
 from beluga.serving.model import ModelShape
 from beluga.serving.scheduler import Scheduler
 from beluga.serving.trace import poisson_arrivals
+from beluga.signals import raise_if_interrupted
+
+#: the longest a driver waits on engines before it looks whether a signal interrupted it
+#: (beluga.signals.interrupt_on_signals: ``beluga bench e2e`` stops on SIGTERM)
+LOOK_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,40 @@ class EngineConfig:
     device: str = "cpu"  # or a CUDA device: KV then moves through the GPU path
     identity: ModelIdentity | None = None
     role: str = "kv_both"  # one of beluga.serving.engine.ROLES; a Cluster sets it per engine
+    dtype: str = "float32"  # of the weights and the KV cache (beluga.serving.model.DTYPES)
+    memory_bytes: int | None = None  # on a GPU: what each engine may allocate there (None: any)
+
+
+def check_gpu_budget(memory_bytes: int, engines: int, total_bytes: int, device: str) -> None:
+    """Refuse ``engines`` engines of ``memory_bytes`` each on a GPU of ``total_bytes``."""
+    need = memory_bytes * engines
+    if need > total_bytes:
+        raise ServingError(
+            f"{engines} engines of {memory_bytes / 2**30:.1f} GiB each need "
+            f"{need / 2**30:.1f} GiB, but {device} has {total_bytes / 2**30:.1f} GiB: run "
+            "fewer engines, a smaller model or shorter prompts"
+        )
+
+
+def gpu_bytes(device: str) -> int:
+    """The memory of a CUDA device (this process then holds a CUDA context)."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+
+
+def build_model(config: EngineConfig) -> Any:
+    """An engine process's model, after its torch threads and its GPU memory budget are set."""
+    import torch
+
+    from beluga.serving.model import ModelEngine
+
+    torch.set_num_threads(config.threads)
+    if config.memory_bytes is not None and torch.device(config.device).type == "cuda":
+        device = torch.device(config.device)
+        fraction = min(1.0, config.memory_bytes / gpu_bytes(config.device))
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return ModelEngine(config.shape, seed=config.seed, device=config.device, dtype=config.dtype)
 
 
 @dataclass(frozen=True)
@@ -187,14 +233,10 @@ def _engine_main(
 
 
 def _build_engine(pool: str, config: EngineConfig) -> tuple[Any, Any]:
-    import torch
-
     from beluga.kv.store import KVStore
     from beluga.serving.engine import ServingEngine
-    from beluga.serving.model import ModelEngine
 
-    torch.set_num_threads(config.threads)
-    model = ModelEngine(config.shape, seed=config.seed, device=config.device)
+    model = build_model(config)
     store = KVStore(pool, coherence=config.coherence, timeout=config.rpc_timeout)
     try:
         return store, ServingEngine(model, store, role=config.role, identity=config.identity)
@@ -290,7 +332,14 @@ class Cluster:
     # -- life cycle ----------------------------------------------------------
 
     def start(self) -> Cluster:
-        """Start the server, then the engines; on any failure stop what started and raise."""
+        """Start the server, then the engines; on any failure stop what started and raise.
+
+        Engines on a GPU with a memory budget are refused first when their
+        budgets together exceed the GPU's memory.
+        """
+        if self.config.memory_bytes is not None and self.config.device.startswith("cuda"):
+            device = self.config.device
+            check_gpu_budget(self.config.memory_bytes, self.num_engines, gpu_bytes(device), device)
         try:
             if self.build is None:
                 self._start_server()
@@ -371,12 +420,13 @@ class Cluster:
                     "raise the timeout for bigger models or slower machines"
                 )
             try:
-                if wait([conn, proc.sentinel], left) and conn.poll():
+                if wait([conn, proc.sentinel], min(left, LOOK_S)) and conn.poll():
                     return conn.recv()
             except (EOFError, OSError):
                 raise self._gone(engine, doing) from None
             if not proc.is_alive():
                 raise self._gone(engine, doing)
+            raise_if_interrupted()
 
     def _send(self, engine: int, job: Job) -> None:
         try:
@@ -532,7 +582,9 @@ class _Run:
             next_arrival = t0 + self.arrivals[arrived] if arrived < len(self.requests) else None
             deadline = last_progress + self.c.reply_timeout
             until = deadline if next_arrival is None else min(deadline, next_arrival)
-            ready = wait(self.c.conns + [p.sentinel for p in self.c.engines], max(0, until - now))
+            waiting = [*self.c.conns, *(p.sentinel for p in self.c.engines)]
+            ready = wait(waiting, min(max(0, until - now), LOOK_S))
+            raise_if_interrupted()
             if not ready and next_arrival is None and time.monotonic() >= deadline:
                 raise ServingError(
                     f"no engine answered within {self.c.reply_timeout:.0f} s; raise the reply "

@@ -44,9 +44,11 @@ The flow is :class:`CachingEngine`'s; a store implements its steps
 (locate, fill a prefix, save, committed): :class:`ServingEngine` over a
 pool, and ``beluga.bench.mooncake_engine`` over Mooncake Store.
 
-A model on a CUDA device moves its KV with one kernel through the pool's
-registered mapping (:class:`beluga.transfer.gpu.GpuPool`) instead of the
-C call; everything else is the same.
+A model on a CUDA device moves its KV through the pool's registered mapping
+(:class:`beluga.transfer.gpu.GpuPool`, the mover of its
+:class:`~beluga.transfer.EngineBlocks`) instead of the C call; everything
+else is the same.  The vLLM connector moves a CUDA KV cache through the same
+two pieces (:mod:`beluga.integrations.moves`).
 
 Keys name the model: a block is keyed by the model's identity (a fingerprint
 of its weights, or the revision the user gives; see :mod:`beluga.kv.identity`)
@@ -292,7 +294,7 @@ class CachingEngine(abc.ABC):
         loadable = found[: (len(token_ids) - 1) // self.block_tokens]
         prefix, intact = self._load(loadable)
         loaded = clock()
-        out = self.model.prefill(token_ids, prefix)
+        out = self.model.prefill(token_ids, prefix, all_logits=want_logits)
         computed = clock()
         # blocks found but dropped during the load may have changed: write them again
         first = len(found) if intact == len(loadable) else intact
@@ -311,7 +313,7 @@ class CachingEngine(abc.ABC):
             out.num_cached,
             len(saved.stored),
             timings,
-            out.logits.cpu().numpy() if want_logits else None,
+            out.logits.float().cpu().numpy() if want_logits else None,
             duplicate_blocks=len(saved.present) + len(saved.in_flight),
             refused_blocks=refused,
             output=tuple(output),
@@ -348,8 +350,10 @@ class ServingEngine(CachingEngine):
     fingerprint of its weights), e.g. with
     ``ModelIdentity.explicit(name, revision)``: engines share blocks exactly
     when their identities and block formats agree.  ``role``: one of
-    :data:`ROLES`.  Not thread-safe: one request at a time; not fork-safe
-    (its store is not).
+    :data:`ROLES`.  ``gpu``: the :class:`GpuPool` that moves the KV (by
+    default one is registered for a model on a CUDA device, and closed by
+    :meth:`close`; one passed in stays the caller's).  Not thread-safe: one
+    request at a time; not fork-safe (its store is not).
     """
 
     def __init__(
@@ -362,20 +366,22 @@ class ServingEngine(CachingEngine):
         hash_fn: HashFn | str = "sha256",
         hash_seed: str | None = None,
         handoff_timeout: float = HANDOFF_TIMEOUT_S,
+        gpu: GpuPool | None = None,
     ) -> None:
         super().__init__(model, role=role, identity=identity, handoff_timeout=handoff_timeout)
         self.store = store
         check_kv_pool(store.pool, self.format)
         self.hash_fn = hash_function(hash_fn) if isinstance(hash_fn, str) else hash_fn
         self.hash_seed = hash_seed
-        # KV on a GPU moves through one kernel over the registered pool; on the CPU, one C call
-        self.gpu: GpuPool | None = None
-        if model.device.type == "cuda":
+        # KV on a GPU moves through the registered pool; on the CPU, through one C call
+        self.gpu = gpu
+        self._owns_gpu = gpu is None and model.device.type == "cuda"
+        if self._owns_gpu:
             self.gpu = GpuPool(store.pool, model.device)
 
     def close(self) -> None:
-        """Let go of the GPU registration, if any (before the store closes the pool)."""
-        if self.gpu is not None:
+        """Let go of the GPU registration it made, if any (before the store closes the pool)."""
+        if self._owns_gpu and self.gpu is not None:
             self.gpu.close()
 
     def keys(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:

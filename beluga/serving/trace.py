@@ -8,6 +8,11 @@ run of tokens appended to it, the number of questions varies by document
 requests arrive in a seeded random order.  Token ids stand in for text: the
 model has random weights, so only the sharing pattern and the lengths matter.
 
+:data:`LV_EVAL_15K` is the paper's setting: documents of 15,000 tokens (937
+engine blocks of 16, what the paper's hits move), as LV-Eval's 16K level
+holds, with a few short questions each.  The default :class:`TraceShape`
+(4,096-token documents) is for CPU engines.
+
 :func:`poisson_arrivals` spaces the requests in time (or lets them all arrive
 at once); :func:`in_bursts` turns the start of each document into a burst:
 its first questions arrive together, as when many users ask about a document
@@ -57,6 +62,17 @@ class TraceShape:
     @property
     def max_prompt_tokens(self) -> int:
         return self.context_tokens + self.max_question_tokens
+
+
+LV_EVAL_15K = TraceShape(
+    documents=4,
+    min_questions=2,
+    max_questions=4,
+    context_tokens=15_000,
+    min_question_tokens=16,
+    max_question_tokens=64,
+)
+"""Documents of 15,000 tokens, as the paper's LV-Eval prompts (longer than 15K tokens)."""
 
 
 def lv_eval_trace(shape: TraceShape, vocab_size: int, seed: int = 0) -> list[TraceRequest]:
