@@ -86,8 +86,9 @@ def test_the_experiment_runs_both_schedulers_twice_and_cleans_up(shm_path: str) 
 
 
 def test_the_chart_is_a_png(tmp_path: Path) -> None:
+    steps = {key: 0.25 for key, _, _ in e2e.STEPS}  # every row charts its steps
     rows = [
-        {"scheduler": s, "pass": p, "ttft_mean_s": 1.0 / p, "ttft_p99_s": 2.0 / p}
+        {"scheduler": s, "pass": p, "ttft_mean_s": 1.0 / p, "ttft_p99_s": 2.0 / p, **steps}
         for s in ("locality-free", "locality-aware")
         for p in (1, 2)
     ]

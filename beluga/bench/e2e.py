@@ -30,8 +30,24 @@ Figures that mean something (:class:`Settings`):
   default derived once from the trace, :func:`capacity_budget`); the pool's
   data area is sized so that the server's high watermark falls there.
 
-Model sizes (:data:`MODELS`): ``small`` is the default because at 4K tokens
-its compute dwarfs moving its KV: on the 2-core machine this was built on a
+GPU engines (``device`` cuda) run in bfloat16 and share one GPU, each within
+a memory budget (:func:`beluga.serving.model.engine_memory_bytes` of its
+longest prompt); the budgets of every engine started at once (both systems'
+beside a baseline) must fit on the GPU, or nothing starts.  ``rate`` None
+("auto", the command line's default on a GPU) is set below saturation from
+a measurement (:func:`calibrate`): each engine prefills one whole prompt,
+all at once, and the rate is :data:`UTILISATION` of what they did together,
+so that pass 1's TTFT is mostly service time rather than queueing.  The
+throughput a pass could sustain, whatever the arrivals, is ``service_qps``:
+requests per second of the engines' busy time.
+
+Model sizes (:data:`MODELS`): ``7b`` is Qwen2-7B's shape
+(:data:`beluga.serving.model.QWEN2_7B`, 7.6 B parameters), for GPUs only,
+with the LV-Eval-like 15,000-token documents of the paper
+(:data:`beluga.serving.trace.LV_EVAL_15K`) by default: a miss computes ~2.4e14
+FLOP (its linear layers and attention over 15K tokens) and a hit moves 937
+blocks of 896 KiB.  ``small`` is the CPU default because at 4K tokens its
+compute dwarfs moving its KV: on the 2-core machine this was built on a
 16-token block takes ~30 ms to compute at 4K context and ~0.05 ms to load
 (128 KiB), so a hit saves what a real GPU hit saves, the compute.  ``tiny``
 (the tests' model) keeps the same shape of result with ~7x less compute.
@@ -46,6 +62,7 @@ Prefill/decode disaggregation over the same clusters is :mod:`beluga.bench.e2e_p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -61,11 +78,12 @@ from beluga.kv.service import HIGH_WATERMARK
 from beluga.kv.store import KVStore
 from beluga.pool import Pool
 from beluga.pool.layout import plan
-from beluga.serving.cluster import Cluster, EngineConfig, Record
+from beluga.serving.cluster import Cluster, EngineConfig, Record, check_gpu_budget, gpu_bytes
 from beluga.serving.engine import KV_ORDER, create_kv_pool, kv_geometry, kv_pool_size
-from beluga.serving.model import ModelShape
+from beluga.serving.model import DTYPES, QWEN2_7B, ModelShape, engine_memory_bytes
 from beluga.serving.scheduler import SCHEDULERS, make_scheduler
 from beluga.serving.trace import (
+    LV_EVAL_15K,
     TraceRequest,
     TraceShape,
     in_bursts,
@@ -94,7 +112,13 @@ MODELS = {
         intermediate_size=1408,
         max_positions=16384,
     ),
+    "7b": QWEN2_7B,
 }
+GPU_ONLY = {"7b"}  # a CPU would take minutes a prefill
+#: the documents' tokens when the command line names none
+CONTEXT_TOKENS = {"7b": LV_EVAL_15K.context_tokens}
+DEFAULT_CONTEXT_TOKENS = 4096
+UTILISATION = 0.5  # an automatic rate offers this share of what the engines can serve
 TARGET_PASS2_RATIO = 0.2  # pass-2 mean TTFT at most 20% of pass 1's
 HEADROOM = 1.25  # the derived capacity budget over what the trace stores
 WARMUP_TOKENS = 64
@@ -127,10 +151,11 @@ class Settings:
     engines: int = 2
     schedulers: tuple[str, ...] = ("locality-free", "locality-aware")
     seed: int = 0
-    rate: float = 0.0  # requests/s (Poisson); 0: the whole trace arrives at once
+    rate: float | None = 0.0  # requests/s (Poisson); 0: all at once; None: below saturation
     threads: int = 1  # torch threads per engine
     start_method: str = "spawn"
     device: str = "cpu"  # "cuda": engines run the model, and move KV, on the GPU
+    dtype: str | None = None  # of weights and KV; None: bfloat16 on a GPU, float32 on the CPU
     repeat: int = 1  # runs from scratch; rows are medians over them
     capacity: int | None = None  # bytes of KV a store may hold; None: derived from the trace
     burst: int = 1  # each document's first `burst` questions arrive at once
@@ -143,6 +168,15 @@ class Settings:
         unknown = [s for s in self.schedulers if s not in SCHEDULERS]
         if unknown or not self.schedulers:
             raise ValueError(f"schedulers must be some of {sorted(SCHEDULERS)}, not {unknown}")
+        if self.model in GPU_ONLY and not self.on_gpu:
+            raise ValueError(
+                f"model {self.model!r} runs on a GPU (--device cuda); on the CPU use one of "
+                f"{sorted(set(MODELS) - GPU_ONLY)}"
+            )
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
+        if self.rate is not None and self.rate < 0:
+            raise ValueError(f"rate must be >= 0 requests/s (or None: automatic), not {self.rate}")
         if self.engines < 1 or self.threads < 1:
             raise ValueError("engines and threads must be >= 1")
         if self.repeat < 1 or self.burst < 1 or self.max_tokens < 1:
@@ -167,8 +201,44 @@ class Settings:
         return MODELS[self.model]
 
     @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The engines' dtype: ``dtype``, else bfloat16 on a GPU and float32 on the CPU."""
+        return self.dtype or ("bfloat16" if self.on_gpu else "float32")
+
+    @property
     def format(self) -> BlockFormat:
-        return BlockFormat(self.shape.kv_spec("float32"), KV_ORDER)
+        return BlockFormat(self.shape.kv_spec(self.kv_dtype), KV_ORDER)
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Each GPU engine's memory budget (None on the CPU): its longest prompt, and with
+        prefill/decode disaggregation the tokens it generates."""
+        if not self.on_gpu:
+            return None
+        generated = self.max_tokens if self.pd is not None else 0
+        tokens = max(self.trace.max_prompt_tokens + generated, WARMUP_TOKENS)
+        return engine_memory_bytes(self.shape, self.kv_dtype, tokens)
+
+    def engine_config(self) -> EngineConfig:
+        """What every engine process builds."""
+        return EngineConfig(
+            self.shape,
+            seed=self.seed,
+            threads=self.threads,
+            device=self.device,
+            dtype=self.kv_dtype,
+            memory_bytes=self.memory_bytes,
+        )
+
+    def check_gpu(self, engines: int) -> None:
+        """Refuse ``engines`` engines of these settings at once on the GPU when their memory
+        budgets do not fit there (nothing to check on the CPU)."""
+        if self.memory_bytes is not None:
+            check_gpu_budget(self.memory_bytes, engines, gpu_bytes(self.device), self.device)
 
     @property
     def roles(self) -> list[str] | None:
@@ -182,7 +252,10 @@ class Settings:
         return self._bursts()[0]
 
     def arrivals(self, seed: int) -> list[float]:
-        """When each request arrives, in seconds from the start of a pass."""
+        """When each request arrives, in seconds from the start of a pass (an automatic rate
+        must have been measured: :func:`with_rate`)."""
+        if self.rate is None:
+            raise ValueError("the rate is automatic: measure it first (beluga.bench.e2e.with_rate)")
         groups = self._bursts()[1]
         return poisson_arrivals(len(groups), self.rate, seed, groups)
 
@@ -231,6 +304,8 @@ def summarize(records: Sequence[Record], engines: int, block_tokens: int = 16) -
         "imbalance": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
         "makespan_s": makespan,
         "qps": len(records) / makespan,
+        # what the engines could sustain: requests per second of their busy time, all engines
+        "service_qps": len(records) * engines / busy.sum() if busy.sum() > 0 else None,
     }
 
 
@@ -452,8 +527,11 @@ def capacity_budget(settings: Settings, namespaces: int) -> int:
     if settings.capacity is not None:
         return settings.capacity
     fmt = settings.format
-    need = blocks_needed(settings.requests(), settings.trace, fmt.spec.block_tokens)
-    need = need * namespaces + settings.engines * WARMUP_TOKENS // fmt.spec.block_tokens
+    bs = fmt.spec.block_tokens
+    need = blocks_needed(settings.requests(), settings.trace, bs)
+    need = need * namespaces + settings.engines * WARMUP_TOKENS // bs
+    if settings.rate is None:  # the calibration's prompts, one per engine
+        need += settings.engines * (settings.trace.max_prompt_tokens // bs)
     return int(need * fmt.nbytes * HEADROOM)
 
 
@@ -481,7 +559,13 @@ def capacity_note(settings: Settings, capacity: int) -> dict[str, Any]:
 def arrivals_note(settings: dict[str, Any]) -> str:
     """How requests arrived (from a result's settings), in words."""
     rate = settings["rate"]
-    text = f"Poisson arrivals, {rate:g} requests/s" if rate else "the whole trace at once"
+    text = f"Poisson arrivals, {rate:.3g} requests/s" if rate else "the whole trace at once"
+    found = settings.get("calibration")
+    if found:
+        text += (
+            f" (automatic: {100 * found['utilisation']:.0f}% of what {found['engines']} engines "
+            f"served, {found['service_s']:.3g} s a {found['prompt_tokens']}-token prefill at once)"
+        )
     if settings["burst"] > 1:
         text += f", each document's first {settings['burst']} questions together"
     return text
@@ -517,9 +601,7 @@ def pool_cluster(
     say(f"creating a {size >> 20} MiB pool for {fmt.fingerprint}")
     create_kv_pool(spec, size, fmt, geometry=geometry).close()
     try:
-        config = EngineConfig(
-            settings.shape, seed=settings.seed, threads=settings.threads, device=settings.device
-        )
+        config = settings.engine_config()
         say(f"starting the metadata server and {settings.engines} engines")
         started = time.monotonic()
         with Cluster(
@@ -543,6 +625,45 @@ def _server_counters(store: KVStore) -> dict[str, int | None]:
     return {k: stats[k] for k in ("evictions", "duplicate_writes_skipped")}
 
 
+def calibrate(cluster: Cluster, settings: Settings) -> dict[str, Any]:
+    """The automatic rate: every engine prefills one whole prompt of the trace's longest,
+    all at once (fresh tokens, in a cache namespace of their own), and the rate offers
+    :data:`UTILISATION` of the requests per second they served together.
+
+    Engines that share a GPU slow each other down while they compute together, so
+    the measurement holds what sharing costs; with prefill/decode disaggregation the
+    fewer of prefill and decode engines set it.
+    """
+    rng = np.random.default_rng(settings.seed + 2000)
+    tokens = settings.trace.max_prompt_tokens
+    prompts = [rng.integers(0, settings.shape.vocab_size, tokens).tolist() for _ in range(2)]
+    engines = settings.engines
+    records = cluster.run(
+        [prompts[i % 2] for i in range(engines)],
+        make_scheduler("locality-free", engines),
+        salt="calibrate",
+    )
+    service = float(np.median([r.served.timings.ttft for r in records]))
+    serving = min(settings.pd) if settings.pd is not None else engines
+    rate = UTILISATION * serving / service
+    return {
+        "rate": rate,
+        "prompt_tokens": tokens,
+        "service_s": service,
+        "engines": serving,
+        "utilisation": UTILISATION,
+    }
+
+
+def with_rate(settings: Settings, started: Started) -> tuple[Settings, dict[str, Any] | None]:
+    """The settings with their rate set (measured with :func:`calibrate` when automatic) and
+    what the measurement found (None when the rate was given)."""
+    if settings.rate is not None:
+        return settings, None
+    found = calibrate(started.cluster, settings)
+    return dataclasses.replace(settings, rate=found["rate"]), found
+
+
 def run(
     settings: Settings,
     pool: str | None = None,
@@ -553,17 +674,23 @@ def run(
     """Run the experiment ``settings.repeat`` times; ``on_record(scheduler, pass, record)``
     follows progress.
 
-    With ``want_logits`` every record carries the logits its engine computed.
+    With ``want_logits`` every record carries the logits its engine computed.  An
+    automatic rate is measured once, in the first repetition, and kept for the rest.
     """
     shape, fmt = settings.shape, settings.format
     trace = settings.requests()
     prompts = [r.token_ids for r in trace]
     say = on_phase or (lambda _: None)
     capacity = capacity_budget(settings, len(settings.schedulers))
+    settings.check_gpu(settings.engines)
+    calibration = None
     runs: list[dict[str, Any]] = []
     for rep in range(settings.repeat):
         rows: list[dict[str, Any]] = []
         with pool_cluster(settings, pool, say, capacity) as started:
+            if settings.rate is None:
+                say("measuring a rate below saturation")
+                settings, calibration = with_rate(settings, started)
             for name in settings.schedulers:
                 scheduler = make_scheduler(name, settings.engines)
                 for pass_no in (1, 2):
@@ -584,10 +711,13 @@ def run(
         "settings": {
             **asdict(settings),
             "kv_format": fmt.fingerprint,
+            "kv_dtype": settings.kv_dtype,
+            "engine_memory_bytes": settings.memory_bytes,
+            "calibration": calibration,
             "pool_bytes": pool_for(settings, capacity)[0],
             "capacity": capacity_note(settings, capacity),
         },
-        "model_params": model_params(shape),
+        "model_params": shape.num_params,
         "requests_per_pass": len(trace),
         "startup_s": float(np.median([r["startup_s"] for r in runs])),
         "rows": median_rows([r["rows"] for r in runs]),
@@ -606,15 +736,6 @@ def warm_up(cluster: Cluster, settings: Settings) -> None:
     cluster.run(prompts, make_scheduler("locality-free", settings.engines), salt="warm-up")
 
 
-def model_params(shape: ModelShape) -> int:
-    """Parameters of a Qwen2/Llama of this shape (embeddings and head untied)."""
-    h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
-    q = shape.num_heads * shape.head_dim
-    attention = h * q + 2 * h * kv + q * h + q + 2 * kv  # Qwen2 has q/k/v biases
-    mlp = 3 * h * shape.intermediate_size
-    return shape.num_layers * (attention + mlp + 2 * h) + 2 * shape.vocab_size * h + h
-
-
 def ranged(row: dict[str, Any], key: str, scale: float = 1.0) -> str:
     """A row's median of ``key`` with its range over repetitions, for the printed summary."""
     low, high = row.get("ranges", {}).get(key, (row[key], row[key]))
@@ -630,14 +751,40 @@ def error_bars(rows: Sequence[dict[str, Any]], key: str) -> np.ndarray:
     return np.array([lows, highs])
 
 
+#: a request's steps as rows report them (key, label, to seconds); TTFT is the first four
+STEPS = [
+    ("queue_mean_s", "queue", 1.0),
+    ("lookup_mean_ms", "lookup", 1e-3),
+    ("load_mean_ms", "KV load", 1e-3),
+    ("compute_mean_s", "compute", 1.0),
+    ("save_mean_ms", "save (after the first token)", 1e-3),
+]
+
+
+def step_bars(ax: Any, rows: Sequence[dict[str, Any]], labels: Sequence[str]) -> None:
+    """Each row's mean time per step (:data:`STEPS`), stacked: the first four make its TTFT."""
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for key, name, scale in STEPS:
+        part = np.array([r[key] * scale for r in rows])
+        after = key == "save_mean_ms"
+        ax.bar(x, part, 0.5, bottom=bottom, label=name, hatch="//" if after else None, alpha=0.85)
+        bottom += part
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set(title="mean time by step", ylabel="seconds")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def chart(doc: dict[str, Any], path: str) -> None:
-    """Mean (with its range over repetitions) and p99 TTFT per pass and scheduler, as a PNG."""
+    """Mean (with its range over repetitions) and p99 TTFT per pass and scheduler, and the
+    mean time of each step per pass and scheduler, as a PNG."""
     from beluga.bench.report import _pyplot
 
     plt = _pyplot()
     rows = doc["rows"]
     schedulers = list(dict.fromkeys(r["scheduler"] for r in rows))
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    fig, (ax, steps) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
     try:
         width = 0.35
         for k, pass_no in enumerate((1, 2)):
@@ -668,6 +815,7 @@ def chart(doc: dict[str, Any], path: str) -> None:
         )
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
+        step_bars(steps, rows, [f"{r['scheduler']}\npass {r['pass']}" for r in rows])
         fig.tight_layout()
         fig.savefig(path)
     finally:

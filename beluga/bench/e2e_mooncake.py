@@ -13,9 +13,15 @@ mooncake
     (:class:`beluga.bench.mooncake_engine.MooncakeServingEngine`): real
     ``mooncake_master`` and storage processes on loopback
     (:class:`beluga.bench.mooncake.MooncakeBaseline`), each engine gathering
-    its blocks into a registered staging buffer and moving them with
-    ``batch_put_from`` / ``batch_get_into`` through Mooncake's transfer
-    engine, routed by the locality-aware scheduler Mooncake deployments use.
+    its blocks into a registered staging buffer (pinned and registered with
+    CUDA when the engines are on a GPU, as Mooncake's own vLLM and SGLang
+    integrations stage) and moving them with ``batch_put_from`` /
+    ``batch_get_into`` through Mooncake's transfer engine, routed by the
+    locality-aware scheduler Mooncake deployments use.  Its transport here is
+    TCP on loopback (:data:`~beluga.bench.mooncake_engine.TRANSPORT`; the
+    wheel has no RDMA, and the paper's Mooncake ran over RDMA): the output
+    says so, and :func:`paper_scale` carries the per-byte costs measured here
+    to the paper's block sizes rather than claiming its network.
 
 Each replays the trace twice (pass 1 fills its store, pass 2 hits it).  Per
 system and pass the report gives what :func:`beluga.bench.e2e.pass_row`
@@ -51,8 +57,8 @@ import numpy as np
 
 from beluga.bench import e2e
 from beluga.bench.mooncake import MooncakeBaseline
-from beluga.bench.mooncake_engine import MooncakeEngines
-from beluga.serving.cluster import Cluster, EngineConfig, Record
+from beluga.bench.mooncake_engine import TRANSPORT, MooncakeEngines
+from beluga.serving.cluster import Cluster, Record
 from beluga.serving.scheduler import make_scheduler
 from beluga.serving.trace import TraceRequest
 from beluga.units import MiB
@@ -150,6 +156,10 @@ def headline(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         # without the queueing that routing adds: each request's own lookup + load + compute
         "pass2_service_fraction": b["service_mean_s"] / m["service_mean_s"],
         "pass2_load_per_block_ratio": ratio(m["load_ms_per_block"], b["load_ms_per_block"]),
+        # what each system's engines could sustain, whatever the arrival rate
+        "pass2_service_qps_ratio": ratio(b.get("service_qps"), m.get("service_qps")),
+        "pass2_kv_share_of_ttft_beluga": b.get("load_share_of_ttft"),
+        "pass2_kv_share_of_ttft_mooncake": m.get("load_share_of_ttft"),
         "paper": PAPER,
     }
     for system in SYSTEMS:  # each system's prefix cache: its pass-2 hits, and TTFT over pass 1's
@@ -282,9 +292,7 @@ def mooncake_cluster(
             mooncake.master_address,
             staging_blocks=settings.trace.max_prompt_tokens // settings.shape.block_tokens,
         )
-        config = EngineConfig(
-            settings.shape, seed=settings.seed, threads=settings.threads, device=settings.device
-        )
+        config = settings.engine_config()
         say(f"starting {settings.engines} engines on Mooncake")
         with Cluster(
             f"mooncake:{mooncake.master_address}",
@@ -317,10 +325,12 @@ def run(
     say = on_phase or (lambda _: None)
     trace = settings.requests()
     prompts = [r.token_ids for r in trace]
-    beluga_settings = dataclasses.replace(settings, schedulers=(SYSTEMS["beluga"],))
     capacity = capacity_budget(settings)
+    settings.check_gpu(len(SYSTEMS) * settings.engines)  # both systems' engines are up at once
+    calibration = None
     runs = []
     for rep in range(settings.repeat):
+        beluga_settings = dataclasses.replace(settings, schedulers=(SYSTEMS["beluga"],))
         records: dict[tuple[str, int], list[Record]] = {}
         counts: dict[tuple[str, int], dict[str, int | None]] = {}
         with contextlib.ExitStack() as stack:
@@ -330,6 +340,9 @@ def run(
                 ),
                 "mooncake": stack.enter_context(mooncake_cluster(settings, say, capacity)),
             }
+            if settings.rate is None:  # measured once, on Beluga's engines, for both systems
+                say("measuring a rate below saturation")
+                settings, calibration = e2e.with_rate(settings, systems["beluga"])
             # one scheduler per system for both passes: an affinity learnt in pass 1 holds
             schedulers = {
                 system: make_scheduler(SYSTEMS[system], settings.engines) for system in systems
@@ -361,12 +374,17 @@ def run(
             **dataclasses.asdict(settings),
             "schedulers": SYSTEMS,
             "kv_format": fmt.fingerprint,
+            "kv_dtype": settings.kv_dtype,
             "block_bytes": fmt.nbytes,
+            "engine_memory_bytes": settings.memory_bytes,
+            "calibration": calibration,
             "pool_bytes": e2e.pool_for(settings, capacity)[0],
             "mooncake_segment_bytes": segment_bytes(capacity),
+            "mooncake_transport": TRANSPORT,
+            "mooncake_staging": staging_note(settings),
             "capacity": capacity_note(settings, capacity),
         },
-        "model_params": e2e.model_params(settings.shape),
+        "model_params": settings.shape.num_params,
         "requests_per_pass": len(prompts),
         "startup_s": e2e.median_fields([r["startup_s"] for r in runs]),
         "rows": rows,
@@ -374,6 +392,24 @@ def run(
         "paper_scale": paper_scale(rows),
         "runs": runs,
     }
+
+
+def staging_note(settings: e2e.Settings) -> str:
+    """Where Mooncake's engines stage blocks, in words."""
+    if settings.on_gpu:
+        return "pinned host memory registered with CUDA (one DMA per batch each way)"
+    return "host memory (the engines are on the CPU)"
+
+
+def transport_line(doc: dict[str, Any]) -> str:
+    """How Mooncake moved bytes in this run, and what that means for the paper's setting."""
+    s = doc["settings"]
+    return (
+        f"Mooncake's transport here: {s.get('mooncake_transport', TRANSPORT)} (its transfer "
+        "engine's TCP on loopback; the paper's Mooncake ran over RDMA), staging in "
+        f"{s.get('mooncake_staging', staging_note(e2e.Settings()))}; the paper-scale figures "
+        "below scale the per-byte costs measured here, not the paper's network"
+    )
 
 
 def capacity_line(doc: dict[str, Any]) -> str:
@@ -428,7 +464,10 @@ def summary(doc: dict[str, Any]) -> str:
             for s in SYSTEMS
             if h.get(f"pass2_over_pass1_ttft_{s}") is not None
         ),
+        "  throughput the engines could sustain (requests per second of busy time), pass 2: "
+        f"{times(h.get('pass2_service_qps_ratio'))} Beluga over Mooncake",
         capacity_line(doc),
+        transport_line(doc),
         *store_lines(doc["rows"]),
     ]
     for system in SYSTEMS:
@@ -448,7 +487,7 @@ def summary(doc: dict[str, Any]) -> str:
     if scale["bytes_scale"] > MEANINGFUL_SCALE:
         lines.append(
             f"  (blocks here are {scale['bytes_scale']:.0f}x smaller than the paper's: fixed "
-            "per-block costs, scaled as bytes, inflate this; use --model wide-kv)"
+            "per-block costs, scaled as bytes, inflate this; use --model wide-kv, or 7b on a GPU)"
         )
     for system, s in scale["systems"].items():
         lines.append(
@@ -466,6 +505,11 @@ def summary(doc: dict[str, Any]) -> str:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def times(value: float | None) -> str:
+    """A ratio as "1.23x", or "-" where it was not measured."""
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def chart(doc: dict[str, Any], path: str) -> None:
@@ -499,23 +543,18 @@ def chart(doc: dict[str, Any], path: str) -> None:
                 capsize=3,
                 label=f"pass {pass_no}",
             )
+            sustained = [(a, r["service_qps"]) for a, r in zip(at, rows, strict=True)]
+            sustained = [(a, v) for a, v in sustained if v is not None]
+            if sustained:
+                qps.scatter(*zip(*sustained, strict=True), marker="D", s=20, color="black")
+        qps.scatter([], [], marker="D", s=20, color="black", label="sustainable (busy time)")
         ttft.scatter([], [], marker="_", s=100, color="black", label="p99")
-        bottom = np.zeros(len(systems))
-        second = [by[(s, 2)] for s in systems]
-        for key, name, scale in (
-            ("queue_mean_s", "queue", 1.0),
-            ("lookup_mean_ms", "lookup", 1e-3),
-            ("load_mean_ms", "KV load", 1e-3),
-            ("compute_mean_s", "compute", 1.0),
-        ):
-            part = np.array([r[key] * scale for r in second])
-            split.bar(x, part, 0.5, bottom=bottom, label=name)
-            bottom += part
+        steps = [by[(s, p)] for p in (1, 2) for s in systems]
+        e2e.step_bars(split, steps, [f"{r['system']}\npass {r['pass']}" for r in steps])
         labels = [f"{s}\n({SYSTEMS[s]})" for s in systems]
         h = doc["headline"]
         for ax, title, ylabel in (
             (ttft, "time to first token", "seconds"),
-            (split, "pass 2: mean TTFT by step", "seconds"),
             (qps, f"throughput (pass 2: {h['pass2_qps_ratio']:.2f}x)", "requests / s"),
         ):
             ax.set_xticks(x, labels)
@@ -525,7 +564,8 @@ def chart(doc: dict[str, Any], path: str) -> None:
         s = doc["settings"]
         fig.suptitle(
             f"Beluga vs Mooncake Store: model {s['model']} ({s['block_bytes'] >> 10} KiB blocks), "
-            f"{s['trace']['context_tokens']}-token contexts, {s['engines']} engines; pass-2 TTFT "
+            f"{s['trace']['context_tokens']}-token contexts, {s['engines']} engines (Mooncake over "
+            f"{s.get('mooncake_transport', TRANSPORT)}); pass-2 TTFT "
             f"{100 * h['pass2_ttft_fraction']:.1f}% of Mooncake's (median of "
             f"{s.get('repeat', 1)} runs; bars: range)"
         )

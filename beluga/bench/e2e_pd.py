@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from beluga.bench import e2e, e2e_mooncake
+from beluga.bench.mooncake_engine import TRANSPORT
 from beluga.bench.stats import percentile
 from beluga.serving.cluster import Handoff, Record
 from beluga.serving.scheduler import make_scheduler
@@ -51,8 +52,14 @@ COLUMNS = [
     ("ttft_p99_s", "TTFT p99 s"),
     ("handoff_mean_ms", "handoff ms"),
     ("handoff_p99_ms", "handoff p99 ms"),
+    ("prefill_queue_mean_ms", "P queue ms"),
+    ("prefill_lookup_load_mean_ms", "P lookup+load ms"),
+    ("prefill_compute_mean_ms", "P compute ms"),
     ("prefill_save_mean_ms", "P save ms"),
+    ("decode_wait_mean_ms", "D wait ms"),
+    ("decode_lookup_mean_ms", "D lookup ms"),
     ("decode_load_mean_ms", "D load ms"),
+    ("decode_compute_mean_ms", "D compute ms"),
     ("kv_share_of_ttft", "KV/TTFT"),
     ("tpot_mean_ms", "TPOT ms"),
     ("qps", "QPS"),
@@ -73,6 +80,12 @@ def summarize(handoffs: Sequence[Handoff], block_tokens: int) -> dict[str, Any]:
     loadable = sum((r.served.num_tokens - 1) // block_tokens for r in decode)
     loaded = sum(r.served.cached_tokens // block_tokens for r in decode)
     makespan = max(r.end for r in decode)
+    # what the engines could sustain: the busier side's requests per second of busy time
+    sides = [
+        len(records) * len({r.engine for r in records}) / busy
+        for records in (prefill, decode)
+        if (busy := sum(r.served.timings.busy for r in records)) > 0
+    ]
 
     def mean_ms(values: Any) -> float:
         return 1e3 * float(np.mean(list(values)))
@@ -111,6 +124,7 @@ def summarize(handoffs: Sequence[Handoff], block_tokens: int) -> dict[str, Any]:
         "refused_blocks": sum(r.served.refused_blocks for r in prefill),
         "makespan_s": makespan,
         "qps": len(handoffs) / makespan,
+        "service_qps": min(sides) if len(sides) == 2 else None,
     }
 
 
@@ -145,6 +159,7 @@ def headline(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "kv_share_of_ttft_beluga": b["kv_share_of_ttft"],
         "kv_share_of_ttft_mooncake": m["kv_share_of_ttft"],
         "tpot_fraction": e2e_mooncake.ratio(b["tpot_mean_ms"], m["tpot_mean_ms"]),
+        "service_qps_ratio": e2e_mooncake.ratio(b.get("service_qps"), m.get("service_qps")),
         "paper_qps_ratio": list(PAPER_QPS_RATIO),
     }
 
@@ -169,6 +184,8 @@ def run(
         capacity = e2e_mooncake.capacity_budget(pd_settings)
     else:
         capacity = e2e.capacity_budget(pd_settings, 1)
+    pd_settings.check_gpu((2 if baseline else 1) * settings.engines)  # all up at once
+    calibration = None
     runs = []
     for rep in range(settings.repeat):
         rows = []
@@ -180,6 +197,9 @@ def run(
                 systems["mooncake"] = stack.enter_context(
                     e2e_mooncake.mooncake_cluster(pd_settings, say, capacity)
                 )
+            if pd_settings.rate is None:  # measured once, on Beluga's engines, for both
+                say("measuring a rate below saturation")
+                pd_settings, calibration = e2e.with_rate(pd_settings, systems["beluga"])
             for system, started in systems.items():
                 say(f"run {rep + 1}/{settings.repeat}, {system}: disaggregated")
                 before = started.counters()
@@ -189,7 +209,7 @@ def run(
                     make_scheduler(SCHEDULER, settings.pd[1]),
                     max_tokens=settings.max_tokens,
                     salt=system,
-                    arrivals=settings.arrivals(settings.seed + 1),
+                    arrivals=pd_settings.arrivals(settings.seed + 1),
                     on_record=on_record and functools.partial(on_record, system),
                 )
                 counts = e2e.counted(started, before)
@@ -204,11 +224,22 @@ def run(
         "settings": {
             **dataclasses.asdict(pd_settings),
             "kv_format": settings.format.fingerprint,
+            "kv_dtype": settings.kv_dtype,
             "block_bytes": settings.format.nbytes,
+            "engine_memory_bytes": settings.memory_bytes,
+            "calibration": calibration,
             "baseline": baseline,
             "capacity": note,
+            **(
+                {
+                    "mooncake_transport": TRANSPORT,
+                    "mooncake_staging": e2e_mooncake.staging_note(settings),
+                }
+                if baseline
+                else {}
+            ),
         },
-        "model_params": e2e.model_params(settings.shape),
+        "model_params": settings.shape.num_params,
         "requests_per_run": len(prompts),
         "rows": e2e.median_rows([r["rows"] for r in runs]),
         "runs": runs,
@@ -248,7 +279,12 @@ def summary(doc: dict[str, Any]) -> str:
             f"mean TTFT {e2e.ranged(h, 'ttft_fraction', 100)}%, handoff "
             f"{e2e.ranged(h, 'handoff_fraction', 100)}% of Mooncake's"
         )
+        lines.append(
+            f"  throughput the engines could sustain (requests per second of the busier side's "
+            f"busy time): {e2e_mooncake.times(h.get('service_qps_ratio'))} Beluga over Mooncake"
+        )
         lines.append(e2e_mooncake.capacity_line(doc))
+        lines.append(e2e_mooncake.transport_line(doc))
     else:
         lines.append(e2e.capacity_line(s["capacity"]))
     for row in doc["rows"]:

@@ -24,9 +24,18 @@ save
 
 A value is exactly a Beluga pool block's payload (:class:`BlockFormat`, HND
 order): both systems move the same bytes per block.  The bytes cross Mooncake's
-transfer engine over TCP on loopback (the wheel that installs here has no RDMA);
+transfer engine over TCP on loopback (the wheel that installs here has no RDMA:
+:data:`TRANSPORT`);
 Mooncake checks no checksum on the way, so a block that is not there or
 comes back short ends the usable prefix, like a miss.
+
+The staging buffer is what Mooncake's own vLLM and SGLang integrations use
+when the KV cache is on a GPU: host memory pinned and registered with CUDA
+(``cudaHostAlloc``, through torch's ``pin_memory``), so the copies between it
+and the GPU are DMA at the PCIe rate, issued per layer (K and V) and waited
+for once per batch; it is registered with Mooncake's transfer engine too.
+On the CPU it is plain host memory, as before.  Either way Mooncake moves
+what Beluga moves, by the best path it has here.
 
 :class:`MooncakeEngines` builds one engine per engine process of a
 :class:`beluga.serving.cluster.Cluster`; each process connects its own
@@ -39,17 +48,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from beluga.errors import CapacityError
 from beluga.kv.identity import ModelIdentity
 from beluga.kv.store import Saved
 from beluga.kv.tier.mooncake import MooncakeClient, check_available, connect
-from beluga.serving.cluster import EngineConfig
+from beluga.serving.cluster import EngineConfig, build_model
 from beluga.serving.engine import CachingEngine, kv_block_keys, leading_run
 from beluga.serving.model import KV, ModelEngine
 from beluga.units import MiB
+
+#: how Mooncake moves bytes in this baseline: its transfer engine's TCP transport on loopback
+TRANSPORT = "tcp-loopback"
 
 
 class MooncakeServingEngine(CachingEngine):
@@ -75,11 +86,14 @@ class MooncakeServingEngine(CachingEngine):
         self.client = client
         spec = self.format.spec
         # one engine block's value per slot: [layers, K/V, kv heads, block tokens, head dim]
-        self.staging = np.zeros((staging_blocks, self.format.nbytes), dtype=np.uint8)
+        self.pinned = model.device.type == "cuda"  # staging the GPU reaches by DMA
+        self._host = torch.zeros(
+            (staging_blocks, self.format.nbytes), dtype=torch.uint8, pin_memory=self.pinned
+        )
+        self.staging = self._host.numpy()
         client.register_buffer(self.staging)
         self.slots = list(self.staging)
-        self.staged = torch.from_numpy(self.staging).view(torch.float32)
-        self.staged = self.staged.view(
+        self.staged = self._host.view(model.dtype).view(
             staging_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_tokens, spec.head_dim
         )
 
@@ -131,20 +145,28 @@ class MooncakeServingEngine(CachingEngine):
         return Saved(stored, [i for i, ok in enumerate(there) if ok], refused)
 
     def _scatter(self, prefix: KV, first: int, count: int) -> None:
-        """Staging slots ``0 .. count`` into blocks ``first ..`` of a prefix."""
+        """Staging slots ``0 .. count`` into blocks ``first ..`` of a prefix (from pinned
+        staging: one DMA of the slots to the GPU, then the scatter there)."""
         bs = self.block_tokens
+        staged = self.staged[:count]
+        if self.pinned:
+            staged = staged.to(self.model.device, non_blocking=True)
         for layer, pair in enumerate(prefix):
             for kind, tensor in enumerate(pair):
                 span = tensor[0, :, first * bs : (first + count) * bs, :]
                 blocks = span.unflatten(1, (count, bs)).transpose(0, 1)
-                blocks.copy_(self.staged[:count, layer, kind])
+                blocks.copy_(staged[:, layer, kind])
+        self._synchronize()  # the next batch overwrites the slots the DMA reads
 
     def _gather(self, kv: KV, blocks: list[int]) -> None:
         """These blocks of a prefill's KV into staging slots ``0 ..`` (a run of blocks, the
-        usual case, is one strided copy per layer, K and V)."""
+        usual case, is one strided copy per layer, K and V; to pinned staging, gathered on
+        the GPU first, then one DMA)."""
         bs, count, first = self.block_tokens, len(blocks), blocks[0]
         run = blocks == list(range(first, first + count))
-        index = None if run else torch.as_tensor(blocks)
+        index = None if run else torch.as_tensor(blocks, device=self.model.device)
+        slots = self.staged[:count]
+        into = torch.empty_like(slots, device=self.model.device) if self.pinned else slots
         for layer, pair in enumerate(kv):
             for kind, tensor in enumerate(pair):
                 if index is None:
@@ -153,7 +175,15 @@ class MooncakeServingEngine(CachingEngine):
                 else:
                     span = tensor[0, :, : (max(blocks) + 1) * bs, :]
                     picked = span.unflatten(1, (-1, bs)).index_select(1, index)
-                self.staged[:count, layer, kind].copy_(picked.transpose(0, 1))
+                into[:, layer, kind].copy_(picked.transpose(0, 1))
+        if self.pinned:
+            slots.copy_(into, non_blocking=True)
+            self._synchronize()  # Mooncake reads the slots next
+
+    def _synchronize(self) -> None:
+        """Wait for this device's copies (those to and from the pinned slots among them)."""
+        if self.pinned:
+            torch.cuda.current_stream(self.model.device).synchronize()
 
 
 @dataclass(frozen=True)
@@ -171,8 +201,7 @@ class MooncakeEngines:
     def __call__(
         self, pool: str, config: EngineConfig
     ) -> tuple[MooncakeClient, MooncakeServingEngine]:
-        torch.set_num_threads(config.threads)
-        model = ModelEngine(config.shape, seed=config.seed, device=config.device)
+        model = build_model(config)
         client = connect(
             check_available(), self.metadata_url, self.master_address, self.local_buffer_size
         )

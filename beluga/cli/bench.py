@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import os
-import signal
 import sys
 import uuid
-from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -23,6 +21,7 @@ from beluga.cli.demo import add_e2e_args, e2e_settings, run_with_progress, summa
 from beluga.errors import PoolNotNamedError
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import blocks_holding, pool_size_for
+from beluga.signals import interrupt_on_signals
 from beluga.units import human_bytes, parse_size
 
 
@@ -96,6 +95,11 @@ def _add_e2e(cmds: argparse._SubParsersAction) -> None:
         "mooncake_master and storage processes on loopback) and compare with Beluga: "
         "locality-aware routing for Mooncake, locality-free for Beluga (with --pd, "
         "locality-free for both); --schedulers is then ignored",
+    )
+    e.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and KV of the engines (default: bfloat16 on a GPU, float32 on the CPU)",
     )
     e.set_defaults(handler=run_e2e)
 
@@ -282,6 +286,11 @@ def run_rpc(args: argparse.Namespace) -> int:
     return status
 
 
+def _e2e_settings(args: argparse.Namespace) -> Any:
+    """The experiment of ``bench e2e``: the demo's options, and the benchmark's dtype."""
+    return dataclasses.replace(e2e_settings(args), dtype=args.dtype)
+
+
 def run_e2e(args: argparse.Namespace) -> int:
     from beluga.bench import e2e
 
@@ -289,7 +298,7 @@ def run_e2e(args: argparse.Namespace) -> int:
         return run_e2e_pd(args)
     if args.baseline == "mooncake":
         return run_e2e_mooncake(args)
-    result = run_with_progress(e2e_settings(args), args.pool)
+    result = run_with_progress(_e2e_settings(args), args.pool)
     if args.chart:
         e2e.chart(result, args.chart)
         result["chart"] = os.path.abspath(args.chart)
@@ -301,24 +310,6 @@ def run_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt meanwhile, so a killed run stops what it started.
-
-    Without it Python dies on SIGTERM without running ``finally`` blocks,
-    leaving engine processes and the scratch pool behind.
-    """
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run_e2e_mooncake(args: argparse.Namespace) -> int:
     """Beluga beside Mooncake Store end to end: the table, the headline and a chart."""
     from tqdm import tqdm
@@ -327,10 +318,13 @@ def run_e2e_mooncake(args: argparse.Namespace) -> int:
     from beluga.kv.tier.mooncake import check_available
 
     check_available()  # before anything starts: say what to install
-    settings = e2e_settings(args)
+    settings = _e2e_settings(args)
     total = 2 * len(e2e_mooncake.SYSTEMS) * len(settings.requests()) * settings.repeat
+    # SIGTERM ends the run as Ctrl-C would, at the driver's next look (beluga.signals), so a
+    # killed run stops what it started: without it Python dies on SIGTERM running no
+    # ``finally`` block, leaving engine processes and the scratch pool behind
     with (
-        _terminate_as_interrupt(),
+        interrupt_on_signals(),
         tqdm(total=total, unit="req", desc="starting", dynamic_ncols=True) as bar,
     ):
 
@@ -361,11 +355,11 @@ def run_e2e_pd(args: argparse.Namespace) -> int:
 
     if args.baseline == "mooncake":
         check_available()  # before anything starts: say what to install
-    settings = e2e_settings(args)
+    settings = _e2e_settings(args)
     systems = 2 if args.baseline else 1
     total = systems * len(settings.requests()) * settings.repeat
     with (
-        _terminate_as_interrupt(),
+        interrupt_on_signals(),  # as in run_e2e_mooncake
         tqdm(total=total, unit="req", desc="starting", dynamic_ncols=True) as bar,
     ):
 

@@ -28,8 +28,9 @@ def add_e2e_args(parser: argparse.ArgumentParser, figures: bool = False) -> None
     g.add_argument(
         "--model",
         default="small",
-        help="model size: small (8 layers, hidden 512; default), tiny (4 layers, hidden 256) "
-        "or wide-kv (12 layers, hidden 512, 768 KiB KV blocks)",
+        help="model size: small (8 layers, hidden 512; default), tiny (4 layers, hidden 256), "
+        "wide-kv (12 layers, hidden 512, 768 KiB KV blocks) or, on a GPU, 7b (Qwen2-7B's "
+        "shape in bfloat16, 15,000-token documents by default)",
     )
     g.add_argument("--documents", type=int, default=4, help="long documents in the trace")
     g.add_argument(
@@ -41,7 +42,9 @@ def add_e2e_args(parser: argparse.ArgumentParser, figures: bool = False) -> None
         help="questions per document, drawn between MIN and MAX (default 2 6)",
     )
     g.add_argument(
-        "--context-tokens", type=int, default=4096, help="tokens per document (default 4096)"
+        "--context-tokens",
+        type=int,
+        help="tokens per document (default 4096; 15000 for --model 7b, LV-Eval's length)",
     )
     g.add_argument("--engines", type=int, default=2, help="engine processes (default 2)")
     g.add_argument(
@@ -51,9 +54,10 @@ def add_e2e_args(parser: argparse.ArgumentParser, figures: bool = False) -> None
     )
     g.add_argument(
         "--rate",
-        type=float,
-        default=0.0,
-        help="Poisson arrivals in requests/s (default 0: the whole trace at once)",
+        type=_rate,
+        help="Poisson arrivals in requests/s; 0: the whole trace at once (the default on the "
+        "CPU); auto: half of what the engines serve, measured first (the default on a GPU, "
+        "so that TTFT is service time rather than queueing)",
     )
     g.add_argument("--threads", type=int, default=1, help="torch threads per engine (default 1)")
     g.add_argument(
@@ -111,6 +115,16 @@ def add_e2e_args(parser: argparse.ArgumentParser, figures: bool = False) -> None
     )
 
 
+def _rate(text: str) -> float | str:
+    """Requests/s, or 'auto' (measured below saturation)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rate takes requests/s or auto, not {text!r}") from None
+
+
 def _prefill_decode(text: str) -> tuple[int, int]:
     """'1:1' -> (1, 1): prefill and decode engines."""
     try:
@@ -132,18 +146,22 @@ def e2e_settings(args: argparse.Namespace) -> Any:
             ) from e
     import torch
 
-    from beluga.bench.e2e import Settings
+    from beluga.bench.e2e import CONTEXT_TOKENS, DEFAULT_CONTEXT_TOKENS, Settings
     from beluga.serving.trace import TraceShape
 
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    rate = args.rate  # None when not given: automatic on a GPU, all at once on the CPU
+    if rate is None:
+        rate = "auto" if device.startswith("cuda") else 0.0
 
     trace = TraceShape(
         documents=args.documents,
         min_questions=args.questions[0],
         max_questions=args.questions[1],
-        context_tokens=args.context_tokens,
+        context_tokens=args.context_tokens
+        or CONTEXT_TOKENS.get(args.model, DEFAULT_CONTEXT_TOKENS),
     )
     pd = getattr(args, "pd", None)  # the figures' options (bench e2e); the demo has none
     return Settings(
@@ -152,7 +170,7 @@ def e2e_settings(args: argparse.Namespace) -> Any:
         engines=sum(pd) if pd else args.engines,
         schedulers=tuple(s.strip() for s in args.schedulers.split(",") if s.strip()),
         seed=args.seed,
-        rate=args.rate,
+        rate=None if rate == "auto" else rate,
         threads=args.threads,
         device=device,
         repeat=getattr(args, "repeat", 1),
