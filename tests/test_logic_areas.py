@@ -13,12 +13,16 @@ reason, not by luck:
 - an extent ending at the pool's last block, surviving a restart;
 - a save over several ALLOC/COMMIT batches with a lease lost in the second;
 - a tier hit for the second key of a request;
-- a writer of an id's older generation, and namespaced keys of any length.
+- a writer of an id's older generation, and namespaced keys of any length;
+- an ALLOC batch that skips keys (committed, or in flight elsewhere) among its grants;
+- index slots forged to name a block past the pool's last, read by every read path;
+- a request whose tier holds some of the keys the pool missed, not all.
 """
 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing as mp
 import random
 import types
 from collections.abc import Iterator, Sequence
@@ -31,7 +35,7 @@ from beluga import KVStore
 from beluga._native import _core
 from beluga.chaos.roles import Midway
 from beluga.child import server_process
-from beluga.coherence import LINE, digest
+from beluga.coherence import LINE, BlockState, digest, parse_header
 from beluga.kv import protocol as p
 from beluga.kv.allocator import BlockAllocator
 from beluga.kv.identity import KVNamespace, ModelIdentity
@@ -564,3 +568,208 @@ def test_a_key_placed_through_a_chain_of_two_moves_keeps_every_key(small: Pool) 
     assert not lost, f"keys {lost} are in none of their buckets"
     small.memory.nt_store(small.superblock.index.offset, bytes(small.superblock.nbuckets * LINE))
     small.memory.sfence()
+
+
+# -- grants of a batch that skips keys ------------------------------------------------------
+
+
+def _header(pool: Pool, block: int) -> Any:
+    sb = pool.superblock
+    return parse_header(pool.memory.load(sb.block_header_offset(block), LINE))
+
+
+def _alloc_skipping(h: Harness, keys: Sequence[str], lengths: Sequence[int]) -> list[p.Grant]:
+    """One ALLOC with ALLOC_SKIP_PRESENT, as a save without ``replace`` sends it."""
+    items = [(digest(k.encode()), n, len(k)) for k, n in zip(keys, lengths, strict=True)]
+    req = h.request(p.StoreOp.ALLOC, p.encode_alloc(items, p.ALLOC_SKIP_PRESENT))
+    return p.decode_grants(h.svc.op_alloc(req))
+
+
+@pytest.mark.leaves("keys")
+def test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer(h: Harness) -> None:
+    """One ALLOC_SKIP_PRESENT batch whose keys are new, committed, in flight on another
+    host, and repeated, in that mix: before its writer stores a byte, the header of each
+    grant is WRITING with its key, version, length, writer and generation.  The server
+    restarts then, the write leases run out, and the writer (alive, stalled) has stored
+    nothing: the new server holds every grant, reuses none of their blocks, grants their
+    keys again to a new save (a write whose lease ran out never commits), and frees them
+    once the writer is seen gone."""
+    other = (2, 3)
+    h.alive.add(other)
+    h.put("committed", b"c" * 100)
+    elsewhere = h.alloc("elsewhere", 100, who=other)
+    keys = ["n0", "committed", "n1", "elsewhere", "n2", "n2", "n3"]
+    lengths = [1000 + 100 * i for i in range(len(keys))]
+    grants = _alloc_skipping(h, keys, lengths)
+    skipped = {1: p.PRESENT_COMMITTED, 3: p.PRESENT_WRITING, 5: p.PRESENT_WRITING}
+    assert [g.present for g in grants] == [skipped.get(i, 0) for i in range(len(keys))]
+    granted = {i: g for i, g in enumerate(grants) if not g.present}
+    for i, g in granted.items():
+        hd = _header(h.pool, g.block)
+        assert hd is not None, f"no header for the grant of {keys[i]}"
+        assert (hd.state, hd.digest, hd.version, hd.length, hd.key_len) == (
+            BlockState.WRITING,
+            digest(keys[i].encode()),
+            g.version,
+            lengths[i],
+            len(keys[i]),
+        ), keys[i]
+        assert (hd.writer, hd.writer_gen) == WRITER, keys[i]
+    h.svc = h.start()  # the server dies before the writer's first store
+    h.clock.now += 5  # past every write lease; the writers live (stopped)
+    h.svc.tick()
+    held = {g.block for g in granted.values()} | {elsewhere.block}
+    assert set(h.svc.pending) == held, "a grant was lost with its server"
+    fresh = h.put("acknowledged", b"v" * 100, who=other)
+    assert fresh.block not in held
+    # a write whose lease ran out never commits: a save of its key writes it again
+    (again,) = _alloc_skipping(h, ["n0"], [1000])
+    assert again.present == 0 and again.block not in held
+    h.alive.clear()
+    h.svc.tick()
+    assert not h.svc.pending and h.svc.stats()["blocks_used"] == 2
+
+
+@pytest.mark.leaves("keys")
+def test_a_batch_that_skips_keys_then_fails_gives_every_grant_back_and_says_why(
+    h: Harness,
+) -> None:
+    """A batch that granted some keys and skipped a committed one, then meets a value larger
+    than the pool: the value's own error, and no grant held or announced."""
+    h.put("committed", b"c" * 100)
+    limit = h.pool.superblock.nblocks * h.pool.superblock.block_size
+    with pytest.raises(ValueError, match="exceeds the pool"):
+        _alloc_skipping(h, ["n0", "committed", "n1", "huge"], [100, 100, 100, limit + 1])
+    assert not h.svc.pending and h.svc.stats()["blocks_used"] == 1
+    assert [g.present for g in _alloc_skipping(h, ["n0", "committed"], [10, 10])] == [
+        0,
+        p.PRESENT_COMMITTED,
+    ]
+    h.alive.clear()
+    h.svc.tick()
+
+
+# -- index slots naming a block past the pool --------------------------------------------
+
+
+def _in_a_child(fn: Any) -> Any:
+    """``fn()`` run in a forked child; its answer, after the child exited cleanly (a read that
+    crashes the process must fail the test, not end the test run)."""
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def main() -> None:
+        try:
+            send.send(("ok", fn()))
+        except BaseException as e:  # reported, the parent fails
+            send.send(("raised", repr(e)))
+
+    proc = ctx.Process(target=main)
+    proc.start()
+    send.close()
+    try:
+        got = recv.recv() if recv.poll(60) else ("no answer", None)
+    except EOFError:
+        got = ("died", None)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(30)
+        recv.close()
+    assert proc.exitcode == 0 and got[0] == "ok", f"the reads ended {got}, exit {proc.exitcode}"
+    return got[1]
+
+
+def _every_read_path(ix: Any, keys: list[bytes], size: int) -> dict[str, Any]:
+    """What every one-sided read path answers for ``keys`` (KVStore's reads call these)."""
+    one = bytearray(size)
+    bufs = [bytearray(size) for _ in keys]
+    return {
+        "get": [ix.get(k) for k in keys],
+        "get_into": [ix.get_into(k, one) for k in keys],
+        "get_many": ix.get_many(keys),
+        "get_many_into": ix.get_many_into(keys, bufs),
+        "exists": ix.exists(keys),
+        "exists_one": [ix.exists_one(k) for k in keys],
+        "locate": ix.locate(keys, False),
+        "prefix": ix.prefix(keys),
+        "exists_prefix": ix.exists(keys, prefix=True),
+    }
+
+
+@pytest.mark.leaves("keys")
+def test_a_slot_naming_a_block_past_the_pools_last_is_a_miss_on_every_read_path(
+    h: Harness,
+) -> None:
+    """Slots of three keys forged to name the block just past the pool's last, the one
+    after, and one far past the mapping (with the key's tag and version): each of those
+    keys is a miss on every read path, alone and in batches that span the probe's groups,
+    and every other key is read whole."""
+    size = 700
+    keys = [f"far-{i}" for i in range(40)]
+    grants = [h.put(k, value_of(k, size)) for k in keys]
+    nblocks = h.pool.superblock.nblocks
+    forged = {3: nblocks, 17: nblocks + 1, 33: 0xFFFFFF00}
+    for i, block in forged.items():
+        b, s = slot_of(h, keys[i])
+        _, slots = bucket(h.pool, b)
+        slots[s] = (slots[s][0], block, grants[i].version)
+        rewrite_bucket(h.pool, b, slots)
+    raw = [k.encode() for k in keys]
+    got = _in_a_child(lambda: _every_read_path(reader(h.pool), raw, size))
+    there = [i not in forged for i in range(len(keys))]
+    values = [value_of(k, size) if t else None for k, t in zip(keys, there, strict=True)]
+    assert got["get"] == got["get_many"] == values
+    assert got["get_into"] == got["get_many_into"] == [size if t else -1 for t in there]
+    assert got["exists"] == got["exists_one"] == there
+    assert [r is not None for r in got["locate"]] == there
+    assert got["prefix"] == min(forged) and got["exists_prefix"][: min(forged) + 1] == [
+        *([True] * min(forged)),
+        False,
+    ]
+
+
+# -- tier promotion: a tier that holds some of the missed keys --------------------------
+
+
+def test_a_request_whose_tier_holds_some_of_its_missed_keys_promotes_each_under_its_own_key(
+    pool: Pool,
+) -> None:
+    """The pool holds a request's first key; of the keys it misses, the tier holds every
+    other one.  Each read path returns the tier's value for those and a miss for the rest,
+    and each promoted value lands in the pool under its own key; a prefix ends at the first
+    key neither holds, and an existence check counts only what one of them holds."""
+    names = [f"s{i}" for i in range(18)]
+    value = {k: value_of(k, 1200 + 10 * i) for i, k in enumerate(names)}
+    in_tier = {k: value[k] for k in names[1:] if int(k[1:]) % 2 == 0}
+    tier = FakeTier(in_tier)
+    with server(pool.spec), KVStore(pool, tier=tier) as s, KVStore(pool) as plain:
+        s.put("s0", value["s0"])
+
+        def want(keys: list[str]) -> list[bytes | None]:
+            return [value[k] if k == "s0" or k in in_tier else None for k in keys]
+
+        batch = ["s0", "s1", "s2", "s3", "s4"]
+        assert s.get_batch(batch) == want(batch)
+        refs = s.locate(["s0", "s5", "s6", "s7", "s8"], prefix=False)
+        assert [r is not None for r in refs] == [True, False, True, False, True]
+        bufs = [bytearray(r.length if r else 1) for r in refs]
+        assert s.load(refs, Buffers(bufs)) == [True, False, True, False, True]
+        assert [bytes(b) for b, r in zip(bufs, refs, strict=True) if r] == [
+            value["s0"],
+            value["s6"],
+            value["s8"],
+        ]
+        into = [bytearray(2000) for _ in range(4)]
+        got = s.batch_get_into(["s9", "s10", "s11", "s12"], into)
+        assert got == [-1, len(value["s10"]), -1, len(value["s12"])]
+        assert bytes(into[1][: got[1]]) == value["s10"] and bytes(into[3][: got[3]]) == value["s12"]
+        promoted = ["s2", "s4", "s6", "s8", "s10", "s12"]
+        assert plain.get_batch(names[:13]) == [
+            value[k] if k in ["s0", *promoted] else None for k in names[:13]
+        ]
+        assert s.lookup_prefix(["s0", "s14", "s13", "s16"]) == 2  # s13 is nowhere
+        assert s.batch_is_exist(["s13", "s14", "s15"]) == [False, True, False]
+        for k in ["s0", *promoted]:
+            assert plain.remove(k)
