@@ -29,9 +29,12 @@ import torch
 import transformers
 
 from beluga.bench import e2e
+from beluga.bench.mooncake import MooncakeBaseline
+from beluga.bench.mooncake_engine import MooncakeServingEngine
 from beluga.cli import demo
 from beluga.errors import BackendUnavailableError, ServingError
 from beluga.kv import KVStore, MetadataServer
+from beluga.kv.tier.mooncake import check_available
 from beluga.pool import Pool
 from beluga.serving import cluster as cluster_module
 from beluga.serving.cluster import Cluster, EngineConfig, check_gpu_budget
@@ -317,6 +320,44 @@ def test_engines_moving_kv_through_a_gpu_pool_share_prefixes(shm_path: str) -> N
             for g in gpus:
                 g.close()
         assert not any(r.registered for r in runtimes)
+
+
+# -- the fair Mooncake: its staging ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator[MooncakeBaseline]:
+    """A private Mooncake Store on loopback (skips where Mooncake is not installed)."""
+    try:
+        check_available()
+    except BackendUnavailableError as exc:
+        pytest.skip(f"Mooncake is not usable here: {exc}")
+    with MooncakeBaseline(segment_size=64 << 20, local_buffer_size=16 << 20) as baseline:
+        yield baseline
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_mooncake_engines_stage_bfloat16_blocks_exactly(
+    mooncake: MooncakeBaseline, device: str
+) -> None:
+    """Mooncake's engine puts and gets bfloat16 blocks through its staging slots, two at a
+    time (so three batches each way), pinned for a GPU's DMA: a hit is exactly the prefill
+    given the computed prefix."""
+    model = ModelEngine(SHAPE, seed=9, device=device, dtype="bfloat16")
+    engine = MooncakeServingEngine(model, mooncake.client, staging_blocks=2)
+    tokens = prompt(9, 5 * BS + 3)
+    try:
+        assert engine.pinned == (device == "cuda") == engine._host.is_pinned()
+        assert engine.serve(tokens, salt=device).saved_blocks == 5
+        hit = engine.serve(tokens, salt=device, want_logits=True)
+        assert hit.cached_tokens == 5 * BS and hit.logits is not None
+        own = model.prefill(tokens)
+        expected = model.prefill(tokens, cut(own.kv, 5 * BS)).logits.float().cpu().numpy()
+        assert np.array_equal(hit.logits, expected)
+    finally:
+        engine.close()
+        for key in engine.keys(tokens, salt=device)[:5]:
+            mooncake.client.remove(key)
 
 
 # -- several engines on one GPU: memory budgets -----------------------------------------
