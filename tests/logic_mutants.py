@@ -48,6 +48,8 @@ HOSTS = "tests/test_hosts.py::"
 STORE = "tests/test_store.py::"
 BLOCKS = "tests/test_store_blocks.py::"
 VLLM = "tests/frameworks/test_vllm_connector.py::"
+RETIRED = "tests/test_retired.py::"
+MOONCAKE = "tests/test_compat_mooncake.py::"
 
 MUTANTS: list[Mutant] = [
     # -- index reader (C): confirmation of a slot against the block header, bucket search
@@ -673,6 +675,110 @@ MUTANTS: list[Mutant] = [
         "lookup_prefix would count tier hits after a key neither holds: a prefix longer "
         "than what can be loaded",
     ),
+    # -- load(..., drop_corrupt=True) with a stale and a current ref of one block
+    Mutant(
+        "another-version-in-a-batch-reads-as-corrupt",
+        "dropping corrupt values",
+        "beluga/kv/store.py",
+        "else int(Miss.VERSION) for r in refs",
+        "else int(Miss.CHECKSUM) for r in refs",
+        (
+            BLOCKS + "test_a_stale_and_a_current_ref_of_one_block_loaded_together_drop_only_a_"
+            "corrupt_value",
+        ),
+        "a current ref behind a stale one of its block would read as corrupt: the good, "
+        "current value is dropped from the pool",
+        cheap=True,
+    ),
+    Mutant(
+        "a-version-miss-counts-as-corrupt",
+        "dropping corrupt values",
+        "beluga/kv/store.py",
+        "(Miss.CHECKSUM, Miss.MAGIC, Miss.LENGTH)",
+        "(Miss.CHECKSUM, Miss.MAGIC, Miss.LENGTH, Miss.VERSION)",
+        (
+            BLOCKS + "test_a_stale_and_a_current_ref_of_one_block_loaded_together_drop_only_a_"
+            "corrupt_value",
+        ),
+        "a value replaced since it was located would count as corrupt: a current ref that "
+        "shares its block with a stale one is dropped though good",
+    ),
+    Mutant(
+        "load-drops-every-miss",
+        "dropping corrupt values",
+        "beluga/kv/store.py",
+        "bad = {r for r, n in zip(picked, got, strict=True) if n in _CORRUPT}",
+        "bad = {r for r, n in zip(picked, got, strict=True) if n < 0}",
+        (
+            BLOCKS + "test_a_stale_and_a_current_ref_of_one_block_loaded_together_drop_only_a_"
+            "corrupt_value",
+        ),
+        "every miss of a load would be dropped: the current, good ref named after a stale "
+        "one of its block (a miss, not corrupt) is removed from the pool",
+    ),
+    # -- RETIRED answers of several pages
+    Mutant(
+        "retired-forgets-a-gap-of-an-earlier-page",
+        "retirement ring",
+        "beluga/kv/store.py",
+        "gap |= since is not None and",
+        "gap = since is not None and",
+        (
+            RETIRED + "test_a_gap_in_the_first_page_of_a_long_answer_is_reported",
+            RETIRED + "test_a_gap_that_opens_between_two_pages_of_an_answer_is_reported",
+        ),
+        "an answer of several pages would report only its last page's gap: an engine misses "
+        "evictions and keeps advertising blocks the pool no longer holds",
+        cheap=True,
+    ),
+    # -- save(..., wait_s) with a lease lost while another writer holds a key in flight
+    Mutant(
+        "wait-forgets-the-lost-keys",
+        "save with wait_s",
+        "beluga/kv/store.py",
+        "todo += self._save_round(out, rest, raw, digests, lengths, source, True)",
+        "todo = self._save_round(out, rest, raw, digests, lengths, source, True)",
+        (
+            BLOCKS + "test_a_save_names_a_lost_lease_while_it_waits_for_another_writer_of_its_"
+            "second_key",
+        ),
+        "a save that waited for another writer would drop the keys whose lease it lost "
+        "before: reported neither stored nor lost, never saved again",
+        cheap=True,
+    ),
+    Mutant(
+        "wait-asks-again-replacing",
+        "save with wait_s",
+        "beluga/kv/store.py",
+        "todo += self._save_round(out, rest, raw, digests, lengths, source, True)",
+        "todo += self._save_round(out, rest, raw, digests, lengths, source, False)",
+        (
+            BLOCKS + "test_a_save_names_a_lost_lease_while_it_waits_for_another_writer_of_its_"
+            "second_key",
+        ),
+        "a save asking again after its wait would replace a key still in flight elsewhere: "
+        "two writes of one key, the duplicate work skip-present exists to avoid",
+    ),
+    # -- the Mooncake drop-in's batch puts that lose a lease
+    Mutant(
+        "mooncake-lost-lease-named-among-all-keys",
+        "mooncake lost leases",
+        "beluga/compat/mooncake.py",
+        "lost = {k for n, k in enumerate(chosen) if n in refused}",
+        "lost = {k for n, k in enumerate(named) if n in refused}",
+        (MOONCAKE + "test_a_batch_put_that_loses_one_lease_fails_that_value_and_no_other",),
+        "with a present key skipped, a lost lease's position names the value before it: "
+        "the stored neighbour is failed and the lost value reported 0",
+    ),
+    Mutant(
+        "mooncake-lost-lease-fails-the-whole-batch",
+        "mooncake lost leases",
+        "beluga/compat/mooncake.py",
+        'RPC_FAIL if c == OK and bytes(keys[i] or b"") in lost else c',
+        "RPC_FAIL if c == OK else c",
+        (MOONCAKE + "test_a_batch_put_that_loses_one_lease_fails_that_value_and_no_other",),
+        "one lost lease would fail every value of the batch, committed ones included",
+    ),
 ]
 
 #: mutants tried and removed: no test can tell them from the code (name: why)
@@ -697,6 +803,11 @@ EQUIVALENT: dict[str, str] = {
     "recover-ignores-commit-words": (
         "dropping `max(self.version, committed.max())` from recover: every commit word "
         "holds a version below the persisted floor, which recover reads first"
+    ),
+    "mooncake-lost-keys-remembered": (
+        "keeping the keys whose lease was lost in the drop-in's record of what it wrote "
+        "(`named = dict(named)`): that record only feeds remove_all and remove_by_regex, "
+        "which count what they removed, and a key never stored is not there to remove"
     ),
     "allocator-cursor-not-wrapped": (
         "`self._cursor = first + count` without `% nblocks`: _find takes the cursor "

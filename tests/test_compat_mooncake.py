@@ -25,7 +25,9 @@ import numpy as np
 import pytest
 import torch
 
+from beluga.chaos.roles import Midway
 from beluga.child import server_process
+from beluga.coherence import digest
 from beluga.compat import mooncake as compat
 from beluga.compat.mooncake import (
     INVALID_PARAMS,
@@ -39,6 +41,7 @@ from beluga.compat.mooncake import (
 )
 from beluga.errors import CapacityError, RpcError
 from beluga.kv import KVStore
+from beluga.kv import store as store_module
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
 
@@ -409,6 +412,47 @@ def test_failures_become_mooncake_codes(
     assert store.get_tensor("k") is None
     monkeypatch.setattr(native, "stats", fail(RpcError("server gone")))
     assert store.health_check() == 2
+
+
+def _losing_the_lease_of(store: MooncakeDistributedStore, name: str) -> Any:
+    """A stand-in for the Buffers a KVStore saves through: the write lease of ``name``'s
+    value is lost between its reservation and its commit (its grant taken back)."""
+    native = store._store
+    assert native is not None
+    lost = digest(beluga_key(name))
+
+    def take_back(mem: Any, places: Any) -> None:
+        native._abort([r for r in places if r.digest == lost])
+
+    return lambda values: Midway(values, take_back)
+
+
+@pytest.mark.leaves("writes")  # a value whose lease was lost is sealed by its writer anyway
+def test_a_batch_put_that_loses_one_lease_fails_that_value_and_no_other(
+    store: MooncakeDistributedStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Puts of several values (the first key present already, so the put skips it) and
+    upserts, each batch losing the write lease of one value: that value's code is
+    RPC_FAIL and it is not stored; every other value is stored, its code 0."""
+    assert store.put("there", b"kept") == 0
+    keys = ["there", "a", "b", "c"]
+    values = [b"new there", b"value a", b"value b", b"value c"]
+    bufs = [buffer_of(v) for v in values]
+    ptrs, sizes = [a for _, a in bufs], [len(v) for v in values]
+    monkeypatch.setattr(store_module, "Buffers", _losing_the_lease_of(store, "b"))
+    assert store.batch_put_from(keys, ptrs, sizes) == [0, 0, ErrorCode.RPC_FAIL, 0]
+    assert store.get_batch(keys) == [b"kept", b"value a", b"", b"value c"]
+    monkeypatch.setattr(store_module, "Buffers", _losing_the_lease_of(store, "e"))
+    assert store.put_batch(["a", "d", "e", "f"], [b"A", b"d", b"e", b"f"]) == ErrorCode.RPC_FAIL
+    assert store.get_batch(["a", "d", "e", "f"]) == [b"value a", b"d", b"", b"f"]
+    monkeypatch.setattr(store_module, "Buffers", _losing_the_lease_of(store, "there"))
+    assert store.batch_upsert_from(keys[::-1], ptrs[::-1], sizes[::-1]) == [
+        0,
+        0,
+        0,
+        ErrorCode.RPC_FAIL,
+    ]
+    assert store.get_batch(keys) == [b"kept", *values[1:]]
 
 
 def test_a_value_larger_than_the_pool_is_invalid(

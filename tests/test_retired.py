@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,9 +32,10 @@ BLOCKS = 1024
 class Served:
     """A pool and its server in a thread, restartable."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, rpc_bytes_per_host: int | None = None) -> None:
         self.path = path
-        geometry = Geometry(max_hosts=4, block_size=16 << 10)
+        rpc = {} if rpc_bytes_per_host is None else {"rpc_bytes_per_host": rpc_bytes_per_host}
+        geometry = Geometry(max_hosts=4, block_size=16 << 10, **rpc)
         self.pool = Pool.create(path, BLOCKS * (16 << 10) + (4 << 20), geometry=geometry)
         self.start()
 
@@ -50,6 +52,18 @@ class Served:
 @pytest.fixture
 def served(shm_path: str) -> Iterator[Served]:
     s = Served(shm_path)
+    try:
+        yield s
+    finally:
+        s.stop()
+        s.pool.close()
+        Pool.destroy(shm_path)
+
+
+@pytest.fixture
+def paged(shm_path: str) -> Iterator[Served]:
+    """A pool whose RPC area is small: an answer of RETIRED holds a few hundred keys."""
+    s = Served(shm_path, rpc_bytes_per_host=8 << 10)
     try:
         yield s
     finally:
@@ -124,6 +138,78 @@ def test_more_retirements_than_the_server_keeps_is_a_gap(
         assert got.gap and got.digests == [d(k) for k in keys[2:]]
         kept = store.retired(got.cursor)
         assert kept.digests == [] and not kept.gap
+
+
+def _page(store: KVStore) -> int:
+    """How many keys one RETIRED answer holds (what KVStore.retired asks for)."""
+    return (store.rpc.max_payload - p.RETIRED_HEADER_BYTES) // p.RECORD_BYTES[p.StoreOp.RETIRED]
+
+
+def _remove_many(store: KVStore, keys: list[bytes]) -> None:
+    """Store each key and remove it: one retirement per key, in this order (64 keys in the
+    pool at a time: nothing is evicted)."""
+    for start in range(0, len(keys), 64):
+        batch = keys[start : start + 64]
+        store.batch_put_from(batch, [b"x" * 100] * len(batch))
+        for k in batch:
+            assert store.remove(k)
+
+
+def test_a_gap_in_the_first_page_of_a_long_answer_is_reported(
+    paged: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server keeps two and a half answers' worth of keys, and more left since the
+    cursor: the answer, three pages long, starts past the cursor (a gap) in its first
+    page only."""
+    with KVStore(paged.path) as store:
+        most = _page(store)
+    paged.stop()
+    monkeypatch.setattr(service_module, "RETIRED_KEEP", 2 * most + most // 2)
+    paged.start()
+    with KVStore(paged.path) as store:
+        cursor = store.retired().cursor
+        keys = [b"g%05d" % i for i in range(3 * most)]
+        _remove_many(store, keys)
+        got = store.retired(cursor)
+        assert got.digests == [d(k) for k in keys[-(2 * most + most // 2) :]]
+        assert got.gap, "a gap in the first page was forgotten by the last"
+        after = store.retired(got.cursor)
+        assert after.digests == [] and not after.gap
+
+
+def test_a_gap_that_opens_between_two_pages_of_an_answer_is_reported(
+    paged: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer's first page comes whole; before the second is asked for, so many keys
+    leave that the server no longer keeps the next one: the gap is in a middle page, and
+    the answer says so."""
+    with KVStore(paged.path) as store:
+        most = _page(store)
+    paged.stop()
+    monkeypatch.setattr(service_module, "RETIRED_KEEP", 2 * most)
+    paged.start()
+    with KVStore(paged.path) as store, KVStore(paged.path) as other:
+        cursor = store.retired().cursor
+        first = [b"f%05d" % i for i in range(2 * most)]
+        _remove_many(store, first)
+        later = [b"l%05d" % i for i in range(most + most // 2)]
+        call = store.rpc.call
+        pages = 0
+
+        def between_pages(op: int, *args: Any) -> bytes:
+            nonlocal pages
+            if op == p.StoreOp.RETIRED:
+                pages += 1
+                if pages == 2:  # after the first page: the server drops what it held next
+                    _remove_many(other, later)
+            return call(op, *args)
+
+        monkeypatch.setattr(store.rpc, "call", between_pages)
+        got = store.retired(cursor)
+        assert pages >= 3, "the answer did not span three pages"
+        assert got.gap, "a gap in a middle page was forgotten by the last"
+        assert got.digests[:most] == [d(k) for k in first[:most]]
+        assert got.digests[-len(later) :] == [d(k) for k in later]
 
 
 def _sink(n: int) -> Buffers:

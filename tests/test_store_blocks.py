@@ -30,20 +30,34 @@ pytestmark = pytest.mark.leaves("keys")
 SIZE = 5000
 
 
-@pytest.fixture
-def store(shm_path: str) -> Iterator[KVStore]:
-    pool = Pool.create(shm_path, 16 << 20, geometry=Geometry(max_hosts=4, block_size=16 << 10))
+@contextlib.contextmanager
+def _served(path: str) -> Iterator[tuple[KVStore, MetadataServer]]:
+    """A pool, its metadata server on a thread, and a store."""
+    pool = Pool.create(path, 16 << 20, geometry=Geometry(max_hosts=4, block_size=16 << 10))
     server = MetadataServer(pool)
     thread = server.start_thread()
     try:
-        with KVStore(shm_path) as s:
-            yield s
+        with KVStore(path) as s:
+            yield s, server
     finally:
         server.stop()
         thread.join(timeout=10)
         server.close()
         pool.close()
-        Pool.destroy(shm_path)
+        Pool.destroy(path)
+
+
+@pytest.fixture
+def store(shm_path: str) -> Iterator[KVStore]:
+    with _served(shm_path) as (s, _):
+        yield s
+
+
+@pytest.fixture
+def served(shm_path: str) -> Iterator[tuple[KVStore, MetadataServer]]:
+    """A store and its server (whose allocator a test may aim at a block)."""
+    with _served(shm_path) as pair:
+        yield pair
 
 
 def data(key: bytes, size: int = SIZE) -> bytes:
@@ -231,3 +245,84 @@ def test_a_value_replaced_meanwhile_is_a_miss_and_is_not_dropped(store: KVStore)
     store.batch_put_from([b"a"], [data(b"new")])  # replaced between the lookup and the read
     assert store.load([old], Buffers(sinks(1)), drop_corrupt=True) == [False]
     assert store.get(b"a") == data(b"new") and store.stats()["corrupt_dropped"] == 0
+
+
+def test_a_stale_and_a_current_ref_of_one_block_loaded_together_drop_only_a_corrupt_value(
+    served: tuple[KVStore, MetadataServer],
+) -> None:
+    """A key removed and written again into the same block: a ref of its old version and
+    one of its new, loaded together with ``drop_corrupt``, in both orders.  The old one
+    is a miss; the new one (good) stays in the pool; only once the new value is corrupted
+    does a load drop it."""
+    store, server = served
+    store.put(b"a", data(b"a"))
+    (stale,) = store.locate([b"a"])
+    assert stale is not None and store.remove(b"a")
+    server.service.alloc._cursor = stale.block  # the next extent is the block just freed
+    store.put(b"a", data(b"new"))
+    (current,) = store.locate([b"a"])
+    assert current is not None and current.block == stale.block
+    assert current.version != stale.version
+    for refs, loaded in (([stale, current], [False, False]), ([current, stale], [True, False])):
+        assert store.load(refs, Buffers(sinks(2)), drop_corrupt=True) == loaded
+        assert store.locate([b"a"]) == [current], "a good value was dropped"
+        assert store.get(b"a") == data(b"new")
+    assert store.stats()["corrupt_dropped"] == 0
+    with Pool.attach(store.pool.spec) as hostile:
+        hostile.memory.nt_store(current.payload_offset + 9, bytes([data(b"new")[9] ^ 0xFF]))
+        hostile.memory.sfence()
+    assert store.load([current, stale], Buffers(sinks(2)), drop_corrupt=True) == [False, False]
+    assert store.locate([b"a"], prefix=False) == [None]
+    assert store.stats()["corrupt_dropped"] == 1
+
+
+@pytest.mark.leaves("writes")  # "a"'s extent, taken back, is sealed by its writer anyway
+@pytest.mark.parametrize("other", ["stays-in-flight", "gives-up", "commits"])
+def test_a_save_names_a_lost_lease_while_it_waits_for_another_writer_of_its_second_key(
+    store: KVStore, shm_path: str, other: str
+) -> None:
+    """A save of "a" and "b" without ``replace``, ``wait_s`` 0.2: another store holds "b"
+    in flight, and "a"'s write lease is lost before its commit.  "a" is ``lost`` whatever
+    the other writer does meanwhile: it keeps "b" in flight past the wait ("b" is
+    ``in_flight``, its value the other's), gives up ("b" is stored by this save), or
+    commits ("b" is ``present``)."""
+    answers: list[Any] = []
+    reserved, go = threading.Event(), threading.Event()
+    give_up = other == "gives-up"
+
+    def stall(mem: Any, places: Any) -> None:
+        reserved.set()
+        assert go.wait(30)
+        if give_up:
+            raise RuntimeError("the other writer gives up")
+
+    def other_save() -> None:
+        with contextlib.suppress(RuntimeError):
+            answers.append(holder.save([b"b"], Midway([b"the other's"], stall)))
+
+    with KVStore(shm_path) as holder:
+        second = threading.Thread(target=other_save)
+        second.start()
+        assert reserved.wait(30)
+
+        def lose_a(mem: Any, places: Any) -> None:  # "b" was skipped: in flight
+            store._abort([places[0]])  # "a"'s grant is taken back: its commit is refused
+            if other != "stays-in-flight":
+                go.set()
+                second.join(30)
+
+        saved = store.save([b"a", b"b"], Midway([data(b"a"), b"mine"], lose_a), wait_s=0.2)
+        go.set()
+        second.join(30)
+        assert not second.is_alive()
+    assert saved.lost == [0], saved
+    assert store.get(b"a") is None
+    if other == "stays-in-flight":
+        assert (saved.stored, saved.present, saved.in_flight) == ([], [], [1])
+        assert store.get(b"b") == b"the other's"
+    elif other == "gives-up":
+        assert (saved.stored, saved.present, saved.in_flight) == ([1], [], [])
+        assert store.get(b"b") == b"mine"
+    else:
+        assert (saved.stored, saved.present, saved.in_flight) == ([], [1], [])
+        assert store.get(b"b") == b"the other's"
