@@ -25,16 +25,28 @@ the loop, which is the same rule.
 
 :func:`stop_on_signals` installs such handlers for a block and puts the
 previous ones back after it.
+
+A foreground command that should end on SIGTERM as on Ctrl-C (``beluga
+bench e2e``, ``python -m emulation``) uses :func:`interrupt_on_signals`: the
+handler records the signal as above, and the command's waiting loops call
+:func:`raise_if_interrupted`, which raises ``KeyboardInterrupt`` there, so
+the command unwinds through its ``finally`` blocks from a known place.  A
+handler that raised it itself would raise at any bytecode, for instance
+between ``subprocess.Popen.poll``'s ``acquire`` of its wait lock and the
+``try`` that releases it: the clean-up's ``Popen.wait`` then waits for that
+lock forever.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 #: the longest step of :meth:`StopFlag.wait`: how late a waiter may notice the flag
 POLL_S = 0.01
@@ -97,7 +109,9 @@ def stop_on_signals(
     elsewhere.  The previous handlers come back when the block ends, so
     keep it open until the process has finished stopping: a second signal
     during the clean-up is then recorded too, not the default action's
-    abrupt end.
+    abrupt end.  A child forked inside the block starts with the previous
+    handlers, not these (its parent's flag is not its own to set): an engine
+    process forked by ``beluga bench`` still dies on SIGTERM.
     """
     if threading.current_thread() is not threading.main_thread():
         raise ValueError("signal handlers can only be installed from the main thread")
@@ -107,8 +121,64 @@ def stop_on_signals(
         stop.set(signum)  # the whole handler: THE RULE above
 
     previous = {s: signal.signal(s, record) for s in signals}
+    _replaced.append(previous)
     try:
         yield stop
     finally:
+        _replaced.remove(previous)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+#: the handlers each open block replaced, outermost first (a forked child gets them back)
+_replaced: list[dict[int, Any]] = []
+
+
+def _after_fork_in_child() -> None:
+    """Put back, in a forked child, the handlers its parent's open blocks replaced."""
+    global _interrupt
+    for previous in reversed(_replaced):
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    _replaced.clear()
+    _interrupt = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+#: the flag of the innermost :func:`interrupt_on_signals` block (None: outside any)
+_interrupt: StopFlag | None = None
+
+
+@contextmanager
+def interrupt_on_signals(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[StopFlag]:
+    """For a foreground command: ``signals`` end it as Ctrl-C would, from its waiting loops.
+
+    The handlers only record the signal; :func:`raise_if_interrupted`,
+    called by the loops that wait, raises ``KeyboardInterrupt`` once one
+    came, and so does the end of the block if no loop looked since.  It
+    raises once: the clean-up that follows may wait in the same loops.
+    Main thread only.
+    """
+    global _interrupt
+    outer, _interrupt = _interrupt, StopFlag()
+    try:
+        with stop_on_signals(_interrupt, signals) as flag:
+            yield flag
+            raise_if_interrupted()
+    finally:
+        _interrupt = outer
+
+
+def raise_if_interrupted() -> None:
+    """Raise ``KeyboardInterrupt`` in the main thread if a signal interrupted the command.
+
+    For loops that wait, between two bounded waits; a no-op outside an
+    :func:`interrupt_on_signals` block and in other threads.
+    """
+    global _interrupt
+    flag = _interrupt
+    if flag is not None and flag.is_set() and threading.current_thread() is threading.main_thread():
+        _interrupt = StopFlag()  # raised once; the handlers record into the old one from now on
+        raise KeyboardInterrupt(f"signal {flag.signum}")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-from typing import NoReturn
 
+from beluga.signals import interrupt_on_signals
 from emulation.builder import build
 from emulation.errors import SandboxError
 from emulation.runner import DEFAULT_TIMEOUT_S, Result, run
@@ -23,17 +22,19 @@ def main(argv: list[str] | None = None) -> int:
         split = argv.index("--")
         argv, command = argv[:split], argv[split + 1 :]
     args = _parser().parse_args(argv)
-    # a terminated CLI unwinds like Ctrl-C, so every QEMU it started is ended
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        if args.cmd == "build":
-            if command:
-                raise ValueError("build takes no command after --")
-            build()
-            return 0
-        if args.script and command:
-            raise ValueError("give either --script FILE or -- CMD..., not both")
-        result = run(args.topology, args.script or command or None, args.timeout)
+        # a terminated CLI unwinds like Ctrl-C, so every QEMU it started is ended: the
+        # handler only records SIGTERM, and the runner's waiting loop raises at its next look
+        # (beluga.signals; a build notices it between its steps)
+        with interrupt_on_signals():
+            if args.cmd == "build":
+                if command:
+                    raise ValueError("build takes no command after --")
+                build()
+                return 0
+            if args.script and command:
+                raise ValueError("give either --script FILE or -- CMD..., not both")
+            result = run(args.topology, args.script or command or None, args.timeout)
     except (SandboxError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, ValueError) else 1
@@ -80,10 +81,6 @@ def _print(result: Result) -> None:
         print(f"guest {g.index}: {status}; console log: {g.console}", file=sys.stderr)
     verdict = "passed" if result.returncode == 0 else f"FAILED with exit {result.returncode}"
     print(f"{result.topology}: {verdict} in {result.seconds:.1f} s", file=sys.stderr)
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from beluga.signals import raise_if_interrupted
 from emulation.sandbox import GUEST_DIR, REPO, RUNS, Sandbox
 from emulation.topology import LABEL_BYTES, GuestFiles, Topology, qemu_argv, topology_named
 
@@ -167,6 +168,7 @@ def supervise(
             if time.monotonic() >= deadline:
                 outcomes = [o or Outcome("timeout") for o in outcomes]
             else:
+                raise_if_interrupted()  # SIGTERM (python -m emulation): end them all, below
                 time.sleep(POLL_S)
         return [o for o in outcomes if o is not None]
     finally:

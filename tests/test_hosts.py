@@ -39,6 +39,7 @@ from beluga.pool.hosts import (
     Staleness,
 )
 from beluga.rpc import RpcServer
+from beluga.signals import stop_on_signals
 from tests.conftest import serving
 from tests.test_native import crc32c_reference
 
@@ -84,9 +85,8 @@ def test_no_server_is_a_clear_error_and_the_request_is_withdrawn(pool: Pool) -> 
 
 
 def _serve_rpc(spec: str, ready: mp.Event) -> None:
-    with Pool.attach(spec) as pool:
-        server = RpcServer(pool, refresh_s=0.005)
-        signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    with Pool.attach(spec) as pool, stop_on_signals() as stopping:
+        server = RpcServer(pool, refresh_s=0.005, stopping=stopping)
         ready.set()
         server.serve_forever()
         server.close()

@@ -38,6 +38,7 @@ from beluga.rpc.protocol import (
     response_line,
     ring_offset,
 )
+from beluga.signals import stop_on_signals
 from tests.rpc_util import connect, start, wait_until
 from tests.test_native import crc32c_reference
 
@@ -75,9 +76,10 @@ def handlers() -> dict:
 
 
 def _server_main(spec: str, mode: str, gone: mp.Queue, ready: mp.Event) -> None:
-    with Pool.attach(spec, coherence=mode) as pool:
-        server = RpcServer(pool, handlers(), refresh_s=0.02, on_client_gone=gone.put)
-        signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    with Pool.attach(spec, coherence=mode) as pool, stop_on_signals() as stopping:
+        server = RpcServer(
+            pool, handlers(), refresh_s=0.02, on_client_gone=gone.put, stopping=stopping
+        )
         ready.set()
         server.serve_forever()
         server.close()

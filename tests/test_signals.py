@@ -28,15 +28,21 @@ point was never reached fails instead of passing.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from beluga.pool import Pool
 from beluga.rpc import RpcServer
-from beluga.signals import StopFlag, stop_on_signals
+from beluga.signals import StopFlag, interrupt_on_signals, raise_if_interrupted, stop_on_signals
 
 HANG_S = 20.0  # a child not gone by then is hung (the old code never ended)
 
@@ -145,6 +151,68 @@ def test_a_server_signalled_at_every_call_while_it_closes_exits(pool: Pool) -> N
     assert not pool.hosts.seat().epoch  # close() finished: it left the seat
 
 
+# A foreground command under interrupt_on_signals: the emulation runner's supervise loop,
+# SIGTERMed right after Popen.poll took its wait lock (the hook, as above).  A handler that
+# raised KeyboardInterrupt itself raised it before poll's try began, so the lock stayed taken
+# and the clean-up's Popen.wait waited for it forever; now the loop raises at its next look.
+SUPERVISED = r"""
+import os, signal, sys
+from beluga.signals import interrupt_on_signals
+from emulation.runner import supervise
+
+
+def after_poll_takes_its_lock(frame, event, arg):
+    if (
+        event == "c_return"
+        and getattr(arg, "__qualname__", "") == "lock.acquire"
+        and frame.f_code.co_name == "_internal_poll"
+    ):
+        sys.setprofile(None)
+        print("hook: SIGTERM at Popen.poll's lock", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+try:
+    with interrupt_on_signals():
+        sys.setprofile(after_poll_takes_its_lock)
+        supervise([["sleep", "30"]], [sys.argv[1]], timeout=60)
+except KeyboardInterrupt:
+    print("interrupted; exited cleanly", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_supervisor_signalled_inside_popen_poll_ends_its_processes(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISED, str(tmp_path / "log")],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=HANG_S)
+        hung = False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        hung = True
+    assert not hung, f"the supervisor hung after its SIGTERM:\n{err}"
+    assert "hook: SIGTERM at" in err, f"the hook never fired, so nothing was tested:\n{err}"
+    assert proc.returncode == 0 and "interrupted; exited cleanly" in err, err
+
+
+def test_an_interrupted_block_raises_at_the_next_look_or_at_its_end() -> None:
+    with pytest.raises(KeyboardInterrupt), interrupt_on_signals():
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded only: nothing raises here
+        try:
+            raise_if_interrupted()
+        finally:
+            raise_if_interrupted()  # the clean-up that looks again is not interrupted again
+    with pytest.raises(KeyboardInterrupt), interrupt_on_signals():
+        os.kill(os.getpid(), signal.SIGTERM)  # no loop looked: the block's end raises
+    with interrupt_on_signals():
+        raise_if_interrupted()  # a new block starts clear
+    raise_if_interrupted()  # and outside any block it never raises
+
+
 # -- the flag itself ----------------------------------------------------------------------
 
 
@@ -155,6 +223,25 @@ def test_a_signal_only_sets_the_flag_and_the_previous_handler_comes_back() -> No
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.wait(HANG_S) and stop.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_child_forked_inside_a_block_gets_the_previous_handlers() -> None:
+    """An engine forked by `beluga bench` (under interrupt_on_signals) must still die on
+    SIGTERM: its parent's flag is nothing it looks at."""
+    ctx = mp.get_context("fork")
+    started = ctx.Event()
+    with interrupt_on_signals():
+        child = ctx.Process(target=_sleep_once_started, args=(started,))
+        child.start()
+        assert started.wait(HANG_S)  # past the fork's own set-up, where a signal is lost
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(HANG_S)
+    assert child.exitcode == -signal.SIGTERM
+
+
+def _sleep_once_started(started: Any) -> None:
+    started.set()
+    time.sleep(HANG_S)
 
 
 def test_a_waiter_notices_a_flag_set_by_another_thread() -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import signal
 import socket
 import tempfile
 import time
@@ -37,6 +36,7 @@ from beluga.bench.stats import summarize, time_calls
 from beluga.child import server_process
 from beluga.pool import Pool
 from beluga.rpc import Op, RpcClient, RpcServer
+from beluga.signals import stop_on_signals
 
 MESSAGE = 64
 PAYLOAD = b"x" * 32
@@ -48,9 +48,8 @@ _CTX = mp.get_context("fork")
 
 
 def ring_server(spec: str, mode: str, ready: Any) -> None:
-    with Pool.attach(spec) as pool:
-        server = RpcServer(pool)
-        signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    with Pool.attach(spec) as pool, stop_on_signals() as stopping:
+        server = RpcServer(pool, stopping=stopping)  # SIGTERM only raises the flag
         ready.set()
         if mode == "c":
             server.serve_echo(3600)

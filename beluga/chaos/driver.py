@@ -92,6 +92,7 @@ from beluga.coherence import BlockState, digest, parse_header, read_line
 from beluga.errors import BelugaError
 from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool, hosts
+from beluga.signals import raise_if_interrupted
 
 _CTX = mp.get_context("fork")
 
@@ -441,6 +442,7 @@ class ChaosDriver:
                     waitables.append(self.server.ready_conn)
             waitables += [sb.proc.sentinel for sb in self.standbys]
             ready = wait(waitables, timeout=max(0.0, min(0.05, nxt - now)))
+            raise_if_interrupted()  # a signal to `beluga chaos`: unwind through _teardown
             self._drain([r for r in live if r.out in ready])
             self._server_events(ready)
             self._standby_events(ready)

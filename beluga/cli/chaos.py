@@ -16,6 +16,7 @@ import json
 import sys
 
 from beluga.chaos.driver import ChaosConfig
+from beluga.signals import interrupt_on_signals
 from beluga.units import parse_size
 
 _DEFAULT = ChaosConfig()  # one home for every default: the config's own
@@ -145,7 +146,10 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         takeover_after_s=args.takeover_after,
         emulated_hosts=args.emulated_hosts,
     )
-    report = run_chaos(config)
+    # SIGTERM ends the round as Ctrl-C would, from the driver's event loop, so it stops its
+    # processes and removes its scratch pool (beluga.signals)
+    with interrupt_on_signals():
+        report = run_chaos(config)
     print(report.summary())
     if args.json:
         with open(args.json, "w") as f:

@@ -660,7 +660,7 @@ def serve(proxy: ProxyServer, announce: Callable[[str], None] = print) -> None:
 async def _serve_until_signalled(proxy: ProxyServer, announce: Callable[[str], None]) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # recorded, then run in the loop: beluga.signals
         loop.add_signal_handler(sig, stop.set)
     async with proxy:
         announce(proxy.url)
