@@ -112,8 +112,11 @@ When the pool or its server is unavailable the engine serves on, recomputing
 prefixes, with one warning per outage (see :mod:`beluga.integrations._link`);
 a save whose write lease ran out is put again once, then counted
 (``lease_losses``); a layout or argument error is a bug and raises.  Sleep
-mode (``enable_sleep_mode``) is refused at start: it remaps GPU KV caches,
-and this connector moves host-resident ones.
+mode (``enable_sleep_mode``) is refused at start: it remaps GPU KV caches
+under the addresses the connector's moves were built over.  A CUDA KV cache
+(FlashAttention, in the engine's NHD or HND order) moves through the pool's
+mapping registered with CUDA, by the same code the serving engine uses
+(:mod:`beluga.integrations.moves`).
 """
 
 from beluga.integrations.vllm.connector import BelugaConnector, register_by_name

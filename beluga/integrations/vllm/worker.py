@@ -1,13 +1,21 @@
 """The connector's worker side (the model runner): moves blocks between KV cache and pool.
 
 ``register_kv_caches`` detects the layout (refused at start when it cannot be
-moved); ``start_load_kv`` / ``wait_for_layer_load`` load the step's blocks
-with ``KVStore.load`` (on the load thread when asynchronous);
-``wait_for_save`` saves the blocks the step completed with one
-``KVStore.save`` per KV cache group (on the save thread when asynchronous);
+moved: host caches of vLLM's CPU backend, and CUDA caches of FlashAttention in
+the engine's NHD or HND order, are moved); ``start_load_kv`` /
+``wait_for_layer_load`` load the step's blocks with ``KVStore.load`` (on the
+load thread when asynchronous); ``wait_for_save`` saves the blocks the step
+completed with one ``KVStore.save`` per KV cache group (on the save thread
+when asynchronous);
 ``handle_preemptions`` ends the saves that read blocks the step hands out
 again; ``get_block_ids_with_load_errors``, ``get_finished`` and
 ``get_kv_cache_events`` report back to vLLM.
+
+The moves themselves are :class:`beluga.integrations.moves.BlockMoves`,
+which imports no vLLM (tests/test_vllm_moves.py drives them with vLLM-shaped
+caches): a CUDA cache moves through the pool's mapping registered with CUDA
+(:class:`~beluga.transfer.gpu.GpuPool`), as the serving engine's does, and
+the registration is let go before the store it was made for.
 """
 
 from __future__ import annotations
@@ -21,13 +29,14 @@ import torch
 
 from beluga.errors import CapacityError, KVLayoutError
 from beluga.integrations._link import UNAVAILABLE, StoreLink, log
+from beluga.integrations.moves import BlockMoves, engine_layout
 from beluga.integrations.vllm.events import Block, SavedBlocks
 from beluga.integrations.vllm.metrics import BelugaConnectorStats, Tally
 from beluga.integrations.vllm.options import Options
 from beluga.integrations.vllm.scheduler import BelugaMetadata, LoadSpec, SaveSpec
-from beluga.integrations.vllm.shapes import EngineKV
-from beluga.kv import BlockRef
-from beluga.transfer import EngineBlocks, KVLayout, KVSpec
+from beluga.integrations.vllm.shapes import EngineKV, gpu_kv_order
+from beluga.kv import BlockRef, KVStore
+from beluga.transfer import KVLayout
 
 #: seconds the worker waits for a save that reads engine blocks vLLM hands out again
 SAVE_END_S = 60.0
@@ -61,6 +70,7 @@ class BelugaWorker:
                 "'whole', or set disable_hybrid_kv_cache_manager=True"
             )
         self._tally = Tally()
+        self._moves = BlockMoves([])  # the registered caches' moves (register_kv_caches)
         self._layouts: list[KVLayout] = []  # by group
         self._layer_layouts: dict[str, tuple[int, KVLayout]] = {}
         self._load_errors: set[int] = set()
@@ -91,8 +101,9 @@ class BelugaWorker:
                 f"vLLM registered no KV cache for layers {missing}; BelugaConnector needs every "
                 "attention layer of the model's KV cache groups"
             )
+        order = gpu_kv_order() if kv_caches[names[0]].device.type == "cuda" else ""
         self._layouts = [
-            self._detect_layout(g.spec, [kv_caches[n] for n in g.layer_names])
+            engine_layout(g.spec, [kv_caches[n] for n in g.layer_names], order)
             for g in self.kv.groups
         ]
         if self._transfer == "layerwise":
@@ -105,22 +116,18 @@ class BelugaWorker:
                 )
             one = dataclasses.replace(group.spec, num_layers=1)
             self._layer_layouts = {
-                n: (i * layer_bytes, self._detect_layout(one, [kv_caches[n]]))
+                n: (i * layer_bytes, engine_layout(one, [kv_caches[n]], order))
                 for i, n in enumerate(group.layer_names)
             }
-        self.link.available()  # connect now, so a missing pool is reported at engine start
-
-    @staticmethod
-    def _detect_layout(spec: KVSpec, tensors: list[torch.Tensor]) -> KVLayout:
-        """The engine's KV layout, refused with the reason when it cannot be moved."""
-        device = tensors[0].device
-        if device.type != "cpu":
-            raise KVLayoutError(
-                f"the KV cache is on {device}; BelugaConnector moves host-resident KV "
-                "caches (vLLM's CPU backend) only, and has never run on a GPU: serve on "
-                "the CPU backend or remove it from --kv-transfer-config"
-            )
-        return KVLayout.cpu_attention(spec, tensors)
+        layer_layouts = [layout for _, layout in self._layer_layouts.values()]
+        self._moves = BlockMoves([*self._layouts, *layer_layouts])
+        # connect now, so a missing pool (or one the GPU cannot map) is reported at engine start
+        with self.link.connected() as store:
+            if store is not None:
+                try:
+                    self._moves.prepare(store)
+                except UNAVAILABLE as e:
+                    self._lost(e, store)
 
     def start_load_kv(self, meta: BelugaMetadata | None) -> None:
         """Load the step's blocks: on the load thread when asynchronous (one job per
@@ -183,15 +190,22 @@ class BelugaWorker:
             if store is not None:
                 try:
                     with self._tally.timed("load_seconds"):
-                        sink = EngineBlocks(layout, engine, at=at, value_bytes=value_bytes)
                         # the store checks each block's header and the checksum of what was copied
-                        valid = np.array(store.load(refs, sink, drop_corrupt=True), dtype=bool)
+                        got = self._moves.load(
+                            store, layout, engine, refs, at=at, value_bytes=value_bytes
+                        )
+                        valid = np.array(got, dtype=bool)
                     self._tally.add(load_bytes=int(valid.sum()) * layout.format.nbytes)
                 except UNAVAILABLE as e:
                     self._tally.add(pool_errors=1)
-                    self.link.lost(e, store)
+                    self._lost(e, store)
                     valid[:] = False
         return valid
+
+    def _lost(self, error: BaseException, store: KVStore) -> None:
+        """Drop a store after an outage: its GPU registration first, then the connection."""
+        self._moves.forget(store)
+        self.link.lost(error, store)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layer_loads is None or layer_name not in self._layer_layouts:
@@ -250,16 +264,14 @@ class BelugaWorker:
                 layout = self._layouts[save.group]
                 try:
                     with self._tally.timed("save_seconds"):
-                        saved = store.save(
-                            keys, EngineBlocks(layout, save.engine_blocks), attempts=2
-                        )
+                        saved = self._moves.save(store, layout, keys, save.engine_blocks)
                 except CapacityError as e:
                     self._tally.add(save_full=len(keys))
                     log.debug("BelugaConnector: no room for %d blocks: %s", len(keys), e)
                     continue
                 except UNAVAILABLE as e:
                     self._tally.add(pool_errors=1)
-                    self.link.lost(e, store)
+                    self._lost(e, store)
                     return
                 n = len(saved.stored)
                 self._tally.add(
@@ -324,7 +336,9 @@ class BelugaWorker:
             )
 
     def close(self) -> None:
-        """Let the transfers in flight end (they hold engine blocks), then stop the threads."""
+        """Let the transfers in flight end (they hold engine blocks), stop the threads, and let
+        go of the GPU registration (before the connector closes the store)."""
         for pool in (self._loader, self._saver):
             if pool is not None:
                 pool.shutdown(wait=True)
+        self._moves.close()
