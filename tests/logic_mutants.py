@@ -511,7 +511,7 @@ MUTANTS: list[Mutant] = [
         "seat-taken-from-another-host-unsettled",
         "standby",
         "beluga/pool/hosts.py",
-        "            mine = self._settle(mine)",
+        "            mine = self._settle(mine, stopping)",
         "            pass",
         (HOSTS + "test_a_rival_standby_that_stores_the_seat_at_once_wins_and_the_other_waits",),
         "two standbys on two hosts that stored the seat line at once would both serve: the "
