@@ -102,6 +102,13 @@
     X(SCATTER_MFENCE, "sg.c bl_sg_run (scatter_read)",                                            \
       "MFENCE between invalidating the rows and copying them",                                    \
       "the copy's loads can pass the invalidations")                                              \
+    X(DEVICE_READ_INVALIDATE, "record.c bl_invalidate_stale",                                     \
+      "invalidate the granules of a device read that this host may hold stale lines of",          \
+      "a GPU's read of the pool is snooped by this host's caches: it copies a stale line that "   \
+      "a CPU path cached before another host rewrote the block")                                  \
+    X(DEVICE_READ_MFENCE, "record.c bl_invalidate_stale",                                         \
+      "MFENCE between those invalidations and the device's read",                                 \
+      "an invalidation completes only at the fence: the device's read snoops the old line")       \
     X(RPC_REQUEST_PAYLOAD_FENCE, "rpc.c emit (client)",                                           \
       "SFENCE between an out-of-line request payload and the request lines",                      \
       "the request line can land before its payload: the server reads a torn payload")            \
@@ -230,6 +237,14 @@ typedef struct bl_memops {
     void (*prefetch)(bl_mem *m, size_t off, size_t n);
     void (*sfence)(bl_mem *m);
     void (*mfence)(bl_mem *m);
+    /* what a device's DMA (a GPU's copy engine or kernel) reads and writes through this
+     * host: native, the memory itself (the root complex snoops the CPU caches, which
+     * hardware does); model, a read is served by this host's cached line if it holds one,
+     * however stale, else by memory, and a write drops this host's cached copies (a dirty
+     * one written back first).  Neither fills a line.  Only CPU stand-ins of a GPU call
+     * them (tests); a real GPU's accesses never pass through the table. */
+    void (*dma_load)(bl_mem *m, size_t off, void *dst, size_t n);
+    void (*dma_store)(bl_mem *m, size_t off, const void *src, size_t n);
 } bl_memops;
 
 struct bl_mem {
@@ -237,7 +252,28 @@ struct bl_mem {
     size_t size;
     const bl_memops *ops;
     bl_model *model; /* NULL in native mode */
+    /* record.c: with a read record, ops is its recording table and inner the table it
+     * wraps (native or model); rec holds one state per granule of 2^rec_shift bytes */
+    const bl_memops *inner;
+    _Atomic uint64_t *rec;
+    size_t rec_count;
+    unsigned rec_shift;
 };
+
+/* record.c: which granules of the mapping this host may hold stale lines of (the rule is
+ * argued at the top of record.c).  A granule's state is START (unknown since the record
+ * began: lines may be cached from before), CLEAN (no line this host may hold), TOUCHED (a
+ * CPU path of this host loaded, stored, prefetched, flushed or invalidated there: lines
+ * of any content may be cached) or a block version v (lines may be cached, holding v's
+ * committed bytes only). */
+#define BL_REC_START 0ull
+#define BL_REC_CLEAN (UINT64_MAX - 1)
+#define BL_REC_TOUCHED UINT64_MAX
+#define BL_REC_MAX_GRANULES (1u << 20)
+int bl_record_init(bl_mem *m, int clean);
+void bl_record_free(bl_mem *m);
+uint64_t bl_record_state(const bl_mem *m, size_t off);
+size_t bl_invalidate_stale(bl_mem *m, const uint64_t *ranges, size_t n);
 
 /* cpu.c: what this CPU can do (CPUID, read once), and the chicken bits. */
 int bl_cpu_has(const char *feature);
@@ -246,7 +282,10 @@ int bl_forced(const char *name, const char *value);
 /* crc32c.c: CRC32C, and the sealed record every pool format uses (last 4 bytes: the
  * CRC32C of the rest, little-endian).  bl_crc32c_init must run before any CRC. */
 #define BL_SEAL_BYTES 4u
+#define BL_CRC32C_POLY 0x82f63b78u /* the reflected Castagnoli polynomial: the one definition */
 void bl_crc32c_init(void);
+uint32_t bl_crc32c_mul(uint32_t a, uint32_t b);
+uint32_t bl_crc32c_x8n(uint64_t n);
 const char *bl_crc32c_selected(void);
 uint32_t bl_crc32c(uint32_t crc, const void *buf, size_t n);
 uint32_t bl_crc32c_of(const void *buf, size_t n);
@@ -330,7 +369,7 @@ typedef struct bl_header {
     uint64_t length;
     uint32_t payload_crc;
     uint32_t writer;
-    uint64_t stamp;
+    uint64_t stamp; /* WRITING by the server (a grant): its request's RPC seq; else 0 */
     uint32_t writer_gen; /* generation of the writer's host id (recovery knows whose write it is) */
     uint32_t header_crc;
 } bl_header;
@@ -366,6 +405,7 @@ typedef struct {
 
 int bl_read_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
                    size_t nrows, uint8_t *const *bufs, const bl_header *seen, const char **why);
+void bl_check_headers(bl_mem *m, bl_blockio *blocks, size_t nblocks, bl_header *out);
 int bl_write_blocks(bl_mem *m, bl_blockio *blocks, size_t nblocks, const uint64_t *rows,
                     size_t nrows, const uint8_t *const *bufs, const char **why);
 
@@ -615,6 +655,7 @@ void bl_rpc_server_clear_ring(bl_rpc_server *s, uint32_t idx);
 uint64_t bl_rpc_server_recover_head(bl_rpc_server *s, uint32_t idx, uint32_t gen, uint32_t depth,
                                     uint32_t first_seq);
 uint32_t bl_rpc_server_refuse_pending(bl_rpc_server *s, uint32_t idx);
+int bl_rpc_server_unanswered(bl_rpc_server *s, uint32_t idx, uint32_t seq);
 int bl_rpc_server_gather(bl_rpc_server *s, bl_rpc_request *batch, int max_batch,
                          uint64_t timeout_ns, const bl_rpc_hooks *h);
 int bl_rpc_server_payload(bl_rpc_server *s, const bl_rpc_request *q, void *out);

@@ -258,6 +258,22 @@ static int64_t judge(const bl_mem *m, const bl_blockio *b, const bl_header *h)
 }
 
 /*
+ * Look at many blocks' headers (all invalidated, one MFENCE, loaded) and judge
+ * each: blocks[i].result gets its length or a BL_MISS_* code, out[i] the
+ * header as loaded.  The first and last steps of a validated read whose
+ * payload another agent moves (a GPU): it is called before and after that
+ * move, and a block whose header changed between the two is a miss.
+ */
+void bl_check_headers(bl_mem *m, bl_blockio *blocks, size_t nblocks, bl_header *out)
+{
+    load_headers(m, blocks, nblocks, out);
+    for (size_t i = 0; i < nblocks; i++) {
+        blocks[i].result = judge(m, &blocks[i], &out[i]);
+        blocks[i].length = blocks[i].result >= 0 ? out[i].length : 0;
+    }
+}
+
+/*
  * Read many blocks through one table, each validated (see the top of the
  * file).  blocks[i].result gets the block's length or a BL_MISS_* code.
  * seen: NULL, or each block's header as the caller already loaded it fresh

@@ -57,7 +57,6 @@
 #include <immintrin.h>
 #endif
 
-#define CRC32C_POLY 0x82f63b78u /* reflected Castagnoli polynomial */
 
 static uint32_t crc_table[256];
 static const char *sel_crc = "sw", *sel_copy_crc = "copy+crc";
@@ -79,7 +78,7 @@ static uint32_t gf_mul(uint32_t a, uint32_t b)
     for (uint32_t bit = 1u << 31; bit; bit >>= 1) {
         if (a & bit)
             product ^= b;
-        b = (b & 1) ? (b >> 1) ^ CRC32C_POLY : b >> 1;
+        b = (b & 1) ? (b >> 1) ^ BL_CRC32C_POLY : b >> 1;
     }
     return product;
 }
@@ -433,6 +432,13 @@ uint32_t bl_crc32c(uint32_t crc, const void *buf, size_t n) { return crc_fn(crc,
 
 /* The finished CRC32C of one buffer (as zlib.crc32 finishes its CRC). */
 uint32_t bl_crc32c_of(const void *buf, size_t n) { return ~crc_fn(~0u, buf, n); }
+
+/* a * b in GF(2)[x] mod P, reflected (bit 31 is x^0): the product the combine rule uses. */
+uint32_t bl_crc32c_mul(uint32_t a, uint32_t b) { return gf_mul(a, b); }
+
+/* x^(8n) mod P: the operator that moves a CRC register past n zero bytes (the GPU's CRC
+ * kernels take their shift constants from here, so the polynomial has one home). */
+uint32_t bl_crc32c_x8n(uint64_t n) { return x_pow(8 * n); }
 
 /* The CRC32C of A || B from crc(A), crc(B) and |B| (finished CRCs): crc(A) x^(8|B|) + crc(B). */
 uint32_t bl_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b)

@@ -354,6 +354,18 @@ static void native_sfence(bl_mem *m) { fence_store(); }
 /* Native table: full fence. */
 static void native_mfence(bl_mem *m) { fence_full(); }
 
+/* Native table: a device's read, as a CPU stand-in does it (the memory itself). */
+static void native_dma_load(bl_mem *m, size_t off, void *dst, size_t n)
+{
+    memcpy(dst, m->base + off, n);
+}
+
+/* Native table: a device's write, as a CPU stand-in does it (the memory itself). */
+static void native_dma_store(bl_mem *m, size_t off, const void *src, size_t n)
+{
+    memcpy(m->base + off, src, n);
+}
+
 static const bl_memops native_ops = {
     .name = "native",
     .load = native_load,
@@ -366,6 +378,8 @@ static const bl_memops native_ops = {
     .prefetch = native_prefetch,
     .sfence = native_sfence,
     .mfence = native_mfence,
+    .dma_load = native_dma_load,
+    .dma_store = native_dma_store,
 };
 
 /* Whether the watched flushes (not write-backs) cover every byte of [lo, hi). */

@@ -131,6 +131,16 @@ static int Memory_init(MemoryObject *self, PyObject *args, PyObject *kw)
             return -1;
         }
     }
+    /* the read record (record.c): a model host starts with an empty cache, a real one
+     * may hold lines from before this attachment */
+    if (bl_record_init(&self->mem, model) < 0) {
+        bl_model_free(self->mem.model);
+        self->mem.model = NULL;
+        PyBuffer_Release(&self->view);
+        self->has_view = 0;
+        PyErr_NoMemory();
+        return -1;
+    }
     return 0;
 }
 
@@ -162,6 +172,7 @@ static PyObject *Memory_release(MemoryObject *self, PyObject *args, PyObject *kw
                     busy, timeout);
     }
     if (self->has_view) { /* another release() may have finished meanwhile */
+        bl_record_free(&self->mem);
         bl_model_free(self->mem.model);
         self->mem.model = NULL;
         PyBuffer_Release(&self->view);
@@ -175,6 +186,7 @@ static PyObject *Memory_release(MemoryObject *self, PyObject *args, PyObject *kw
 static void Memory_dealloc(MemoryObject *self)
 {
     if (self->has_view) {
+        bl_record_free(&self->mem);
         bl_model_free(self->mem.model);
         PyBuffer_Release(&self->view);
     }
@@ -401,21 +413,39 @@ static PyObject *Memory_publish(MemoryObject *self, PyObject *args, PyObject *kw
 static PyObject *in_place(MemoryObject *self, PyObject *args, PyObject *kw, int sealing)
 {
     static char *kwlist[] = {"hdr_off", "payload_off", "digest", "version", "length",
-                             "key_len", "writer", "stamp", "writer_gen", NULL};
+                             "key_len", "writer", "stamp", "writer_gen", "crc", NULL};
     unsigned long long hdr_off, payload_off, version, length, stamp = 0;
     unsigned int key_len = 0, writer = 0, writer_gen = 0;
+    PyObject *crc_obj = Py_None;
     Py_buffer digest;
     bl_header h;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*KK|IIKI", kwlist, &hdr_off, &payload_off,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKy*KK|IIKIO", kwlist, &hdr_off, &payload_off,
                                      &digest, &version, &length, &key_len, &writer, &stamp,
-                                     &writer_gen))
+                                     &writer_gen, &crc_obj))
         return NULL;
+    unsigned long given = 0;
+    if (crc_obj != Py_None) {
+        given = PyLong_AsUnsignedLong(crc_obj);
+        if ((given == (unsigned long)-1 && PyErr_Occurred()) || given > 0xffffffffUL) {
+            PyErr_Clear();
+            PyBuffer_Release(&digest);
+            return bl_fail(PyExc_ValueError, "crc is the payload's CRC32C: an int in 0..2^32-1");
+        }
+        if (!sealing) {
+            PyBuffer_Release(&digest);
+            return bl_fail(PyExc_ValueError, "begin_write takes no crc");
+        }
+    }
     if (block_proto(self, hdr_off, payload_off, &digest, version, length, key_len, writer,
                     writer_gen, stamp, &h)) {
         bl_mem *m = &self->mem;
         bl_section s;
         if (!sealing) {
             bl_begin_write(m, hdr_off, &h, length);
+        } else if (crc_obj != Py_None) {
+            /* the CRC of the bytes as their writer put them (a GPU's, taken from its
+             * source): the payload is not read back */
+            bl_seal(m, hdr_off, &h, length, (uint32_t)given);
         } else if (bl_section_enter(&s, self, 1, NULL, NULL) == 0) {
             /* the checksum's MFENCE drains the caller's own payload stores first */
             bl_seal(m, hdr_off, &h, length, bl_payload_crc(m, payload_off, length));
@@ -434,7 +464,8 @@ static PyObject *Memory_begin_write(MemoryObject *self, PyObject *args, PyObject
     return in_place(self, args, kw, 0);
 }
 
-/* seal(hdr_off, payload_off, digest, version, length, ...): checksum in place, header PUBLISHED. */
+/* seal(hdr_off, payload_off, digest, version, length, ..., crc=None): header PUBLISHED with
+ * the payload's CRC32C, taken in place from the pool or, given, from the writer's source. */
 static PyObject *Memory_seal(MemoryObject *self, PyObject *args, PyObject *kw)
 {
     return in_place(self, args, kw, 1);
@@ -735,6 +766,125 @@ static PyObject *Memory_scatter_read(MemoryObject *self, PyObject *args)
     return sg_common(self, args, 0);
 }
 
+/* check_headers(blocks) -> (results, crcs, lines): read_blocks' block tuples (hdr_off,
+ * payload_off, cap, digest, version); per block its length or a Miss code and the payload
+ * CRC32C its header carries, and the header lines as loaded (64 bytes each). */
+static PyObject *Memory_check_headers(MemoryObject *self, PyObject *args)
+{
+    PyObject *blocks;
+    if (!PyArg_ParseTuple(args, "O", &blocks) || !attached(self))
+        return NULL;
+    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence of tuples");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    bl_blockio *bio = PyMem_Calloc(n ? (size_t)n : 1, sizeof(bl_blockio));
+    PyObject *lines = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)BL_LINE);
+    PyObject *results = PyList_New(n), *crcs = PyList_New(n), *out = NULL;
+    if (!bio || !lines || !results || !crcs) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    if (parse_read_blocks(self, seq, bio, n) < 0)
+        goto done;
+    bl_header *h = (bl_header *)PyBytes_AS_STRING(lines);
+    bl_check_headers(&self->mem, bio, (size_t)n, h);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyLong_FromLongLong(bio[i].result);
+        PyObject *c = PyLong_FromUnsignedLong(h[i].payload_crc);
+        if (!r || !c) {
+            Py_XDECREF(r);
+            Py_XDECREF(c);
+            goto done;
+        }
+        PyList_SET_ITEM(results, i, r);
+        PyList_SET_ITEM(crcs, i, c);
+    }
+    out = PyTuple_Pack(3, results, crcs, lines);
+done:
+    Py_XDECREF(results);
+    Py_XDECREF(crcs);
+    Py_XDECREF(lines);
+    PyMem_Free(bio);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* invalidate_stale(ranges) -> bytes invalidated: ranges a device is about to read, a
+ * C-contiguous uint64 array of rows (pool offset, length, block version or 0); see
+ * record.c for which granules are invalidated, then one MFENCE. */
+static PyObject *Memory_invalidate_stale(MemoryObject *self, PyObject *args)
+{
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b))
+        return NULL;
+    size_t n = (size_t)b.len / 24, bytes = 0;
+    const uint64_t *r = b.buf;
+    int ok = attached(self);
+    if (ok && b.len % 24) {
+        fail("ranges must be uint64 rows of 3 (pool offset, length, version)");
+        ok = 0;
+    }
+    for (size_t i = 0; ok && i < n; i++)
+        ok = in_range(self, r[3 * i], r[3 * i + 1]);
+    if (ok)
+        bytes = bl_invalidate_stale(&self->mem, r, n);
+    PyBuffer_Release(&b);
+    if (!ok)
+        return NULL;
+    return PyLong_FromSize_t(bytes);
+}
+
+/* dma_read(off, buffer): fill a buffer as a device's read through this host sees the
+ * mapping (a CPU stand-in of a GPU; the model serves this host's cached lines). */
+static PyObject *Memory_dma_read(MemoryObject *self, PyObject *args)
+{
+    unsigned long long off;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "Kw*", &off, &b))
+        return NULL;
+    if (in_range(self, off, (unsigned long long)b.len))
+        self->mem.ops->dma_load(&self->mem, off, b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* dma_write(off, data): store as a device's write through this host does (the model drops
+ * this host's cached copies of the lines). */
+static PyObject *Memory_dma_write(MemoryObject *self, PyObject *args)
+{
+    unsigned long long off;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "Ky*", &off, &b))
+        return NULL;
+    if (in_range(self, off, (unsigned long long)b.len))
+        self->mem.ops->dma_store(&self->mem, off, b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* record_state(off) -> the read record's state of the granule holding off (record.c):
+ * "start", "clean", "touched", or the block version whose bytes its lines may hold. */
+static PyObject *Memory_record_state(MemoryObject *self, PyObject *args)
+{
+    unsigned long long off;
+    if (!PyArg_ParseTuple(args, "K", &off) || !in_range(self, off, 1))
+        return NULL;
+    uint64_t st = bl_record_state(&self->mem, off);
+    if (st == BL_REC_START)
+        return PyUnicode_FromString("start");
+    if (st == BL_REC_CLEAN)
+        return PyUnicode_FromString("clean");
+    if (st == BL_REC_TOUCHED)
+        return PyUnicode_FromString("touched");
+    return PyLong_FromUnsignedLongLong(st);
+}
+
 /* discard(): model mode only: forget unflushed lines, as a crashed host does. */
 static PyObject *Memory_discard(MemoryObject *self, PyObject *unused)
 {
@@ -777,13 +927,20 @@ static PyObject *Memory_model_stats(MemoryObject *self, PyObject *unused)
 /* mode: "native" or "model". */
 static PyObject *Memory_get_mode(MemoryObject *self, void *c)
 {
-    return PyUnicode_FromString(self->mem.ops ? self->mem.ops->name : "unattached");
+    const bl_memops *t = self->mem.inner ? self->mem.inner : self->mem.ops;
+    return PyUnicode_FromString(t && self->has_view ? t->name : "unattached");
 }
 
 /* size: bytes mapped (0 once released). */
 static PyObject *Memory_get_size(MemoryObject *self, void *c)
 {
     return PyLong_FromSize_t(self->has_view ? self->mem.size : 0);
+}
+
+/* record_granule: bytes per granule of the read record (record.c). */
+static PyObject *Memory_get_record_granule(MemoryObject *self, void *c)
+{
+    return PyLong_FromSize_t(self->mem.rec ? (size_t)1 << self->mem.rec_shift : 0);
 }
 
 /* busy: sections running over the mapping now (copies without the GIL, RPC loops). */
@@ -835,6 +992,18 @@ static PyMethodDef Memory_methods[] = {
      "the CRC32C of what was written"},
     {"scatter_read", (PyCFunction)Memory_scatter_read, METH_VARARGS,
      "scatter_read(buffers, table) -> bytes moved"},
+    {"check_headers", (PyCFunction)Memory_check_headers, METH_VARARGS,
+     "check_headers(blocks) -> (results, crcs, header lines): read_blocks' first and last "
+     "steps, for a payload another agent moves"},
+    {"invalidate_stale", (PyCFunction)Memory_invalidate_stale, METH_VARARGS,
+     "invalidate_stale(ranges) -> bytes invalidated before a device reads (offset, length, "
+     "version) rows: only granules this host may hold stale lines of"},
+    {"dma_read", (PyCFunction)Memory_dma_read, METH_VARARGS,
+     "dma_read(off, buffer): read as a device through this host sees the mapping"},
+    {"dma_write", (PyCFunction)Memory_dma_write, METH_VARARGS,
+     "dma_write(off, data): write as a device through this host does"},
+    {"record_state", (PyCFunction)Memory_record_state, METH_VARARGS,
+     "record_state(off) -> 'start', 'clean', 'touched' or a version (the read record)"},
     {"discard", (PyCFunction)Memory_discard, METH_NOARGS, "model: drop unflushed lines"},
     {"crash_after", (PyCFunction)Memory_crash_after, METH_VARARGS,
      "crash_after(lines): model: the host dies once `lines` more of its writes reach memory"},
@@ -849,6 +1018,8 @@ static PyGetSetDef Memory_getset[] = {
     {"size", (getter)Memory_get_size, NULL, "bytes mapped", NULL},
     {"released", (getter)Memory_get_released, NULL, "True after release()", NULL},
     {"busy", (getter)Memory_get_busy, NULL, "sections running over the mapping", NULL},
+    {"record_granule", (getter)Memory_get_record_granule, NULL,
+     "bytes per granule of the read record", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

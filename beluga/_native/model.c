@@ -596,6 +596,43 @@ static uint32_t model_load_crc(bl_mem *mem, size_t off, void *dst, size_t n, uin
 /* A prefetch is only a hint: the simulated host ignores it. */
 static void model_prefetch(bl_mem *mem, size_t off, size_t n) {}
 
+/* Model table: a device reads through the root complex, which snoops this host's cache:
+ * a line the host holds (however stale, doomed or not) is what the device gets, else
+ * memory (write-combining buffers are not snooped).  Nothing is filled or touched. */
+static void model_dma_load(bl_mem *mem, size_t off, void *dst, size_t n)
+{
+    bl_model *m = mem->model;
+    uint8_t *d = dst;
+    pthread_mutex_lock(&m->lock);
+    while (n) {
+        uint64_t line = off / BL_LINE;
+        size_t in = off % BL_LINE, k = BL_LINE - in < n ? BL_LINE - in : n;
+        int64_t s = find(m, line);
+        memcpy(d, s >= 0 ? m->lines[s].data + in : mem->base + off, k);
+        d += k, off += k, n -= k;
+    }
+    pthread_mutex_unlock(&m->lock);
+}
+
+/* Model table: a device's write snoops and drops this host's cached copy of each line
+ * (written back first when dirty, as the snoop of a modified line does), then lands. */
+static void model_dma_store(bl_mem *mem, size_t off, const void *src, size_t n)
+{
+    bl_model *m = mem->model;
+    const uint8_t *s = src;
+    pthread_mutex_lock(&m->lock);
+    while (n) {
+        uint64_t line = off / BL_LINE;
+        size_t in = off % BL_LINE, k = BL_LINE - in < n ? BL_LINE - in : n;
+        int64_t slot = find(m, line);
+        if (slot >= 0)
+            drop(m, mem, (uint32_t)slot, 1);
+        memcpy(mem->base + off, s, k);
+        s += k, off += k, n -= k;
+    }
+    pthread_mutex_unlock(&m->lock);
+}
+
 static const bl_memops model_ops = {
     .name = "model",
     .load = model_load,
@@ -608,6 +645,8 @@ static const bl_memops model_ops = {
     .prefetch = model_prefetch,
     .sfence = model_sfence,
     .mfence = model_mfence,
+    .dma_load = model_dma_load,
+    .dma_store = model_dma_store,
 };
 
 /* The table that runs every access through the simulated host. */

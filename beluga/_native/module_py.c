@@ -34,6 +34,24 @@ static PyObject *mod_crc32c_combine(PyObject *mod, PyObject *args)
     return PyLong_FromUnsignedLong(bl_crc32c_combine(a, b, len_b));
 }
 
+/* crc32c_mul(a, b) -> a * b in GF(2)[x] mod the CRC32C polynomial (reflected). */
+static PyObject *mod_crc32c_mul(PyObject *mod, PyObject *args)
+{
+    unsigned int a, b;
+    if (!PyArg_ParseTuple(args, "II", &a, &b))
+        return NULL;
+    return PyLong_FromUnsignedLong(bl_crc32c_mul(a, b));
+}
+
+/* crc32c_x8n(n) -> x^(8n) mod the polynomial: moves a CRC register past n zero bytes. */
+static PyObject *mod_crc32c_x8n(PyObject *mod, PyObject *args)
+{
+    unsigned long long n;
+    if (!PyArg_ParseTuple(args, "K", &n))
+        return NULL;
+    return PyLong_FromUnsignedLong(bl_crc32c_x8n(n));
+}
+
 /* seal_record(body, size=LINE) -> body zero-padded to size - 4 bytes, then their CRC32C. */
 static PyObject *mod_seal_record(PyObject *mod, PyObject *args)
 {
@@ -330,6 +348,10 @@ static PyMethodDef module_methods[] = {
      "parse_headers(table) -> [(block, fields)] of every valid header line"},
     {"header_columns", mod_header_columns, METH_VARARGS,
      "header_columns(table) -> packed columns of every valid header line (for numpy)"},
+    {"crc32c_mul", mod_crc32c_mul, METH_VARARGS,
+     "crc32c_mul(a, b) -> a * b mod the CRC32C polynomial (reflected bit order)"},
+    {"crc32c_x8n", mod_crc32c_x8n, METH_VARARGS,
+     "crc32c_x8n(n) -> x^(8n) mod the CRC32C polynomial (a shift past n zero bytes)"},
     {"crc32c_combine", mod_crc32c_combine, METH_VARARGS,
      "crc32c_combine(crc_a, crc_b, len_b) -> CRC32C of A || B"},
     {"selected", mod_selected, METH_NOARGS, "instructions in use"},
@@ -371,6 +393,7 @@ PyMODINIT_FUNC BL_MODULE_INIT(void)
         return NULL;
     if (bl_memory_init(m) < 0 || bl_rpc_init(m) < 0 || bl_index_init(m) < 0 ||
         PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
+        PyModule_AddObject(m, "CRC32C_POLY", PyLong_FromUnsignedLong(BL_CRC32C_POLY)) < 0 ||
         PyModule_AddIntConstant(m, "MAX_KEY_BYTES", BL_MAX_KEY) < 0 ||
         PyModule_AddObject(m, "BLOCK_STATES",
                            named_ints(block_states, sizeof(block_states) / sizeof(*block_states))) < 0 ||
