@@ -28,7 +28,7 @@ import pytest
 import torch
 import transformers
 
-from beluga.bench import e2e
+from beluga.bench import e2e, e2e_pd
 from beluga.bench.mooncake import MooncakeBaseline
 from beluga.bench.mooncake_engine import MooncakeServingEngine
 from beluga.cli import demo
@@ -461,6 +461,19 @@ def test_an_automatic_rate_is_measured_once_and_spaces_the_arrivals(shm_path: st
     assert "automatic: 50% of what 2 engines served" in e2e.arrivals_note(doc["settings"])
     with pytest.raises(ValueError, match="the rate is automatic"):
         settings.arrivals(0)
+
+
+@pytest.mark.leaves("keys")  # the run's blocks stay in its scratch pool until it goes
+def test_a_disaggregated_rate_is_measured_on_its_prefill_engines(shm_path: str) -> None:
+    settings = e2e.Settings(
+        model="tiny", trace=TOY, engines=2, pd=(1, 1), max_tokens=2, rate=None, start_method="fork"
+    )
+    doc = e2e_pd.run(settings, shm_path)
+    found = doc["settings"]["calibration"]
+    assert found["engines"] == 1  # the one prefill engine computed the calibration's prompt
+    assert doc["settings"]["rate"] == pytest.approx(e2e.UTILISATION / found["service_s"])
+    (row,) = doc["rows"]
+    assert row["requests"] == len(settings.requests()) and row["service_qps"] > 0
 
 
 # -- on a real GPU ---------------------------------------------------------------------

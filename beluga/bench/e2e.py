@@ -530,7 +530,7 @@ def capacity_budget(settings: Settings, namespaces: int) -> int:
     bs = fmt.spec.block_tokens
     need = blocks_needed(settings.requests(), settings.trace, bs)
     need = need * namespaces + settings.engines * WARMUP_TOKENS // bs
-    if settings.rate is None:  # the calibration's prompts, one per engine
+    if settings.rate is None:  # the calibration's prompts, one per prefilling engine
         need += settings.engines * (settings.trace.max_prompt_tokens // bs)
     return int(need * fmt.nbytes * HEADROOM)
 
@@ -563,8 +563,9 @@ def arrivals_note(settings: dict[str, Any]) -> str:
     found = settings.get("calibration")
     if found:
         text += (
-            f" (automatic: {100 * found['utilisation']:.0f}% of what {found['engines']} engines "
-            f"served, {found['service_s']:.3g} s a {found['prompt_tokens']}-token prefill at once)"
+            f" (automatic: {100 * found['utilisation']:.0f}% of what {found['engines']} "
+            f"engine{'s' if found['engines'] != 1 else ''} served, {found['service_s']:.3g} s a "
+            f"{found['prompt_tokens']}-token prefill at once)"
         )
     if settings["burst"] > 1:
         text += f", each document's first {settings['burst']} questions together"
@@ -625,32 +626,42 @@ def _server_counters(store: KVStore) -> dict[str, int | None]:
     return {k: stats[k] for k in ("evictions", "duplicate_writes_skipped")}
 
 
-def calibrate(cluster: Cluster, settings: Settings) -> dict[str, Any]:
-    """The automatic rate: every engine prefills one whole prompt of the trace's longest,
-    all at once (fresh tokens, in a cache namespace of their own), and the rate offers
-    :data:`UTILISATION` of the requests per second they served together.
+class _InTurn:
+    """Routes the requests of a run to the engines named, one each, in order."""
 
-    Engines that share a GPU slow each other down while they compute together, so
-    the measurement holds what sharing costs; with prefill/decode disaggregation the
-    fewer of prefill and decode engines set it.
+    name = "in-turn"
+
+    def __init__(self, engines: Sequence[int]) -> None:
+        self.engines = list(engines)
+
+    def route(self, token_ids: Sequence[int], outstanding: Sequence[int]) -> int:
+        return self.engines.pop(0)
+
+
+def calibrate(cluster: Cluster, settings: Settings) -> dict[str, Any]:
+    """The automatic rate: every engine that prefills whole prompts (each engine; with
+    prefill/decode disaggregation the prefill engines) prefills one prompt of the trace's
+    longest, all at once (fresh tokens, a cache namespace of their own), and the rate
+    offers :data:`UTILISATION` of the requests per second they served together.
+
+    Engines that share a GPU slow each other down while they compute together, so the
+    measurement holds what sharing costs.
     """
     rng = np.random.default_rng(settings.seed + 2000)
     tokens = settings.trace.max_prompt_tokens
+    prefilling = settings.pd[0] if settings.pd is not None else settings.engines
     prompts = [rng.integers(0, settings.shape.vocab_size, tokens).tolist() for _ in range(2)]
-    engines = settings.engines
     records = cluster.run(
-        [prompts[i % 2] for i in range(engines)],
-        make_scheduler("locality-free", engines),
+        [prompts[i % 2] for i in range(prefilling)],
+        _InTurn(range(prefilling)),  # the prefill engines come first
         salt="calibrate",
     )
     service = float(np.median([r.served.timings.ttft for r in records]))
-    serving = min(settings.pd) if settings.pd is not None else engines
-    rate = UTILISATION * serving / service
     return {
-        "rate": rate,
+        "rate": UTILISATION * prefilling / service,
         "prompt_tokens": tokens,
         "service_s": service,
-        "engines": serving,
+        "engines": prefilling,
         "utilisation": UTILISATION,
     }
 

@@ -401,15 +401,18 @@ def staging_note(settings: e2e.Settings) -> str:
     return "host memory (the engines are on the CPU)"
 
 
-def transport_line(doc: dict[str, Any]) -> str:
-    """How Mooncake moved bytes in this run, and what that means for the paper's setting."""
+def transport_line(doc: dict[str, Any], scaled: bool = True) -> str:
+    """How Mooncake moved bytes in this run (and, when ``scaled``, what the paper-scale
+    figures that follow carry over)."""
     s = doc["settings"]
-    return (
+    line = (
         f"Mooncake's transport here: {s.get('mooncake_transport', TRANSPORT)} (its transfer "
         "engine's TCP on loopback; the paper's Mooncake ran over RDMA), staging in "
-        f"{s.get('mooncake_staging', staging_note(e2e.Settings()))}; the paper-scale figures "
-        "below scale the per-byte costs measured here, not the paper's network"
+        f"{s.get('mooncake_staging', staging_note(e2e.Settings()))}"
     )
+    if scaled:
+        line += "; the paper-scale figures below scale the per-byte costs measured here"
+    return line
 
 
 def capacity_line(doc: dict[str, Any]) -> str:
@@ -565,7 +568,7 @@ def chart(doc: dict[str, Any], path: str) -> None:
         fig.suptitle(
             f"Beluga vs Mooncake Store: model {s['model']} ({s['block_bytes'] >> 10} KiB blocks), "
             f"{s['trace']['context_tokens']}-token contexts, {s['engines']} engines (Mooncake over "
-            f"{s.get('mooncake_transport', TRANSPORT)}); pass-2 TTFT "
+            f"{s.get('mooncake_transport', TRANSPORT)});\npass-2 TTFT "
             f"{100 * h['pass2_ttft_fraction']:.1f}% of Mooncake's (median of "
             f"{s.get('repeat', 1)} runs; bars: range)"
         )

@@ -284,7 +284,7 @@ def summary(doc: dict[str, Any]) -> str:
             f"busy time): {e2e_mooncake.times(h.get('service_qps_ratio'))} Beluga over Mooncake"
         )
         lines.append(e2e_mooncake.capacity_line(doc))
-        lines.append(e2e_mooncake.transport_line(doc))
+        lines.append(e2e_mooncake.transport_line(doc, scaled=False))
     else:
         lines.append(e2e.capacity_line(s["capacity"]))
     for row in doc["rows"]:
@@ -336,7 +336,20 @@ def chart(doc: dict[str, Any], path: str) -> None:
             part = np.array([r[key] / 1e3 for r in rows])
             split.bar(x, part, 0.5, bottom=bottom, label=name)
             bottom += part
-        qps.bar(x, [r["qps"] for r in rows], 0.5, yerr=e2e.error_bars(rows, "qps"), capsize=3)
+        qps.bar(
+            x,
+            [r["qps"] for r in rows],
+            0.5,
+            yerr=e2e.error_bars(rows, "qps"),
+            capsize=3,
+            label="served",
+        )
+        sustained = [(xi, r.get("service_qps")) for xi, r in zip(x, rows, strict=True)]
+        sustained = [(xi, v) for xi, v in sustained if v is not None]
+        if sustained:
+            qps.scatter(*zip(*sustained, strict=True), marker="D", s=20, color="black")
+        qps.scatter([], [], marker="D", s=20, color="black", label="sustainable (busy time)")
+        qps.legend(fontsize=8)
         title = "throughput"
         if "headline" in doc:
             low, high = PAPER_QPS_RATIO
