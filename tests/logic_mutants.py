@@ -50,6 +50,7 @@ BLOCKS = "tests/test_store_blocks.py::"
 VLLM = "tests/frameworks/test_vllm_connector.py::"
 RETIRED = "tests/test_retired.py::"
 MOONCAKE = "tests/test_compat_mooncake.py::"
+RESTARTS = "tests/test_rpc_restarts.py::"
 
 MUTANTS: list[Mutant] = [
     # -- index reader (C): confirmation of a slot against the block header, bucket search
@@ -778,6 +779,30 @@ MUTANTS: list[Mutant] = [
         "RPC_FAIL if c == OK else c",
         (MOONCAKE + "test_a_batch_put_that_loses_one_lease_fails_that_value_and_no_other",),
         "one lost lease would fail every value of the batch, committed ones included",
+    ),
+    # -- no request outlives its server (issue 36)
+    Mutant(
+        "adoption-frees-answered-grants",
+        "requests and restarts",
+        "beluga/kv/service.py",
+        "                and header.version == pend.version\n                and unanswered(",
+        "                and header.version == pend.version\n                and bool(",
+        (RESTARTS + "test_a_grant_answered_before_its_server_died_is_kept_for_its_writer",),
+        "a grant whose answer reached its writer would be freed as the next server adopts the "
+        "ring: the writer, stopped before its first store, resumes into a reused extent",
+    ),
+    Mutant(
+        "adoption-keeps-unanswered-grants",
+        "requests and restarts",
+        "beluga/_native/rpc.c",
+        "    return !line_of(&resp, r->gen) || resp.seq != seq || resp.code == BL_RPC_RESTARTED;",
+        "    return 0;",
+        (
+            RESTARTS
+            + "test_a_grant_whose_server_died_before_answering_is_freed_when_the_ring_is_adopted",
+        ),
+        "a grant made by a server killed before its answer would wait for a COMMIT that never "
+        "comes, quarantined while its writer lives: capacity lost at every such restart",
     ),
 ]
 

@@ -59,6 +59,16 @@
  * RESTARTED, and a caller still waiting sends it again (RpcClient does, within
  * its deadline).  So a request runs at most once per server, and a request
  * pending when its server died runs again only if its caller still wants it.
+ *
+ * GRANTS NOBODY LEARNED
+ * A server that runs an ALLOC writes each grant's WRITING header (with the request's seq
+ * in its stamp) before the answer, so that recovery finds a grant whose writer got the
+ * answer.  A server killed between the two leaves a grant its caller never learned: the
+ * request is answered RESTARTED and sent again, and that extent would wait for a COMMIT
+ * that never comes, quarantined while the caller's host lives.  So a server adopting a
+ * ring asks, for each such recovered grant, whether its request is still unanswered (or
+ * answered RESTARTED by a server that died since): bl_rpc_server_unanswered.  If so no
+ * one can store into the extent, and it is freed before the refusal goes out.
  * Python never parses a slot line; rpc_pack_line / rpc_parse_line (rpc_py.c)
  * give tests the format.
  *
@@ -767,6 +777,28 @@ uint32_t bl_rpc_server_refuse_pending(bl_rpc_server *s, uint32_t idx)
         r->head++;
     }
     return n;
+}
+
+/*
+ * Whether request seq of a ring just adopted is there with no answer, or answered
+ * RESTARTED: either way its caller never learned what a server that ran it before dying
+ * granted (GRANTS NOBODY LEARNED, above).  A request line of another seq means its caller
+ * went on past seq, which it does only once seq is answered.
+ */
+int bl_rpc_server_unanswered(bl_rpc_server *s, uint32_t idx, uint32_t seq)
+{
+    bl_rpc_ring_state *r = &s->rings[idx];
+    bl_mem *m = s->m;
+    uint32_t slot = (seq - 1) % r->g.depth;
+    bl_rpc_line req, resp;
+    m->ops->invalidate(m, bl_rpc_req_line(&r->g, slot), BL_LINE);
+    m->ops->invalidate(m, bl_rpc_resp_line(&r->g, slot), BL_LINE);
+    m->ops->mfence(m);
+    m->ops->load(m, bl_rpc_req_line(&r->g, slot), &req, BL_LINE);
+    m->ops->load(m, bl_rpc_resp_line(&r->g, slot), &resp, BL_LINE);
+    if (!seq || !line_of(&req, r->gen) || req.seq != seq)
+        return 0;
+    return !line_of(&resp, r->gen) || resp.seq != seq || resp.code == BL_RPC_RESTARTED;
 }
 
 /* After responses on ring r are visible: wake its client if it sleeps on our kernel. */

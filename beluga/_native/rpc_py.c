@@ -506,6 +506,22 @@ static PyObject *Server_refuse_pending(ServerObject *self, PyObject *args)
     return PyLong_FromUnsignedLong(bl_rpc_server_refuse_pending(&self->s, idx));
 }
 
+/* unanswered(idx, seq) -> whether request seq of an adopted ring has no answer, or only
+ * RESTARTED (bl_rpc_server_unanswered): a grant made for it reached nobody. */
+static PyObject *Server_unanswered(ServerObject *self, PyObject *args)
+{
+    unsigned int idx, seq;
+    if (!PyArg_ParseTuple(args, "II", &idx, &seq))
+        return NULL;
+    if (!ring_idle(self, idx))
+        return NULL;
+    if (!self->s.rings[idx].active) {
+        PyErr_Format(PyExc_ValueError, "ring %u is not served: set_ring it first", idx);
+        return NULL;
+    }
+    return PyBool_FromLong(bl_rpc_server_unanswered(&self->s, idx, seq));
+}
+
 /* Start a polling call: check the pool (and max_batch, allocating *batch, when batch is
  * given), mark polling, enter the section (GIL dropped); -1 with an error raised if not. */
 static int begin_poll(ServerObject *self, unsigned int max_batch, bl_rpc_request **batch,
@@ -705,6 +721,8 @@ static PyMethodDef Server_methods[] = {
      "recover_head(idx, gen, depth, first_seq) -> next seq: the oldest request left unanswered"},
     {"refuse_pending", (PyCFunction)Server_refuse_pending, METH_VARARGS,
      "refuse_pending(idx) -> how many requests left by a gone server were answered RESTARTED"},
+    {"unanswered", (PyCFunction)Server_unanswered, METH_VARARGS,
+     "unanswered(idx, seq) -> whether request seq has no answer, or only RESTARTED"},
     {"poll", (PyCFunction)Server_poll, METH_VARARGS,
      "poll(max_batch, timeout_s) -> [(ring, seq, op, payload)]"},
     {"respond", (PyCFunction)Server_respond, METH_O, "respond([(ring, seq, status, payload)])"},

@@ -81,6 +81,10 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
     "lease_expiries": ("counter", "Write leases that ran out before their commit"),
     "late_commits_refused": ("counter", "Commits refused because their lease had run out"),
     "dead_writer_reclaims": ("counter", "Writes reclaimed because their writer was gone"),
+    "unanswered_grants_freed": (
+        "counter",
+        "Grants a gone server made and never answered, freed as their writer's ring was adopted",
+    ),
     "recovered_keys": ("gauge", "Keys rebuilt from the pool when this server started"),
     "index_buckets": ("gauge", "Buckets of the pool-resident index"),
     "index_moves": ("counter", "Entries moved between buckets of the pool index"),

@@ -172,6 +172,7 @@ class MetadataServer:
             tick = self._tick_with_metrics
         self.rpc.handlers.update(handlers)
         self.rpc.on_client_gone = self.service.client_gone
+        self.rpc.on_adopt = self.service.forget_unanswered
         self.rpc.tick = tick
         self.service.writer_alive = self.rpc.holder_alive
         self.service.extra_stats = self._extra_stats

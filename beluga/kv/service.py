@@ -98,7 +98,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from beluga._native import step
-from beluga.coherence import LINE, BlockState, HeaderTable, Memory, parse_header_table
+from beluga.coherence import (
+    LINE,
+    BlockState,
+    HeaderTable,
+    Memory,
+    parse_header,
+    parse_header_table,
+)
 from beluga.errors import CapacityError
 from beluga.kv import protocol as p
 from beluga.kv.allocator import BlockAllocator, overlapping
@@ -399,6 +406,8 @@ class MetadataService:
         chaos/w1/k10).  With the header here first (each fenced before the
         answer), recovery finds every grant, with its writer and generation,
         and holds the extent until that writer commits, aborts or is gone.
+        The header's stamp is the request's RPC seq: a server that recovers a
+        grant whose request was never answered frees it (forget_unanswered).
         """
         for (digest, length, key_len), g in zip(items, granted, strict=True):
             if g.block == p.NO_BLOCK:
@@ -412,6 +421,7 @@ class MetadataService:
                 key_len=key_len,
                 writer=req.host_id,
                 writer_gen=req.generation,
+                stamp=req.seq,
             )
 
     def _writing(self) -> set[bytes]:
@@ -569,6 +579,36 @@ class MetadataService:
             _, block, n = heapq.heappop(self.retiring)
             self.alloc.release(block, n)
 
+    def forget_unanswered(
+        self, host_id: int, generation: int, unanswered: Callable[[int], bool]
+    ) -> None:
+        """Free the grants a gone server made for requests of this writer it never answered.
+
+        Called (RpcServer.on_adopt) as the writer's ring is adopted, before its
+        pending requests are refused: a recovered write still WRITING as its
+        server announced it (stamp: the request's seq; a writer's own header
+        stores carry 0) whose request ``unanswered(seq)`` says no answer
+        reached can have no store of its writer coming, who will send the
+        request again (rpc.c, GRANTS NOBODY LEARNED).  Kept, it would wait
+        for a COMMIT that never comes, quarantined while that writer lives.
+        """
+        for block, pend in list(self.pending.items()):
+            if pend.host != host_id or pend.generation != generation:
+                continue
+            off = self.sb.block_header_offset(block)
+            _recover_invalidate(self.mem, off, LINE)  # stored by the server that is gone
+            _recover_mfence(self.mem)
+            header = parse_header(self.mem.load(off, LINE))
+            if (
+                header is not None
+                and header.state == BlockState.WRITING
+                and header.stamp
+                and header.version == pend.version
+                and unanswered(header.stamp)
+            ):
+                self._free_pending(block)
+                self.counters["unanswered_grants_freed"] += 1
+
     def client_gone(self, host_id: int) -> None:
         """A client host died or left: what it was writing goes back at once."""
         for block, pend in list(self.pending.items()):
@@ -599,6 +639,7 @@ class MetadataService:
             "lease_expiries": self.counters["lease_expiries"],
             "late_commits_refused": self.counters["late_commits_refused"],
             "dead_writer_reclaims": self.counters["dead_writer_reclaims"],
+            "unanswered_grants_freed": self.counters["unanswered_grants_freed"],
             "recovered_keys": self.counters["recovered_keys"],
             "index_buckets": self.ix.nbuckets,
             "index_moves": self.ix.moves,

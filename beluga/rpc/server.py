@@ -35,7 +35,10 @@ A restarted server recovers each ring's position from the lines themselves
 (``RingServer.recover_head`` in C, which owns the slot format) and answers the
 requests it finds pending there ``RESTARTED``, unrun (``refuse_pending``):
 they were sent to the server that is gone, and a caller still waiting sends
-them again (rpc.c, TORN LINES, has the argument).
+them again (rpc.c, TORN LINES, has the argument).  Just before, ``on_adopt``
+lets the service free what a gone server granted for such a request and
+never answered (rpc.c, GRANTS NOBODY LEARNED): no request outlives its
+server, whether or not a server ran it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import NamedTuple
 
 from beluga._native import _core
@@ -79,6 +83,7 @@ class Request(NamedTuple):
     op: int
     payload: bytes
     generation: int = 0  # of the sender's host id: with host_id, who exactly sent it
+    seq: int = 0  # its sequence number in the sender's ring (on_adopt asks about it later)
 
 
 Result = bytes | BaseException
@@ -160,6 +165,11 @@ class RpcServer:
         self.refresh_s = refresh_s
         self.stale_s = stale_s
         self.on_client_gone = on_client_gone
+        #: on_adopt(host_id, generation, unanswered) runs as a ring is adopted, before the
+        #: requests gone servers left in it are refused; ``unanswered(seq)`` says whether a
+        #: request is there with no answer (or only RESTARTED): what a gone server granted
+        #: for it reached nobody (rpc.c, GRANTS NOBODY LEARNED)
+        self.on_adopt: Callable[[int, int, Callable[[int], bool]], None] | None = None
         self.tick = tick
         self.epoch = int.from_bytes(os.urandom(4), "little") or 1
         self.start_ms = process_start_ms(os.getpid()) or 0
@@ -263,6 +273,8 @@ class RpcServer:
                 assert ctl is not None and grant is not None
                 head = self.rings.recover_head(h, ctl.gen, ctl.depth, ctl.first_seq)
                 self.rings.set_ring(h, ctl.gen, ctl.depth, head, wake_ups(grant.identity.boot_id))
+                if self.on_adopt:  # before the refusals: what gone servers granted for them
+                    self.on_adopt(h, ctl.gen, partial(self.rings.unanswered, h))
                 self.refused_pending += self.rings.refuse_pending(h)
                 self.active[h] = ctl
                 self.limits[h] = buf_size(self.sb, ctl.depth)
@@ -311,7 +323,8 @@ class RpcServer:
                     )
                 continue
             reqs = [
-                Request(batch[i][0], op, batch[i][3], self.active[batch[i][0]].gen) for i in idx
+                Request(batch[i][0], op, batch[i][3], self.active[batch[i][0]].gen, batch[i][1])
+                for i in idx
             ]
             try:
                 out = handler(reqs)
