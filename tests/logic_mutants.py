@@ -780,6 +780,31 @@ MUTANTS: list[Mutant] = [
         (MOONCAKE + "test_a_batch_put_that_loses_one_lease_fails_that_value_and_no_other",),
         "one lost lease would fail every value of the batch, committed ones included",
     ),
+    # -- taking a seat: an empty one last held on another host, and seat_free's judgement
+    Mutant(
+        "seat-left-elsewhere-taken-unsettled",
+        "taking a seat",
+        "beluga/pool/hosts.py",
+        "if fenced is not None or empty_elsewhere:",
+        "if fenced is not None:",
+        (HOSTS + "test_an_empty_seat_last_held_on_another_host_is_taken_through_the_settle",),
+        "two standbys on two hosts that both saw an empty seat left by a server elsewhere "
+        "would both serve: the later store wins the line, the earlier server never looks",
+        cheap=True,
+    ),
+    Mutant(
+        "seat-free-trusts-a-pid-of-another-host",
+        "taking a seat",
+        "beluga/kv/server.py",
+        "return seat.identity.same_kernel() and not seat.identity.running()",
+        "return not seat.identity.running()",
+        (
+            HOSTS + "test_a_seat_is_free_unfenced_only_when_empty_or_its_server_is_gone_from_"
+            "this_kernel",
+        ),
+        "a server on another host would count as gone because its pid runs nowhere here: a "
+        "standby takes its seat unfenced while it still serves",
+    ),
     # -- no request outlives its server (issue 36)
     Mutant(
         "adoption-frees-answered-grants",
@@ -803,6 +828,28 @@ MUTANTS: list[Mutant] = [
         ),
         "a grant made by a server killed before its answer would wait for a COMMIT that never "
         "comes, quarantined while its writer lives: capacity lost at every such restart",
+    ),
+    Mutant(
+        "successor-ignores-the-watch",
+        "host ids under takeovers",
+        "beluga/pool/hosts.py",
+        "        self.stale.inherit((host_id, watch.generation), watch.beat or None, watch.still_s)",
+        "        self.stale.inherit((host_id, watch.generation), None, watch.still_s)",
+        (HOSTS + "test_a_successor_judges_a_dead_holder_by_what_its_predecessor_watched",),
+        "each server would judge a dead client's staleness from its own first look: with a "
+        "takeover every few seconds no id of a dead client comes back, and connects are refused",
+        cheap=True,
+    ),
+    Mutant(
+        "status-line-without-the-watch",
+        "host ids under takeovers",
+        "beluga/rpc/server.py",
+        "            self.registry.watch(host_id),",
+        "            None,",
+        (HOSTS + "test_the_watch_travels_in_the_status_lines_to_the_next_server",),
+        "what a server watched would die with it: the next server starts every dead client's "
+        "staleness over",
+        cheap=True,
     ),
 ]
 

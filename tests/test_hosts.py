@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +24,9 @@ from dataclasses import replace
 import pytest
 
 from beluga.child import server_process
-from beluga.coherence import write_line
+from beluga.coherence import read_line, write_line
 from beluga.errors import PoolError, RpcError
+from beluga.kv.server import seat_free
 from beluga.pool import Geometry, HostState, Pool
 from beluga.pool.hosts import (
     HOST_MAGIC,
@@ -37,6 +39,7 @@ from beluga.pool.hosts import (
     Identity,
     Seat,
     Staleness,
+    boot_id,
 )
 from beluga.rpc import RpcServer
 from beluga.signals import stop_on_signals
@@ -291,6 +294,67 @@ def test_another_hosts_holder_lives_while_its_heartbeat_moves(pool: Pool) -> Non
     assert registry.alive(1) is None
 
 
+def _remote_holder(table: HostTable, host_id: int, gen: int, beat: int) -> HostEntry:
+    """A holder on another machine that confirmed its grant and has beaten ``beat``."""
+    _remote_grant(table, host_id, gen)
+    entry = HostEntry(host_id, HostState.ALIVE, 4242, 1, b"elsewher", beat, gen, 99)
+    write_line(table.mem, table._host_off(host_id), entry.pack())
+    return entry
+
+
+def test_a_successor_judges_a_dead_holder_by_what_its_predecessor_watched(pool: Pool) -> None:
+    """With a takeover every few seconds no server watches a dead client for stale_s: its id
+    must come back after stale_s of the servers' watch together (issue 36: 4,046 connects
+    refused in a 1,000-fault round, every id held by the dead)."""
+    clock = FakeClock()
+    table = _table(pool, clock)
+    first = HostRegistry(table, stale_s=10.0)
+    dead = _remote_holder(table, 1, 3, beat=100)  # it never beats again
+    moving = _remote_holder(table, 2, 5, beat=200)
+    assert first.alive(1) is not None and first.alive(2) is not None
+    clock.now += 6
+    assert first.alive(1) is not None  # 6 s still: not yet
+    watched = first.watch(1)
+    assert watched is not None and (watched.generation, watched.beat) == (3, 100)
+    assert watched.still_s == pytest.approx(6.0)
+    second = HostRegistry(table, stale_s=10.0)  # the next server, 6 s into the stall
+    second.inherit(1, watched)
+    second.inherit(2, first.watch(2))  # type: ignore[arg-type]
+    write_line(table.mem, table._host_off(2), replace(moving, heartbeat_ns=201).pack())
+    clock.now += 3
+    assert second.alive(1) is not None  # 9 s of the two servers' watch
+    clock.now += 1.5
+    assert second.alive(1) is None  # 10.5 s: dead, though this server watched 4.5 s
+    assert second.alive(2) is not None  # it beat meanwhile: nothing inherited counts
+    assert HostRegistry(table, stale_s=10.0).alive(1) is not None  # alone, it starts over
+    assert table.read(1) == dead
+
+
+def test_the_watch_travels_in_the_status_lines_to_the_next_server(pool: Pool) -> None:
+    """What a server watched is in each id's ring status line, written every refresh and at
+    a clean stop; the server that takes the seat next starts from it."""
+    from beluga.rpc.protocol import STATUS_LINE, RingControl, ServerStatus, ring_offset
+
+    clock = FakeClock()
+    pool.hosts.clock = clock  # every registry on this pool judges by it
+    _remote_holder(pool.hosts, 1, 3, beat=100)
+    ring = RingControl(1, 3, 8, 4242, 1, 0)  # its ring: each refresh judges its holder
+    write_line(pool.memory, ring_offset(pool.superblock, 1), ring.pack())
+    with RpcServer(pool, stale_s=10.0) as first:
+        clock.now += 7
+        first.refresh()
+        line = read_line(pool.memory, ring_offset(pool.superblock, 1) + STATUS_LINE)
+        status = ServerStatus.unpack(line)
+        assert status is not None and status.watch is not None
+        assert (status.watch.generation, status.watch.beat) == (3, 100)
+        assert status.watch.still_s == pytest.approx(7.0)
+    with RpcServer(pool, stale_s=10.0) as second:
+        clock.now += 2
+        assert second.registry.alive(1) is not None  # 9 s
+        clock.now += 1.5
+        assert second.registry.alive(1) is None  # 10.5 s of the two servers' watch
+
+
 def test_a_holder_taken_for_dead_finds_its_grant_gone(pool: Pool) -> None:
     clock = FakeClock()
     table = _table(pool, clock)
@@ -396,3 +460,64 @@ def test_a_seat_taken_from_another_host_without_a_rival_is_held(pool: Pool) -> N
     assert seat is not None and seat.identity == mine.identity and seat.epoch == 11
     assert seat.takeovers == 1
     HostRegistry(table).leave_seat(mine)
+
+
+def _store_after_ours(table: HostTable, rival: Seat) -> threading.Thread:
+    """A rival standby that looked at the seat before our store and stores its line just
+    after ours (CXL memory has no atomic to stop it)."""
+    mine = os.getpid()
+
+    def store() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seat = table.seat()
+            if seat is not None and seat.identity.pid == mine:
+                write_line(table.mem, table._seat_off, rival.pack())
+                return
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=store)
+    thread.start()
+    return thread
+
+
+def test_an_empty_seat_last_held_on_another_host_is_taken_through_the_settle(
+    pool: Pool,
+) -> None:
+    """A server on another host left the seat (epoch 0): it may be taken unfenced, but a
+    standby on a third host that saw the same empty seat may store its line at once.  Ours
+    is held through the settle, re-read: the rival's later store wins, and ours raises
+    instead of serving beside it."""
+    table = pool.hosts
+    left = _foreign_seat(table, 4242, b"\x01" * 8, epoch=0)
+    write_line(table.mem, table._seat_off, left.pack())
+    rival = _foreign_seat(table, 5151, b"\x02" * 8, epoch=9)
+    thread = _store_after_ours(table, rival)
+    with pytest.raises(PoolError, match="took the seat at once"):
+        HostRegistry(table).take_seat(11, wait_s=1.0)
+    thread.join(10)
+    assert table.seat() == rival
+
+
+def test_a_seat_is_free_unfenced_only_when_empty_or_its_server_is_gone_from_this_kernel(
+    pool: Pool,
+) -> None:
+    """``seat_free``: a seat line naming a pid that runs nowhere here is free only when the
+    line's boot id is this kernel's; with another host's boot id that pid says nothing (the
+    server runs there, perhaps), so the seat is not free.  An empty seat is free whoever
+    held it last."""
+    table = pool.hosts
+    ended = subprocess.Popen(["true"])
+    ended.wait(10)
+    now = table.wall()
+    for boot, free in ((b"\x01" * 8, False), (boot_id(), True)):
+        gone = Seat(7, Identity(ended.pid, 1, boot), now, now, 1, 0)
+        assert not gone.identity.running()
+        write_line(table.mem, table._seat_off, gone.pack())
+        assert seat_free(pool) is free, f"boot id {boot.hex()}"
+    for boot in (b"\x01" * 8, boot_id()):
+        write_line(table.mem, table._seat_off, _foreign_seat(table, 4242, boot, epoch=0).pack())
+        assert seat_free(pool)
+    mine = Seat(7, Identity.mine(), now, now, 1, 0)
+    write_line(table.mem, table._seat_off, mine.pack())
+    assert not seat_free(pool)  # a running server of this kernel
