@@ -833,8 +833,8 @@ MUTANTS: list[Mutant] = [
         "successor-ignores-the-watch",
         "host ids under takeovers",
         "beluga/pool/hosts.py",
-        "        self.stale.inherit((host_id, watch.generation), watch.beat or None, watch.still_s)",
-        "        self.stale.inherit((host_id, watch.generation), None, watch.still_s)",
+        "(host_id, watch.generation), watch.beat or None, watch.still_s)",
+        "(host_id, watch.generation), None, watch.still_s)",
         (HOSTS + "test_a_successor_judges_a_dead_holder_by_what_its_predecessor_watched",),
         "each server would judge a dead client's staleness from its own first look: with a "
         "takeover every few seconds no id of a dead client comes back, and connects are refused",

@@ -35,6 +35,14 @@ Liveness of a holder
     of the *observer's* clock (no synchronised clocks needed).  A host stalled
     past ``stale_s`` is taken for dead: that is the definition of liveness
     where nothing else is shared, and a resumed holder finds its grant gone.
+    The observer is the serving server, and what it has watched outlives it:
+    it writes each holder's :class:`Watch` (the heartbeat value it last saw,
+    and for how long of its clock that value has stood still) into the
+    status line of that id's RPC ring every refresh, and a successor starts
+    from there (``HostRegistry.inherit``).  So a dead holder's id comes back
+    once the servers *together* have watched it for ``stale_s``: with a
+    takeover every few seconds no single server would ever watch that long,
+    and ids ran out.  Only the time between two servers is not counted.
 
 Time is an input: :class:`HostTable` takes the monotonic ``clock`` that
 staleness is judged by and the ``wall`` clock of heartbeat stamps, so tests
@@ -383,6 +391,30 @@ class Staleness:
     def forget(self, key: object) -> None:
         self._seen.pop(key, None)
 
+    def still_for(self, key: object) -> tuple[object, float] | None:
+        """The value last seen under ``key`` and how long (of our clock) it has stood still."""
+        last = self._seen.get(key)
+        return None if last is None else (last[0], self.clock() - last[1])
+
+    def inherit(self, key: object, value: object, still_s: float) -> None:
+        """Take ``value`` as standing still for ``still_s`` already (another observer saw
+        it so), unless we have seen ``key`` ourselves."""
+        if key not in self._seen:
+            self._seen[key] = (value, self.clock() - max(0.0, still_s))
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What a server has seen of an id's holder, for the server after it (module doc).
+
+    ``beat``: the heartbeat value watched (0: a grant not yet confirmed, which
+    has none); ``still_s``: how long of that server's clock it stood still.
+    """
+
+    generation: int
+    beat: int
+    still_s: float
+
 
 class HostTable:
     """Claims, heartbeats and liveness over the pool's host region (see the module doc)."""
@@ -598,6 +630,8 @@ class HostRegistry:
         self.table = table
         self.before_grant = before_grant
         self.stale = Staleness(stale_s, table.clock)
+        #: host id -> what alive() last judged of it (watch() reports it, never a guess)
+        self._judged: dict[int, Watch] = {}
         self.granted = 0
         self.refused = 0
 
@@ -617,9 +651,20 @@ class HostRegistry:
         # from when we first saw the grant, and lapses after stale_s
         beat = entry.heartbeat_ns if confirmed else None
         fresh = self.stale.fresh((host_id, g.generation), beat)
+        seen = self.stale.still_for((host_id, g.generation))
+        self._judged[host_id] = Watch(g.generation, beat or 0, seen[1] if seen else 0.0)
         if g.identity.same_kernel():
             return g if g.identity.running() and (confirmed or fresh) else None
         return g if fresh else None
+
+    def watch(self, host_id: int) -> Watch | None:
+        """What this server saw of the holder of ``host_id`` when it last judged it (None:
+        never): the heartbeat value then, and how long it had stood still by then."""
+        return self._judged.get(host_id)
+
+    def inherit(self, host_id: int, watch: Watch) -> None:
+        """Start from what the server before this one watched (module doc, Liveness)."""
+        self.stale.inherit((host_id, watch.generation), watch.beat or None, watch.still_s)
 
     def _free_id(self, wanted: int) -> tuple[int, Grant | None]:
         """An id for a request (or a REFUSED_* code), and the live grant that refused it."""

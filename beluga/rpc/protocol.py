@@ -8,7 +8,8 @@ every offset here comes from it).  Its head is four lines:
   generation of the host id (from the host table), how many slots;
 - ``STATUS_LINE``, server status, written only by the server: its epoch (new
   at every start), the ring generation it has acknowledged, its pid and
-  heartbeat;
+  heartbeat, and how long it has seen the id's holder's heartbeat stand still
+  (a successor inherits that: beluga.pool.hosts, Liveness);
 - two wake lines (client's, server's) that only the C core touches.
 
 Wake lines, and the server's doorbell at ``DOORBELL`` in region 0, are
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from beluga._native import _core
 from beluga.coherence import seal_record, unseal_record
 from beluga.errors import BelugaError, CapacityError, RpcError
-from beluga.pool.hosts import boot_id
+from beluga.pool.hosts import Watch, boot_id
 from beluga.pool.layout import Superblock
 
 RING_MAGIC = 0x474E4952  # "RING"
@@ -47,7 +48,10 @@ STATUS_LINE = _core.RPC_STATUS
 DOORBELL = _core.RPC_DOORBELL  # offset in the pool (region 0, after the superblock)
 
 _RING = struct.Struct("<IIIIIIQ")
-_SERVER = struct.Struct("<IIIIIQ8sQ")
+# magic, epoch, acked gen, host id, pid, start, boot, heartbeat; then the server's watch of
+# the id's holder (generation, heartbeat value, ms it stood still: beluga.pool.hosts Watch),
+# added later: a line written without it reads it as 0, nothing watched
+_SERVER = struct.Struct("<IIIIIQ8sQIQI")
 
 
 class Op(enum.IntEnum):
@@ -122,8 +126,10 @@ class ServerStatus:
     start_ms: int
     boot_id: bytes
     heartbeat_ns: int
+    watch: Watch | None = None  # how the server saw the id's holder, for its successor
 
     def pack(self) -> bytes:
+        w = self.watch or Watch(0, 0, 0.0)
         return seal_record(
             _SERVER.pack(
                 SERVER_MAGIC,
@@ -134,6 +140,9 @@ class ServerStatus:
                 self.start_ms,
                 self.boot_id,
                 self.heartbeat_ns,
+                w.generation,
+                w.beat,
+                min(round(w.still_s * 1000), 0xFFFFFFFF),
             )
         )
 
@@ -142,8 +151,10 @@ class ServerStatus:
         body = unseal_record(line)
         if body is None:
             return None
-        magic, *fields = _SERVER.unpack_from(body)
-        return cls(*fields) if magic == SERVER_MAGIC else None
+        magic, *fields, watch_gen, beat, still_ms = _SERVER.unpack_from(body)
+        if magic != SERVER_MAGIC:
+            return None
+        return cls(*fields, Watch(watch_gen, beat, still_ms / 1000) if watch_gen else None)
 
 
 @dataclass(frozen=True)

@@ -190,11 +190,19 @@ class RpcServer:
             self.seat = self.registry.take_seat(
                 self.epoch, wait_s=stale_s, fenced=fenced, stopping=self._stop
             )
+            self._inherit_watches()
             if first_refresh:
                 self.refresh()
         except BaseException:
             self._unlock()
             raise
+
+    def _inherit_watches(self) -> None:
+        """Start judging each id's holder from what the servers before this one watched."""
+        for h in range(self.sb.max_hosts):
+            st = ServerStatus.unpack(read_line(self.mem, ring_offset(self.sb, h) + STATUS_LINE))
+            if st is not None and st.watch is not None:
+                self.registry.inherit(h, st.watch)
 
     @property
     def idle_after_s(self) -> float:
@@ -216,6 +224,7 @@ class RpcServer:
             self.start_ms,
             boot_id(),
             time.time_ns(),
+            self.registry.watch(host_id),
         )
         write_line(self.mem, ring_offset(self.sb, host_id) + STATUS_LINE, status.pack())
 
