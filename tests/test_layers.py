@@ -143,7 +143,7 @@ class Exemption:
 
 EXEMPTIONS: tuple[Exemption, ...] = (
     Exemption(
-        "transfer/gpu.py",
+        "transfer/gpu/__init__.py",
         RAW_MAPPING,
         "CUDA registers the pool's bytes (cudaHostRegister) so that a GPU kernel loads and "
         "stores them itself; a CPU Memory cannot stand in for the device's own accesses",

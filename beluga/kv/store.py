@@ -285,28 +285,16 @@ class KVStore:
 
         Each block's CRC32C is taken from the source bytes as they are stored,
         so bytes in an extent that this writer did not put there can never be
-        sealed in.  ``mover``: a ``GpuPool`` for a KV cache on its GPU (its
-        kernel moves the bytes and the checksum is taken from the pool afterwards).
+        sealed in.  ``mover``: None (the pool's ``Memory``), or a ``GpuPool`` for
+        a KV cache on its GPU, which takes the same arguments and computes each
+        block's CRC on the GPU from its source bytes.
         """
         host, gen = self.rpc.host_id, self.rpc.entry.generation
-        if mover is not None and mover is not self.mem:
-            mover.gather_write(buffers, table)
-            for r in refs:
-                self.mem.seal(
-                    r.header_offset,
-                    r.payload_offset,
-                    r.digest,
-                    r.version,
-                    r.length,
-                    writer=host,
-                    writer_gen=gen,
-                )
-        else:
-            blocks = [
-                (r.header_offset, r.payload_offset, r.digest, r.version, r.length, 0, host, gen)
-                for r in refs
-            ]
-            self.mem.write_blocks(buffers, table, blocks)
+        blocks = [
+            (r.header_offset, r.payload_offset, r.digest, r.version, r.length, 0, host, gen)
+            for r in refs
+        ]
+        (self.mem if mover is None else mover).write_blocks(buffers, table, blocks)
 
     def _read_blocks(
         self, refs: Sequence[BlockRef], buffers: Sequence[Any], table: Any, mover: Any
@@ -317,12 +305,13 @@ class KVStore:
         the CRC32C of its bytes *as copied* must be the header's, and the
         header must not have changed meanwhile.  Each ref's value length where
         the destination holds the committed value, else a negative miss code
-        (``beluga.coherence.Miss``).  ``mover``: a ``GpuPool`` for a KV cache
-        on its GPU; its kernel copies, then the pool's bytes are checksummed
-        by the CPU (one more read).  ``refs`` may name one pool block twice
-        (two requests of one batch that share a prefix block): the block is
-        validated once for all its rows, and a ref of another version than
-        the first is a miss.
+        (``beluga.coherence.Miss``).  ``mover``: None (the pool's ``Memory``,
+        one C call), or a ``GpuPool`` for a KV cache on its GPU, which takes the
+        same arguments: the CPU checks the headers, the GPU the CRC of the bytes
+        where they landed (no CPU read of a payload).  ``refs`` may name one pool
+        block twice (two requests of one batch that share a prefix block): the
+        block is validated once for all its rows, and a ref of another version
+        than the first is a miss.
         """
         first: dict[int, int] = {}
         unique: list[BlockRef] = []
@@ -333,30 +322,9 @@ class KVStore:
         blocks = [
             (r.header_offset, r.payload_offset, r.capacity, r.digest, r.version) for r in unique
         ]
-        if mover is None or mover is self.mem:
-            got = list(self.mem.read_blocks(buffers, table, blocks))
-        else:
-            before = self._check(unique)
-            mover.scatter_read(buffers, table)
-            whole = bytearray(sum(r.length for r in unique))
-            rows, at = [], 0
-            for r in unique:
-                rows.append((0, at, r.payload_offset, r.length))
-                at += r.length
-            got = self.mem.read_blocks([whole], np.array(rows, dtype=np.uint64), blocks)
-            got = [g if ok else int(Miss.CHANGED) for g, ok in zip(got, before, strict=True)]
+        got = list((self.mem if mover is None else mover).read_blocks(buffers, table, blocks))
         return [
             got[first[r.block]] if unique[first[r.block]] == r else int(Miss.VERSION) for r in refs
-        ]
-
-    def _check(self, refs: Sequence[BlockRef]) -> list[bool]:
-        """Whether each block is still the published version."""
-        return [
-            self.mem.check_header(
-                r.header_offset, r.payload_offset, r.capacity, r.digest, r.version
-            )
-            == r.length
-            for r in refs
         ]
 
     # -- the data path: save and load ----------------------------------------

@@ -27,8 +27,9 @@ the bytes as copied, header again), with :class:`EngineBlocks` as the source
 or sink: it builds its tables with :func:`block_moves`.
 
 The mover is the pool's ``Memory`` for a KV cache in host memory, or a
-:class:`beluga.transfer.gpu.GpuPool` for one on its GPU (one kernel instead
-of one C call; the same table and the same checks).
+:class:`beluga.transfer.gpu.GpuPool` for one on its GPU (copy engines and a
+kernel instead of one C call, the CRC32C checked on the GPU; the same table
+and the same checks).
 """
 
 from __future__ import annotations
@@ -270,7 +271,12 @@ def sparse_fetch(
     block ``i``, tokens ``[i * block_tokens, (i + 1) * block_tokens)``;
     ``positions`` is an int array ``[layers, kv_heads, k]`` of token positions
     (top-k per layer and head); ``out`` is a writable buffer that receives
-    ``sparse_shape(fmt, positions)`` elements.
+    ``sparse_shape(fmt, positions)`` elements.  ``mem``: the pool's ``Memory``
+    (one C call), or a :class:`~beluga.transfer.gpu.GpuPool` with ``out`` a
+    tensor on its GPU: one launch of its copy kernel straight from the pool's
+    blocks (the fragments are far below the copy engines' crossover), after
+    invalidating what this host may hold stale.  Raw, as on the CPU: the
+    caller knows the blocks are published (the paper's top-k reads).
     Returns the bytes moved.
     """
     if not fmt.token_addressable:
@@ -278,8 +284,6 @@ def sparse_fetch(
             "CPU_ATTN blocks pack each head's tokens for the CPU's ISA; sparse fetch needs "
             "an NHD or HND block format"
         )
-    if getattr(mem, "device", None) is not None:
-        raise KVLayoutError("sparse fetch runs on the CPU: pass the pool's Memory, not a GpuPool")
     pos = np.asarray(positions)
     s = fmt.spec
     want = (s.num_layers, s.num_kv_heads)
@@ -298,6 +302,20 @@ def sparse_fetch(
             f"hold {limit} tokens"
         )
     need = int(np.prod(sparse_shape(fmt, pos))) * s.itemsize
+    device = getattr(mem, "device", None)
+    if device is not None and not isinstance(out, np.ndarray):  # a GpuPool: a tensor there
+        if getattr(out, "device", None) != device or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous tensor on {device} (the GpuPool's device), got "
+                f"{type(out).__name__} on {getattr(out, 'device', None)}"
+            )
+        have = out.numel() * out.element_size()
+        if have < need:
+            raise ValueError(
+                f"out must hold at least {need} bytes (a {sparse_shape(fmt, pos)} {s.dtype} "
+                f"tensor), got {have} bytes"
+            )
+        return mem.scatter_read([out], sparse_table(fmt, offs, pos))
     with memoryview(out) as view:
         if view.readonly or not view.c_contiguous or view.nbytes < need:
             raise ValueError(
