@@ -27,7 +27,12 @@ import pytest
 import torch
 
 from beluga.errors import KVLayoutError
-from beluga.integrations.moves import BlockMoves, GpuPools, engine_layout
+from beluga.integrations.moves import (
+    BlockMoves,
+    GpuPools,
+    engine_layout,
+    flash_attention_layout,
+)
 from beluga.kv import KVNamespace, KVStore, MetadataServer, ModelIdentity
 from beluga.pool import Geometry, Pool
 from beluga.transfer import KVLayout, KVSpec
@@ -248,6 +253,25 @@ def test_gpu_pools_lend_one_registration_per_store_and_close_it_after_its_last_m
     gpus.close()  # twice is fine
 
 
+def test_a_flash_attention_caches_order_is_read_from_its_strides() -> None:
+    """vLLM lays every layer out in the KV cache layout it resolved (LBNHC: NHD, LBHNC: HND);
+    the worker moves the tensors in the order their memory has, 5-D caches and 4-D views."""
+    for order in ("NHD", "HND"):
+        five = flash_caches(order, seed=None)
+        assert flash_attention_layout(SPEC, five).format.order == order
+        hnd_view = torch.zeros((NB, HEADS, BS, 2 * DIM), dtype=torch.bfloat16)  # [nb,H,bs,2D]
+        nhd_view = torch.zeros((NB, BS, HEADS, 2 * DIM), dtype=torch.bfloat16).transpose(1, 2)
+        view = hnd_view if order == "HND" else nhd_view
+        assert flash_attention_layout(SPEC, [view] * LAYERS).format.order == order
+    flashinfer = [torch.zeros((NB, 2, BS, HEADS, DIM), dtype=torch.bfloat16)] * LAYERS
+    with pytest.raises(KVLayoutError, match="FlashAttention in no order"):
+        flash_attention_layout(SPEC, flashinfer)
+    with pytest.raises(KVLayoutError, match="FlashAttention NHD for"):
+        flash_attention_layout(SPEC, flash_caches("HND", seed=None), "NHD")
+    with pytest.raises(KVLayoutError, match="moves FlashAttention's NHD and HND"):
+        flash_attention_layout(SPEC, flash_caches("HND", seed=None), "LHBNC")
+
+
 def test_the_worker_takes_cpu_caches_as_cpu_attn_and_cuda_ones_as_flash_attention() -> None:
     view = torch.zeros((NB, HEADS, BS, 2 * DIM), dtype=torch.bfloat16)  # vLLM-CPU's 4-D view
     layout = engine_layout(SPEC, [view] * LAYERS, "")
@@ -268,7 +292,8 @@ def test_cuda_flash_attention_blocks_move_through_a_gpu_pool_byte_exact(
     """What the worker does with a CUDA KV cache: FlashAttention layout in the engine's
     order, moved by a GpuPool registered over the store's pool; bytes, then a reload."""
     src = flash_caches(order, seed=5, device="cuda")
-    moves = BlockMoves([engine_layout(SPEC, src, order)])
+    moves = BlockMoves([engine_layout(SPEC, src)])  # the order read from the strides
+    assert moves.layouts[0].format.order == order
     assert moves.on_gpu
     moves.prepare(served.store)  # registers at start, as the worker does
     names = keys("g1", "g2", "g3", layout=order)
@@ -276,7 +301,7 @@ def test_cuda_flash_attention_blocks_move_through_a_gpu_pool_byte_exact(
     for name, block in zip(names, [5, 0, 2], strict=True):
         assert served.store.get(name) == block_value(src, block, order)
     dst = flash_caches(order, seed=None, device="cuda")
-    back = BlockMoves([engine_layout(SPEC, dst, order)])
+    back = BlockMoves([engine_layout(SPEC, dst)])
     refs = served.store.locate(names)
     assert back.load(served.store, back.layouts[0], [1, 2, 3], refs) == [True] * 3
     for got, want in zip(dst, src, strict=True):
@@ -288,12 +313,13 @@ def test_cuda_flash_attention_blocks_move_through_a_gpu_pool_byte_exact(
 
 
 @cuda
-def test_a_cuda_cache_in_the_other_order_is_refused_at_start() -> None:
+def test_a_cuda_cache_in_no_order_moved_is_refused_at_start() -> None:
+    flashinfer = [torch.zeros((NB, 2, BS, HEADS, DIM), dtype=torch.bfloat16, device="cuda")]
+    with pytest.raises(KVLayoutError, match="FlashAttention in no order"):
+        engine_layout(SPEC, flashinfer * LAYERS)
     hnd = flash_caches("HND", seed=None, device="cuda")
-    with pytest.raises(KVLayoutError, match="FlashAttention NHD"):
+    with pytest.raises(KVLayoutError, match="FlashAttention NHD for"):
         engine_layout(SPEC, hnd, "NHD")
-    with pytest.raises(KVLayoutError, match="moves FlashAttention's NHD and HND"):
-        engine_layout(SPEC, hnd, "XYZ")
 
 
 def test_stand_in_rows_land_where_a_gpu_would_put_them(served: Served) -> None:

@@ -8,9 +8,11 @@ framework shapes them:
 :func:`engine_layout`
     the layout of the KV cache an engine registers: host tensors are vLLM's
     CPU backend (CPU_ATTN); CUDA tensors are FlashAttention in the memory
-    order the engine runs (``"NHD"``, or ``"HND"``, vLLM's
-    ``get_kv_cache_layout()``); anything else, or tensors that do not match,
-    is refused at start.
+    order they have (NHD or HND: vLLM resolves one KV cache layout per
+    engine, ``KVCacheConfig.kv_cache_layout``, LBNHC or LBHNC, and lays
+    every layer out by it; its name is in the blocks' key namespace, and the
+    tensors' strides say which order to move them in); anything else, or
+    tensors in neither order, is refused at start.
 :class:`GpuPools`
     one :class:`~beluga.transfer.gpu.GpuPool` per store connection: the
     pool's mapping registered with CUDA on first use, and unregistered
@@ -48,10 +50,13 @@ from beluga.transfer.gpu import GpuPool
 GPU_ORDERS = ("NHD", "HND")  # FlashAttention's memory orders (vLLM's KV cache layouts)
 
 
-def engine_layout(spec: KVSpec, tensors: Sequence[torch.Tensor], gpu_order: str) -> KVLayout:
+def engine_layout(
+    spec: KVSpec, tensors: Sequence[torch.Tensor], gpu_order: str | None = None
+) -> KVLayout:
     """The layout of one KV cache group's per-layer tensors, refused with the reason when it
-    cannot be moved: CPU_ATTN in host memory, FlashAttention in ``gpu_order`` on a CUDA
-    device."""
+    cannot be moved: CPU_ATTN in host memory; on a CUDA device FlashAttention in
+    ``gpu_order``, or, by default, in whichever of NHD and HND the tensors' strides have
+    (when both fit, as with one KV head, the two put the same bytes in a block)."""
     device = tensors[0].device
     if device.type == "cpu":
         return KVLayout.cpu_attention(spec, tensors)
@@ -61,12 +66,31 @@ def engine_layout(spec: KVSpec, tensors: Sequence[torch.Tensor], gpu_order: str)
             "(vLLM's CPU backend) or on a CUDA device (FlashAttention, NHD or HND): serve on "
             "one of those or remove it from --kv-transfer-config"
         )
-    if gpu_order not in GPU_ORDERS:
+    return flash_attention_layout(spec, tensors, gpu_order)
+
+
+def flash_attention_layout(
+    spec: KVSpec, tensors: Sequence[torch.Tensor], order: str | None = None
+) -> KVLayout:
+    """FlashAttention per-layer tensors (vLLM's 5-D caches or 4-D views) in ``order``, or in
+    whichever of NHD and HND their strides have; refused when in neither."""
+    if order is not None and order not in GPU_ORDERS:
         raise KVLayoutError(
-            f"the engine lays its GPU KV cache out as {gpu_order!r}; BelugaConnector moves "
-            f"FlashAttention's {' and '.join(GPU_ORDERS)} (VLLM_KV_CACHE_LAYOUT)"
+            f"the engine lays its GPU KV cache out as {order!r}; BelugaConnector moves "
+            f"FlashAttention's {' and '.join(GPU_ORDERS)} (vLLM's LBNHC and LBHNC layouts)"
         )
-    return KVLayout.flash_attention(spec, tensors, gpu_order)
+    refusals = []
+    for candidate in [order] if order else GPU_ORDERS:
+        try:
+            return KVLayout.flash_attention(spec, tensors, candidate)
+        except KVLayoutError as e:
+            refusals.append(str(e))
+    raise KVLayoutError(
+        "the KV cache is FlashAttention in no order BelugaConnector moves ("
+        + "; ".join(refusals)
+        + "): serve with an NHD or HND KV cache layout (VLLM_KV_CACHE_LAYOUT) or remove it "
+        "from --kv-transfer-config"
+    )
 
 
 class GpuPools:

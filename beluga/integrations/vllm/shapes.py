@@ -159,16 +159,7 @@ def _layout_tag(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, spec: A
         except (ImportError, TypeError):
             isa = "unknown"
         return f"cpu-{isa}"
-    return f"cuda-{gpu_kv_order()}"  # FlashAttention's memory order: it fixes a block's bytes
-
-
-def gpu_kv_order() -> str:
-    """The memory order of vLLM's GPU KV caches, "NHD" or "HND" (``VLLM_KV_CACHE_LAYOUT``,
-    else what its attention backend and connectors chose): the scheduler keys blocks by it and
-    the worker moves its cache in it, so both halves must read it here."""
-    from vllm.v1.attention.backends.utils import get_kv_cache_layout
-
-    return str(get_kv_cache_layout())
+    return str(getattr(kv_cache_config, "kv_cache_layout", None) or "default")
 
 
 def _cpu_mla_backend(vllm_config: VllmConfig) -> str:

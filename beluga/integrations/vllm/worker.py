@@ -2,7 +2,7 @@
 
 ``register_kv_caches`` detects the layout (refused at start when it cannot be
 moved: host caches of vLLM's CPU backend, and CUDA caches of FlashAttention in
-the engine's NHD or HND order, are moved); ``start_load_kv`` /
+the NHD or HND order their strides have, are moved); ``start_load_kv`` /
 ``wait_for_layer_load`` load the step's blocks with ``KVStore.load`` (on the
 load thread when asynchronous); ``wait_for_save`` saves the blocks the step
 completed with one ``KVStore.save`` per KV cache group (on the save thread
@@ -34,7 +34,7 @@ from beluga.integrations.vllm.events import Block, SavedBlocks
 from beluga.integrations.vllm.metrics import BelugaConnectorStats, Tally
 from beluga.integrations.vllm.options import Options
 from beluga.integrations.vllm.scheduler import BelugaMetadata, LoadSpec, SaveSpec
-from beluga.integrations.vllm.shapes import EngineKV, gpu_kv_order
+from beluga.integrations.vllm.shapes import EngineKV
 from beluga.kv import BlockRef, KVStore
 from beluga.transfer import KVLayout
 
@@ -101,10 +101,8 @@ class BelugaWorker:
                 f"vLLM registered no KV cache for layers {missing}; BelugaConnector needs every "
                 "attention layer of the model's KV cache groups"
             )
-        order = gpu_kv_order() if kv_caches[names[0]].device.type == "cuda" else ""
         self._layouts = [
-            engine_layout(g.spec, [kv_caches[n] for n in g.layer_names], order)
-            for g in self.kv.groups
+            engine_layout(g.spec, [kv_caches[n] for n in g.layer_names]) for g in self.kv.groups
         ]
         if self._transfer == "layerwise":
             (group,) = self.kv.groups
@@ -115,6 +113,8 @@ class BelugaWorker:
                     "layer-wise transfers cannot address it: use 'transfer': 'whole'"
                 )
             one = dataclasses.replace(group.spec, num_layers=1)
+            whole = self._layouts[0]  # each layer in its order
+            order = whole.format.order if whole.device.type == "cuda" else None
             self._layer_layouts = {
                 n: (i * layer_bytes, engine_layout(one, [kv_caches[n]], order))
                 for i, n in enumerate(group.layer_names)
