@@ -805,6 +805,48 @@ MUTANTS: list[Mutant] = [
         "a server on another host would count as gone because its pid runs nowhere here: a "
         "standby takes its seat unfenced while it still serves",
     ),
+    # -- recovery of a write in flight at a restart: its writer's id, generation and lease
+    Mutant(
+        "recover-swaps-writer-and-generation",
+        "recovery of a write in flight",
+        "beluga/kv/service.py",
+        "                int(headers.writer[i]),\n                int(headers.writer_gen[i]),",
+        "                int(headers.writer_gen[i]),\n                int(headers.writer[i]),",
+        (
+            IX + "test_a_write_in_flight_at_a_restart_is_still_its_writers_after_the_new_servers_"
+            "tick",
+        ),
+        "a recovered write is judged by a writer that does not exist: freed at the new "
+        "server's first tick, its live writer's COMMIT refused (an acknowledged-looking write "
+        "lost; before, only process restarts and chaos rounds saw it, in tens of seconds)",
+        cheap=True,
+    ),
+    Mutant(
+        "recover-forgets-the-writers-generation",
+        "recovery of a write in flight",
+        "beluga/kv/service.py",
+        "                int(headers.writer_gen[i]),",
+        "                0,",
+        (
+            IX + "test_a_write_in_flight_at_a_restart_is_still_its_writers_after_the_new_servers_"
+            "tick",
+        ),
+        "a recovered write whose writer's generation is gone stays held for a whole lease "
+        "(writer unknown), and one whose writer lives is freed once its lease runs out",
+    ),
+    Mutant(
+        "recover-gives-no-write-lease",
+        "recovery of a write in flight",
+        "beluga/kv/service.py",
+        "expires = self.clock() + self.write_lease_s",
+        "expires = self.clock()",
+        (
+            IX + "test_a_write_in_flight_at_a_restart_is_still_its_writers_after_the_new_servers_"
+            "tick",
+        ),
+        "every recovered write is cancelled at the new server's first tick: a writer that "
+        "sealed before the restart has its COMMIT refused",
+    ),
     # -- no request outlives its server (issue 36)
     Mutant(
         "adoption-frees-answered-grants",

@@ -773,3 +773,28 @@ def test_a_request_whose_tier_holds_some_of_its_missed_keys_promotes_each_under_
         assert s.batch_is_exist(["s13", "s14", "s15"]) == [False, True, False]
         for k in ["s0", *promoted]:
             assert plain.remove(k)
+
+
+# -- recovery of a write in flight at a restart ------------------------------------------
+
+
+@pytest.mark.leaves("keys")
+def test_a_write_in_flight_at_a_restart_is_still_its_writers_after_the_new_servers_tick(
+    h: Harness,
+) -> None:
+    """Host 1 in generation 7 (alive) has sealed "a"; a write of "b" by the id's previous
+    generation (gone) is in flight too.  The server restarts, and the new server ticks
+    within the write lease, judging each recovered writer by the id and generation its
+    header names: "a" stays its writer's and commits, "b"'s extent is freed at once."""
+    gone = (WRITER[0], WRITER[1] - 1)
+    a = h.alloc("a", 10)
+    h.write("a", a, b"0123456789")
+    h.begin("b", h.alloc("b", 10, who=gone), 10, who=gone)
+    h.svc = h.start()
+    assert h.svc.stats()["writes_in_flight"] == 2
+    h.clock.now += 0.5  # within the write lease of 1 s
+    h.svc.tick()
+    assert h.svc.stats()["writes_in_flight"] == 1, "a dead generation's write was kept"
+    assert h.commit("a", a), "the live writer's recovered write was taken from it"
+    assert h.read("a") == b"0123456789"
+    assert h.svc.stats()["blocks_used"] == 1
