@@ -51,8 +51,44 @@ VLLM = "tests/frameworks/test_vllm_connector.py::"
 RETIRED = "tests/test_retired.py::"
 MOONCAKE = "tests/test_compat_mooncake.py::"
 RESTARTS = "tests/test_rpc_restarts.py::"
+GPU = "tests/test_transfer_gpu.py::"
 
 MUTANTS: list[Mutant] = [
+    # -- the read record (C): what a GPU load invalidates (beluga/_native/record.c)
+    Mutant(
+        "record-marks-all-but-the-last-granule",
+        "read record",
+        "beluga/_native/record.c",
+        "g <= last && g < m->rec_count; g++)",
+        "g < last && g < m->rec_count; g++)",
+        (GPU + "test_a_gpu_load_invalidates_what_this_host_cached_and_nothing_else",),
+        "the last granule a CPU read touched stays CLEAN: the GPU copies its stale lines",
+        cheap=True,
+    ),
+    Mutant(
+        "record-trusts-an-invalidated-granule-clean",
+        "read record",
+        "beluga/_native/record.c",
+        "s == BL_REC_START ? BL_REC_CLEAN : v ? v : BL_REC_TOUCHED;",
+        "BL_REC_CLEAN;",
+        (
+            GPU
+            + "test_a_line_refilled_at_a_gpu_loads_invalidation_is_not_trusted_for_a_later_version",
+        ),
+        "a line refilled at the GPU load's own invalidation is copied for a later version",
+    ),
+    Mutant(
+        "record-trusts-any-version",
+        "read record",
+        "beluga/_native/record.c",
+        "if (s == BL_REC_CLEAN || (v && s == v)) {",
+        "if (s == BL_REC_CLEAN || (v && s != BL_REC_TOUCHED && s != BL_REC_START)) {",
+        (
+            GPU
+            + "test_a_line_refilled_at_a_gpu_loads_invalidation_is_not_trusted_for_a_later_version",
+        ),
+        "a granule last read as version 1 is trusted for version 2: its refilled lines are copied",
+    ),
     # -- index reader (C): confirmation of a slot against the block header, bucket search
     Mutant(
         "reader-batch-skips-version-confirm",

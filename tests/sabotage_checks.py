@@ -210,6 +210,33 @@ def gather_and_scatter(model: ModelConfig) -> None:
             raise Violation(f"round {n}: scatter_read did not see what gather_write returned from")
 
 
+def device_read_on_a_caching_host(model: ModelConfig) -> None:
+    """A GPU's load (the stand-in runtime: pool bytes as a device reads them through its host)
+    of a block whose older version this host's CPU cached gets the newer version's bytes,
+    which carry the same CRC32C, so only the invalidation can tell them apart (record.c)."""
+    from beluga.transfer.gpu import GpuPool
+    from tests.gpu_standin import StandInCuda
+
+    old, new = litmus.TWINS
+    with _pool_file(model) as host:
+        writer, reader = host(1), host(2)
+        with GpuPool(reader, runtime=StandInCuda()) as gpu:
+            sb = reader.superblock
+            hdr, pay, cap = sb.block_header_offset(0), sb.block_payload_offset(0), sb.block_size
+            writer.memory.publish(hdr, pay, KEY, 1, old)
+            if reader.memory.read_validated(hdr, pay, cap, KEY, 1, bytearray(cap)) != len(old):
+                raise Violation("the first version was not readable")  # the CPU caches it now
+            writer.memory.publish(hdr, pay, KEY, 2, new)
+            out = np.zeros(len(new), np.uint8)
+            rows = np.array([(0, 0, pay, len(new))], dtype=np.uint64)
+            (n,) = gpu.read_blocks([out], rows, [(hdr, pay, cap, KEY, 2)])
+            if n != len(new) or out.tobytes() != new:
+                raise Violation(
+                    f"a GPU load on a host that had cached version 1 did not get version 2 ({n}, "
+                    f"{'the old bytes' if out.tobytes() == old else 'other bytes'})"
+                )
+
+
 # -- RPC (rpc.c) ----------------------------------------------------------------
 
 AREA, RING, DEPTH, GEN = 64 << 10, 64 << 10, 2, 1
@@ -701,6 +728,7 @@ CHECKS: dict[str, Callable[[ModelConfig], None]] = {
         read_blocks_on_a_caching_host,
         block_seal_of_a_foreign_payload,
         gather_and_scatter,
+        device_read_on_a_caching_host,
         rpc_ring_round_trips,
         rpc_payload_sweep,
         hosts_remote_heartbeat,
@@ -748,6 +776,8 @@ CATCHERS: dict[str, list[str]] = {
     "GATHER_FENCE": ["gather_and_scatter"],
     "SCATTER_INVALIDATE": ["gather_and_scatter"],
     "SCATTER_MFENCE": ["gather_and_scatter"],
+    "DEVICE_READ_INVALIDATE": ["device_read_on_a_caching_host"],
+    "DEVICE_READ_MFENCE": ["device_read_on_a_caching_host"],
     "RPC_REQUEST_PAYLOAD_FENCE": ["rpc_payload_sweep"],
     "RPC_RESPONSE_PAYLOAD_FENCE": ["rpc_payload_sweep"],
     **{f"RPC_{s}": ["rpc_ring_round_trips"] for s in _RPC_READS},

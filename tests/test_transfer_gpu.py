@@ -373,11 +373,13 @@ def gather_bytes(layout: KVLayout, block: int) -> bytes:
     return buf.tobytes()
 
 
-def twins(size: int) -> tuple[bytes, bytes]:
-    """Two payloads with one CRC32C that differ in one line (litmus' trick: a message followed
-    by its own CRC leaves the register constant, so a common tail ends both alike)."""
+def twins(size: int, at: int = 4992) -> tuple[bytes, bytes]:
+    """Two payloads with one CRC32C that differ in the one line at ``at`` (litmus' trick: a
+    message followed by its own CRC leaves the register constant, so a common tail ends both
+    alike).  The default puts that line in a block's second 4 KiB granule, among the last 64
+    lines an invalidation of the block dooms (the model completes older ones at once)."""
     rng = random.Random(7)
-    head, tail = rng.randbytes(1024), rng.randbytes(size - 1024 - 64)
+    head, tail = rng.randbytes(at), rng.randbytes(size - at - 64)
 
     def twin() -> bytes:
         body = head + rng.randbytes(60)
@@ -423,6 +425,34 @@ def test_a_gpu_load_invalidates_what_this_host_cached_and_nothing_else(shm_path:
             len(old)
         ]
         assert gpu.stats["invalidated"] == spent  # neither a block read again nor one never read
+
+
+@pytest.mark.leaves("writes")  # blocks published by hand, never committed
+def test_a_line_refilled_at_a_gpu_loads_invalidation_is_not_trusted_for_a_later_version(
+    shm_path: str,
+) -> None:
+    """Under a model that refills every invalidated line at the fence (a prefetch in flight):
+    the reader's CPU caches version 1, its GPU load of version 1 invalidates and the lines
+    come straight back; after another host writes version 2 (same CRC32C), the GPU load of
+    version 2 must not take those lines for its own."""
+    Pool.create(shm_path, 32 << 20, geometry=GEOMETRY, coherence="model").close()
+    refills = ModelConfig(evict_rate=0.0, refill_rate=1.0)
+    with (
+        Pool.attach(shm_path, coherence="model", model=refills) as writer,
+        Pool.attach(shm_path, coherence="model", model=refills) as reader,
+        GpuPool(reader, runtime=StandInCuda()) as gpu,
+    ):
+        sb, key = reader.superblock, digest(b"refilled")
+        hdr, pay = sb.block_header_offset(1), sb.block_payload_offset(1)
+        old, new = twins(6000)
+        writer.memory.publish(hdr, pay, key, 1, old)
+        assert reader.memory.read_validated(hdr, pay, sb.block_size, key, 1, bytearray(8192)) > 0
+        dest = np.zeros(len(old), np.uint8)
+        table = np.array([[0, 0, pay, len(old)]], np.uint64)
+        assert gpu.read_blocks([dest], table, [(hdr, pay, sb.block_size, key, 1)]) == [len(old)]
+        writer.memory.publish(hdr, pay, key, 2, new)
+        got = gpu.read_blocks([dest], table, [(hdr, pay, sb.block_size, key, 2)])
+        assert got == [len(new)] and dest.tobytes() == new
 
 
 @pytest.mark.leaves("keys")
