@@ -4,9 +4,8 @@ Beside the v1 API's hooks it implements ``SupportsHMA`` (vLLM's hybrid KV
 cache manager: every KV cache group, see :mod:`.shapes`), ``take_events``
 (:mod:`.events`), ``reset_cache`` (an epoch, see :mod:`.scheduler`) and
 reports its hits as host memory (``CacheHitSource.HOST``: the pool is memory
-each host maps).  Sleep mode is refused: it discards and remaps the KV cache,
-which only the GPU backend does, and BelugaConnector moves host-resident KV
-caches only.
+each host maps).  Sleep mode is refused: it discards and remaps the GPU KV
+cache under the addresses BelugaConnector's moves were built over.
 """
 
 from __future__ import annotations
