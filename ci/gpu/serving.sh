@@ -14,7 +14,7 @@
 # serve (so a pass of N requests lasts about N / rate), 3 runs each from scratch (spawned
 # engines import torch and draw 15 GB of weights).  Smaller or larger, by environment:
 #   SERVING_DOCS (2)  SERVING_QUESTIONS (2)  SERVING_PD_QUESTIONS (1)  SERVING_REPEAT (3)
-#   SERVING_PREFIX_S (135)  SERVING_PD_S (75): each bench's own bound, inside the step's.
+#   SERVING_PREFIX_S (125)  SERVING_PD_S (70): each bench's own bound, inside the step's.
 set -uo pipefail
 out=${STEP_OUT:?STEP_OUT: the folder this step writes to}
 docs=${SERVING_DOCS:-2}
@@ -40,7 +40,7 @@ bench() {  # NAME BOUND_S ARGS...: one bench, its JSON, chart and printed summar
   (( rc == 0 )) || { echo "serving: $name failed with rc $rc"; status=1; }
 }
 
-bench e2e-prefix "${SERVING_PREFIX_S:-135}" --questions "$questions" "$questions"
-bench e2e-pd "${SERVING_PD_S:-75}" --pd 1:1 --questions "$pd_questions" "$pd_questions" \
+bench e2e-prefix "${SERVING_PREFIX_S:-125}" --questions "$questions" "$questions"
+bench e2e-pd "${SERVING_PD_S:-70}" --pd 1:1 --questions "$pd_questions" "$pd_questions" \
   --max-tokens 8
 exit $status
