@@ -20,6 +20,7 @@ import contextlib
 import random
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -505,3 +506,23 @@ def test_the_cpu_path_refuses_a_gpu_cache(pool: Pool) -> None:
     layout = KVLayout.flash_attention(SPEC, caches("cuda", seed=6))
     with pytest.raises(KVLayoutError, match="GpuPool"):
         gather_write(pool.memory, layout, [0], offsets(pool, [0]), block_bytes=BLOCK)
+
+
+@pytest.mark.leaves("writes")  # the bench seals blocks in its scratch pool, then destroys it
+def test_the_gpu_bench_runs_every_row_beside_its_floors_on_the_stand_in(tmp_path: Path) -> None:
+    """``beluga bench gpu``'s own code, on the CPU (its figures mean nothing here)."""
+    from beluga.bench import gpu as gpu_bench
+
+    doc = gpu_bench.run(batches=[2], repeat=2, crossover=None, runtime=StandInCuda(), device="cpu")
+    names = {(r["row"], r["direction"], r["check"]) for r in doc["rows"]}
+    for row in ("64k", "7b-block", "32b-block", "7b-batch2"):
+        for direction in ("load", "save"):
+            assert {(row, direction, "copy"), (row, direction, "crc32c")} <= names
+    assert ("sparse16", "load", "copy") in names
+    for r in doc["rows"]:
+        if r["row"] != "sparse16":
+            assert {"pinned_p50_us", "pool_p50_us", "loop_p50_us", "p99_us"} <= set(r), r
+    assert [s["piece"] for s in doc["crossover_sweep"]] == list(gpu_bench.SWEEP_PIECES)
+    assert doc["retried_blocks"] == 0
+    gpu_bench.chart(doc, str(tmp_path / "gpu.png"))
+    assert (tmp_path / "gpu.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""``beluga bench memops|rpc|store|scale|e2e|vllm``."""
+"""``beluga bench memops|rpc|store|scale|e2e|vllm|gpu``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,53 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_vllm(cmds)
     _add_store(cmds)
     _add_scale(cmds)
+    _add_gpu(cmds)
+
+
+def _add_gpu(cmds: argparse._SubParsersAction) -> None:
+    g = cmds.add_parser(
+        "gpu",
+        help="the GPU data path (copy engines, kernel, CRC32C on the GPU) beside its floors "
+        "(cudaMemcpy from pinned memory, from the registered pool, per piece); needs CUDA",
+    )
+    add_json_arg(g)
+    g.add_argument("--chart", metavar="PNG", help="also draw GB/s beside the floors as a PNG")
+    g.add_argument(
+        "--batches", default="16,256", help="blocks per batched call (default %(default)s)"
+    )
+    g.add_argument(
+        "--repeat", type=int, default=50, help="timed calls per row (default %(default)s)"
+    )
+    g.add_argument(
+        "--crossover",
+        type=parse_size,
+        help="pieces from this size up go to the copy engines (default: the built-in guess; "
+        "the run's sweep suggests one)",
+    )
+    g.set_defaults(handler=run_gpu)
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    from beluga.bench import gpu as gpu_bench
+    from beluga.errors import BackendUnavailableError
+
+    try:
+        result = gpu_bench.run(
+            batches=[int(b) for b in args.batches.split(",") if b],
+            repeat=args.repeat,
+            crossover=args.crossover,
+        )
+    except BackendUnavailableError as e:
+        print(f"beluga bench gpu: {e}", file=sys.stderr)
+        return 2
+    if args.chart:
+        gpu_bench.chart({"rows": result["rows"]}, args.chart)
+    print(
+        f"crossover sweep suggests {result['suggested_crossover']} (running with "
+        f"{result['crossover']})",
+        file=sys.stderr,
+    )
+    return report(args, "gpu", result, gpu_bench.COLUMNS)
 
 
 def _add_memops(cmds: argparse._SubParsersAction) -> None:
