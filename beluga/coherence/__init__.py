@@ -17,6 +17,25 @@ once, when it is attached, and never tested again on a hot path:
     loads after earlier stores; eviction spares recently used lines; lines
     are written back whole.  Protocol code runs unchanged.
 
+Device reads (a GPU's DMA) go through this host's root complex, which snoops
+its CPU caches: a line a CPU path of this host cached is what the GPU copies,
+even after another host rewrote the block.  Every attachment therefore keeps a
+*read record* (``beluga/_native/record.c`` argues the rule in full): one state
+per granule, set TOUCHED by every CPU load, store, prefetch, flush and
+invalidate, and ``Memory.invalidate_stale`` invalidates before a device read
+only the granules that may hold a stale line (a granule a CPU path touched,
+or one last read as another version; lines refilled at that invalidation hold
+the version read then, which is published and immutable, so a later read of
+the same version needs nothing).  A GPU load of a block this host's CPUs never
+touched invalidates nothing; the writer's side is unchanged (single writer,
+sealed header last), and another host's rewrite of an extent shows as another
+version, whose first device read here invalidates.  The GPU path checks every
+block's CRC32C on the GPU and reads a failing block once more with all its
+ranges invalidated, so what the record cannot see on real hardware (other
+processes of the same machine share its caches) costs a second read, not
+bytes.  ``dma_read`` / ``dma_write`` let a CPU stand-in of a GPU see what a
+device sees, so the model proves the rule (tests/sabotage_checks.py).
+
 The chicken bit ``BELUGA_COHERENCE=native|model`` forces the mode for every
 attach that does not name one; ``BELUGA_MODEL_SEED``, ``BELUGA_MODEL_LINES``,
 ``BELUGA_MODEL_EVICT``, ``BELUGA_MODEL_DRAIN`` and ``BELUGA_MODEL_REFILL``
@@ -37,6 +56,9 @@ raises :class:`~beluga.errors.CoherenceError`):
 - ``gather_write(buffers, table)`` / ``scatter_read(buffers, table)``: one call
   for a whole scatter-gather list of ``(buffer index, buffer offset, pool
   offset, length)`` uint64 rows, checked before any byte moves
+- ``check_headers(blocks)``: read_blocks' header steps alone (a GPU moves the payload)
+- ``invalidate_stale(ranges)``, ``record_state(off)``, ``dma_read(off, buf)``,
+  ``dma_write(off, data)``: the read record and a device's view (above)
 - ``discard()``, ``crash_after(lines)``, ``model_stats()``, ``release()``
 """
 
