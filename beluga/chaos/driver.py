@@ -258,6 +258,9 @@ class _Ready:
         self.conn.send_bytes(b"ready")
 
 
+#: what a connect refused for lack of host ids says (HostTable.claim)
+IDS_REFUSED = "host ids of this pool are held by live processes"
+
 #: the standbys' --fence with emulated hosts: every "host" is this kernel, so SIGKILL the
 #: server and wait until its pid names no process (the driver reaps it within a pump)
 CHAOS_FENCE = (
@@ -339,6 +342,7 @@ class ChaosDriver:
         self.takeovers: list[dict[str, Any]] = []  # per server kill: who took over, when
         self.hosts_made = 0  # emulated hosts named so far (one per server process)
         self.lost_seat_races = 0  # standbys that stored the seat at once and lost it again
+        self.ids_refused = 0  # connects refused because every host id was held
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self.timer_seq = 0
         self.faults: Counter[str] = Counter()
@@ -493,6 +497,7 @@ class ChaosDriver:
 
     def _error(self, kind: str, message: str) -> None:
         self.errors[kind] += 1
+        self.ids_refused += IDS_REFUSED in message
         samples = self.error_samples.setdefault(kind, Counter())
         shape = re.sub(r"\d+", "N", message)  # one entry per kind of message, counted
         if shape in samples or len(samples) < 8:
@@ -1203,6 +1208,7 @@ class ChaosDriver:
             server_restarts=len(self.history.server_kills),
             takeovers=self._outages(),
             seat_races_lost=self.lost_seat_races,
+            ids_refused=self.ids_refused,
         )
 
     def _outages(self) -> list[dict[str, Any]]:

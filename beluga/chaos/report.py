@@ -37,6 +37,8 @@ class ChaosReport:
     takeovers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: standbys that stored the seat line at the moment another did, and went back to waiting
     seat_races_lost: int = 0
+    #: connects (KVStore opens) refused because every host id was held, by the dead or alive
+    ids_refused: int = 0
 
     @property
     def faults_total(self) -> int:
@@ -128,6 +130,7 @@ class ChaosReport:
             "stalls_fenced": self.stalls_fenced,
             "seat_violations": self.seat_violations,
             "seat_races_lost": self.seat_races_lost,
+            "connects_refused_for_host_ids": self.ids_refused,
             "reads_verified": self.reads_verified,
             "values_verified": f.values_verified,
             "bytes_verified": f.bytes_verified,
@@ -180,7 +183,7 @@ class ChaosReport:
             f"{self.server_peaks}",
             f"findings by phase: {phases}",
             f"wrong bytes by path/reason/key: {causes}",
-            f"errors by type: {errors}",
+            f"errors by type: {errors}; connects refused for lack of host ids: {self.ids_refused}",
         ]
         kills = [t for t in self.takeovers if t.get("kind", "kill") == "kill"]
         if kills:

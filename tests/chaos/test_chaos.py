@@ -126,6 +126,7 @@ def test_across_emulated_hosts_a_standby_fences_by_command_and_takes_over(
     )  # fmt: skip
     report, why = _round("emulated-hosts round", config, capsys)
     assert report.ok and report.seat_violations == 0, f"a promise was broken{why}"
+    assert report.ids_refused == 0, f"connects refused for lack of host ids{why}"
     kills = [k for k in report.takeovers if k["kind"] == "kill" and k["during"] == "run"]
     assert kills and all("by" in k for k in kills), f"a kill was not taken over{why}"
     assert report.outage()["n"] >= 1, f"no write followed a takeover{why}"
