@@ -86,7 +86,7 @@ import psutil
 from beluga._native import _core
 from beluga.chaos import faults
 from beluga.chaos.report import ChaosReport, replay_command
-from beluga.chaos.roles import RoleSpec, role_main
+from beluga.chaos.roles import CLIENTS, RoleSpec, role_main
 from beluga.chaos.verifier import History
 from beluga.coherence import BlockState, digest, parse_header, read_line
 from beluga.errors import BelugaError
@@ -174,6 +174,9 @@ class ChaosConfig:
     #: each server and standby a host of its own (BELUGA_EMULATED_HOST): a standby then sees
     #: a server only by its heartbeat and fences it with a --fence command, as across machines
     emulated_hosts: bool = False
+    #: a writer client of a layer above chaos for writer slots 2, 5, ... (roles.CLIENTS):
+    #: "mooncake", the Mooncake drop-in (import beluga.compat.chaos first); None: none
+    writer_client: str | None = None
     weights: dict[str, float] = field(default_factory=lambda: dict(WEIGHTS))
 
     def __post_init__(self) -> None:
@@ -364,6 +367,12 @@ class ChaosDriver:
                 f"{self.path} already exists; a chaos run makes (and removes) a scratch pool "
                 "of its own: name a new path, or remove that one if nothing uses it"
             )
+        if cfg.writer_client is not None and cfg.writer_client not in CLIENTS:
+            raise ChaosError(
+                f"no writer client {cfg.writer_client!r} is registered (known: "
+                f"{sorted(CLIENTS) or 'none'}); import the module that registers it first "
+                "(beluga.compat.chaos registers 'mooncake')"
+            )
         self.log(
             f"beluga chaos: seed {self.seed}, {cfg.faults} faults, coherence {cfg.coherence}, "
             f"pool {self.path} (replay: {replay_command(self.seed, cfg)})"
@@ -486,6 +495,8 @@ class ChaosDriver:
             h.done(r.name, msg[1], msg[2], msg[3])
         elif kind == "read":
             h.read(r.name, msg[1], msg[2], msg[3], msg[4])
+        elif kind == "retired":
+            h.retired(r.name, msg[1], msg[2], msg[3], msg[4])
         elif kind == "error":
             self._error(f"{msg[2]}", msg[3])
         elif kind == "stats":
@@ -535,6 +546,7 @@ class ChaosDriver:
             rpc_timeout_s=cfg.rpc_timeout_s,
             connect_timeout_s=cfg.connect_timeout_s,
             pause_s=cfg.role_pause_s,
+            client=cfg.writer_client,
         )
         out_r, out_w = _CTX.Pipe(duplex=False)
         ctl_r, ctl_w = _CTX.Pipe(duplex=False)

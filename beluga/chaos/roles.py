@@ -15,7 +15,10 @@ Messages to the driver (``t`` is the sender's monotonic clock):
 ``("hello", t, pid)``                        connected, working
 ``("try", t, [(key, serial, kind)])``        about to put (kind "put") or remove
 ``("done", t, [(key, serial)], outcome)``    "ack", "lease" (the server refused the
-                                             commit: lost write lease) or "error:Type"
+                                             commit: lost write lease), "skipped" (a save
+                                             without ``replace`` wrote nothing for it: the
+                                             key was present, or in flight elsewhere) or
+                                             "error:Type"
 ``("mid", t, key, serial, block, nblocks, version)``
                                              an in-place writer has written half a
                                              payload and stops itself (SIGSTOP)
@@ -23,6 +26,10 @@ Messages to the driver (``t`` is the sender's monotonic clock):
                                              :func:`diagnose`), ``(writer, serial,
                                              nbytes)``, or ``("wrong", reason, detail,
                                              writer, serial)``
+``("retired", t0, t1, [key], gap)``          a reader following ``KVStore.retired``:
+                                             the keys that left the pool since its last
+                                             answer, and whether the answer says some
+                                             may be missing (a first answer: always)
 ``("error", t, type, message)``              a call failed (the role carries on)
 ``("stats", t, epoch, counters)``            the server's counters (evictions, use)
 ``("audited", t)``                           the auditor read every key by every path
@@ -35,6 +42,14 @@ Commands from the driver: ``"stop"`` (finish the current step and exit),
 A writer's serials are ``incarnation << 32 | counter``: a key belongs to one
 writer slot, and a replacement writer of that slot starts a new incarnation,
 so serials of a key only grow.
+
+Writer slots write three ways, by slot number: ``put``/``put_batch`` (slot 0,
+3, ...); ``save`` without ``replace`` and with ``wait_s`` (slot 1, 4, ...;
+half its saves run beside a second save of overlapping keys on a helper
+thread, so a key is in flight elsewhere and waited for); and, when the run
+names a client of a layer above in :data:`CLIENTS` (``beluga.compat.chaos``:
+the Mooncake drop-in), through that client (slot 2, 5, ...).  Readers load the
+in-place path with ``drop_corrupt``, and reader 0 follows ``retired``.
 """
 
 from __future__ import annotations
@@ -44,11 +59,12 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -60,9 +76,39 @@ from beluga.kv.store import BlockRef, KVStore, key_bytes
 from beluga.transfer import Buffers
 
 READ_PATHS = ("get", "get_into", "batch_get_into", "get_batch", "inplace")
-_COUNTERS = ("evictions", "blocks_used", "keys", "writes_in_flight", "retiring_extents")
+_COUNTERS = (
+    "evictions",
+    "blocks_used",
+    "keys",
+    "writes_in_flight",
+    "retiring_extents",
+    "corrupt_dropped",
+    "duplicate_writes_skipped",
+)
 _MAX_REPORT = 8  # read results per message: keeps a message below PIPE_BUF (4 KiB)
 _LOOKUP_TIMEOUT_S = 0.5  # a miss asks the server for its view; a server away is noted
+SAVE_WAIT_S = 0.2  # how long a save waits for another write of its keys
+RETIRED_EVERY = 8  # reader 0 asks for the keys that left the pool every this many steps
+
+
+class WriterClient(Protocol):
+    """A writer's way into the pool from a layer above chaos (see :data:`CLIENTS`).
+
+    Each call answers one outcome per key, as a ``done`` message names it:
+    "ack" (stored), "lease" (its commit was refused), "error:WHAT" (unknown).
+    """
+
+    def put(self, keys: Sequence[str], values: Sequence[bytes]) -> list[str]: ...
+
+    def remove(self, key: str) -> str: ...
+
+    def close(self) -> None: ...
+
+
+#: writer clients of layers above chaos, by name, each made from a role's spec in the role's
+#: own process; ``beluga.compat.chaos`` registers "mooncake" (the Mooncake drop-in), and a
+#: run whose ``ChaosConfig.writer_client`` names it gives it writer slots 2, 5, ...
+CLIENTS: dict[str, Callable[[RoleSpec], WriterClient]] = {}
 
 
 @dataclass(frozen=True)
@@ -86,6 +132,7 @@ class RoleSpec:
     rpc_timeout_s: float
     connect_timeout_s: float
     pause_s: float
+    client: str | None = None  # a writer client of :data:`CLIENTS` for writer slots 2, 5, ...
 
 
 def value_size(rng: random.Random, block_bytes: int, max_value: int) -> int:
@@ -119,9 +166,11 @@ class _Role:
         self.stopping = False
         self.pause_requested = False
         self.said_hello = False
+        self.sending = threading.Lock()  # a writer's helper thread reports too
 
     def send(self, *msg: Any) -> None:
-        self.out.send(msg)
+        with self.sending:
+            self.out.send(msg)
 
     def error(self, e: BaseException) -> None:
         self.send("error", _now(), type(e).__name__, str(e)[:240])
@@ -215,11 +264,13 @@ class _Writer(_Role):
     def __init__(self, spec: RoleSpec, out: Connection, ctl: Connection) -> None:
         super().__init__(spec, out, ctl)
         self.counter = 0
+        self.counting = threading.Lock()  # a save writer's helper thread draws serials too
         self.next_stats = 0.0
 
     def serial(self) -> int:
-        self.counter += 1
-        return self.spec.incarnation << 32 | self.counter
+        with self.counting:
+            self.counter += 1
+            return self.spec.incarnation << 32 | self.counter
 
     def value(self, key: int, serial: int) -> bytes:
         n = value_size(self.rng, self.spec.block_bytes, self.spec.max_value)
@@ -249,16 +300,101 @@ class _Writer(_Role):
     def write(
         self, keys: Sequence[int], kind: str, call: Callable[[Sequence[int], list[bytes]], object]
     ) -> None:
+        """Report, make and report one call's writes.  ``call`` returns an outcome per key
+        (see :class:`WriterClient`), or anything else when every key is acknowledged."""
         serials = [self.serial() for _ in keys]
         values = [self.value(k, s) for k, s in zip(keys, serials, strict=True)]
         self.send("try", _now(), [(k, s, kind) for k, s in zip(keys, serials, strict=True)])
         done = list(zip(keys, serials, strict=True))
         try:
-            call(keys, values)
+            got = call(keys, values)
         except Exception as e:
             _report_failure(self, done, e)
             raise
-        self.send("done", _now(), done, "ack")
+        outcomes = got if isinstance(got, list) else ["ack"] * len(done)
+        for outcome in dict.fromkeys(outcomes):
+            self.send(
+                "done",
+                _now(),
+                [w for w, o in zip(done, outcomes, strict=True) if o == outcome],
+                outcome,
+            )
+
+
+class _SaveWriter(_Writer):
+    """Saves without ``replace`` (a present key keeps its value) and with ``wait_s``; half
+    of them beside a second save of overlapping keys on a helper thread, so that one waits
+    for the other's writes in flight.  A skipped key's value was never written."""
+
+    def step(self, store: KVStore) -> None:
+        self.stats(store)
+        r = self.rng.random()
+        if r < 0.25:
+            key = self.rng.choice(self.spec.own)
+            self.write([key], "remove", lambda ks, vs: store.remove(self.spec.keys[ks[0]]))
+            return
+        keys = self.rng.sample(self.spec.own, self.rng.randint(1, 4))
+        helper = None
+        if r < 0.6:
+            both = [*self.rng.sample(keys, 1), *self.rng.sample(self.spec.own, 1)]
+            helper = threading.Thread(target=self.save, args=(store, both), daemon=True)
+            helper.start()
+        try:
+            self.save(store, keys)
+        finally:
+            if helper is not None:
+                helper.join(4 * self.spec.rpc_timeout_s + SAVE_WAIT_S)
+
+    def save(self, store: KVStore, keys: Sequence[int]) -> None:
+        def call(ks: Sequence[int], vs: list[bytes]) -> list[str]:
+            saved = store.save([self.spec.keys[k] for k in ks], Buffers(vs), wait_s=SAVE_WAIT_S)
+            out = ["skipped"] * len(ks)
+            for i in saved.stored:
+                out[i] = "ack"
+            for i in saved.lost:
+                out[i] = "lease"
+            return out
+
+        if threading.current_thread() is threading.main_thread():
+            self.write(keys, "save", call)
+            return
+        try:  # the helper thread: its failure is reported (the main thread reconnects)
+            self.write(keys, "save", call)
+        except Exception as e:
+            self.error(e)
+
+
+class _ClientWriter(_Writer):
+    """Puts (one or a batch, replacing) and removes through a client of a layer above
+    chaos (:data:`CLIENTS`); the role's own store only asks for the server's counters."""
+
+    def __init__(self, spec: RoleSpec, out: Connection, ctl: Connection, client: str) -> None:
+        super().__init__(spec, out, ctl)
+        self.make = CLIENTS[client]
+        self.client: WriterClient | None = None
+
+    def disconnect(self) -> None:
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception as e:
+                self.error(e)
+            self.client = None
+        super().disconnect()
+
+    def step(self, store: KVStore) -> None:
+        self.stats(store)
+        if self.client is None:
+            self.client = self.make(self.spec)
+        c = self.client
+        r = self.rng.random()
+        if r < 0.06:
+            key = self.rng.choice(self.spec.own)
+            self.write([key], "remove", lambda ks, vs: [c.remove(self.spec.keys[ks[0]])])
+        else:
+            n = self.rng.randint(2, 4) if r < 0.4 else 1
+            keys = self.rng.sample(self.spec.own, n)
+            self.write(keys, "upsert", lambda ks, vs: c.put([self.spec.keys[k] for k in ks], vs))
 
 
 class _InPlaceWriter(_Writer):
@@ -327,9 +463,10 @@ class Midway(Buffers):
 
 
 def read_in_place(
-    store: KVStore, keys: Sequence[str], why: list[str] | None = None
+    store: KVStore, keys: Sequence[str], why: list[str] | None = None, drop_corrupt: bool = False
 ) -> list[bytes | None]:
-    """The serving engine's read path: locate, then one validated ``KVStore.load``.
+    """The serving engine's read path: locate, then one validated ``KVStore.load`` (with
+    ``drop_corrupt``, as a KV cache's reader: a corrupt value is removed).
 
     ``why`` (when given) gets, per key, what a miss was: ``index`` (the pool
     index named no block), or the :class:`Miss` code of the located block's
@@ -337,7 +474,7 @@ def read_in_place(
     """
     refs = store.locate(keys, prefix=False)
     bufs = [bytearray(r.length if r is not None else 0) for r in refs]
-    intact = store.load(refs, Buffers(bufs))
+    intact = store.load(refs, Buffers(bufs), drop_corrupt=drop_corrupt)
     if why is not None:
         why[:] = [
             "" if ok else "index" if r is None else _header_miss(store, r)
@@ -400,12 +537,35 @@ class _Reader(_Role):
     def __init__(self, spec: RoleSpec, out: Connection, ctl: Connection) -> None:
         super().__init__(spec, out, ctl)
         self.bufs = [bytearray(spec.max_value) for _ in range(8)]
+        self.by_digest = {d: i for i, d in enumerate(self.digests)}
+        self.steps = 0
+        self.cursor: tuple[int, int] | None = None  # of the last RETIRED answer
 
     def step(self, store: KVStore) -> None:
+        self.steps += 1
+        if self.spec.kind == "reader" and self.spec.slot == 0 and self.steps % RETIRED_EVERY == 0:
+            self.follow_retired(store)
         path = self.rng.choice(READ_PATHS)
         n = 1 if path in ("get", "get_into") else self.rng.randint(2, 6)
         keys = self.rng.sample(range(len(self.spec.keys)), n)
         self.read(store, path, keys)
+
+    def follow_retired(self, store: KVStore) -> None:
+        """The keys that left the pool since the last answer.  A first call (this role's, or
+        its first since it reconnected) only starts following, and is reported as an
+        answer with a gap: what left before it is not known."""
+        t0 = _now()
+        got = store.retired(self.cursor)
+        t1 = _now()
+        keys = [self.by_digest.get(bytes(d), -1) for d in got.digests]
+        gap = got.gap or self.cursor is None
+        for start in range(0, max(1, len(keys)), 4 * _MAX_REPORT):
+            self.send("retired", t0, t1, keys[start : start + 4 * _MAX_REPORT], gap)
+        self.cursor = got.cursor
+
+    def disconnect(self) -> None:
+        super().disconnect()
+        self.cursor = None  # a new connection starts following afresh
 
     def read(self, store: KVStore, path: str, keys: Sequence[int]) -> None:
         names = [self.spec.keys[k] for k in keys]
@@ -428,7 +588,7 @@ class _Reader(_Role):
         if path == "get_batch":
             return store.get_batch(names)
         if path == "inplace":
-            return read_in_place(store, names, why)
+            return read_in_place(store, names, why, drop_corrupt=True)
         bufs = self.bufs[: len(names)]
         if path == "get_into":
             lengths = [store.get_into(names[0], bufs[0])]
@@ -476,9 +636,18 @@ def _stacks_on_sigusr1() -> None:
             continue
 
 
+def _make(spec: RoleSpec, out: Connection, ctl: Connection) -> _Role:
+    """The role of a spec: a writer slot writes one of three ways (see the module doc)."""
+    if spec.kind == "writer" and spec.slot % 3 == 1:
+        return _SaveWriter(spec, out, ctl)
+    if spec.kind == "writer" and spec.slot % 3 == 2 and spec.client is not None:
+        return _ClientWriter(spec, out, ctl, spec.client)
+    return _ROLES[spec.kind](spec, out, ctl)
+
+
 def role_main(spec: RoleSpec, out: Connection, ctl: Connection) -> None:
     """Entry point of a role process (the target of a forked ``Process``)."""
     _stacks_on_sigusr1()
     if spec.coherence == "model":
         os.environ["BELUGA_MODEL_SEED"] = str(spec.seed & 0xFFFFFFFF)
-    _ROLES[spec.kind](spec, out, ctl).run()
+    _make(spec, out, ctl).run()

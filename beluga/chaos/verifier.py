@@ -34,6 +34,18 @@ the faults that touched the key.
 uncommitted value
     a value whose put the server refused (``lease``), with no server restart
     during that put (a restart can replay a commit the old server had done).
+
+Writes that took no effect by design are ``skipped`` (a save without
+``replace`` whose key was present, or in flight elsewhere): their value was
+never written, so reading it is wrong bytes (reason ``skipped``).
+
+A reader following ``KVStore.retired`` reports each answer (``retired``):
+every key it names must have had a way out of the pool since the follower's
+last answer (a remove tried before this answer ended that had not ended before
+the last one began; or its block corrupted, which a reader that drops corrupt
+values removes), and an answer after a server restart must say it has a gap
+(the new server's life knows nothing of the old one's retirements).  A failure of
+either is wrong bytes on the ``retired`` path.
 """
 
 from __future__ import annotations
@@ -56,7 +68,7 @@ class WriteOp:
 
     key: int
     serial: int
-    kind: str  # "put" | "remove"
+    kind: str  # "remove", or a put: "put", "save" (without replace), "upsert" (a drop-in's)
     role: str
     t_try: float
     t_done: float = math.inf
@@ -75,6 +87,17 @@ class Read:
     t1: float
     # None or ("miss", why) | (writer, serial, nbytes) | ("wrong", reason, detail, writer, serial)
     result: Any
+
+
+@dataclass
+class RetiredAnswer:
+    """One answer of RETIRED as its follower reported it (History's own record)."""
+
+    role: str
+    t0: float
+    t1: float
+    keys: list[int]  # -1: a digest of no key of the run
+    gap: bool
 
 
 @dataclass
@@ -128,6 +151,7 @@ class History:
         self.ops: dict[tuple[int, int], WriteOp] = {}
         self.pending: dict[str, list[WriteOp]] = defaultdict(list)
         self.reads: list[Read] = []
+        self.retirements: list[RetiredAnswer] = []
         self.corruptions: dict[int, list[float]] = defaultdict(list)
         self.server_kills: list[float] = []
         self.evictions: dict[int, int] = {}
@@ -148,7 +172,7 @@ class History:
             if op is None:
                 continue
             op.t_done, op.outcome = t, outcome
-            definite = outcome in ("ack", "lease")
+            definite = outcome in ("ack", "lease", "skipped")
             op.t_end = t if definite else t + LATE_EFFECT_S
             if op in self.pending[role]:
                 self.pending[role].remove(op)
@@ -164,6 +188,15 @@ class History:
             self.reads.append(Read(role, path, key, t0, t1, result))
             if isinstance(result, tuple) and result and result[0] == "wrong":
                 self.live_wrong += 1
+
+    def retired(self, role: str, t0: float, t1: float, keys: list[int], gap: bool) -> None:
+        """One message of a RETIRED answer (a long answer comes in several, with one t0, t1)."""
+        mine = [a for a in self.retirements[-8:] if a.role == role]
+        if mine and (mine[-1].t0, mine[-1].t1) == (t0, t1):
+            mine[-1].keys += keys
+            mine[-1].gap |= gap
+            return
+        self.retirements.append(RetiredAnswer(role, t0, t1, list(keys), gap))
 
     def corrupted(self, key: int, t: float) -> None:
         self.corruptions[key].append(t)
@@ -181,7 +214,9 @@ class History:
     def first_acks_after(self, times: list[float]) -> list[float | None]:
         """For each instant, when the first put tried at or after it was acknowledged."""
         acked = sorted(
-            (o.t_try, o.t_done) for o in self.ops.values() if o.kind == "put" and o.outcome == "ack"
+            (o.t_try, o.t_done)
+            for o in self.ops.values()
+            if o.kind != "remove" and o.outcome == "ack"
         )
         suffix: list[float] = [math.inf] * (len(acked) + 1)
         for i in range(len(acked) - 1, -1, -1):
@@ -226,7 +261,70 @@ class History:
                 f.add("wrong", self._describe(r, reason=r.result[1], detail=r.result[2]))
             else:
                 self._check_value(f, r, floor)
+        self._check_retired(f, by_key)
         return f
+
+    def _check_retired(self, f: Findings, by_key: dict[int, list[WriteOp]]) -> None:
+        """Each RETIRED answer names only keys that had a way out, and says when a server
+        restart since the follower's last answer may have hidden some (a gap)."""
+        last: dict[str, RetiredAnswer] = {}
+        for a in sorted(self.retirements, key=lambda a: (a.role, a.t0)):
+            prev = last.get(a.role)
+            last[a.role] = a
+            f.reads_by_path["retired"] += 1
+            since = prev.t1 if prev is not None else -math.inf
+            restarted = [t for t in self.server_kills if since < t < a.t0]
+            if prev is not None and restarted and not a.gap:
+                f.add(
+                    "wrong",
+                    self._retired_item(
+                        a,
+                        -1,
+                        "unreported gap",
+                        f"the server restarted at {self._at(restarted[0])}, after the last "
+                        f"answer (ended {self._at(since)}), and the answer has no gap",
+                    ),
+                )
+            # a key left between the server's last answer and this one (from its oldest kept,
+            # after a gap): a remove that took effect then was tried before this answer ended
+            # and had not ended before the last one began
+            after = prev.t0 if prev is not None and not a.gap else -math.inf
+            for key in a.keys:
+                if key >= 0 and self.evictions_seen:  # evictions name no key in the history
+                    f.excused["retired: evictions"] += 1
+                    continue
+                removes = [
+                    o
+                    for o in by_key.get(key, [])
+                    if o.kind == "remove" and o.t_try <= a.t1 and o.t_end >= after
+                ]
+                hit = [t for t in self.corruptions.get(key, []) if t <= a.t1]
+                if key < 0 or not (removes or hit):
+                    f.add(
+                        "wrong",
+                        self._retired_item(
+                            a,
+                            key,
+                            "unexplained retirement",
+                            "reported as gone, with no remove tried and no corruption of its "
+                            "block before the answer"
+                            if key >= 0
+                            else "a digest of no key of this run",
+                        ),
+                    )
+
+    def _retired_item(self, a: RetiredAnswer, key: int, reason: str, detail: str) -> dict[str, Any]:
+        return {
+            "key": self.keys[key] if key >= 0 else None,
+            "path": "retired",
+            "role": a.role,
+            "phase": self.phases.get(a.role, "run"),
+            "t0": round(a.t0 - self.origin, 4),
+            "t1": round(a.t1 - self.origin, 4),
+            "key_was_corrupted": key >= 0 and bool(self.corruptions.get(key)),
+            "reason": reason,
+            "detail": detail,
+        }
 
     def _describe(self, r: Read, **extra: Any) -> dict[str, Any]:
         hits = [t for t in self.corruptions.get(r.key, []) if t <= r.t1]
@@ -262,6 +360,17 @@ class History:
                 "wrong",
                 self._describe(
                     r, reason="future", detail=f"serial {serial:#x} was read before its write began"
+                ),
+            )
+            return
+        if op.outcome == "skipped":
+            f.add(
+                "wrong",
+                self._describe(
+                    r,
+                    reason="skipped",
+                    detail=f"serial {serial:#x}: its save skipped the key (present, or in flight "
+                    "elsewhere) and wrote nothing, yet a read returned it",
                 ),
             )
             return

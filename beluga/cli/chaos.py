@@ -119,6 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_chaos_command(args: argparse.Namespace) -> int:
+    import beluga.compat.chaos  # noqa: F401  (registers the Mooncake drop-in as a writer client)
     from beluga.chaos import KINDS, ChaosConfig, run_chaos
     from beluga.chaos.driver import WEIGHTS
 
@@ -145,6 +146,7 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         standbys=args.standby,
         takeover_after_s=args.takeover_after,
         emulated_hosts=args.emulated_hosts,
+        writer_client="mooncake",
     )
     # SIGTERM ends the round as Ctrl-C would, from the driver's event loop, so it stops its
     # processes and removes its scratch pool (beluga.signals)

@@ -5,7 +5,10 @@ and readers in their own processes, and injects at least 200 faults of every
 kind (SIGKILL and SIGSTOP of each role, an in-place writer stalled
 mid-payload past its write lease, hostile bytes in RPC slots, block headers
 and payloads).  It must end with no wrong bytes, no lost acknowledged write,
-no uncommitted value read and no hang.
+no uncommitted value read and no hang.  Writers write three ways (put and
+put_batch; save without ``replace``, with ``wait_s``, beside a second save of
+overlapping keys; the Mooncake drop-in's upserts), readers drop corrupt values
+on the in-place path, and one follows RETIRED: a round must reach each.
 
 The seed is drawn once per session unless ``BELUGA_CHAOS_SEED`` is set.
 Each round prints it to the terminal as it starts (past pytest's capture,
@@ -23,6 +26,7 @@ import random
 
 import pytest
 
+import beluga.compat.chaos  # noqa: F401  (registers the Mooncake drop-in as a writer client)
 from beluga.chaos import KINDS, ChaosConfig, ChaosError, ChaosReport, run_chaos
 from beluga.chaos.roles import READ_PATHS
 
@@ -56,6 +60,15 @@ def _check(report: ChaosReport) -> None:
     paths = report.findings.reads_by_path
     assert all(paths[p] >= 100 for p in READ_PATHS), f"a read path was barely exercised{why}"
     assert report.findings.values_verified >= 2000, f"too few values read{why}"
+    writes = report.findings.writes
+    reached = {
+        "saves without replace that stored": writes["save:ack"],
+        "saves that skipped a key": writes["save:skipped"],
+        "upserts through the Mooncake drop-in": writes["upsert:ack"],
+        "answers of RETIRED followed": paths["retired"],
+    }
+    missing_roles = [what for what, n in reached.items() if not n]
+    assert not missing_roles, f"the roles never made {missing_roles}{why}"
     assert report.evictions_seen == 0, (
         f"the pool evicted values, so lost-write accounting is not exact: make it bigger{why}"
     )
@@ -76,8 +89,9 @@ def test_a_chaos_round_breaks_no_promise(
     non-coherent model (``coherence="model"``), the others natively.  With standbys, every
     killed server is replaced by a standby's takeover, and a stopped one must keep its seat."""
     config = ChaosConfig(
-        faults=FAULTS, seed=SEED, coherence=coherence, pool_path=shm_path, standbys=standbys
-    )
+        faults=FAULTS, seed=SEED, coherence=coherence, pool_path=shm_path, standbys=standbys,
+        writer_client="mooncake",
+    )  # fmt: skip
     report, why = _round(f"round ({coherence}, {standbys} standbys)", config, capsys)
     _check(report)
     if standbys:
@@ -100,7 +114,7 @@ def test_a_server_stalled_past_takeover_after_is_fenced_and_replaced(
     weights = {"stall_server": 6, "corrupt_payload": 2, "kill_writer": 1, "stop_reader": 1}
     config = ChaosConfig(
         faults=16, seed=SEED, pool_path=shm_path, standbys=1, takeover_after_s=0.5,
-        weights=weights,
+        weights=weights, writer_client="mooncake",
     )  # fmt: skip
     report, why = _round("stall round", config, capsys)
     assert report.ok, f"a promise was broken{why}"
@@ -122,7 +136,7 @@ def test_across_emulated_hosts_a_standby_fences_by_command_and_takes_over(
     weights = {"kill_server": 3, "stall_server": 2, "corrupt_payload": 2, "kill_writer": 1}
     config = ChaosConfig(
         faults=24, seed=SEED, pool_path=shm_path, standbys=1, takeover_after_s=0.5,
-        emulated_hosts=True, weights=weights,
+        emulated_hosts=True, weights=weights, writer_client="mooncake",
     )  # fmt: skip
     report, why = _round("emulated-hosts round", config, capsys)
     assert report.ok and report.seat_violations == 0, f"a promise was broken{why}"

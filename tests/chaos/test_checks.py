@@ -182,6 +182,55 @@ def test_a_call_that_lost_some_leases_reports_the_rest_as_committed() -> None:
     assert [(m[2], m[3]) for m in sent] == [(done, "error:RpcError")]
 
 
+def test_a_value_its_save_skipped_is_wrong_bytes_when_read() -> None:
+    """A save without ``replace`` skipped the key (present, or in flight elsewhere): the
+    serial it would have written never reached the pool."""
+    h = history()
+    put(h, 0, 1, 1.0, 1.1)
+    h.tried("w", 2.0, [(0, 2, "save")])
+    h.done("w", 2.1, [(0, 2)], "skipped")
+    h.read("r", 3.0, 3.1, "get", [(0, (0, 1, 100))])  # the value kept: right
+    h.read("r", 3.0, 3.1, "get", [(0, (0, 2, 100))])  # the skipped one
+    f = h.check()
+    assert [w["reason"] for w in f.wrong] == ["skipped"] and f.lost_count == 0
+
+
+def test_a_retirement_needs_a_way_out_and_a_restart_needs_a_gap() -> None:
+    """RETIRED answers, as reader 0 reports them: a key named gone with no remove tried and
+    no corruption of its block, a digest of no key of the run, and an answer after a server
+    restart that claims no gap are each wrong, as is a key named again whose last remove
+    ended before the previous answer; a removed or a corrupted (then dropped) key is not,
+    nor is the first answer after a restart that says it has a gap."""
+    h = history()
+    put(h, 0, 1, 1.0, 1.1)
+    put(h, 1, 1, 1.0, 1.1)
+    h.tried("w", 2.0, [(0, 2, "remove")])
+    h.done("w", 2.1, [(0, 2)], "ack")
+    h.corrupted(1, 2.5)
+    h.retired("r", 1.5, 1.6, [], False)
+    h.retired("r", 3.0, 3.1, [1], False)  # dropped as corrupt, and (a second message of
+    h.retired("r", 3.0, 3.1, [0], False)  # the same answer) removed: right
+    assert h.check().wrong_count == 0
+    h.retired("r", 4.0, 4.1, [-1], False)  # no key of the run
+    h.server_killed(4.5)
+    h.retired("r", 5.0, 5.1, [], True)  # says so: right
+    h.server_killed(5.5)
+    h.retired("r", 6.0, 6.1, [], False)  # a restart since, no gap: wrong
+    put(h, 0, 3, 7.0, 7.1)
+    h.retired("r", 8.0, 8.1, [0], False)  # put again, not removed since the last answer
+    f = h.check()
+    assert [(w["path"], w["reason"]) for w in f.wrong] == [
+        ("retired", "unexplained retirement"),
+        ("retired", "unreported gap"),
+        ("retired", "unexplained retirement"),
+    ]
+    assert f.reads_by_path["retired"] == 6
+    h2 = History(["k0"], owner=[0])
+    h2.retired("r", 1.0, 1.1, [], False)
+    h2.retired("r", 2.0, 2.1, [0], False)  # nothing ever removed or corrupted it
+    assert [w["reason"] for w in h2.check().wrong] == ["unexplained retirement"]
+
+
 # -- hostile bytes and the defects the rounds found --------------------------
 
 
