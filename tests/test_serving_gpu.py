@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import dataclasses
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from beluga.kv import KVStore, MetadataServer
 from beluga.kv.tier.mooncake import check_available
 from beluga.pool import Pool
 from beluga.serving import cluster as cluster_module
+from beluga.serving import model as model_module
 from beluga.serving.cluster import Cluster, EngineConfig, check_gpu_budget
 from beluga.serving.engine import (
     ServingEngine,
@@ -121,12 +121,20 @@ def hosts(path: str, model: ModelEngine, stores: int = 2, blocks: int = 64) -> I
 # -- refusals: library versions -------------------------------------------------
 
 
+def fake_version(monkeypatch: pytest.MonkeyPatch, name: str, version: str) -> None:
+    """Make the engine see ``version`` of library ``name`` (the others as they are)."""
+    real = model_module.library_version
+    monkeypatch.setattr(
+        model_module, "library_version", lambda lib: version if lib == name else real(lib)
+    )
+
+
 def test_a_transformers_older_than_supported_is_refused_at_engine_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """transformers 5.17 ignores ``cache=`` and the engine got no KV back: refuse it, naming
     the version found and the range needed."""
-    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    fake_version(monkeypatch, "transformers", "5.17.0")
     with pytest.raises(BackendUnavailableError, match=r"transformers 5\.17\.0 .*>=5\.24,<6"):
         ModelEngine(SHAPE)
 
@@ -135,7 +143,7 @@ def test_a_transformers_older_than_supported_is_refused_at_engine_start(
 def test_a_torch_outside_the_supported_range_is_refused(
     monkeypatch: pytest.MonkeyPatch, version: str
 ) -> None:
-    monkeypatch.setattr(torch, "__version__", version)
+    fake_version(monkeypatch, "torch", version)
     with pytest.raises(
         BackendUnavailableError, match=rf"torch {re.escape(version)} .*>=2\.4,<2\.15"
     ):
@@ -149,14 +157,18 @@ def test_versions_inside_the_range_start(
     monkeypatch: pytest.MonkeyPatch, name: str, version: str
 ) -> None:
     """The lent GPU machine's torch build, and a development transformers at the floor."""
-    monkeypatch.setattr(sys.modules[name], "__version__", version)
+    fake_version(monkeypatch, name, version)
     assert ModelEngine(ModelShape(num_layers=1)).prefill(prompt(1, 20)).num_cached == 0
 
 
 def test_the_supported_versions_are_the_projects() -> None:
-    """The ranges the engine enforces are the ones pyproject's ``model`` extra installs."""
+    """The ranges the engine enforces are the ones pyproject's ``model`` extra installs, and
+    the versions it checks are those imported."""
+    assert model_module.library_version("torch") == str(torch.__version__)
+    assert model_module.library_version("transformers") == transformers.__version__
     tomllib = pytest.importorskip("tomllib")
-    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    project = tomllib.loads(pyproject.read_text())["project"]
     extra = {r.split(">=")[0]: r for r in project["optional-dependencies"]["model"]}
     for name, (least, below) in SUPPORTED.items():
         floor, ceiling = (".".join(map(str, v)) for v in (least, below))
@@ -169,7 +181,7 @@ def test_a_cluster_engine_with_an_old_transformers_fails_its_start(
     """The refusal reaches the driver from the engine process (forked: it inherits the fake)."""
     fmt = kv_format(ModelEngine(SHAPE))
     create_kv_pool(shm_path, kv_pool_size(16, kv_geometry(fmt)), fmt).close()
-    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    fake_version(monkeypatch, "transformers", "5.17.0")
     config = EngineConfig(SHAPE, coherence="model")
     cluster = Cluster(shm_path, config, engines=1, start_timeout=60, start_method="fork")
     try:

@@ -296,6 +296,7 @@ class CachingEngine(abc.ABC):
         loaded = clock()
         out = self.model.prefill(token_ids, prefix, all_logits=want_logits)
         computed = clock()
+        del prefix  # the prefill's cache holds its own copy: one KV fewer while decoding
         # blocks found but dropped during the load may have changed: write them again
         first = len(found) if intact == len(loadable) else intact
         saved, refused = self._keep(out.kv, keys, first, out.num_full_blocks)

@@ -42,6 +42,7 @@ the prompt's KV (read from the pool, or computed).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -76,7 +77,6 @@ SUPPORTED = {
     "torch": ((2, 4), (2, 15)),
     "transformers": ((5, 24), (6,)),
 }
-_MODULES = {"torch": torch, "transformers": transformers}
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -89,6 +89,12 @@ def _dotted(release: tuple[int, ...]) -> str:
     return ".".join(map(str, release))
 
 
+def library_version(name: str) -> str:
+    """The version of the library ``name`` as imported (transformers' lazy module object is
+    replaced as its parts load, so it is looked up anew each time)."""
+    return str(getattr(importlib.import_module(name), "__version__", ""))
+
+
 def check_versions() -> None:
     """Refuse a torch or transformers outside :data:`SUPPORTED`, naming what was found.
 
@@ -98,7 +104,7 @@ def check_versions() -> None:
     caches are what the supported transformers was written against.
     """
     for name, (least, below) in SUPPORTED.items():
-        found = str(getattr(_MODULES[name], "__version__", ""))
+        found = library_version(name)
         release = _release(found)
         if not release or not least <= release < below:
             raise BackendUnavailableError(
