@@ -517,7 +517,8 @@ def test_a_7b_wide_model_is_made_on_the_gpu_in_bfloat16_not_in_host_memory() -> 
     model there."""
     shape = dataclasses.replace(QWEN2_7B, num_layers=2)
     weights = shape.num_params * 2
-    torch.cuda.init()
+    warm = torch.empty(1 << 10, device="cuda", dtype=torch.bfloat16)  # load the kernels
+    warm.normal_(generator=torch.Generator(device="cuda").manual_seed(0)).fill_(1.0)
     before = psutil.Process().memory_info().rss
     model = ModelEngine(shape, seed=1, device="cuda", dtype="bfloat16")
     grown = psutil.Process().memory_info().rss - before

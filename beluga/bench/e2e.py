@@ -35,8 +35,9 @@ a memory budget (:func:`beluga.serving.model.engine_memory_bytes` of its
 longest prompt); the budgets of every engine started at once (both systems'
 beside a baseline) must fit on the GPU, or nothing starts.  ``rate`` None
 ("auto", the command line's default on a GPU) is set below saturation from
-a measurement (:func:`calibrate`): each engine prefills one whole prompt,
-all at once, and the rate is :data:`UTILISATION` of what they did together,
+a measurement (:func:`calibrate`): each engine that prefills (with --pd,
+each prefill engine) prefills one whole prompt, all at once, and the rate is
+:data:`UTILISATION` of what they did together,
 so that pass 1's TTFT is mostly service time rather than queueing.  The
 throughput a pass could sustain, whatever the arrivals, is ``service_qps``:
 requests per second of the engines' busy time.
