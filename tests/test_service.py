@@ -289,8 +289,11 @@ def _seal(
     pool: Pool, key: str, block: int, version: int, nbytes: int, done: bool, commit: bool = True
 ) -> None:
     """Stand a header in the pool as a writer leaves it: PUBLISHED (``done``) with its
-    commit word unless not ``commit`` (its COMMIT never came), or WRITING (in flight)."""
+    commit word unless not ``commit`` (its COMMIT never came), or WRITING (in flight).
+    The version floor is raised above it, as the server that granted it did first."""
     sb, mem = pool.superblock, pool.memory
+    floor = int.from_bytes(mem.load(sb.service_offset, 8), "little")
+    mem.nt_store(sb.service_offset, max(floor, version + 1).to_bytes(8, "little"))
     args = (sb.block_header_offset(block), sb.block_payload_offset(block), digest(key.encode()))
     if done:
         mem.publish(*args, version, bytes(nbytes), writer=WRITER[0], writer_gen=WRITER[1])

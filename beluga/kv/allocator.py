@@ -4,6 +4,13 @@ Values occupy extents of contiguous blocks.  The metadata server is the only
 caller (single-threaded), so there are no locks.  Searches scan forward in
 chunks from a rotating cursor, so a full pool costs one pass and an empty one
 almost nothing.
+
+The bitmap marks blocks in use (``used``), so a new allocator costs nothing
+however large the pool (the zero pages of ``np.zeros`` are mapped on first
+touch).  While a restarted server still recovers, only the blocks below the
+``frontier`` are known: allocation searches below it alone, and a block above
+it is marked only by ``reserve`` (an extent recovery has decided, or one that
+spills over the frontier); the rest is unknown, neither free nor in use.
 """
 
 from __future__ import annotations
@@ -14,37 +21,60 @@ CHUNK = 1 << 14
 
 
 class BlockAllocator:
-    """The free bitmap of the data area.  Not thread-safe (the server's one thread owns
+    """The in-use bitmap of the data area.  Not thread-safe (the server's one thread owns
     it) and not fork-safe: it is process memory, rebuilt from the pool by recovery."""
 
-    def __init__(self, nblocks: int) -> None:
+    def __init__(self, nblocks: int, frontier: int | None = None) -> None:
         if nblocks < 1:
             raise ValueError("an allocator needs at least one block")
         self.nblocks = nblocks
-        self.free = np.ones(nblocks, dtype=bool)
-        self.nfree = nblocks
+        self.used_map = np.zeros(nblocks, dtype=bool)
+        self.frontier = nblocks if frontier is None else frontier
+        if not 0 <= self.frontier <= nblocks:
+            raise ValueError(f"a frontier lies in [0, {nblocks}], not at {frontier}")
+        self.used = 0  # blocks marked, wherever they are
+        self._below = 0  # blocks marked below the frontier
         self._cursor = 0
 
     @property
-    def used(self) -> int:
-        return self.nblocks - self.nfree
+    def nfree(self) -> int:
+        """Blocks known free: below the frontier and not in use."""
+        return self.frontier - self._below
+
+    @property
+    def free(self) -> np.ndarray:
+        """Which blocks are not marked in use (a copy)."""
+        return ~self.used_map
+
+    def _count(self, first: int, count: int, sign: int) -> None:
+        """Mark or unmark bookkeeping of an extent (``sign`` +1 or -1)."""
+        self.used += sign * count
+        self._below += sign * max(0, min(first + count, self.frontier) - first)
+
+    def advance(self, frontier: int) -> None:
+        """Blocks below ``frontier`` are known now: those not marked become allocatable."""
+        if not self.frontier <= frontier <= self.nblocks:
+            raise ValueError(f"the frontier moves forward within the pool, not to {frontier}")
+        self._below += int(np.count_nonzero(self.used_map[self.frontier : frontier]))
+        self.frontier = frontier
 
     def _find(self, count: int) -> int | None:
-        """Start of a run of ``count`` free blocks, searching from the cursor."""
-        n = self.nblocks
-        start = self._cursor
+        """Start of a run of ``count`` free blocks below the frontier, from the cursor."""
+        n = self.frontier
+        start = self._cursor if self._cursor < n else 0
         scanned = 0
         while scanned < n + count:
             lo = (start + scanned) % n
             hi = min(n, lo + CHUNK + count)
-            window = self.free[lo:hi]
-            if count == 1:  # argmax stops at the first True: no index array of the window
-                first = int(window.argmax())
-                if window[first]:
+            window = self.used_map[lo:hi]
+            if count == 1:  # argmin stops at the first False: no index array of the window
+                first = int(window.argmin())
+                if not window[first]:
                     return lo + first
             elif window.size >= count:
                 # free blocks in each window of `count`: a full window is a run
-                run = np.convolve(window.astype(np.int32), np.ones(count, dtype=np.int32), "valid")
+                free = (~window).astype(np.int32)
+                run = np.convolve(free, np.ones(count, dtype=np.int32), "valid")
                 hits = np.flatnonzero(run == count)
                 if hits.size:
                     return lo + int(hits[0])
@@ -60,19 +90,19 @@ class BlockAllocator:
         first = self._find(count)
         if first is None:
             return None
-        self.free[first : first + count] = False
-        self.nfree -= count
-        self._cursor = (first + count) % self.nblocks
+        self.used_map[first : first + count] = True
+        self._count(first, count, 1)
+        self._cursor = (first + count) % self.frontier
         return first
 
     def reserve(self, first: int, count: int) -> bool:
         """Mark a known extent used (recovery); False if any block of it is taken."""
         if first < 0 or count < 1 or first + count > self.nblocks:
             return False
-        if not self.free[first : first + count].all():
+        if self.used_map[first : first + count].any():
             return False
-        self.free[first : first + count] = False
-        self.nfree -= count
+        self.used_map[first : first + count] = True
+        self._count(first, count, 1)
         return True
 
     def reserve_many(self, firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -81,16 +111,22 @@ class BlockAllocator:
         extent of the list, is refused.  The booleans of ``reserve``, one an extent.
 
         Extents that overlap no other of the list are decided and marked with array
-        operations; only the tangled ones (overlapping another) go one at a time.
+        operations over the span they cover; only the tangled ones (overlapping
+        another) go one at a time.
         """
         firsts = np.asarray(firsts, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.int64)
         if firsts.ndim != 1 or firsts.shape != counts.shape:
             raise ValueError("reserve_many takes two flat arrays of the same length")
         ok = (firsts >= 0) & (counts >= 1) & (firsts <= self.nblocks - counts)
-        taken = np.concatenate(([0], np.cumsum(~self.free)))  # taken[i]: used blocks below i
-        lo = np.where(ok, firsts, 0)
-        ok &= taken[np.where(ok, firsts + counts, 0)] == taken[lo]
+        if not ok.any():
+            return ok
+        lo = int(firsts[ok].min())
+        hi = int((firsts + counts)[ok].max())
+        # taken[i]: used blocks in [lo, lo + i)
+        taken = np.concatenate(([0], np.cumsum(self.used_map[lo:hi])))
+        start = np.where(ok, firsts - lo, 0)
+        ok &= taken[np.where(ok, firsts + counts - lo, 0)] == taken[start]
         tangled = np.zeros_like(ok)
         tangled[ok] = overlapping(firsts[ok], counts[ok])
         clear = ok & ~tangled
@@ -103,19 +139,23 @@ class BlockAllocator:
         """Mark free extents that overlap each other nowhere as used."""
         if not firsts.size:
             return
-        edges = np.zeros(self.nblocks + 1, dtype=np.int64)
-        np.add.at(edges, firsts, 1)
-        np.add.at(edges, firsts + counts, -1)
-        self.free[np.cumsum(edges[:-1]) > 0] = False
-        self.nfree -= int(counts.sum())
+        lo = int(firsts.min())
+        hi = int((firsts + counts).max())
+        edges = np.zeros(hi - lo + 1, dtype=np.int64)
+        np.add.at(edges, firsts - lo, 1)
+        np.add.at(edges, firsts + counts - lo, -1)
+        self.used_map[lo:hi][np.cumsum(edges[:-1]) > 0] = True
+        self.used += int(counts.sum())
+        ends = np.minimum(firsts + counts, self.frontier)
+        self._below += int(np.maximum(0, ends - firsts).sum())
 
     def release(self, first: int, count: int) -> None:
         """Return an extent; releasing a free block is a bug and raises."""
-        extent = self.free[first : first + count]
-        if extent.size != count or extent.any():
+        extent = self.used_map[first : first + count]
+        if extent.size != count or not extent.all():
             raise AssertionError(f"double free of blocks [{first}, +{count})")
-        extent[:] = True
-        self.nfree += count
+        extent[:] = False
+        self._count(first, count, -1)
 
 
 def overlapping(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The server's side of the pool-resident index (index.c owns the formats).
 
-The metadata server is the index's only writer.  It keeps a mirror of every
-bucket and rewrites a bucket as one line with a non-temporal store; its
+The metadata server is the index's only writer.  It keeps a mirror of the
+buckets and rewrites a bucket as one line with a non-temporal store; its
 callers fence (the commit fence before COMMIT's answer, the clear fence
 before REMOVE's).  Readers on every host probe the buckets with loads
 (``beluga._native._core.Index``) and confirm each entry against the block
@@ -16,15 +16,29 @@ only then its old one (sabotage point INDEX_MOVE_FENCE), so a reader always
 finds a key in at least one of its buckets; a reader that probes across a
 move sees the bucket's sequence change and probes again.
 
-Recovery (``repair``) keeps every slot that a recovered entry confirms
-(same block, version, tag and a bucket of its digest), drops the rest, and
-inserts what is missing, rewriting only buckets that change: readers keep
-hitting while a new server starts.
+A mirror that starts lazily.  A new server holds no bucket yet (``loaded``):
+the pool's buckets are what the last server left, and readers keep using
+them.  A bucket comes into the mirror when the server first touches it
+(``put``, ``drop``, ``find``, a move's search), as the pool holds it, its
+slots unresolved (tag, block and version, no key).  A slot is resolved when
+its key matters (a key with its tag is looked for, an entry must move): the
+header of its block names the key, with the slot's version, published, and
+the slot lies in a bucket of that key; a slot the header does not confirm
+names nothing a reader could get, and is dropped.  So the first write after
+a takeover reads two lines, not the whole index, whatever the pool's size.
+
+Recovery (``reconcile``, a range of buckets at a time, and ``repair``, all
+of them) keeps every slot that a recovered entry confirms (same block,
+version, tag and a bucket of its digest), drops the rest, and inserts what
+is missing, rewriting only buckets that change: readers keep hitting while
+a new server starts.  Once every bucket is reconciled the mirror holds them
+all (``loaded`` is None) and nothing is read back again.
 
 Scrub: the pool's lines can be hit by a stray host or hostile bytes; the
 server compares a few buckets per tick with its mirror (``scrub``) and
 rewrites any that differ, so a damaged bucket costs misses for a bounded
-time, never other bytes (readers confirm every entry anyway).
+time, never other bytes (readers confirm every entry anyway).  Buckets the
+mirror does not hold yet are skipped: the pool is all there is of them.
 
 Hints: each host id owns a counts line and a ring of hints (the blocks it
 hit); ``fold_hints`` reads them back for the LRU order and the statistics.
@@ -35,12 +49,12 @@ Not thread-safe and not fork-safe: it lives on the server's one thread.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from beluga._native import _core, step
-from beluga.coherence import LINE, Memory
+from beluga.coherence import LINE, BlockState, Memory, parse_header
 from beluga.pool.layout import Superblock
 
 SLOTS = _core.IX_SLOTS
@@ -49,7 +63,10 @@ MAX_PATH = 5  # cuckoo moves per insertion
 MAX_VISIT = 256  # buckets a search looks at
 _move_fence = step("INDEX_MOVE_FENCE", Memory.sfence)
 
-Slot = tuple[bytes, int, int, int]  # digest, tag, block, version
+#: digest (None: not resolved yet, see the module doc), tag, block, version
+Slot = tuple[bytes | None, int, int, int]
+#: for blocks, the (digest, version) of the entry whose first block each is, or None
+Entries = Callable[[list[int]], list[tuple[bytes, int] | None]]
 # the numpy types of the packed columns of _core.ix_columns and _core.ix_hash_many
 _IX_COLUMNS = ("u1", "=u8", "=u4", "=u4", "=u8")
 _HASH_COLUMNS = ("=u4", "=u8", "=u8")
@@ -63,12 +80,15 @@ class PoolIndex:
         self.sb = sb
         self.nbuckets = sb.nbuckets
         self.base = sb.index.offset
-        self.slots: list[Slot | None] = [None] * (self.nbuckets * SLOTS)
-        self.seq = [0] * self.nbuckets
-        self.where: dict[bytes, int] = {}  # digest -> slot number (bucket * SLOTS + slot)
+        self.slots: dict[int, Slot] = {}  # slot number (bucket * SLOTS + slot) -> what it holds
+        self.seq = np.zeros(self.nbuckets, dtype=np.uint64)
+        #: which buckets the mirror holds; None once it holds them all
+        self.loaded: np.ndarray | None = np.zeros(self.nbuckets, dtype=bool)
+        self.where: dict[bytes, int] = {}  # digest -> slot number, of resolved slots
         self.moves = 0
         self.failed = 0
         self.scrubbed = 0  # buckets found damaged and rewritten
+        self.unconfirmed = 0  # slots dropped because their block's header did not name them
         self._scrub_at = 0
         # per host id: (owner, hints, hits, misses, tier hits, promotions) as last folded
         self.seen: dict[int, tuple[int, ...]] = {}
@@ -77,17 +97,97 @@ class PoolIndex:
         self.tier_hits = 0
         self.promotions = 0
 
-    # -- writing -------------------------------------------------------------
+    # -- the mirror ----------------------------------------------------------
 
     def _write(self, bucket: int) -> None:
         """Rewrite one bucket line from the mirror (unfenced: callers fence)."""
-        self.seq[bucket] += 1
-        at = bucket * SLOTS
+        seq = int(self.seq[bucket]) + 1
+        self.seq[bucket] = seq
+        get, at = self.slots.get, bucket * SLOTS
         line = _core.ix_pack(
-            self.seq[bucket],
-            [(s[1], s[2], s[3]) if s else (0, 0, 0) for s in self.slots[at : at + SLOTS]],
+            seq,
+            [(s[1], s[2], s[3]) if (s := get(i)) else (0, 0, 0) for i in range(at, at + SLOTS)],
         )
         self.mem.nt_store(self.base + bucket * LINE, line)
+
+    def _load(self, buckets: Iterable[int]) -> None:
+        """Bring buckets into the mirror as the pool holds them, their slots unresolved; a
+        torn or hostile line is rewritten empty (unfenced)."""
+        loaded = self.loaded
+        if loaded is None:
+            return
+        todo = [b for b in buckets if not loaded[b]]
+        if not todo:
+            return
+        for b in todo:
+            self.mem.invalidate(self.base + b * LINE, LINE)
+        self.mem.mfence()
+        for b in todo:
+            loaded[b] = True
+            got = _core.ix_unpack(self.mem.load(self.base + b * LINE, LINE))
+            if got is None:
+                self._write(b)
+                continue
+            seq, held = got
+            self.seq[b] = seq
+            for i, (tag, block, version) in enumerate(held):
+                if tag:
+                    self.slots[b * SLOTS + i] = (None, tag, block, version)
+
+    def _resolve(self, at: int) -> bytes | None:
+        """The key of an unresolved slot, by the header of its block; a slot that header does
+        not confirm (or a second slot of a key) is dropped and None returned."""
+        _, tag, block, version = self.slots[at]
+        key = None
+        if block < self.sb.nblocks:
+            off = self.sb.block_header_offset(block)
+            self.mem.invalidate(off, LINE)
+            self.mem.mfence()
+            h = parse_header(self.mem.load(off, LINE))
+            if h is not None and h.state == BlockState.PUBLISHED and h.version == version:
+                t, b1, b2 = self._buckets(h.digest)
+                if t == tag and at // SLOTS in (b1, b2) and h.digest not in self.where:
+                    key = h.digest
+        if key is None:
+            del self.slots[at]
+            self._write(at // SLOTS)
+            self.unconfirmed += 1
+            return None
+        self.slots[at] = (key, tag, block, version)
+        self.where[key] = at
+        return key
+
+    def _resolve_bucket(self, bucket: int) -> None:
+        """Resolve every slot of a bucket the mirror holds."""
+        for i in range(bucket * SLOTS, (bucket + 1) * SLOTS):
+            s = self.slots.get(i)
+            if s is not None and s[0] is None:
+                self._resolve(i)
+
+    def find(self, digest: bytes) -> tuple[int, int] | None:
+        """Where the index names ``digest``: (block, version), or None.  Loads its buckets
+        and resolves the slots that carry its tag, as needed."""
+        at = self._find(digest)
+        if at is None:
+            return None
+        s = self.slots[at]
+        return s[2], s[3]
+
+    def _find(self, digest: bytes) -> int | None:
+        """The slot number of ``digest``, its buckets loaded first."""
+        tag, b1, b2 = self._buckets(digest)
+        self._load((b1, b2))
+        at = self.where.get(digest)
+        if at is not None or self.loaded is None:
+            return at
+        for b in (b1, b2):
+            for i in range(b * SLOTS, (b + 1) * SLOTS):
+                s = self.slots.get(i)
+                if s is not None and s[0] is None and s[1] == tag and self._resolve(i) == digest:
+                    return i
+        return None
+
+    # -- writing -------------------------------------------------------------
 
     def _buckets(self, digest: bytes) -> tuple[int, int, int]:
         return _core.ix_hash(digest, self.nbuckets)
@@ -95,7 +195,7 @@ class PoolIndex:
     def _free_slot(self, bucket: int) -> int | None:
         at = bucket * SLOTS
         for i in range(at, at + SLOTS):
-            if self.slots[i] is None:
+            if self.slots.get(i) is None:
                 return i
         return None
 
@@ -109,6 +209,9 @@ class PoolIndex:
                 queue.append((b, 0))
         while queue and len(parent) < MAX_VISIT:
             bucket, depth = queue.popleft()
+            if self.loaded is not None:  # a move needs the keys of the entries it moves
+                self._load((bucket,))
+                self._resolve_bucket(bucket)
             free = self._free_slot(bucket)
             if free is not None:
                 path = [free]
@@ -119,7 +222,7 @@ class PoolIndex:
                 continue
             for i in range(bucket * SLOTS, (bucket + 1) * SLOTS):
                 s = self.slots[i]
-                assert s is not None
+                assert s is not None and s[0] is not None
                 _, b1, b2 = self._buckets(s[0])
                 other = b2 if bucket == b1 else b1
                 if other not in parent:
@@ -131,7 +234,7 @@ class PoolIndex:
         """Point ``digest`` at (block, version); False when no slot could be made free."""
         tag, b1, b2 = self._buckets(digest)
         entry = (digest, tag, block, version)
-        at = self.where.get(digest)
+        at = self._find(digest)
         if at is not None:
             self.slots[at] = entry
             self._write(at // SLOTS)
@@ -143,7 +246,7 @@ class PoolIndex:
         # path[0] is a slot of b1 or b2; each entry moves into the next slot, last first
         for src, dst in zip(path[-2::-1], path[:0:-1], strict=True):
             moved = self.slots[src]
-            assert moved is not None
+            assert moved is not None and moved[0] is not None
             self.slots[dst] = moved
             self.where[moved[0]] = dst
             self._write(dst // SLOTS)
@@ -157,18 +260,22 @@ class PoolIndex:
     def crowd(self, digest: bytes) -> list[bytes]:
         """The keys in ``digest``'s two buckets (to evict from when it cannot be placed)."""
         _, b1, b2 = self._buckets(digest)
+        self._load((b1, b2))
         out = []
         for b in (b1, b2):
-            for s in self.slots[b * SLOTS : (b + 1) * SLOTS]:
-                if s is not None:
+            self._resolve_bucket(b)
+            for i in range(b * SLOTS, (b + 1) * SLOTS):
+                s = self.slots.get(i)
+                if s is not None and s[0] is not None:
                     out.append(s[0])
         return out
 
     def drop(self, digest: bytes) -> None:
         """Take ``digest`` out of the index (unfenced: callers fence)."""
-        at = self.where.pop(digest, None)
+        at = self._find(digest)
         if at is not None:
-            self.slots[at] = None
+            del self.slots[at]
+            del self.where[digest]
             self._write(at // SLOTS)
 
     def __len__(self) -> int:
@@ -176,20 +283,24 @@ class PoolIndex:
 
     def scrub(self, n: int = 64) -> int:
         """Compare the next ``n`` buckets (round robin) with the mirror; rewrite those that
-        differ (unfenced: the caller fences).  Returns how many were rewritten."""
+        differ (unfenced: the caller fences).  Returns how many were rewritten.  Buckets the
+        mirror does not hold yet are skipped."""
         mem, n = self.mem, min(n, self.nbuckets)
         first = self._scrub_at
         buckets = [(first + i) % self.nbuckets for i in range(n)]
         self._scrub_at = (first + n) % self.nbuckets
+        if self.loaded is not None:
+            buckets = [b for b in buckets if self.loaded[b]]
         for b in buckets:
             mem.invalidate(self.base + b * LINE, LINE)
         mem.mfence()
         fixed = 0
+        get = self.slots.get
         for b in buckets:
             got = _core.ix_unpack(mem.load(self.base + b * LINE, LINE))
             want = [
-                (s[1], s[2], s[3]) if s else (0, 0, 0)
-                for s in self.slots[b * SLOTS : (b + 1) * SLOTS]
+                (s[1], s[2], s[3]) if (s := get(i)) else (0, 0, 0)
+                for i in range(b * SLOTS, (b + 1) * SLOTS)
             ]
             if got is None or got[1] != want:
                 self._write(b)
@@ -199,77 +310,98 @@ class PoolIndex:
 
     # -- recovery ------------------------------------------------------------
 
+    def reconcile(self, lo: int, hi: int, entries: Entries) -> dict[str, int]:
+        """Make buckets [lo, hi) hold exactly the slots that name an entry, as the pool's
+        lines are now; they are in the mirror after, resolved.
+
+        ``entries(blocks)`` says, for the block each slot names, the (digest, version) of
+        the entry whose first block it is (None: none).  A slot is kept when its entry has
+        its version and tag and the slot lies in a bucket of the entry's digest, and no
+        other slot names that digest (the first one kept stays); every other slot is
+        dropped.  Returns counts of what was kept and dropped.  Unfenced: the caller fences.
+
+        Array operations over the buckets' lines: no Python object per bucket, one per
+        slot that names a block.
+        """
+        if not 0 <= lo <= hi <= self.nbuckets:
+            raise ValueError(f"a range of buckets lies in [0, {self.nbuckets}]")
+        mem, slots, where = self.mem, self.slots, self.where
+        mem.invalidate(self.base + lo * LINE, (hi - lo) * LINE)
+        mem.mfence()
+        raw = _core.ix_columns(mem.load(self.base + lo * LINE, (hi - lo) * LINE))
+        whole, seqs, tags, at_block, at_version = (
+            np.frombuffer(c, t) for c, t in zip(raw, _IX_COLUMNS, strict=True)
+        )
+        for i in range(lo * SLOTS, hi * SLOTS):  # the mirror of these buckets starts again
+            s = slots.pop(i, None)
+            if s is not None and s[0] is not None and where.get(s[0]) == i:
+                del where[s[0]]
+        tagged = tags != 0
+        cand = np.flatnonzero(tagged & (at_block < self.sb.nblocks))
+        named = entries(at_block[cand].tolist())
+        hit = np.fromiter((e is not None for e in named), dtype=bool, count=len(named))
+        cand = cand[hit]
+        keys = [e[0] for e in named if e is not None]
+        versions = np.fromiter(
+            (e[1] for e in named if e is not None), dtype=np.uint64, count=len(keys)
+        )
+        hashed = _core.ix_hash_many(b"".join(keys), self.nbuckets)
+        want_tag, b1, b2 = (np.frombuffer(c, t) for c, t in zip(hashed, _HASH_COLUMNS, strict=True))
+        bucket = cand // SLOTS + lo
+        confirms = (
+            (versions == at_version[cand])
+            & (want_tag == tags[cand])
+            & ((b1 == bucket) | (b2 == bucket))
+        )
+        kept = 0
+        dropped = tagged.copy()
+        for j in np.flatnonzero(confirms).tolist():
+            key, pos = keys[j], int(cand[j])
+            if key in where:  # a key named twice: the first slot kept stays
+                continue
+            where[key] = pos + lo * SLOTS
+            slots[pos + lo * SLOTS] = (key, int(tags[pos]), int(at_block[pos]), int(versions[j]))
+            dropped[pos] = False
+            kept += 1
+        self.seq[lo:hi] = seqs
+        if self.loaded is not None:
+            self.loaded[lo:hi] = True
+        rewrite = (whole == 0) | dropped.reshape(hi - lo, SLOTS).any(axis=1)
+        for b in np.flatnonzero(rewrite).tolist():
+            self._write(b + lo)
+        return {"kept": kept, "dropped": int(dropped.sum())}
+
+    def loaded_all(self) -> None:
+        """Every bucket has been reconciled: the mirror holds the whole index from now on."""
+        self.loaded = None
+
     def repair(
         self, digests: Sequence[bytes], blocks: np.ndarray, versions: np.ndarray
     ) -> dict[str, int]:
         """Make the pool's index hold exactly the entries digests[i] -> (blocks[i], versions[i]).
 
-        Slots that an entry confirms (same block, version and tag, in a bucket of its
-        digest; the first such slot of an entry in bucket order) stay where they are;
-        every other slot is cleared, then missing entries are inserted in the order
-        given.  The mirror starts again from what the pool holds.  Returns counts of
-        what was kept, dropped and inserted.  Unfenced: the caller fences.
-
-        The scan is array operations over every bucket: no Python object per bucket,
-        one per kept entry.
+        Every bucket is reconciled (``reconcile``) against these entries, then missing
+        entries are inserted in the order given.  The mirror holds every bucket after.
+        Returns counts of what was kept, dropped and inserted.  Unfenced: the caller fences.
         """
-        mem, n = self.mem, self.nbuckets
         blocks = np.asarray(blocks, dtype=np.int64)
         versions = np.asarray(versions, dtype=np.uint64)
         if not len(digests) == blocks.size == versions.size:
             raise ValueError("repair takes a block and a version for each digest")
         if blocks.size and not 0 <= int(blocks.min()) <= int(blocks.max()) < self.sb.nblocks:
             raise ValueError(f"repair's blocks lie in [0, {self.sb.nblocks})")
-        mem.invalidate(self.base, n * LINE)
-        mem.mfence()
-        raw = _core.ix_columns(mem.load(self.base, n * LINE))
-        whole, seqs, tags, at_block, at_version = (
-            np.frombuffer(c, t) for c, t in zip(raw, _IX_COLUMNS, strict=True)
-        )
-        hashed = _core.ix_hash_many(b"".join(digests), n)
-        want_tag, b1, b2 = (np.frombuffer(c, t) for c, t in zip(hashed, _HASH_COLUMNS, strict=True))
-        b1, b2 = b1.astype(np.int64), b2.astype(np.int64)  # bucket numbers: far below 2**63
-        # the entry each slot names by its block (-1: none), then whether it confirms it
-        entry_of = np.full(self.sb.nblocks + 1, -1, dtype=np.int64)
-        entry_of[blocks] = np.arange(blocks.size)
-        tagged = tags != 0
-        hit = entry_of[np.minimum(at_block, self.sb.nblocks)]
-        cand = np.flatnonzero(tagged & (hit >= 0))
-        e = hit[cand]
-        bucket = cand // SLOTS
-        confirms = (
-            (versions[e] == at_version[cand])
-            & (want_tag[e] == tags[cand])
-            & ((b1[e] == bucket) | (b2[e] == bucket))
-        )
-        cand = cand[confirms]
-        _, first = np.unique(hit[cand], return_index=True)  # one slot an entry
-        keep = np.sort(cand[first])
-        dropped = tagged.copy()
-        dropped[keep] = False
-        self.seq = seqs.tolist()
-        self.slots = slots = [None] * (n * SLOTS)
-        ent = hit[keep].tolist()
-        kept = [digests[i] for i in ent]
-        at = keep.tolist()
-        found = zip(
-            kept,
-            tags[keep].tolist(),
-            at_block[keep].tolist(),
-            at_version[keep].tolist(),
-            strict=True,
-        )
-        for pos, slot in zip(at, found, strict=True):  # a kept slot holds its entry's values
-            slots[pos] = slot
-        self.where = dict(zip(kept, at, strict=True))
-        for b in np.flatnonzero((whole == 0) | dropped.reshape(n, SLOTS).any(axis=1)).tolist():
-            self._write(b)
-        missing = np.ones(blocks.size, dtype=bool)
-        missing[ent] = False
+        pairs = zip(digests, versions.tolist(), strict=True)
+        by_block = dict(zip(blocks.tolist(), pairs, strict=True))
+        self.slots.clear()
+        self.where.clear()
+        self.loaded = np.zeros(self.nbuckets, dtype=bool)
+        got = self.reconcile(0, self.nbuckets, lambda at: [by_block.get(b) for b in at])
+        self.loaded_all()
         inserted = 0
-        for i in np.flatnonzero(missing).tolist():
-            inserted += self.put(digests[i], int(blocks[i]), int(versions[i]))
-        return {"kept": len(ent), "dropped": int(dropped.sum()), "inserted": inserted}
+        for i in range(len(digests)):
+            if digests[i] not in self.where:
+                inserted += self.put(digests[i], int(blocks[i]), int(versions[i]))
+        return {**got, "inserted": inserted}
 
     # -- hints ---------------------------------------------------------------
 

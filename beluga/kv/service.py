@@ -93,13 +93,14 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from beluga._native import step
 from beluga.coherence import (
     LINE,
+    BlockHeader,
     BlockState,
     HeaderTable,
     Memory,
@@ -110,6 +111,7 @@ from beluga.errors import CapacityError
 from beluga.kv import protocol as p
 from beluga.kv.allocator import BlockAllocator, overlapping
 from beluga.kv.index import PoolIndex
+from beluga.kv.recovery import RECOVERY_REGION, RECOVERY_SHARE, GraveLog, RecoveryState
 from beluga.pool import Pool
 from beluga.rpc import BatchHandler, Request, per_request
 
@@ -136,14 +138,16 @@ def _gc_paused() -> Iterator[None]:
     which took 70% of building 32 k entries on 2026-12-03.  After, they go straight to
     the oldest generation (``freeze`` then ``unfreeze``: no scan) instead of being
     scanned by the first young collections (52 ms at 65 k keys); a full collection
-    still sees them, so nothing that later becomes garbage is kept."""
+    still sees them, so nothing that later becomes garbage is kept.  In a process that
+    keeps its collections short (a server's) they stay frozen, as all it built before."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         gc.freeze()
-        gc.unfreeze()
+        if _freeze_survivors not in gc.callbacks:
+            gc.unfreeze()
         if enabled:
             gc.enable()
 
@@ -205,7 +209,12 @@ class MetadataService:
         low_watermark: float = LOW_WATERMARK,
         clock: Callable[[], float] = time.monotonic,
         writer_alive: Callable[[int, int], bool] | None = None,
+        recovery_region: int = RECOVERY_REGION,
+        recover_now: bool = True,
     ) -> None:
+        """``recover_now``: recover the whole pool before returning (a library's service,
+        tests); False leaves it to :meth:`recover_some`, called while serving (a server:
+        the module doc, "Recovery").  ``recovery_region``: blocks a recovery step scans."""
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
         self.pool = pool
@@ -220,7 +229,11 @@ class MetadataService:
         #: its host registry; without one every writer is presumed alive, so a write
         #: whose lease ran out stays quarantined until its writer commits or aborts
         self.writer_alive = writer_alive or (lambda host, generation: True)
-        self.alloc = BlockAllocator(self.sb.nblocks)
+        if recovery_region < 1:
+            raise ValueError(
+                f"recovery_region is a number of blocks above 0, not {recovery_region}"
+            )
+        self.alloc = BlockAllocator(self.sb.nblocks, frontier=0)
         self.index: OrderedDict[bytes, Entry] = OrderedDict()
         self.ix = PoolIndex(self.mem, self.sb)
         self.by_block: dict[int, tuple[bytes, int]] = {}  # first block -> (digest, version)
@@ -239,7 +252,11 @@ class MetadataService:
         self.retired: deque[bytes] = deque(maxlen=RETIRED_KEEP)
         self.retired_next = 0  # the number the next key to leave the index gets
         self.started = time.time()
-        self.recover()
+        self.graves = GraveLog(self.mem, self.sb, self._allocate_known, self.alloc.release)
+        self.rec: RecoveryState | None = None
+        self._take_over(recovery_region)
+        if recover_now:
+            self.recover()
 
     # -- helpers -------------------------------------------------------------
 
@@ -250,6 +267,14 @@ class MetadataService:
         """Clear a header, fenced with whatever was stored before it (a commit word)."""
         self.mem.nt_store(self.sb.block_header_offset(block), _CLEAR)
         _clear_fence(self.mem)
+
+    def _drop_copy(self, block: int, reserved: int = 0) -> None:
+        """A copy recovery found dead or beaten: commit word and header cleared (unfenced:
+        a clear lost in a crash is redone by the next scan), ``reserved`` blocks freed."""
+        self._set_commit(block, 0)
+        self.mem.nt_store(self.sb.block_header_offset(block), _CLEAR)
+        if reserved:
+            self.alloc.release(block, reserved)
 
     def _next_version(self) -> int:
         """A version never handed out before, by this server or any before it."""
@@ -311,6 +336,8 @@ class MetadataService:
             heapq.heappush(self.retiring, (e.lease_until, e.block, e.nblocks))
         else:
             self.alloc.release(e.block, e.nblocks)
+        if digest is not None and self._scanning():
+            self._bury(digest, 0)
 
     def _evict_one(self) -> bool:
         now = self.clock()
@@ -341,12 +368,27 @@ class MetadataService:
 
     def _allocate(self, nblocks: int) -> int:
         while (first := self.alloc.allocate(nblocks)) is None:
+            if self.rec is not None and self.rec.census < self.sb.nblocks:
+                self._census_step()  # more room is known after each step, before any eviction
+                continue
             if nblocks > self.alloc.nblocks or not self._evict_one():
                 raise CapacityError(
                     f"no room for {nblocks} contiguous blocks: {self.alloc.used} of "
                     f"{self.alloc.nblocks} are in use and nothing can be evicted (all leased "
                     "or being written); retry later, remove keys, or use a bigger pool"
                 )
+        return first
+
+    def _allocate_known(self, nblocks: int) -> int:
+        """Free blocks for the log of graves: found by the census if need be, never by an
+        eviction (whose grave would need the log)."""
+        while (first := self.alloc.allocate(nblocks)) is None:
+            if self.rec is None or self.rec.census >= self.sb.nblocks:
+                raise CapacityError(
+                    f"no room for the {nblocks} blocks of the recovery's log of removed keys: "
+                    "the pool is full; retry once the server has recovered"
+                )
+            self._census_step()
         return first
 
     # -- operations ----------------------------------------------------------
@@ -357,12 +399,15 @@ class MetadataService:
         granted: list[p.Grant] = []
         skip = bool(flags & p.ALLOC_SKIP_PRESENT)
         writing = self._writing() if skip else set()
+        scanning = skip and self._scanning()
         try:
             for digest, length, _key_len in items:
                 if length > limit:
                     raise ValueError(
                         f"a value of {length} bytes exceeds the pool's {limit}-byte data area"
                     )
+                if scanning:
+                    self._settle(digest)
                 if skip and (digest in self.index or digest in writing):
                     why = p.PRESENT_COMMITTED if digest in self.index else p.PRESENT_WRITING
                     granted.append(p.Grant(p.NO_BLOCK, why))
@@ -431,10 +476,15 @@ class MetadataService:
 
     def op_commit(self, req: Request) -> bytes:
         done = []
+        scanning = self._scanning()
         for digest, block, version in p.decode_commit(req.payload):
             pend = self.pending.get(block)
+            if pend is None and scanning:  # granted before the takeover, not scanned yet?
+                pend = self._adopt_write(digest, block, version)
             if pend is None or pend.digest != digest or pend.version != version:
                 # already committed (the request was sent again to a restarted server)?
+                if scanning:
+                    self._settle(digest)
                 e = self.index.get(digest)
                 done.append(e is not None and e.block == block and e.version == version)
                 continue
@@ -445,6 +495,10 @@ class MetadataService:
                 continue
             del self.pending[block]
             self._set_commit(block, version)
+            if scanning:  # its key's copies not scanned yet lose to this one, now and later
+                self._settle(digest)
+                if version < self.rec.first:  # type: ignore[union-attr]
+                    self._bury(digest, version)
             new = Entry(block, pend.nblocks, version, pend.length)
             old = self.index.pop(digest, None)
             if not self._index(digest, new):  # only a new key (no slot yet) can fail
@@ -460,8 +514,11 @@ class MetadataService:
         return p.encode_flags(done)
 
     def op_abort(self, req: Request) -> bytes:
+        scanning = self._scanning()
         for digest, block, version in p.decode_commit(req.payload):
             pend = self.pending.get(block)
+            if pend is None and scanning:
+                pend = self._adopt_write(digest, block, version)
             if pend and pend.digest == digest and pend.version == version:
                 self._free_pending(block)
         return b""
@@ -470,7 +527,10 @@ class MetadataService:
         flags, digests = p.decode_digests(req.payload)
         until = self.clock() + self.read_lease_s
         out: list[p.Location | None] = []
+        scanning = self._scanning()
         for d in digests:
+            if scanning:
+                self._settle(d)
             e = self.index.get(d)
             if e is None:
                 self.counters["misses"] += 1
@@ -488,11 +548,16 @@ class MetadataService:
     def op_remove(self, req: Request) -> bytes:
         _, digests = p.decode_digests(req.payload)
         found = []
+        scanning = self._scanning()
         for d in digests:
+            if scanning:
+                self._settle(d)
             e = self.index.pop(d, None)
             if e is not None:
                 self._retire(e, d)
                 self.counters["removes"] += 1
+            elif scanning:  # a copy the scan has not reached must not come back either
+                self._bury(d, 0)
             found.append(e is not None)
         return p.encode_flags(found)
 
@@ -500,7 +565,10 @@ class MetadataService:
         """Remove values a reader found corrupt, each only if the index still holds that very
         version: a value replaced since (a good one) stays."""
         dropped = []
+        scanning = self._scanning()
         for digest, block, version in p.decode_commit(req.payload):
+            if scanning:
+                self._settle(digest)
             e = self.index.get(digest)
             hit = e is not None and e.block == block and e.version == version
             if hit:
@@ -590,8 +658,12 @@ class MetadataService:
         stores carry 0) whose request ``unanswered(seq)`` says no answer
         reached can have no store of its writer coming, who will send the
         request again (rpc.c, GRANTS NOBODY LEARNED).  Kept, it would wait
-        for a COMMIT that never comes, quarantined while that writer lives.
+        for a COMMIT that never comes, quarantined while that writer lives.  While the
+        scan has not reached every block, the writer's grants it finds later are asked
+        about then (``unanswered`` still answers for a request its ring keeps).
         """
+        if self._scanning():
+            self.rec.unanswered[(host_id, generation)] = unanswered  # type: ignore[union-attr]
         for block, pend in list(self.pending.items()):
             if pend.host != host_id or pend.generation != generation:
                 continue
@@ -641,6 +713,9 @@ class MetadataService:
             "dead_writer_reclaims": self.counters["dead_writer_reclaims"],
             "unanswered_grants_freed": self.counters["unanswered_grants_freed"],
             "recovered_keys": self.counters["recovered_keys"],
+            "recovering": int(self.rec is not None),
+            "recovery_blocks_left": self._blocks_left(),
+            "recovery_graves": len(self.rec.graves) if self.rec is not None else 0,
             "index_buckets": self.ix.nbuckets,
             "index_moves": self.ix.moves,
             "index_scrub_repairs": self.ix.scrubbed,
@@ -682,11 +757,178 @@ class MetadataService:
                 won[i] = True
         return won
 
-    def _index_recovered(
-        self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray
-    ) -> np.ndarray:
-        """The in-memory index of the values kept, oldest first (the LRU order's start);
-        their rows of the header table in that order."""
+    def _scanning(self) -> bool:
+        """Whether some blocks' keys are still unknown (graves and settling apply)."""
+        return self.rec is not None and self.rec.keys < self.sb.nblocks
+
+    def _blocks_left(self) -> int:
+        """Blocks whose keys recovery has not scanned yet."""
+        return 0 if self.rec is None else self.sb.nblocks - self.rec.keys
+
+    @property
+    def recovering(self) -> bool:
+        """Whether recovery still runs (:meth:`recover_some`)."""
+        return self.rec is not None
+
+    def _take_over(self, region: int) -> None:
+        """What a server does before its first answer: the version floor and the graves a
+        server before it left; nothing that grows with the pool."""
+        sb = self.sb
+        _recover_invalidate(self.mem, sb.service_offset, LINE)
+        _recover_mfence(self.mem)
+        stored = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")
+        # every version any answer named is below the floor stored (_next_version); a
+        # header at or above it is a grant never answered, cleared as the scan meets it
+        self.version = self.floor = stored
+        self.rec = RecoveryState(
+            first=self.version,
+            expires=self.clock() + self.write_lease_s,
+            region=region,
+        )
+        for digest, below, keep in self.graves.read(_recover_invalidate):
+            self.rec.graves[digest] = (below, keep)
+        if self.graves.nblocks:
+            self.alloc.reserve(self.graves.first, self.graves.nblocks)
+
+    def recover(self) -> None:
+        """Recover the whole pool now: every step of :meth:`recover_some`."""
+        with _gc_paused():
+            while self.rec is not None:
+                self._recover_step()
+
+    def recover_some(self, served: int = 0) -> bool:
+        """One bounded step of recovery (a few ms); whether more remains.
+
+        The server's loop calls it between polls with how many requests its last
+        poll served: an idle server recovers flat out, a busy one gives recovery at
+        most ``RECOVERY_SHARE`` of its time (the module doc, "Recovery").
+        """
+        rec = self.rec
+        if rec is None:
+            return False
+        now = time.perf_counter()
+        if served and rec.spent > RECOVERY_SHARE * (now - rec.since):
+            return True
+        with _gc_paused():
+            self._recover_step()
+        rec.spent += time.perf_counter() - now
+        return self.rec is not None
+
+    def _recover_step(self) -> None:
+        rec = self.rec
+        assert rec is not None
+        n = self.sb.nblocks
+        if rec.census < n:
+            self._census_step()
+        elif rec.keys < n:
+            self._keys_step()
+            if rec.keys == n:  # every grave applied, the clears fenced: the log can go
+                self.graves.close()
+                rec.graves.clear()
+                rec.unanswered.clear()
+        elif rec.buckets < self.ix.nbuckets:
+            self._reconcile_step()
+        else:
+            self._naming_step()
+
+    def _read_region(self, lo: int, hi: int) -> tuple[HeaderTable, np.ndarray]:
+        """The valid headers of blocks [lo, hi) (absolute block numbers) and their commit
+        words, read fresh."""
+        sb = self.sb
+        _recover_invalidate(self.mem, sb.block_header_offset(lo), (hi - lo) * LINE)
+        _recover_invalidate(self.mem, sb.block_commit_offset(lo), (hi - lo) * 8)
+        _recover_mfence(self.mem)
+        headers = parse_header_table(self.mem.load(sb.block_header_offset(lo), (hi - lo) * LINE))
+        committed = np.frombuffer(self.mem.load(sb.block_commit_offset(lo), (hi - lo) * 8), "<u8")
+        return replace(headers, block=headers.block + lo), committed
+
+    def _classify(
+        self, headers: HeaderTable, committed: np.ndarray, lo: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Masks of a region's headers: live (a write of before the takeover, not decided
+        ahead of the scan), committed among them, and stray (a version this server's
+        floor says was never handed out: no grant's)."""
+        rec = self.rec
+        assert rec is not None
+        ours = np.ones(len(headers), dtype=bool)
+        if rec.adopted:
+            ours = ~np.isin(headers.block, np.fromiter(rec.adopted, np.int64, len(rec.adopted)))
+        before = headers.version < rec.first
+        live = (
+            ours
+            & before
+            & ((headers.state == BlockState.WRITING) | (headers.state == BlockState.PUBLISHED))
+        )
+        rel = headers.block - lo
+        done = live & (headers.state == BlockState.PUBLISHED) & (committed[rel] == headers.version)
+        return live, done, ours & ~before
+
+    def _extents(self, headers: HeaderTable) -> np.ndarray:
+        size = self.sb.block_size
+        return np.maximum(1, headers.length // size + (headers.length % size != 0))
+
+    def _census_step(self) -> None:
+        """Make the next region's free blocks allocatable: every write of before the
+        takeover there keeps its extent (overlaps and copies of a key within the region
+        decided as the one-at-a-time rule does), the rest is free."""
+        rec = self.rec
+        assert rec is not None
+        lo = rec.census
+        hi = min(self.sb.nblocks, lo + rec.region)
+        headers, committed = self._read_region(lo, hi)
+        live, done, stray = self._classify(headers, committed, lo)
+        extents = self._extents(headers)
+        # newest first (ties: lower block first), as the one-at-a-time rule reads them
+        published = self._newest_first(headers, np.flatnonzero(done))
+        won = self._reserve_values(headers, published, extents)
+        unfinished = self._newest_first(headers, np.flatnonzero(live & ~done))
+        held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])
+        lost = (published[~won], unfinished[~held], np.flatnonzero(stray))
+        for block in headers.block[np.concatenate(lost)].tolist():
+            self._drop_copy(block)
+        words = committed != 0  # commit words of nothing kept
+        words[headers.block[published[won]] - lo] = False
+        for block in rec.adopted:
+            if lo <= block < hi:
+                words[block - lo] = False
+        for block in np.flatnonzero(words).tolist():
+            self._set_commit(lo + block, 0)
+        self.alloc.advance(hi)
+        rec.census = hi
+        self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
+
+    def _keys_step(self) -> None:
+        """Know the keys of the next region the census has done: each committed value
+        joins the index unless a grave or a newer copy of its key says otherwise; each
+        write in flight is pending again, under its writer."""
+        rec = self.rec
+        assert rec is not None
+        lo = rec.keys
+        hi = min(rec.census, lo + rec.region)
+        headers, committed = self._read_region(lo, hi)
+        live, done, _ = self._classify(headers, committed, lo)
+        extents = self._extents(headers)
+        values = self._newest_first(headers, np.flatnonzero(done))
+        keys = headers.digest[values].tolist()
+        index, graves = self.index, rec.graves
+        known = np.fromiter((k in index or k in graves for k in keys), bool, len(keys))
+        self._index_recovered(headers, values[~known], extents)
+        for i in values[known].tolist():
+            self._recover_copy(
+                headers.digest[i].tobytes(),
+                int(headers.block[i]),
+                int(headers.version[i]),
+                int(headers.length[i]),
+                int(extents[i]),
+            )
+        self._recover_writes(headers, np.flatnonzero(live & ~done), extents)
+        rec.keys = hi
+        self.counters["recovered_keys"] = len(self.index)
+        self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
+
+    def _index_recovered(self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray) -> None:
+        """Index values of keys met for the first time, as older than everything indexed
+        (the LRU order's start), oldest first among themselves."""
         rows = rows[np.lexsort((headers.block[rows], headers.version[rows]))]
         blocks = headers.block[rows].tolist()
         versions = headers.version[rows].tolist()
@@ -694,68 +936,224 @@ class MetadataService:
         entries = map(
             Entry, blocks, extents[rows].tolist(), versions, headers.length[rows].tolist()
         )
-        self.index = OrderedDict(zip(keys, entries, strict=True))
-        self.by_block = dict(zip(blocks, zip(keys, versions, strict=True), strict=True))
-        return rows
+        before = len(self.index)
+        self.index.update(zip(keys, entries, strict=True))
+        if before:
+            for key in reversed(keys):
+                self.index.move_to_end(key, last=False)
+        self.by_block.update(zip(blocks, zip(keys, versions, strict=True), strict=True))
 
-    def recover(self) -> None:
-        """Rebuild the index and the allocator from the header and commit tables in the pool."""
-        with _gc_paused():
-            self._recover()
+    def _recover_copy(self, digest: bytes, block: int, version: int, length: int, n: int) -> None:
+        """A committed copy of a key the index or a grave knows, found by the scan (its
+        extent reserved by the census): kept if it is the newest alive, else dropped."""
+        rec = self.rec
+        assert rec is not None
+        e = self.index.get(digest)
+        if rec.dead(digest, version) or (e is not None and e.version > version):
+            self._drop_copy(block, n)
+            return
+        named = digest in self.ix.where
+        if e is not None:  # an older copy found before (the newer one's commit was in flight)
+            del self.index[digest]
+            self._retire(e, None)
+        self._index_copy(digest, Entry(block, n, version, length))
+        if named:
+            self.ix.put(digest, block, version)
 
-    def _recover(self) -> None:
-        sb = self.sb
-        table, commits = sb.headers.offset, sb.commits.offset
-        _recover_invalidate(self.mem, table, sb.nblocks * LINE)
-        _recover_invalidate(self.mem, commits, sb.commits.length)
-        _recover_invalidate(self.mem, sb.service_offset, LINE)
-        _recover_mfence(self.mem)
-        self.version = self.floor = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")
-        headers = parse_header_table(self.mem.load(table, sb.nblocks * LINE))
-        committed = np.frombuffer(self.mem.load(commits, sb.commits.length), dtype="<u8")
-        self.version = max(
-            self.version, int(headers.version.max(initial=0)), int(committed.max(initial=0))
-        )
-        size = sb.block_size
-        extents = np.maximum(1, headers.length // size + (headers.length % size != 0))
-        done = (headers.state == BlockState.PUBLISHED) & (
-            committed[headers.block] == headers.version
-        )
-        live = (headers.state == BlockState.WRITING) | (headers.state == BlockState.PUBLISHED)
-        # newest first (ties: lower block first), as the one-at-a-time rule reads them
-        published = self._newest_first(headers, np.flatnonzero(done))
-        won = self._reserve_values(headers, published, extents)
-        for block in headers.block[published[~won]].tolist():  # older copies, overlapped extents
-            self._set_commit(block, 0)
-            self._clear_header(block)
-        indexed = self._index_recovered(headers, published[won], extents)
-        unfinished = self._newest_first(headers, np.flatnonzero(live & ~done))
-        held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])
-        expires = self.clock() + self.write_lease_s
-        for i in unfinished[held].tolist():
-            self.pending[int(headers.block[i])] = Pending(
+    def _index_copy(self, digest: bytes, e: Entry) -> None:
+        """A value of before the takeover joins the index, at the LRU order's start."""
+        self.index[digest] = e
+        self.index.move_to_end(digest, last=False)
+        self.by_block[e.block] = (digest, e.version)
+
+    def _recover_writes(self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray) -> None:
+        """Writes found in flight: pending again under their writers (the census holds
+        their extents); a slot of the pool index naming one goes."""
+        rec = self.rec
+        assert rec is not None
+        for i in self._newest_first(headers, rows).tolist():
+            block = int(headers.block[i])
+            asked = rec.unanswered.get((int(headers.writer[i]), int(headers.writer_gen[i])))
+            if asked is not None and self._unanswered(block, asked):
+                self._drop_copy(block, int(extents[i]))
+                self.counters["unanswered_grants_freed"] += 1
+                continue
+            self.pending[block] = Pending(
                 headers.digest[i].tobytes(),
                 int(headers.version[i]),
                 int(headers.length[i]),
                 int(extents[i]),
                 int(headers.writer[i]),
                 int(headers.writer_gen[i]),
-                expires,
+                rec.expires,
             )
-        for block in headers.block[unfinished[~held]].tolist():
-            self._clear_header(block)
-        stray = committed != 0  # commit words of nothing indexed
-        stray[headers.block[indexed]] = False
-        for block in np.flatnonzero(stray).tolist():
-            self._set_commit(block, 0)
-        repaired = self.ix.repair(
-            list(self.index), headers.block[indexed], headers.version[indexed]
+            key, version = headers.digest[i].tobytes(), int(headers.version[i])
+            if self.ix.find(key) == (block, version):
+                self.ix.drop(key)
+        self.counters["recovered_writes"] = len(self.pending)
+
+    def _unanswered(self, block: int, unanswered: Callable[[int], bool]) -> bool:
+        """Whether a grant found in flight is one its server announced and never answered."""
+        off = self.sb.block_header_offset(block)
+        header = parse_header(self.mem.load(off, LINE))  # read fresh by the region's scan
+        return (
+            header is not None
+            and header.state == BlockState.WRITING
+            and bool(header.stamp)
+            and unanswered(header.stamp)
         )
-        if len(self.ix.where) != len(self.index):
-            for d in [d for d in self.index if d not in self.ix.where]:  # could not be placed
+
+    def _reconcile_step(self) -> None:
+        """Make the next buckets of the pool index name exactly what the index holds."""
+        rec = self.rec
+        assert rec is not None
+        lo = rec.buckets
+        hi = min(self.ix.nbuckets, lo + rec.region)
+        got = self.ix.reconcile(lo, hi, lambda blocks: [self.by_block.get(b) for b in blocks])
+        self.counters["index_repaired"] += got["dropped"]
+        rec.buckets = hi
+        if hi == self.ix.nbuckets:
+            self.ix.loaded_all()
+        self.mem.sfence()  # no sabotage point: a repair lost in a crash is redone by the next
+
+    def _naming_step(self) -> None:
+        """Name in the pool index the values no slot named (their insertion was lost in a
+        crash); then recovery is over."""
+        rec = self.rec
+        assert rec is not None
+        if rec.naming is None:  # the index names a subset of the keys: equal sizes, all named
+            rec.naming = [] if len(self.ix) == len(self.index) else list(self.index)
+        todo = rec.naming[-rec.region :]
+        del rec.naming[-rec.region :]
+        for d in todo:
+            e = self.index.get(d)
+            if e is None or d in self.ix.where:
+                continue
+            self.counters["index_repaired"] += 1
+            if not self.ix.put(d, e.block, e.version):  # could not be placed
                 self._retire(self.index.pop(d), None)
                 self.counters["index_evictions"] += 1
-        self.counters["index_repaired"] = repaired["dropped"] + repaired["inserted"]
-        self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
-        self.counters["recovered_keys"] = len(self.index)
-        self.counters["recovered_writes"] = len(self.pending)
+        self.mem.sfence()  # no sabotage point: an insertion lost in a crash is redone
+        if not rec.naming:
+            self.rec = None
+            self.counters["recovered_keys"] = len(self.index)
+
+    # -- decisions ahead of the scan -----------------------------------------
+
+    def _claim(self, block: int, n: int) -> bool:
+        """Hold an extent the scan has not reached: the census holds it already below its
+        frontier (a live header there kept its extent), else it is reserved now."""
+        rec = self.rec
+        assert rec is not None
+        return block < rec.census or self.alloc.reserve(block, n)
+
+    def _read_copy(self, block: int) -> tuple[BlockHeader | None, int]:
+        """A block's header and commit word, read fresh."""
+        sb = self.sb
+        _recover_invalidate(self.mem, sb.block_header_offset(block), LINE)
+        _recover_invalidate(self.mem, sb.block_commit_offset(block), 8)
+        _recover_mfence(self.mem)
+        header = parse_header(self.mem.load(sb.block_header_offset(block), LINE))
+        word = int.from_bytes(self.mem.load(sb.block_commit_offset(block), 8), "little")
+        return header, word
+
+    def _settle(self, digest: bytes) -> None:
+        """Before an operation on a key while the scan runs: bring the copy the pool
+        index names (what readers get) into the index, or drop it, by the scan's rules.
+
+        Afterwards the index's answer for the key is what it will be once the scan is
+        done, as far as any copy a reader can see goes: the newest live copy, or none.
+        """
+        rec = self.rec
+        assert rec is not None
+        named = self.ix.find(digest)
+        if named is None:
+            return
+        block, version = named
+        e = self.index.get(digest)
+        if e is not None and e.block == block and e.version == version:
+            return
+        if version >= rec.first or block < rec.keys or block in rec.adopted:
+            self._name(digest)  # the slot names nothing the index holds: stale
+            return
+        header, word = self._read_copy(block)
+        if (
+            header is None
+            or header.digest != digest
+            or header.version != version
+            or header.state != BlockState.PUBLISHED
+            or word != version
+        ):
+            self._name(digest)  # a write in flight, or nothing: not a value to read
+            return
+        self._adopt_copy(digest, block, version, header.length)
+
+    def _adopt_copy(self, digest: bytes, block: int, version: int, length: int) -> bool:
+        """A committed copy of before the takeover met ahead of the scan: indexed (and
+        named) if no grave and no newer copy known says otherwise, else cleared."""
+        rec = self.rec
+        assert rec is not None
+        n = self.extent(length)
+        e = self.index.get(digest)
+        if rec.dead(digest, version) or (e is not None and e.version > version):
+            self._drop_copy(block, n if block < rec.census else 0)
+        elif self._claim(block, n):
+            rec.adopted.add(block)
+            if e is not None:
+                del self.index[digest]
+                self._retire(e, None)
+            self._index_copy(digest, Entry(block, n, version, length))
+            self.ix.put(digest, block, version)
+            return True
+        else:  # its extent overlaps one held already: not a value
+            self._drop_copy(block)
+        self._name(digest)
+        return False
+
+    def _name(self, digest: bytes) -> None:
+        """Make the pool index name what the index holds of a key (or nothing)."""
+        e = self.index.get(digest)
+        if e is None:
+            self.ix.drop(digest)
+        elif not self.ix.put(digest, e.block, e.version):
+            self._retire(self.index.pop(digest), digest)
+            self.counters["index_evictions"] += 1
+
+    def _adopt_write(self, digest: bytes, block: int, version: int) -> Pending | None:
+        """A COMMIT or ABORT of a block the scan has not reached: the write there, granted
+        before the takeover, becomes pending now (a committed one is adopted as a value:
+        its COMMIT was sent again); None if the block holds no such write."""
+        rec = self.rec
+        assert rec is not None
+        if not rec.keys <= block < self.sb.nblocks or version >= rec.first:
+            return None
+        if block in rec.adopted:
+            return None
+        header, word = self._read_copy(block)
+        if header is None or header.digest != digest or header.version != version:
+            return None
+        if header.state == BlockState.PUBLISHED and word == version:
+            self._settle(digest)
+            if self.index.get(digest) is None or self.index[digest].block != block:
+                self._adopt_copy(digest, block, version, header.length)
+            return None
+        if header.state not in (BlockState.WRITING, BlockState.PUBLISHED):
+            return None
+        n = self.extent(header.length)
+        if not self._claim(block, n):
+            return None
+        rec.adopted.add(block)
+        pend = Pending(
+            digest, version, header.length, n, header.writer, header.writer_gen, rec.expires
+        )
+        self.pending[block] = pend
+        return pend
+
+    def _bury(self, digest: bytes, keep: int) -> None:
+        """Every copy of ``digest`` of before the takeover but ``keep`` is gone: in the
+        scan's rules now and, through the log of graves, a successor's (recovery.py)."""
+        rec = self.rec
+        assert rec is not None
+        rec.graves[digest] = (rec.first, keep)
+        self.graves.append(digest, rec.first, keep)
+        self.mem.sfence()  # no sabotage point yet: in the pool before the answer relying on it
