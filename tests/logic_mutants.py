@@ -52,6 +52,7 @@ RETIRED = "tests/test_retired.py::"
 MOONCAKE = "tests/test_compat_mooncake.py::"
 RESTARTS = "tests/test_rpc_restarts.py::"
 GPU = "tests/test_transfer_gpu.py::"
+REC = "tests/test_recovery.py::"
 
 MUTANTS: list[Mutant] = [
     # -- the read record (C): what a GPU load invalidates (beluga/_native/record.c)
@@ -928,6 +929,128 @@ MUTANTS: list[Mutant] = [
         "what a server watched would die with it: the next server starts every dead client's "
         "staleness over",
         cheap=True,
+    ),
+    # -- recovery while serving: writes resume at once after a takeover (issue 36)
+    Mutant(
+        "settle-ignores-the-slot-readers-see",
+        "recovery while serving",
+        "beluga/kv/service.py",
+        "named = self.ix.find(digest)",
+        "named = None",
+        (REC + "test_an_overwrite_retires_the_old_copy_wherever_the_scan_is",),
+        "an overwrite before the scan leaves the key's old copy readable by its block, and "
+        "in the pool for a successor's recovery",
+        cheap=True,
+    ),
+    Mutant(
+        "graves-kept-only-in-memory",
+        "recovery while serving",
+        "beluga/kv/service.py",
+        "self.graves.append(digest, rec.first, keep)",
+        "rec.graves.get(digest)",
+        (REC + "test_a_remove_survives_a_second_takeover_in_the_middle_of_recovery",),
+        "a server taken over before its scan reached a removed key's copy dies with the "
+        "grave: the next one brings the key back",
+        cheap=True,
+    ),
+    Mutant(
+        "grave-spares-no-copy",
+        "recovery while serving",
+        "beluga/kv/recovery.py",
+        "version < grave[0] and version != grave[1]",
+        "version < grave[0]",
+        (REC + "test_a_write_committed_during_recovery_outlives_a_second_takeover",),
+        "a write committed during a recovery is dropped by the next server as one of the "
+        "key's older copies",
+    ),
+    Mutant(
+        "allocation-reaches-past-the-frontier",
+        "recovery while serving",
+        "beluga/kv/allocator.py",
+        "        n = self.frontier\n        start = ",
+        "        n = self.nblocks\n        start = ",
+        (REC + "test_the_allocator_allocates_below_its_frontier_and_reserves_beyond",),
+        "a run is taken in blocks no scan has seen: they may hold a value or a write",
+        cheap=True,
+    ),
+    Mutant(
+        "commit-before-the-scan-refused",
+        "recovery while serving",
+        "beluga/kv/service.py",
+        "            if pend is None and scanning:  # granted before the takeover, not scanned "
+        "yet?\n                pend = self._adopt_write(digest, block, version)",
+        "            if pend is None and scanning:  # granted before the takeover, not scanned "
+        "yet?\n                pend = None",
+        (REC + "test_writes_in_flight_at_the_takeover_are_their_writers_before_the_scan",),
+        "a write granted before the takeover is refused until the scan reaches its block",
+    ),
+    Mutant(
+        "remove-of-an-unnamed-key-buries-nothing",
+        "recovery while serving",
+        "beluga/kv/service.py",
+        "            elif scanning:  # a copy the scan has not reached must not come back either",
+        "            elif False:  # a copy the scan has not reached must not come back either",
+        (REC + "test_a_remove_of_a_key_no_slot_names_keeps_its_copy_gone",),
+        "a key whose only copy no slot names comes back once the scan finds it, after its "
+        "REMOVE was answered",
+        cheap=True,
+    ),
+    Mutant(
+        "scan-keeps-the-older-copy",
+        "recovery while serving",
+        "beluga/kv/service.py",
+        "e.version > version):\n            self._drop_copy(block, n)\n",
+        "e.version < version):\n            self._drop_copy(block, n)\n",
+        (REC + "test_copies_of_a_key_found_apart_leave_the_newest",),
+        "copies of a key found regions apart: the newer one (its commit landed) is dropped",
+    ),
+    Mutant(
+        "census-frees-writes-in-flight",
+        "recovery while serving",
+        "beluga/kv/service.py",
+        "held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])",
+        "held = np.zeros(unfinished.size, dtype=bool)",
+        (REC + "test_a_write_in_flight_the_scan_passed_is_still_its_writers",),
+        "a write in flight at the takeover loses its extent to the census: its writer's "
+        "stores land on whatever is granted there next",
+    ),
+    Mutant(
+        "recovery-names-nothing-missing",
+        "recovery while serving",
+        "beluga/kv/service.py",
+        "            if e is None or d in self.ix.where:",
+        "            if True:",
+        (REC + "test_copies_of_a_key_found_apart_leave_the_newest",),
+        "a value no slot named (its commit's slot never landed) stays unreadable for good",
+    ),
+    Mutant(
+        "pool-index-writes-a-bucket-it-never-read",
+        "recovery while serving",
+        "beluga/kv/index.py",
+        "        self._load((b1, b2))\n        at = self.where.get(digest)",
+        "        at = self.where.get(digest)",
+        (REC + "test_the_pool_index_loads_a_bucket_only_when_touched_and_keeps_its_other_slots",),
+        "a new server's first put rewrites its buckets from an empty mirror: the other keys "
+        "there go unreadable",
+        cheap=True,
+    ),
+    Mutant(
+        "claim-trusts-blocks-past-the-census",
+        "recovery while serving",
+        "beluga/kv/service.py",
+        "return block < rec.census or self.alloc.reserve(block, n)",
+        "return True",
+        (REC + "test_writes_in_flight_at_the_takeover_are_their_writers_before_the_scan",),
+        "a write adopted ahead of the census holds no blocks: they are free once it passes",
+    ),
+    Mutant(
+        "unanswered-grant-above-the-floor-kept",
+        "recovery while serving",
+        "beluga/kv/service.py",
+        "before = headers.version < rec.first",
+        "before = headers.version >= 0",
+        (REC + "test_a_header_at_or_above_the_floor_is_a_grant_never_answered",),
+        "a grant nobody learned of (announced as the floor's raise was lost) is held forever",
     ),
 ]
 
