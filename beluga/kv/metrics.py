@@ -12,8 +12,8 @@ What is exported, all prefixed ``beluga_``:
 - ``beluga_server_info``: 1, labelled with the text fields of ``stats()``
   (``server_host``, ``server_since``) and ``server_pid``: which server
   serves, where, since when (with ``beluga_takeovers_total`` beside it);
-- ``beluga_recovery_seconds``: how long the service took to rebuild its state
-  from the pool at start;
+- ``beluga_recovery_seconds``: how long the service took from the seat to its
+  first answer (the rest of recovery runs while it serves: ``beluga_recovering``);
 - ``beluga_stats_age_seconds``: how old the statistics of this scrape are;
 - the standard ``process_*`` metrics of the server process.
 
@@ -85,7 +85,13 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Grants a gone server made and never answered, freed as their writer's ring was adopted",
     ),
-    "recovered_keys": ("gauge", "Keys rebuilt from the pool when this server started"),
+    "recovered_keys": ("gauge", "Keys rebuilt from the pool since this server started"),
+    "recovering": ("gauge", "1 while the server still scans the pool it took over, else 0"),
+    "recovery_blocks_left": ("gauge", "Blocks whose keys the recovering server has not scanned"),
+    "recovery_graves": (
+        "gauge",
+        "Keys decided during recovery whose older copies the scan must still drop",
+    ),
     "index_buckets": ("gauge", "Buckets of the pool-resident index"),
     "index_moves": ("counter", "Entries moved between buckets of the pool index"),
     "index_scrub_repairs": ("counter", "Pool index buckets rewritten by the scrub"),
@@ -243,7 +249,7 @@ class ServerMetrics:
         )
         yield GaugeMetricFamily(
             PREFIX + "recovery_seconds",
-            "Seconds the service took to rebuild its state from the pool at start",
+            "Seconds from taking the seat to serving (recovery goes on while it serves)",
             value=self.recovery_s,
         )
         yield from self._rpc_families()

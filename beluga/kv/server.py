@@ -153,8 +153,13 @@ class MetadataServer:
         metrics_addr: str,
         service_options: dict[str, Any],
     ) -> None:
-        """Recover the service from the pool, wire it into the RPC server, refresh once."""
+        """Take the service over from the pool, wire it into the RPC server, refresh once.
+
+        The service recovers in steps between polls (``RpcServer.background``): it
+        answers writes at once, whatever the pool's size (beluga.kv.service, "Recovery").
+        """
         started = time.perf_counter()
+        service_options.setdefault("recover_now", False)
         with self.rpc.beating_seat():  # a recovering server is not a stalled one
             self.service = MetadataService(self.pool, **service_options)
         self.tier = make_tier(tier)
@@ -174,6 +179,7 @@ class MetadataServer:
         self.rpc.on_client_gone = self.service.client_gone
         self.rpc.on_adopt = self.service.forget_unanswered
         self.rpc.tick = tick
+        self.rpc.background = self.service.recover_some
         self.service.writer_alive = self.rpc.holder_alive
         self.service.extra_stats = self._extra_stats
         self.rpc.refresh()
@@ -454,11 +460,13 @@ def serve(
                 return
             s = server.service.stats()
             log.info(
-                "%s: %s keys recovered, %s of %s blocks in use; epoch %08x",
+                "%s: %s keys recovered so far, %s of %s blocks scanned (the rest while it "
+                "serves), %.3f s after taking the seat; epoch %08x",
                 spec,
                 s["keys"],
-                s["blocks_used"],
+                s["blocks_total"] - s["recovery_blocks_left"],  # type: ignore[operator]
                 s["blocks_total"],
+                server.recovery_s,
                 server.rpc.epoch,
             )
             keep_collections_short()  # after recovery: what it built is never scanned again

@@ -171,6 +171,10 @@ class RpcServer:
         #: for it reached nobody (rpc.c, GRANTS NOBODY LEARNED)
         self.on_adopt: Callable[[int, int, Callable[[int], bool]], None] | None = None
         self.tick = tick
+        #: work of the serving thread between polls (a recovering service's steps): called
+        #: with how many requests the last poll served, it says whether more remains (then
+        #: the next poll does not wait)
+        self.background: Callable[[int], bool] | None = None
         self.epoch = int.from_bytes(os.urandom(4), "little") or 1
         self.start_ms = process_start_ms(os.getpid()) or 0
         self.active: dict[int, RingControl] = {}
@@ -375,12 +379,14 @@ class RpcServer:
         Raises ``RpcError`` if the pool is closed under it (close the server first).
         """
         next_refresh = time.monotonic()
+        served = 0
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_refresh:
                 self.refresh()
                 next_refresh = now + self.refresh_s
-            self.serve_once(max(0.0, next_refresh - time.monotonic()))
+            busy = self.background is not None and self.background(served)
+            served = self.serve_once(0.0 if busy else max(0.0, next_refresh - time.monotonic()))
 
     def serve_echo(self, duration_s: float) -> int:
         """Answer every request by echoing it, entirely in C (measures the transport)."""
