@@ -19,6 +19,7 @@ import pytest
 
 from beluga._native import _core
 from beluga.coherence import LINE, ModelConfig, digest, parse_header
+from beluga.kv import KVStore, MetadataServer
 from beluga.kv import protocol as p
 from beluga.kv.allocator import BlockAllocator
 from beluga.kv.index import PoolIndex
@@ -26,6 +27,7 @@ from beluga.kv.recovery import GraveLog
 from beluga.kv.service import MetadataService
 from beluga.pool import Geometry, Pool
 from beluga.rpc import Request
+from tests.rpc_util import wait_until
 
 GEOMETRY = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=4096)
 WRITER = (1, 3)
@@ -207,6 +209,27 @@ def test_the_first_write_after_a_takeover_scans_only_what_it_needs(w: World) -> 
     assert set(svc.index) == {digest(k.encode()) for k in [*stored, "new"]}
     assert svc.alloc.used == len(stored) + 1 == w.used_blocks()
     clean_up(w, {*stored, "new"})
+
+
+def test_the_census_starts_where_allocation_was_and_holds_what_reaches_into_it(
+    w: World,
+) -> None:
+    """The last server allocated around block 40: the census starts at its region (32),
+    and a value begun before it (blocks 30-32) keeps its blocks: the first writes go to
+    the free blocks from 32 on, never to block 32."""
+    bs = GEOMETRY.block_size
+    big = w.put("big", b"B" * 3 * bs, at=30)
+    assert big.block == 30
+    small = {f"s{i}": w.put(f"s{i}", value_of(f"s{i}")) for i in range(6)}  # 33-38
+    svc = w.take_over()
+    assert svc.rec is not None and svc.rec.origin == 32
+    new = [w.put(f"n{i}", value_of(f"n{i}")) for i in range(4)]
+    assert all(g.block >= 39 for g in new), [g.block for g in new]
+    assert w.read("big") == b"B" * 3 * bs
+    w.finish()
+    assert w.read("big") == b"B" * 3 * bs and svc.index[digest(b"big")].block == 30
+    assert svc.alloc.used == 3 + 6 + 4 == w.used_blocks()
+    clean_up(w, {"big", *small, *(f"n{i}" for i in range(4))})
 
 
 def test_stats_while_recovering_say_how_far_it_is(w: World) -> None:
@@ -534,6 +557,28 @@ def test_random_operations_on_non_coherent_hosts_agree_with_the_answers(shm_path
         reader.close()
         pool.close()
         Pool.destroy(shm_path)
+
+
+def test_a_server_answers_writes_while_it_recovers_between_polls(pool: Pool) -> None:
+    """``beluga serve``'s loop: a server taking over a pool of many regions answers a
+    client at once and recovers between polls (``RpcServer.background``) to the end."""
+    w = World(pool)
+    stored = fill(w, 300)
+    server = MetadataServer(pool, recovery_region=8)  # 63 regions: recovers in steps
+    try:
+        assert server.service.recovering
+        server.start_thread()
+        with KVStore(pool) as store:
+            store.put("after", value_of("after"))
+            assert store.get("after") == value_of("after")
+            assert store.get("k250") == value_of("k250")
+            wait_until(lambda: not store.stats()["recovering"], "the end of recovery")
+            s = store.stats()
+            assert s["keys"] == 301 and s["blocks_used"] == 301 and s["recovery_graves"] == 0
+            for key in [*stored, "after"]:
+                store.remove(key)
+    finally:
+        server.close()
 
 
 # -- the parts ---------------------------------------------------------------------------

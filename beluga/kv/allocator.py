@@ -22,50 +22,101 @@ CHUNK = 1 << 14
 
 class BlockAllocator:
     """The in-use bitmap of the data area.  Not thread-safe (the server's one thread owns
-    it) and not fork-safe: it is process memory, rebuilt from the pool by recovery."""
+    it) and not fork-safe: it is process memory, rebuilt from the pool by recovery.
 
-    def __init__(self, nblocks: int, frontier: int | None = None) -> None:
+    The known blocks are the ``frontier`` blocks from ``origin`` on, wrapping at the
+    pool's end (a recovery may start its scan anywhere: beluga.kv.service, "Recovery").
+    """
+
+    def __init__(self, nblocks: int, frontier: int | None = None, origin: int = 0) -> None:
         if nblocks < 1:
             raise ValueError("an allocator needs at least one block")
         self.nblocks = nblocks
         self.used_map = np.zeros(nblocks, dtype=bool)
         self.frontier = nblocks if frontier is None else frontier
-        if not 0 <= self.frontier <= nblocks:
-            raise ValueError(f"a frontier lies in [0, {nblocks}], not at {frontier}")
+        if not 0 <= self.frontier <= nblocks or not 0 <= origin < nblocks:
+            raise ValueError(
+                f"a frontier lies in [0, {nblocks}] and an origin in [0, {nblocks}), not at "
+                f"{frontier} and {origin}"
+            )
+        self.origin = origin
         self.used = 0  # blocks marked, wherever they are
-        self._below = 0  # blocks marked below the frontier
-        self._cursor = 0
+        self._below = 0  # blocks marked among the known ones
+        self._cursor = origin
 
     @property
     def nfree(self) -> int:
-        """Blocks known free: below the frontier and not in use."""
+        """Blocks known free: known and not in use."""
         return self.frontier - self._below
+
+    @property
+    def cursor(self) -> int:
+        """Where the next search starts."""
+        return self._cursor
 
     @property
     def free(self) -> np.ndarray:
         """Which blocks are not marked in use (a copy)."""
         return ~self.used_map
 
+    def _segments(self, frontier: int | None = None) -> list[tuple[int, int]]:
+        """The known blocks (the first ``frontier`` from the origin) as physical ranges."""
+        end = self.origin + (self.frontier if frontier is None else frontier)
+        if end <= self.nblocks:
+            return [(self.origin, end)]
+        return [(self.origin, self.nblocks), (0, end - self.nblocks)]
+
+    def _known(self, firsts: np.ndarray, counts: np.ndarray) -> int:
+        """How many blocks of these extents are known."""
+        ends = firsts + counts
+        return sum(
+            int(np.maximum(0, np.minimum(ends, hi) - np.maximum(firsts, lo)).sum())
+            for lo, hi in self._segments()
+        )
+
     def _count(self, first: int, count: int, sign: int) -> None:
         """Mark or unmark bookkeeping of an extent (``sign`` +1 or -1)."""
         self.used += sign * count
-        self._below += sign * max(0, min(first + count, self.frontier) - first)
+        if self.frontier == self.nblocks:
+            self._below += sign * count
+        else:
+            self._below += sign * self._known(np.array([first]), np.array([count]))
 
     def advance(self, frontier: int) -> None:
-        """Blocks below ``frontier`` are known now: those not marked become allocatable."""
+        """The first ``frontier`` blocks from the origin are known now: those not marked
+        become allocatable."""
         if not self.frontier <= frontier <= self.nblocks:
             raise ValueError(f"the frontier moves forward within the pool, not to {frontier}")
-        self._below += int(np.count_nonzero(self.used_map[self.frontier : frontier]))
+        before = self._segments()
+        for lo, hi in self._segments(frontier):
+            for done_lo, done_hi in before:  # what was known already is counted
+                if done_lo <= lo < done_hi:
+                    lo = min(hi, done_hi)
+            if lo < hi:
+                self._below += int(np.count_nonzero(self.used_map[lo:hi]))
         self.frontier = frontier
 
     def _find(self, count: int) -> int | None:
-        """Start of a run of ``count`` free blocks below the frontier, from the cursor."""
-        n = self.frontier
-        start = self._cursor if self._cursor < n else 0
+        """Start of a run of ``count`` known free blocks, from the cursor."""
+        segments = self._segments()
+        if self.frontier < self.nblocks:  # the segment holding the cursor first
+            segments.sort(key=lambda s: not s[0] <= self._cursor < s[1])
+        for base, end in segments:
+            if end > base:
+                at = self._cursor if base <= self._cursor < end else base
+                first = self._find_in(base, end, count, at)
+                if first is not None:
+                    return first
+        return None
+
+    def _find_in(self, base: int, end: int, count: int, at: int) -> int | None:
+        """A run in blocks [base, end), searching from ``at`` and wrapping within them."""
+        n = end - base
+        start = at - base
         scanned = 0
         while scanned < n + count:
-            lo = (start + scanned) % n
-            hi = min(n, lo + CHUNK + count)
+            lo = base + (start + scanned) % n
+            hi = min(end, lo + CHUNK + count)
             window = self.used_map[lo:hi]
             if count == 1:  # argmin stops at the first False: no index array of the window
                 first = int(window.argmin())
@@ -92,7 +143,7 @@ class BlockAllocator:
             return None
         self.used_map[first : first + count] = True
         self._count(first, count, 1)
-        self._cursor = (first + count) % self.frontier
+        self._cursor = (first + count) % self.nblocks
         return first
 
     def reserve(self, first: int, count: int) -> bool:
@@ -146,8 +197,7 @@ class BlockAllocator:
         np.add.at(edges, firsts + counts - lo, -1)
         self.used_map[lo:hi][np.cumsum(edges[:-1]) > 0] = True
         self.used += int(counts.sum())
-        ends = np.minimum(firsts + counts, self.frontier)
-        self._below += int(np.maximum(0, ends - firsts).sum())
+        self._below += self._known(firsts, counts)
 
     def release(self, first: int, count: int) -> None:
         """Return an extent; releasing a free block is a bug and raises."""

@@ -332,10 +332,12 @@ class PoolIndex:
         whole, seqs, tags, at_block, at_version = (
             np.frombuffer(c, t) for c, t in zip(raw, _IX_COLUMNS, strict=True)
         )
-        for i in range(lo * SLOTS, hi * SLOTS):  # the mirror of these buckets starts again
-            s = slots.pop(i, None)
-            if s is not None and s[0] is not None and where.get(s[0]) == i:
-                del where[s[0]]
+        held = range(lo, hi) if self.loaded is None else np.flatnonzero(self.loaded[lo:hi]) + lo
+        for b in held:  # the mirror of these buckets starts again
+            for i in range(b * SLOTS, (b + 1) * SLOTS):
+                s = slots.pop(i, None)
+                if s is not None and s[0] is not None and where.get(s[0]) == i:
+                    del where[s[0]]
         tagged = tags != 0
         cand = np.flatnonzero(tagged & (at_block < self.sb.nblocks))
         named = entries(at_block[cand].tolist())
@@ -353,16 +355,36 @@ class PoolIndex:
             & (want_tag == tags[cand])
             & ((b1 == bucket) | (b2 == bucket))
         )
-        kept = 0
+        ok = np.flatnonzero(confirms)
+        at = cand[ok]
         dropped = tagged.copy()
-        for j in np.flatnonzero(confirms).tolist():
-            key, pos = keys[j], int(cand[j])
-            if key in where:  # a key named twice: the first slot kept stays
-                continue
-            where[key] = pos + lo * SLOTS
-            slots[pos + lo * SLOTS] = (key, int(tags[pos]), int(at_block[pos]), int(versions[j]))
-            dropped[pos] = False
-            kept += 1
+        named_keys = [keys[j] for j in ok.tolist()]
+        pos = (at + lo * SLOTS).tolist()
+        found = zip(
+            named_keys,
+            tags[at].tolist(),
+            at_block[at].tolist(),
+            versions[ok].tolist(),
+            strict=True,
+        )
+        if where.keys().isdisjoint(named_keys) and len(set(named_keys)) == len(named_keys):
+            where.update(zip(named_keys, pos, strict=True))
+            slots.update(zip(pos, found, strict=True))
+            dropped[at] = False
+            kept = len(pos)
+        else:
+            kept = 0
+            for key, i, slot in zip(named_keys, pos, found, strict=True):
+                other = where.get(key)
+                if other is not None:  # a key named twice: the first slot of its entry stays
+                    if slots[other][2:] == slot[2:]:
+                        continue
+                    del slots[other]
+                    self._write(other // SLOTS)
+                where[key] = i
+                slots[i] = slot
+                dropped[i - lo * SLOTS] = False
+                kept += 1
         self.seq[lo:hi] = seqs
         if self.loaded is not None:
             self.loaded[lo:hi] = True

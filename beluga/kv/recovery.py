@@ -17,6 +17,12 @@ recovery).  Without that, a copy the first server never reached (say, the
 older copy of a key whose overwrite was in flight when the last server but
 one died) would come back after a REMOVE of the key was answered.
 
+The service line (one line, written by the server alone) holds four words:
+the version floor (beluga.kv.service), the log of graves (below), the most
+blocks one extent was ever granted, and the block the allocator was at
+(``max_extent`` and ``cursor``: where the next server's census starts, and
+how far back before it an extent can begin that reaches into it).
+
 The log of graves is an extent of data blocks, taken from the allocator
 like any value's, with no block header (so no scan mistakes it for a value):
 one 64-byte line an entry, ``digest (16) | below (u64) | keep (u64) | number
@@ -46,13 +52,17 @@ from dataclasses import dataclass, field
 from beluga.coherence import LINE, Memory, crc32c
 from beluga.pool.layout import Superblock
 
-#: blocks a recovery step scans (census or keys) or buckets it reconciles: a few
-#: milliseconds of the server's thread at a time (docs/alignment.md has the figures)
-RECOVERY_REGION = 1 << 14
+#: blocks a recovery step scans for keys, or buckets it reconciles: a few milliseconds of
+#: the server's thread at a time (docs/alignment.md has the figures)
+RECOVERY_REGION = 1 << 12
+#: a census step covers this many regions (it does a tenth of the work a block)
+CENSUS_REGIONS = 4
 #: the most of a busy server's time recovery takes (an idle server recovers flat out)
 RECOVERY_SHARE = 0.25
 _ENTRY = struct.Struct("<16sQQQ")  # digest, below, keep, number (the CRC follows)
 _LOG_WORD = 8  # the log's word: the service line's second u64
+EXTENT_WORD = 16  # the most blocks one extent was granted (raised before the grant)
+CURSOR_WORD = 24  # where allocation was going on (a hint, written as it moves on)
 
 
 @dataclass
@@ -66,6 +76,8 @@ class RecoveryState:
 
     first: int  # versions below it were handed out before the takeover
     expires: float  # the write lease of writes found in flight
+    nblocks: int
+    origin: int = 0  # the block the scans start at (they wrap at the pool's end)
     region: int = RECOVERY_REGION
     census: int = 0
     keys: int = 0
@@ -77,6 +89,20 @@ class RecoveryState:
     unanswered: dict[tuple[int, int], Callable[[int], bool]] = field(default_factory=dict)
     since: float = field(default_factory=time.perf_counter)  # when it started
     spent: float = 0.0  # seconds of steps so far
+
+    def censused(self, block: int) -> bool:
+        """Whether the census has passed a block (its extent, if any, is held)."""
+        return (block - self.origin) % self.nblocks < self.census
+
+    def scanned(self, block: int) -> bool:
+        """Whether the scan of keys has passed a block."""
+        return (block - self.origin) % self.nblocks < self.keys
+
+    def span(self, done: int, most: int) -> tuple[int, int]:
+        """The next blocks to scan after ``done`` of them, at most ``most``, not across the
+        pool's end: (first block, how many)."""
+        first = (self.origin + done) % self.nblocks
+        return first, min(most, self.nblocks - done, self.nblocks - first)
 
     def dead(self, digest: bytes, version: int) -> bool:
         """Whether a grave says this copy of a key is gone."""

@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any
 
 from beluga.errors import PoolChangedError, PoolError
 from beluga.kv import protocol as p
+from beluga.kv.recovery import RECOVERY_REGION
 from beluga.kv.service import MetadataService, keep_collections_short
 from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
@@ -157,9 +158,16 @@ class MetadataServer:
 
         The service recovers in steps between polls (``RpcServer.background``): it
         answers writes at once, whatever the pool's size (beluga.kv.service, "Recovery").
+        A pool of one recovery region (``BELUGA_RECOVERY_REGION`` blocks, default
+        :data:`~beluga.kv.recovery.RECOVERY_REGION`) is recovered before the first answer:
+        that takes one step's time.
         """
         started = time.perf_counter()
-        service_options.setdefault("recover_now", False)
+        region = int(os.environ.get("BELUGA_RECOVERY_REGION", RECOVERY_REGION))
+        service_options.setdefault("recovery_region", region)
+        service_options.setdefault(
+            "recover_now", self.pool.superblock.nblocks <= service_options["recovery_region"]
+        )
         with self.rpc.beating_seat():  # a recovering server is not a stalled one
             self.service = MetadataService(self.pool, **service_options)
         self.tier = make_tier(tier)

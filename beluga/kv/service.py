@@ -111,7 +111,15 @@ from beluga.errors import CapacityError
 from beluga.kv import protocol as p
 from beluga.kv.allocator import BlockAllocator, overlapping
 from beluga.kv.index import PoolIndex
-from beluga.kv.recovery import RECOVERY_REGION, RECOVERY_SHARE, GraveLog, RecoveryState
+from beluga.kv.recovery import (
+    CENSUS_REGIONS,
+    CURSOR_WORD,
+    EXTENT_WORD,
+    RECOVERY_REGION,
+    RECOVERY_SHARE,
+    GraveLog,
+    RecoveryState,
+)
 from beluga.pool import Pool
 from beluga.rpc import BatchHandler, Request, per_request
 
@@ -252,7 +260,12 @@ class MetadataService:
         self.retired: deque[bytes] = deque(maxlen=RETIRED_KEEP)
         self.retired_next = 0  # the number the next key to leave the index gets
         self.started = time.time()
-        self.graves = GraveLog(self.mem, self.sb, self._allocate_known, self.alloc.release)
+        self.graves = GraveLog(
+            self.mem, self.sb, self._allocate_known, lambda first, n: self.alloc.release(first, n)
+        )
+        self.max_extent = 0  # the most blocks one extent was granted (the service line's)
+        self._extent_known = False  # whether the service line's word can be trusted
+        self._cursor_hint = -1  # the cursor's region last written to the service line
         self.rec: RecoveryState | None = None
         self._take_over(recovery_region)
         if recover_now:
@@ -414,6 +427,7 @@ class MetadataService:
                     self.counters["duplicate_writes_skipped"] += 1
                     continue
                 n = self.extent(length)
+                self._note_extent(n)
                 first = self._allocate(n)
                 version = self._next_version()
                 self.pending[first] = Pending(
@@ -434,6 +448,7 @@ class MetadataService:
                     pend = self.pending.pop(g.block)
                     self.alloc.release(g.block, pend.nblocks)
             raise
+        self._note_cursor()
         self._announce(granted, items, req)
         while self.alloc.used > self.high * self.alloc.nblocks:
             if not self._evict_one() or self.alloc.used <= self.low * self.alloc.nblocks:
@@ -780,15 +795,48 @@ class MetadataService:
         # every version any answer named is below the floor stored (_next_version); a
         # header at or above it is a grant never answered, cleared as the scan meets it
         self.version = self.floor = stored
+        n = sb.nblocks
+        self.max_extent = self._service_word(EXTENT_WORD)
+        self._extent_known = self.max_extent > 0
+        # the census starts where the last server allocated (free blocks are likely
+        # there), and looks back max_extent blocks for extents reaching into its start
+        hint = self._service_word(CURSOR_WORD) if self._extent_known else 0
+        origin = hint - hint % region if hint < n else 0
+        self.alloc = BlockAllocator(n, frontier=0, origin=origin)
         self.rec = RecoveryState(
             first=self.version,
             expires=self.clock() + self.write_lease_s,
+            nblocks=n,
+            origin=origin,
             region=region,
         )
         for digest, below, keep in self.graves.read(_recover_invalidate):
             self.rec.graves[digest] = (below, keep)
         if self.graves.nblocks:
             self.alloc.reserve(self.graves.first, self.graves.nblocks)
+
+    def _service_word(self, at: int) -> int:
+        """A word of the service line (recovery.py; read fresh by the takeover)."""
+        return int.from_bytes(self.mem.load(self.sb.service_offset + at, 8), "little")
+
+    def _note_extent(self, n: int) -> None:
+        """An extent of ``n`` blocks exists: the service line's word covers it before any
+        header of it can be in the pool (the grant's fence follows)."""
+        if n > self.max_extent:
+            self.max_extent = n
+            if self._extent_known:
+                self._write_extent()
+
+    def _write_extent(self) -> None:
+        word = self.max_extent.to_bytes(8, "little")
+        self.mem.nt_store(self.sb.service_offset + EXTENT_WORD, word)
+
+    def _note_cursor(self) -> None:
+        """Where allocation goes on, for the next server's census (a hint: unfenced)."""
+        at = self.alloc.cursor
+        if at // RECOVERY_REGION != self._cursor_hint:
+            self._cursor_hint = at // RECOVERY_REGION
+            self.mem.nt_store(self.sb.service_offset + CURSOR_WORD, at.to_bytes(8, "little"))
 
     def recover(self) -> None:
         """Recover the whole pool now: every step of :meth:`recover_some`."""
@@ -873,8 +921,10 @@ class MetadataService:
         decided as the one-at-a-time rule does), the rest is free."""
         rec = self.rec
         assert rec is not None
-        lo = rec.census
-        hi = min(self.sb.nblocks, lo + rec.region)
+        if rec.census == 0 and rec.origin:
+            self._look_back()
+        lo, count = rec.span(rec.census, CENSUS_REGIONS * rec.region)
+        hi = lo + count
         headers, committed = self._read_region(lo, hi)
         live, done, stray = self._classify(headers, committed, lo)
         extents = self._extents(headers)
@@ -893,8 +943,13 @@ class MetadataService:
                 words[block - lo] = False
         for block in np.flatnonzero(words).tolist():
             self._set_commit(lo + block, 0)
-        self.alloc.advance(hi)
-        rec.census = hi
+        if len(headers):
+            self._note_extent(int(extents[live].max(initial=0)))
+        rec.census += count
+        self.alloc.advance(rec.census)
+        if rec.census == self.sb.nblocks and not self._extent_known:  # every extent seen
+            self._extent_known = True
+            self._write_extent()
         self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
 
     def _keys_step(self) -> None:
@@ -903,8 +958,8 @@ class MetadataService:
         write in flight is pending again, under its writer."""
         rec = self.rec
         assert rec is not None
-        lo = rec.keys
-        hi = min(rec.census, lo + rec.region)
+        lo, count = rec.span(rec.keys, min(rec.region, rec.census - rec.keys))
+        hi = lo + count
         headers, committed = self._read_region(lo, hi)
         live, done, _ = self._classify(headers, committed, lo)
         extents = self._extents(headers)
@@ -922,7 +977,7 @@ class MetadataService:
                 int(extents[i]),
             )
         self._recover_writes(headers, np.flatnonzero(live & ~done), extents)
-        rec.keys = hi
+        rec.keys += count
         self.counters["recovered_keys"] = len(self.index)
         self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
 
@@ -971,13 +1026,9 @@ class MetadataService:
         their extents); a slot of the pool index naming one goes."""
         rec = self.rec
         assert rec is not None
+        writers = set()
         for i in self._newest_first(headers, rows).tolist():
             block = int(headers.block[i])
-            asked = rec.unanswered.get((int(headers.writer[i]), int(headers.writer_gen[i])))
-            if asked is not None and self._unanswered(block, asked):
-                self._drop_copy(block, int(extents[i]))
-                self.counters["unanswered_grants_freed"] += 1
-                continue
             self.pending[block] = Pending(
                 headers.digest[i].tobytes(),
                 int(headers.version[i]),
@@ -987,21 +1038,13 @@ class MetadataService:
                 int(headers.writer_gen[i]),
                 rec.expires,
             )
+            writers.add((int(headers.writer[i]), int(headers.writer_gen[i])))
             key, version = headers.digest[i].tobytes(), int(headers.version[i])
             if self.ix.find(key) == (block, version):
                 self.ix.drop(key)
+        for who in writers & rec.unanswered.keys():  # rings adopted before the scan came
+            self.forget_unanswered(*who, rec.unanswered[who])
         self.counters["recovered_writes"] = len(self.pending)
-
-    def _unanswered(self, block: int, unanswered: Callable[[int], bool]) -> bool:
-        """Whether a grant found in flight is one its server announced and never answered."""
-        off = self.sb.block_header_offset(block)
-        header = parse_header(self.mem.load(off, LINE))  # read fresh by the region's scan
-        return (
-            header is not None
-            and header.state == BlockState.WRITING
-            and bool(header.stamp)
-            and unanswered(header.stamp)
-        )
 
     def _reconcile_step(self) -> None:
         """Make the next buckets of the pool index name exactly what the index holds."""
@@ -1045,7 +1088,7 @@ class MetadataService:
         frontier (a live header there kept its extent), else it is reserved now."""
         rec = self.rec
         assert rec is not None
-        return block < rec.census or self.alloc.reserve(block, n)
+        return rec.censused(block) or self.alloc.reserve(block, n)
 
     def _read_copy(self, block: int) -> tuple[BlockHeader | None, int]:
         """A block's header and commit word, read fresh."""
@@ -1073,7 +1116,7 @@ class MetadataService:
         e = self.index.get(digest)
         if e is not None and e.block == block and e.version == version:
             return
-        if version >= rec.first or block < rec.keys or block in rec.adopted:
+        if version >= rec.first or rec.scanned(block) or block in rec.adopted:
             self._name(digest)  # the slot names nothing the index holds: stale
             return
         header, word = self._read_copy(block)
@@ -1096,7 +1139,7 @@ class MetadataService:
         n = self.extent(length)
         e = self.index.get(digest)
         if rec.dead(digest, version) or (e is not None and e.version > version):
-            self._drop_copy(block, n if block < rec.census else 0)
+            self._drop_copy(block, n if rec.censused(block) else 0)
         elif self._claim(block, n):
             rec.adopted.add(block)
             if e is not None:
@@ -1125,7 +1168,7 @@ class MetadataService:
         its COMMIT was sent again); None if the block holds no such write."""
         rec = self.rec
         assert rec is not None
-        if not rec.keys <= block < self.sb.nblocks or version >= rec.first:
+        if not 0 <= block < self.sb.nblocks or rec.scanned(block) or version >= rec.first:
             return None
         if block in rec.adopted:
             return None
@@ -1139,15 +1182,50 @@ class MetadataService:
             return None
         if header.state not in (BlockState.WRITING, BlockState.PUBLISHED):
             return None
+        return self._adopt_pending(block, header)
+
+    def _adopt_pending(self, block: int, header: BlockHeader) -> Pending | None:
+        """A write in flight met ahead of the scan, pending again under its writer (None if
+        its extent overlaps one held already)."""
+        rec = self.rec
+        assert rec is not None
         n = self.extent(header.length)
         if not self._claim(block, n):
             return None
         rec.adopted.add(block)
         pend = Pending(
-            digest, version, header.length, n, header.writer, header.writer_gen, rec.expires
+            header.digest,
+            header.version,
+            header.length,
+            n,
+            header.writer,
+            header.writer_gen,
+            rec.expires,
         )
         self.pending[block] = pend
         return pend
+
+    def _look_back(self) -> None:
+        """Before the census's first region (not the pool's first block): the extents that
+        begin before it and reach into it are decided now, ahead of the scan, so that none
+        of their blocks is taken for free."""
+        rec = self.rec
+        assert rec is not None
+        start = max(0, rec.origin - max(0, self.max_extent - 1))
+        if start == rec.origin:
+            return
+        headers, committed = self._read_region(start, rec.origin)
+        live, done, _ = self._classify(headers, committed, start)
+        reach = headers.block + self._extents(headers) > rec.origin
+        for i in np.flatnonzero(live & reach).tolist():
+            block = int(headers.block[i])
+            header, _ = self._read_copy(block)
+            if header is None:
+                continue
+            if done[i]:
+                self._adopt_copy(header.digest, block, header.version, header.length)
+            elif self._adopt_pending(block, header) is None:
+                self._drop_copy(block)
 
     def _bury(self, digest: bytes, keep: int) -> None:
         """Every copy of ``digest`` of before the takeover but ``keep`` is gone: in the
