@@ -280,3 +280,12 @@ def test_an_rpc_server_stopped_by_its_flag_ends_serve_forever(pool: Pool) -> Non
         thread.join(HANG_S)
         assert not thread.is_alive()
     assert not pool.hosts.seat().epoch  # and close() left the seat
+
+
+def test_closing_an_rpc_server_leaves_its_process_stop_flag_alone(pool: Pool) -> None:
+    """The flag is the process's (a standby's): a server that closes itself because it lost
+    the seat during recovery must send the standby back to waiting, not stop it."""
+    stop = StopFlag()
+    with RpcServer(pool, stopping=stop) as server:
+        server.stop()
+    assert not stop.is_set()

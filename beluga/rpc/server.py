@@ -148,10 +148,11 @@ class RpcServer:
         calls :meth:`refresh` itself.  ``fenced``: the seat line of a server
         on another host that the caller has cut off the pool, which may be
         taken although its holder never left it (``HostRegistry.take_seat``).
-        ``stopping``: the flag that stops this server (:meth:`stop` raises it);
-        a process passes the one its signal handlers set (beluga.signals), so
-        a signal stops the seat's wait, :meth:`serve_forever` and
-        :meth:`serve_echo` within a poll, and nothing waits on a lock.
+        ``stopping``: a flag that stops this server too, besides :meth:`stop`
+        (which leaves it alone: it is not this server's to raise); a process
+        passes the one its signal handlers set (beluga.signals), so a signal
+        stops the seat's wait, :meth:`serve_forever` and :meth:`serve_echo`
+        within a poll, and nothing waits on a lock.
         """
         self.pool = pool
         self.sb = pool.superblock
@@ -186,13 +187,14 @@ class RpcServer:
         self.idle_after_s = idle_after_s
         if torn_patience_s is not None:
             self.rings.torn_patience_s = torn_patience_s
-        self._stop = StopFlag() if stopping is None else stopping
+        self._stop = StopFlag()  # raised by stop()
+        self._stopping = stopping  # raised by whoever owns it (a signal)
         self._thread: threading.Thread | None = None
         self.registry = HostRegistry(pool.hosts, stale_s, before_grant=self._regrant)
         self._lock_fd = pool.mapping.exclusive_lock(f"the server seat of {pool.spec}")
         try:
             self.seat = self.registry.take_seat(
-                self.epoch, wait_s=stale_s, fenced=fenced, stopping=self._stop
+                self.epoch, wait_s=stale_s, fenced=fenced, stopping=stopping
             )
             self._inherit_watches()
             if first_refresh:
@@ -380,7 +382,7 @@ class RpcServer:
         """
         next_refresh = time.monotonic()
         served = 0
-        while not self._stop.is_set():
+        while not self._stopped():
             now = time.monotonic()
             if now >= next_refresh:
                 self.refresh()
@@ -391,10 +393,13 @@ class RpcServer:
     def serve_echo(self, duration_s: float) -> int:
         """Answer every request by echoing it, entirely in C (measures the transport)."""
         end, answered = time.monotonic() + duration_s, 0
-        while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
+        while not self._stopped() and (left := end - time.monotonic()) > 0:
             self.refresh()
             answered += self.rings.serve_echo(min(self.refresh_s, left))
         return answered
+
+    def _stopped(self) -> bool:
+        return self._stop.is_set() or (self._stopping is not None and self._stopping.is_set())
 
     def start_thread(self) -> threading.Thread:
         """Run serve_forever in a daemon thread (tests, in-process use)."""
