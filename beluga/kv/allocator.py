@@ -186,6 +186,16 @@ class BlockAllocator:
             ok[i] = self.reserve(int(firsts[i]), int(counts[i]))
         return ok
 
+    def held(self, firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Which extents (within the pool) have every block marked in use."""
+        firsts = np.asarray(firsts, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        if not firsts.size:
+            return np.zeros(0, dtype=bool)
+        lo = int(firsts.min())
+        taken = np.concatenate(([0], np.cumsum(self.used_map[lo : int((firsts + counts).max())])))
+        return taken[firsts + counts - lo] - taken[firsts - lo] == counts
+
     def _mark(self, firsts: np.ndarray, counts: np.ndarray) -> None:
         """Mark free extents that overlap each other nowhere as used."""
         if not firsts.size:

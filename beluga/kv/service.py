@@ -124,6 +124,7 @@ from beluga.pool import Pool
 from beluga.rpc import BatchHandler, Request, per_request
 
 _CLEAR = bytes(LINE)
+_COLUMNS = ("block", "state", "version", "digest", "length", "writer", "writer_gen")
 FLOOR_STEP = 1 << 16  # versions handed out per write of the floor
 # defaults of the service's options (``beluga serve`` reads them from here)
 WRITE_LEASE_S = 30.0
@@ -866,18 +867,20 @@ class MetadataService:
         rec = self.rec
         assert rec is not None
         n = self.sb.nblocks
-        if rec.census < n:
+        if rec.census < n and rec.keys == rec.census:  # caught up: one read for both
+            self._keys_step(self._census_step(rec.region))
+        elif rec.census < n:
             self._census_step()
         elif rec.keys < n:
             self._keys_step()
-            if rec.keys == n:  # every grave applied, the clears fenced: the log can go
-                self.graves.close()
-                rec.graves.clear()
-                rec.unanswered.clear()
         elif rec.buckets < self.ix.nbuckets:
             self._reconcile_step()
         else:
             self._naming_step()
+        if rec.keys == n and (rec.graves or rec.unanswered or self.graves.nblocks):
+            self.graves.close()  # every grave applied, the clears fenced: the log can go
+            rec.graves.clear()
+            rec.unanswered.clear()
 
     def _read_region(self, lo: int, hi: int) -> tuple[HeaderTable, np.ndarray]:
         """The valid headers of blocks [lo, hi) (absolute block numbers) and their commit
@@ -915,15 +918,17 @@ class MetadataService:
         size = self.sb.block_size
         return np.maximum(1, headers.length // size + (headers.length % size != 0))
 
-    def _census_step(self) -> None:
+    def _census_step(self, most: int = 0) -> tuple[HeaderTable, np.ndarray, int, int]:
         """Make the next region's free blocks allocatable: every write of before the
         takeover there keeps its extent (overlaps and copies of a key within the region
-        decided as the one-at-a-time rule does), the rest is free."""
+        decided as the one-at-a-time rule does), the rest is free.  ``most``: blocks at
+        most (default: a census's usual span).  Returns what the key pass needs of the
+        region: its headers as the census left them, commit words, first block, blocks."""
         rec = self.rec
         assert rec is not None
         if rec.census == 0 and rec.origin:
             self._look_back()
-        lo, count = rec.span(rec.census, CENSUS_REGIONS * rec.region)
+        lo, count = rec.span(rec.census, most or CENSUS_REGIONS * rec.region)
         hi = lo + count
         headers, committed = self._read_region(lo, hi)
         live, done, stray = self._classify(headers, committed, lo)
@@ -933,8 +938,8 @@ class MetadataService:
         won = self._reserve_values(headers, published, extents)
         unfinished = self._newest_first(headers, np.flatnonzero(live & ~done))
         held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])
-        lost = (published[~won], unfinished[~held], np.flatnonzero(stray))
-        for block in headers.block[np.concatenate(lost)].tolist():
+        lost = np.concatenate((published[~won], unfinished[~held], np.flatnonzero(stray)))
+        for block in headers.block[lost].tolist():
             self._drop_copy(block)
         words = committed != 0  # commit words of nothing kept
         words[headers.block[published[won]] - lo] = False
@@ -951,18 +956,31 @@ class MetadataService:
             self._extent_known = True
             self._write_extent()
         self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
+        kept = np.ones(len(headers), dtype=bool)
+        kept[lost] = False
+        left = replace(headers, **{f: getattr(headers, f)[kept] for f in _COLUMNS})
+        return left, committed, lo, count
 
-    def _keys_step(self) -> None:
+    def _keys_step(self, read: tuple[HeaderTable, np.ndarray, int, int] | None = None) -> None:
         """Know the keys of the next region the census has done: each committed value
         joins the index unless a grave or a newer copy of its key says otherwise; each
         write in flight is pending again, under its writer."""
         rec = self.rec
         assert rec is not None
-        lo, count = rec.span(rec.keys, min(rec.region, rec.census - rec.keys))
-        hi = lo + count
-        headers, committed = self._read_region(lo, hi)
+        if read is None:
+            lo, count = rec.span(rec.keys, min(rec.region, rec.census - rec.keys))
+            headers, committed = self._read_region(lo, lo + count)
+        else:  # the census's read of the region, just now
+            headers, committed, lo, count = read
         live, done, _ = self._classify(headers, committed, lo)
         extents = self._extents(headers)
+        # what the census held: a write it did not see (it read the table stale) never joins
+        held = np.zeros(len(headers), dtype=bool)
+        held[live] = self.alloc.held(headers.block[live], extents[live])
+        for block in headers.block[live & ~held].tolist():
+            self._drop_copy(block)
+        live &= held
+        done &= held
         values = self._newest_first(headers, np.flatnonzero(done))
         keys = headers.digest[values].tolist()
         index, graves = self.index, rec.graves
