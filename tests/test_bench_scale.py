@@ -40,6 +40,7 @@ def doc() -> dict:
         writer_pool=SMALL,
         writer_batch=16,
         read_pool=SMALL,
+        rate_after_s=0.3,
     )
 
 
@@ -98,6 +99,31 @@ def test_the_extrapolation_follows_from_the_rows(doc: dict) -> None:
     assert "hosts writing at once" in text and "index's load" in text
     assert "through the real server" in text
     assert f"{w['keys_per_s']:,.0f} keys/s" in text
+
+
+def test_the_takeover_figures_follow_from_the_run(doc: dict) -> None:
+    (row,) = doc["rows"]
+    assert row["first_write_before_s"] > 0 and row["first_write_after_s"] > 0
+    t = row["takeover"]
+    windows, w = t["rate_windows"], t["window_s"]
+    assert windows and all(r >= 0 for r in windows)
+    assert t["first_write_s"] > 0 and 0 < t["recovery_done_s"] < len(windows) * w
+    # full throughput ends a window, the last one below 90% of the rate after recovery
+    full = t["full_throughput_s"]
+    assert full == pytest.approx(round(full / w) * w) and full <= len(windows) * w
+    assert all(r >= 0.9 * t["keys_per_s_after"] for r in windows[round(full / w) :])
+    if full:
+        assert windows[round(full / w) - 1] < 0.9 * t["keys_per_s_after"]
+    e = doc["extrapolated"]["takeover"]
+    pod_blocks = (8 << 40) // (64 << 10)
+    for name, got in (
+        ("first_write_before_s", row["first_write_before_s"]),
+        ("first_write_after_s", row["first_write_after_s"]),
+        ("full_throughput_s", full),
+        ("recovery_done_s", t["recovery_done_s"]),
+    ):  # one size: a line through the origin
+        assert e[name] == pytest.approx(got / row["blocks"] * pod_blocks), name
+    assert "takeover to the first acknowledged write" in scale.format_extrapolation(doc)
 
 
 @pytest.mark.usefixtures("no_scratch_left")

@@ -4,9 +4,19 @@ Measured here, in one process, with the metadata service driven directly (no
 RPC, as tests/test_service.py drives it), on pools of a few sizes filled to
 a fraction with one-block values:
 
-recovery      a restarted server's ``recover()``: load and parse every block
-              header and commit word, rebuild the index and the allocator,
-              repair the pool index; against block count and key count
+recovery      a restarted server's whole recovery at once (``recover()``): load
+              and parse every block header and commit word, rebuild the index
+              and the allocator, repair the pool index; against block count and
+              key count.  Until issue 36 a server answered no write before it
+              was done, so this was also the takeover's write outage
+takeover      a server taking over as ``beluga serve`` does now (recovery while
+              serving): takeover to its first acknowledged write, with recovery
+              at once as the baseline ("before"); then writers overwriting
+              random stored keys in batches, the service's recovery steps
+              between them as the server's loop runs them, against time: the
+              write rate while recovering and after, how long until the rate
+              stays at 90% of its rate after recovery ("full throughput"), and
+              how long until recovery is done
 fill          ALLOC and COMMIT batches of 256 (the server's side only: the
               payload publish between them is the writer's and is not timed)
 full GC       one full ``gc.collect()`` with the recovered server alive (it
@@ -66,8 +76,18 @@ ASSUMPTIONS = (
     "8 GiB at 128 M blocks) and parses it into numpy columns (50 B a valid header), and "
     "the server keeps a few Python objects a key",
     "recovery runs single-threaded in Python at this machine's speed (2 shared vCPUs)",
-    "readers do not wait for recovery: they read the pool index with loads; writers wait "
-    "(ALLOC and COMMIT are served after recover() returns)",
+    "readers do not wait for recovery: they read the pool index with loads; writers waited "
+    "for the whole recovery before issue 36 (recovery_s, 'before'); now a server answers "
+    "once it has read the service line (the version floor and the log of graves) and the "
+    "census has found a free extent, so its first write costs a constant, not a scan "
+    "(takeover_first_write_s, 'after'), fitted as a + b blocks like the rest",
+    "full throughput: writers overwrite random stored one-block keys in batches of "
+    f"{BATCH} (the fill stays put), the service driven directly by one thread, with "
+    "recover_some() between batches as the server's loop calls it (recovery takes at most "
+    "its share of a busy loop's time); the steady rate is the rate after recovery is done; "
+    "time to full throughput is when every later window of the run is at 90% of it; both "
+    "times are fitted against blocks and extrapolated, and recovery_done_s grows with the "
+    "pool (all of recovery's work at its share)",
     "a tick's cost does not grow with the pool: it scrubs a fixed 64 buckets, so a full "
     "scrub pass takes (buckets / 64) ticks, which does grow linearly",
     "writers: the service is driven directly by one thread (no RPC transport: add the slot "
@@ -126,14 +146,127 @@ def fill(pool: Pool, svc: MetadataService, keys: int, prefix: str) -> dict[str, 
     return {"alloc_s": alloc_s, "commit_s": commit_s}
 
 
-def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
+def _write_one(pool: Pool, svc: MetadataService, key: bytes) -> None:
+    """ALLOC, publish and COMMIT of one one-block value: the first write of a takeover."""
+    sb, d = pool.superblock, digest(key)
+    (g,) = p.decode_grants(svc.op_alloc(_request(p.StoreOp.ALLOC, p.encode_alloc([(d, 64, 1)]))))
+    pool.memory.publish(
+        sb.block_header_offset(g.block),
+        sb.block_payload_offset(g.block),
+        d,
+        g.version,
+        d * 4,
+        writer=WRITER[0],
+        writer_gen=WRITER[1],
+    )
+    answer = svc.op_commit(_request(p.StoreOp.COMMIT, p.encode_commit([(d, g.block, g.version)])))
+    if p.decode_flags(answer) != [True]:
+        raise AssertionError("the first write after a takeover was refused")
+
+
+def _remove(svc: MetadataService, keys: Sequence[bytes]) -> None:
+    svc.op_remove(_request(p.StoreOp.REMOVE, p.encode_digests([digest(k) for k in keys])))
+
+
+def first_writes(pool: Pool, repeats: int) -> dict[str, list[float]]:
+    """Takeover to the first acknowledged write, recovering at once (before) and while
+    serving (after), alternated; each write removed again by a finished server."""
+    before, after = [], []
+    for r in range(repeats):
+        for mode, times in ((True, before), (False, after)):
+            key = f"first-{r}-{mode}".encode()
+            t = time.perf_counter()
+            svc = MetadataService(pool, writer_alive=lambda host, gen: True, recover_now=mode)
+            _write_one(pool, svc, key)
+            times.append(time.perf_counter() - t)
+            svc.recover()
+            _remove(svc, [key])
+            del svc
+    return {"before": before, "after": after}
+
+
+def write_rate(
+    pool: Pool, names: Sequence[bytes], window_s: float = 0.25, after_s: float = 2.0
+) -> dict[str, Any]:
+    """Writers overwriting stored keys from a takeover on (the module doc, "takeover")."""
+    sb, mem = pool.superblock, pool.memory
+    rng = np.random.default_rng(36)
+    t0 = time.perf_counter()
+    svc = MetadataService(pool, writer_alive=lambda host, gen: True, recover_now=False)
+    marks: list[tuple[float, int]] = []
+    done_at = None
+    next_tick = 0.0
+    while True:
+        now = time.perf_counter() - t0
+        if done_at is None and not svc.recovering:
+            done_at = now
+        if done_at is not None and now > done_at + after_s:
+            break
+        keys = [names[i] for i in rng.choice(len(names), min(BATCH, len(names)), replace=False)]
+        digests = [digest(k) for k in keys]
+        payload = p.encode_alloc([(d, 64, 1) for d in digests])
+        grants = p.decode_grants(svc.op_alloc(_request(p.StoreOp.ALLOC, payload)))
+        for d, g in zip(digests, grants, strict=True):
+            mem.publish(
+                sb.block_header_offset(g.block),
+                sb.block_payload_offset(g.block),
+                d,
+                g.version,
+                d * 4,
+                writer=WRITER[0],
+                writer_gen=WRITER[1],
+            )
+        payload = p.encode_commit(
+            [(d, g.block, g.version) for d, g in zip(digests, grants, strict=True)]
+        )
+        if not all(p.decode_flags(svc.op_commit(_request(p.StoreOp.COMMIT, payload)))):
+            raise AssertionError("an overwrite was refused during recovery")
+        marks.append((time.perf_counter() - t0, len(keys)))
+        if now >= next_tick:  # the server's loop ticks every refresh (0.1 s)
+            svc.tick()
+            next_tick = now + 0.1
+        svc.recover_some(served=1)
+    assert done_at is not None
+    return _rates(marks, done_at, window_s)
+
+
+def _rates(marks: Sequence[tuple[float, int]], done_at: float, window_s: float) -> dict[str, Any]:
+    """Keys per second in whole windows of ``window_s``; the steady rate is the median of
+    the windows after recovery ended; full throughput from the end of the last window
+    below 90% of it."""
+    ends = np.array([t for t, _ in marks])
+    keys = np.array([n for _, n in marks])
+    whole = max(1, int(ends[-1] // window_s))
+    edges = np.arange(whole + 1) * window_s
+    per = np.histogram(ends, bins=edges, weights=keys)[0] / window_s
+    after_windows = per[edges[:-1] >= done_at]
+    after = (
+        float(np.median(after_windows))
+        if after_windows.size
+        else float(keys[ends > done_at].sum() / max(ends[-1] - done_at, 1e-9))
+    )
+    during = keys[ends <= done_at].sum() / max(done_at, 1e-9)
+    low = np.flatnonzero(per < 0.9 * after)
+    return {
+        "first_write_s": float(ends[0]),
+        "recovery_done_s": done_at,
+        "full_throughput_s": float(edges[low[-1] + 1]) if low.size else 0.0,
+        "keys_per_s_recovering": float(during),
+        "keys_per_s_after": after,
+        "rate_windows": per.round(1).tolist(),
+        "window_s": window_s,
+    }
+
+
+def measure(size: int, fraction: float, repeats: int = 3, after_s: float = 2.0) -> dict[str, Any]:
     """One pool of ``size`` bytes filled to ``fraction`` of its blocks: every figure."""
     path = f"/dev/shm/beluga-scale-{uuid.uuid4().hex[:8]}"
     pool = Pool.create(path, size, geometry=GEOMETRY, coherence="native")
     try:
         svc = MetadataService(pool, writer_alive=lambda host, gen: True)
         keys = int(pool.superblock.nblocks * fraction)
-        filled = fill(pool, svc, keys, uuid.uuid4().hex[:8])
+        prefix = uuid.uuid4().hex[:8]
+        filled = fill(pool, svc, keys, prefix)
         recovery = []
         for _ in range(repeats):
             del svc  # the last server's teardown is not the next one's recovery
@@ -142,6 +275,11 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
             recovery.append(time.perf_counter() - t)
         if len(svc.index) != keys:
             raise AssertionError(f"recovery found {len(svc.index)} keys of the {keys} stored")
+        del svc
+        first = first_writes(pool, repeats)
+        names = [f"{prefix}-{i}".encode() for i in range(keys)]
+        rate = write_rate(pool, names, after_s=after_s)
+        svc = MetadataService(pool, writer_alive=lambda host, gen: True)
         collections, frozen = [], []
         for _ in range(repeats):  # a full collection scans every object the server holds
             t = time.perf_counter()
@@ -170,6 +308,9 @@ def measure(size: int, fraction: float, repeats: int = 3) -> dict[str, Any]:
             "index_buckets": svc.ix.nbuckets,
             "recovery_s": statistics.median(recovery),
             "recovery_us_per_block": 1e6 * statistics.median(recovery) / pool.superblock.nblocks,
+            "first_write_before_s": statistics.median(first["before"]),
+            "first_write_after_s": statistics.median(first["after"]),
+            "takeover": rate,
             "alloc_us_per_key": 1e6 * filled["alloc_s"] / max(keys, 1),
             "commit_us_per_key": 1e6 * filled["commit_s"] / max(keys, 1),
             "full_gc_ms": 1e3 * statistics.median(collections),
@@ -440,6 +581,12 @@ def _fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def _at_pod(blocks: Sequence[int], seconds: Sequence[float]) -> float:
+    """A time fitted as a + b blocks, at the pod's blocks (never below 0)."""
+    a, b = _fit(blocks, seconds)
+    return max(0.0, a + b * (POD_BYTES // GEOMETRY.block_size))
+
+
 def run(
     sizes: Sequence[int],
     fraction: float = 0.5,
@@ -450,10 +597,11 @@ def run(
     writer_batch: int = BATCH,
     read_pool: int = READ_POOL,
     through_rpc: bool = True,
+    rate_after_s: float = 2.0,
 ) -> dict[str, Any]:
     """Measure every size, the writers against hosts and the reads against the index's
     load; fit and extrapolate each curve to the paper's 8 TB pod."""
-    rows = [measure(s, fraction) for s in sizes]
+    rows = [measure(s, fraction, after_s=rate_after_s) for s in sizes]
     by_hosts = writers(writer_pool, hosts, writer_batch) if hosts else []
     by_hosts_rpc = writers_rpc(writer_pool, hosts, writer_batch) if hosts and through_rpc else []
     by_load = reads(read_pool, loads) if loads else []
@@ -464,6 +612,7 @@ def run(
     per_key = statistics.median(r["alloc_us_per_key"] + r["commit_us_per_key"] for r in rows)
     gc_a, gc_b = _fit([r["keys"] for r in rows], [r["full_gc_ms"] for r in rows])
     fz_a, fz_b = _fit([r["keys"] for r in rows], [r["full_gc_frozen_ms"] for r in rows])
+    takeover = [r["takeover"] for r in rows]
     extrapolated = {
         "pod_bytes": POD_BYTES,
         "pod_blocks": pod_blocks,
@@ -474,6 +623,15 @@ def run(
         "full_gc_s": (gc_a + gc_b * pod_keys) / 1e3,
         "full_gc_frozen_s": max(0.0, (fz_a + fz_b * pod_keys) / 1e3),
         "tick_us": statistics.median(r["tick_us"] for r in rows),
+        "takeover": {
+            "first_write_before_s": _at_pod(blocks, [r["first_write_before_s"] for r in rows]),
+            "first_write_after_s": _at_pod(blocks, [r["first_write_after_s"] for r in rows]),
+            "full_throughput_s": _at_pod(blocks, [t["full_throughput_s"] for t in takeover]),
+            "recovery_done_s": _at_pod(blocks, [t["recovery_done_s"] for t in takeover]),
+            "keys_per_s_recovering_over_after": statistics.median(
+                t["keys_per_s_recovering"] / t["keys_per_s_after"] for t in takeover
+            ),
+        },
         "full_scrub_pass_s": statistics.median(r["scrub_us"] for r in rows)
         * (rows[-1]["index_buckets"] / rows[-1]["blocks"])
         * pod_blocks
@@ -527,6 +685,8 @@ def columns() -> list[tuple[str, str]]:
         ("keys", "keys"),
         ("recovery_s", "recovery s"),
         ("recovery_us_per_block", "µs/block"),
+        ("first_write_before_s", "1st write s (before)"),
+        ("first_write_after_s", "1st write s (after)"),
         ("alloc_us_per_key", "ALLOC µs/key"),
         ("commit_us_per_key", "COMMIT µs/key"),
         ("full_gc_ms", "full GC ms"),
@@ -545,7 +705,19 @@ def _table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]])
 
 def format_extrapolation(doc: dict[str, Any]) -> str:
     e = doc["extrapolated"]
-    lines = []
+    t = e["takeover"]
+    lines = ["takeover against pool size (writers overwriting stored keys meanwhile):"]
+    lines += _table(
+        [{**r["takeover"], "blocks": r["blocks"]} for r in doc["rows"]],
+        [
+            ("blocks", "blocks", ",d"),
+            ("first_write_s", "1st write s", ".4f"),
+            ("keys_per_s_recovering", "keys/s recovering", ",.0f"),
+            ("keys_per_s_after", "keys/s after", ",.0f"),
+            ("full_throughput_s", "full at s", ".3f"),
+            ("recovery_done_s", "recovered at s", ".3f"),
+        ],
+    )
     if doc.get("writers"):
         lines += ["ALLOC/COMMIT against hosts writing at once (service driven directly):"]
         lines += _table(
@@ -587,6 +759,11 @@ def format_extrapolation(doc: dict[str, Any]) -> str:
         f"extrapolated to {e['pod_bytes'] / TiB:g} TiB ({e['pod_blocks']:,} blocks, "
         f"{e['pod_keys']:,} keys):",
         f"  recovery {e['recovery_s']:,.0f} s ({e['recovery_us_per_block']:.2f} µs a block)",
+        f"  takeover to the first acknowledged write: {t['first_write_before_s']:,.3f} s "
+        f"recovering at once (before), {t['first_write_after_s']:,.3f} s recovering while "
+        f"serving (after); writes at {t['keys_per_s_recovering_over_after']:.0%} of their "
+        f"rate while it recovers, at 90% for good after {t['full_throughput_s']:,.1f} s; "
+        f"recovery done after {t['recovery_done_s']:,.0f} s",
         f"  filling it through ALLOC + COMMIT, server side: {e['fill_alloc_commit_s']:,.0f} s",
         f"  one full garbage collection: {e['full_gc_s']:,.1f} s (a pause of every RPC; Python "
         "starts one when enough objects outlived the younger ones); "

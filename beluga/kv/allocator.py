@@ -79,8 +79,10 @@ class BlockAllocator:
         self.used += sign * count
         if self.frontier == self.nblocks:
             self._below += sign * count
-        else:
-            self._below += sign * self._known(np.array([first]), np.array([count]))
+            return
+        end = first + count
+        for lo, hi in self._segments():
+            self._below += sign * max(0, min(end, hi) - max(first, lo))
 
     def advance(self, frontier: int) -> None:
         """The first ``frontier`` blocks from the origin are known now: those not marked

@@ -58,7 +58,7 @@ RECOVERY_REGION = 1 << 12
 #: a census step covers this many regions (it does a tenth of the work a block)
 CENSUS_REGIONS = 4
 #: the most of a busy server's time recovery takes (an idle server recovers flat out)
-RECOVERY_SHARE = 0.25
+RECOVERY_SHARE = 0.2
 _ENTRY = struct.Struct("<16sQQQ")  # digest, below, keep, number (the CRC follows)
 _LOG_WORD = 8  # the log's word: the service line's second u64
 EXTENT_WORD = 16  # the most blocks one extent was granted (raised before the grant)

@@ -383,7 +383,7 @@ class MetadataService:
     def _allocate(self, nblocks: int) -> int:
         while (first := self.alloc.allocate(nblocks)) is None:
             if self.rec is not None and self.rec.census < self.sb.nblocks:
-                self._census_step()  # more room is known after each step, before any eviction
+                self._census_step(self.rec.region)  # room is known after each, before evicting
                 continue
             if nblocks > self.alloc.nblocks or not self._evict_one():
                 raise CapacityError(
@@ -1164,7 +1164,8 @@ class MetadataService:
                 del self.index[digest]
                 self._retire(e, None)
             self._index_copy(digest, Entry(block, n, version, length))
-            self.ix.put(digest, block, version)
+            if self.ix.find(digest) != (block, version):
+                self.ix.put(digest, block, version)
             return True
         else:  # its extent overlaps one held already: not a value
             self._drop_copy(block)
