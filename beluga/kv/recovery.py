@@ -69,9 +69,12 @@ CURSOR_WORD = 24  # where allocation was going on (a hint, written as it moves o
 class RecoveryState:
     """Where a background recovery stands (the service's module doc, "Recovery").
 
-    ``census`` and ``keys``: blocks below each are done (census >= keys);
-    ``buckets``: pool index buckets reconciled; ``first``: the lowest version
-    this server may hand out, so every copy found by a scan is older.
+    Not thread-safe, not fork-safe: the server's one thread owns it.
+
+    ``census`` and ``keys``: blocks done, counted from ``origin`` (census >= keys);
+    ``buckets``: pool index buckets reconciled; ``first``: the version floor at the
+    takeover (every copy a scan finds is below it, every version this server hands
+    out above it).
     """
 
     first: int  # versions below it were handed out before the takeover
@@ -125,7 +128,8 @@ def _entry(line: bytes, number: int) -> tuple[bytes, int, int] | None:
 
 
 class GraveLog:
-    """The graves of a recovery, in the pool (the module doc).
+    """The graves of a recovery, in the pool (the module doc).  Not thread-safe, not
+    fork-safe: the server's one thread owns it.
 
     ``allocate(n)`` gives the first block of n free blocks (or raises) and
     ``release(first, n)`` frees them: the service's allocator.

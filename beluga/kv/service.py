@@ -65,21 +65,78 @@ Eviction
 
 Recovery
   The pool, not the process, is the source of truth (the index in it is
-  derived, and repaired from the headers and commit table last).  At start the service
-  reads the block header table and the commit table: a PUBLISHED header whose
-  version the commit table holds is an index entry (the newest version of a
-  key wins; overlaps resolve to the newer extent).  Any other header with a
-  writer (WRITING, or PUBLISHED but not committed: its COMMIT may still be on
+  derived, and repaired from the headers and commit table last).  A PUBLISHED
+  header whose version the commit table holds is a value (the newest version
+  of a key wins; overlaps resolve to the newer extent).  Any other header with
+  a writer (WRITING, or PUBLISHED but not committed: its COMMIT may still be on
   its way) is a write in progress again, under a fresh write lease, owned by
   the host id and generation its header names, so it is freed as soon as that
   writer is seen gone.  Everything else is free.  A value whose writer sealed
   it after its lease ran out was never committed, so it never comes back.
-  Then the pool index is repaired in place (``PoolIndex.repair``): slots the
-  recovered entries confirm stay, so readers keep hitting during a restart.
-  The scan makes no object per block: the C core parses the header table
-  into numpy columns, the allocator decides every extent that overlaps no
-  other at once (``reserve_many``), and only values tied to another by a key
-  or a block are decided one at a time, newest first, with the same outcome.
+  The scan makes no object per block: the C core parses the header table into
+  numpy columns, the allocator decides every extent that overlaps no other at
+  once (``reserve_many``), and only values tied to another by a key or a block
+  are decided one at a time, newest first, with the same outcome.
+
+Recovering while serving (issue 36)
+  A scan of the whole pool costs about a microsecond a block: minutes at the
+  pod's 134 M blocks, and writers used to wait all that time.  So a server
+  that takes over scans in bounded steps (``recover_some``, between polls of
+  its loop: flat out while idle, ``RECOVERY_SHARE`` of a busy loop), and
+  answers every operation from the first one:
+
+  takeover   reads the service line (the version floor, the log of graves,
+             the longest extent, where the last server allocated:
+             recovery.py) and nothing that grows with the pool; the
+             allocator, the pool index's mirror and the index start empty.
+             Versions below the floor stored were handed out before; a
+             header at or above it is a grant whose answer never went out
+             (the floor is raised, fenced, before any answer names a version
+             above it), cleared when met.
+  census     region by region from where the last server allocated (wrapping
+             at the pool's end), it holds the extent of every write of
+             before the takeover as the rule above decides within the
+             region, and frees the rest: allocation takes only blocks the
+             census has passed, so no extent is handed out twice, and an
+             ALLOC that finds no room runs census steps before it evicts
+             anything.  Its first region first decides the extents that
+             begin before it and reach into it (``_look_back``, at most the
+             longest extent back), ahead of their own region.
+  keys       behind the census, each region's values join the index (a key
+             met again keeps its newest copy, the other is cleared and
+             freed) and its writes in flight are pending again.
+  buckets    then the pool index is reconciled with the index, a range of
+             buckets a step, and what no slot named is put in last.
+
+  While keys are not all known (``_scanning``), every operation on a key
+  first settles it (``_settle``): the copy the pool index names (what readers
+  get) is brought into the index, or cleared, by the same rules, so the
+  operation sees what a finished recovery would have shown of that key.  A
+  COMMIT or ABORT naming a block not scanned yet adopts the write there
+  (``_adopt_write``: its header, under its writer, or a committed copy when
+  the COMMIT was sent again).  Adopted blocks are skipped by the scan.
+
+  What the promises need:
+  - a read is the committed bytes of the key or a miss: readers use the pool
+    index and headers only, which the scan changes with the same stores and
+    fences as any server; a copy a scan has not reached yet stays readable
+    only if the pool index named it, as it was before the takeover;
+  - an acknowledged write is never lost: its copy is named by the pool index
+    (its COMMIT's slot was fenced before the answer) and its older copies were
+    cleared, so the scan finds it newest, or a COMMIT during recovery makes it
+    the newest decided (below);
+  - a key this server changed while copies of it lie unscanned (a REMOVE or
+    DROP, an eviction, a commit of a write granted before the takeover) gets
+    a grave: every copy of before the takeover but the one kept is dead when
+    the scan meets it.  A commit of a new write needs none: its version is
+    above every such copy.  Graves are written to the pool (the log of
+    graves, recovery.py) before the answer that relies on them, so a second
+    takeover in the middle of a recovery applies them too; the log goes once
+    every region's keys are scanned (every grave applied, the clears fenced);
+  - stats while recovering count what is known (``recovering``,
+    ``recovery_blocks_left``); a ring adopted before the scan reached its
+    writer's grants has them asked about (``forget_unanswered``) when the
+    scan finds them, as long as the ring keeps the requests.
 """
 
 from __future__ import annotations
@@ -208,6 +265,9 @@ class Pending:
 
 
 class MetadataService:
+    """The metadata service (the module doc).  Not thread-safe: one thread calls it (the
+    server's); not fork-safe: process memory rebuilt from the pool."""
+
     def __init__(
         self,
         pool: Pool,
