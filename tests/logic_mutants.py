@@ -151,7 +151,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "move-releases-old-bucket-first",
         "cuckoo move",
-        "beluga/kv/index.py",
+        "beluga/server/index.py",
         "            self._write(dst // SLOTS)\n            _move_fence(self.mem)",
         "            self.slots[src] = None\n            self._write(src // SLOTS)\n"
         "            _move_fence(self.mem)\n            self._write(dst // SLOTS)",
@@ -162,7 +162,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "move-chain-first-to-last",
         "cuckoo move",
-        "beluga/kv/index.py",
+        "beluga/server/index.py",
         "zip(path[-2::-1], path[:0:-1], strict=True)",
         "zip(path[:-1], path[1:], strict=True)",
         (IX + "test_a_key_placed_through_a_chain_of_two_moves_keeps_every_key",),
@@ -172,7 +172,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "move-searches-from-first-bucket-only",
         "cuckoo move",
-        "beluga/kv/index.py",
+        "beluga/server/index.py",
         "_, b1, b2 = self._buckets(s[0])\n                other = b2 if bucket == b1 else b1",
         "_, b1, b2 = self._buckets(s[0])\n                other = b2",
         (IX + "test_a_key_placed_through_a_chain_of_two_moves_keeps_every_key",),
@@ -181,7 +181,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "scrub-checks-only-torn-lines",
         "index writer",
-        "beluga/kv/index.py",
+        "beluga/server/index.py",
         "if got is None or got[1] != want:",
         "if got is None:",
         (IX + "test_the_scrub_rewrites_a_whole_bucket_that_names_the_wrong_slots",),
@@ -191,7 +191,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "repair-keeps-a-slot-of-another-version",
         "index repair",
-        "beluga/kv/index.py",
+        "beluga/server/index.py",
         "(versions == at_version[cand])",
         "(versions == versions)",
         (IX + "test_repair_drops_slots_of_another_version_or_bucket",),
@@ -201,7 +201,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "repair-keeps-a-slot-in-a-foreign-bucket",
         "index repair",
-        "beluga/kv/index.py",
+        "beluga/server/index.py",
         "& ((b1 == bucket) | (b2 == bucket))",
         "& (bucket == bucket)",
         (IX + "test_repair_drops_slots_of_another_version_or_bucket",),
@@ -210,7 +210,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "repair-inserts-nothing",
         "index repair",
-        "beluga/kv/index.py",
+        "beluga/server/index.py",
         "inserted += self.put(digests[i], int(blocks[i]), int(versions[i]))",
         "inserted += False",
         ("tests/test_index.py::test_repair_keeps_good_slots_and_drops_the_rest",),
@@ -220,7 +220,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "floor-persists-the-version-not-the-floor",
         "version floor",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         'self.mem.nt_store(self.sb.service_offset, self.floor.to_bytes(8, "little"))',
         'self.mem.nt_store(self.sb.service_offset, self.version.to_bytes(8, "little"))',
         (IX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
@@ -230,7 +230,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-ignores-the-floor",
         "version floor",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         'stored = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")',
         "stored = 0",
         (IX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
@@ -290,7 +290,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "late-commit-accepted",
         "service",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "            if pend.cancelled:  # too late",
         "            if False:  # too late",
         (SVC + "test_an_expired_lease_cancels_the_write_but_quarantines_its_extent",),
@@ -300,7 +300,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "dead-writer-waits-for-its-lease",
         "service",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "                gone = not alive[who]",
         "                gone = pend.cancelled and not alive[who]",
         (SVC + "test_a_dead_writer_within_its_lease_is_reclaimed_at_once",),
@@ -309,7 +309,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "client-gone-frees-the-others",
         "service",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "            if pend.host == host_id:",
         "            if pend.host != host_id:",
         (SVC + "test_a_client_gone_frees_its_writes_only",),
@@ -318,7 +318,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-trusts-a-sealed-header",
         "service",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "committed[rel] == headers.version",
         "headers.version == headers.version",
         (SVC + "test_a_late_seal_is_not_a_committed_value_after_a_restart",),
@@ -328,7 +328,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "retire-frees-leased-extents",
         "service",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "        if e.lease_until > self.clock():",
         "        if e.lease_until < self.clock():",
         (SVC + "test_retired_extents_wait_out_their_read_leases",),
@@ -337,7 +337,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "evict-ignores-read-leases",
         "service",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "            if e.lease_until <= now:\n                del self.index[digest]",
         "            if True:\n                del self.index[digest]",
         (SVC + "test_eviction_is_lru_and_waits_for_read_leases",),
@@ -346,7 +346,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "drop-ignores-the-version",
         "service",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "hit = e is not None and e.block == block and e.version == version",
         "hit = e is not None and e.block == block",
         (
@@ -358,7 +358,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "skip-present-ignores-writes-in-flight",
         "service",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "if skip and (digest in self.index or digest in writing):",
         "if skip and digest in self.index:",
         (BLOCKS + "test_a_key_another_writer_is_writing_is_in_flight_when_not_waited_for",),
@@ -369,7 +369,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "reserve-refuses-the-last-block",
         "allocator",
-        "beluga/kv/allocator.py",
+        "beluga/server/allocator.py",
         "(firsts <= self.nblocks - counts)",
         "(firsts < self.nblocks - counts)",
         (IX + "test_an_extent_ending_at_the_last_block_survives_a_restart",),
@@ -379,7 +379,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "reserve-many-ignores-overlaps",
         "allocator",
-        "beluga/kv/allocator.py",
+        "beluga/server/allocator.py",
         "tangled[ok] = overlapping(firsts[ok], counts[ok])",
         "tangled[ok] = False",
         (SVC + "test_reserve_many_decides_as_reserve_one_at_a_time",),
@@ -389,7 +389,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-ignores-copies-of-a-key",
         "service",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "if len(set(keys)) == len(keys):",
         "if True:",
         (SVC + "test_recovery_decides_as_one_header_at_a_time",),
@@ -400,7 +400,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "find-misses-a-run-at-the-end",
         "allocator",
-        "beluga/kv/allocator.py",
+        "beluga/server/allocator.py",
         "elif window.size >= count:",
         "elif window.size > count:",
         (IX + "test_a_run_as_long_as_the_pool_is_found",),
@@ -409,7 +409,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "allocate-refuses-the-last-free-blocks",
         "allocator",
-        "beluga/kv/allocator.py",
+        "beluga/server/allocator.py",
         "        if count > self.nfree:\n            return None",
         "        if count >= self.nfree:\n            return None",
         (IX + "test_an_extent_ending_at_the_last_block_survives_a_restart",),
@@ -535,7 +535,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "standby-trusts-another-host-unfenced",
         "standby",
-        "beluga/kv/server.py",
+        "beluga/server/server.py",
         "if not here and fence_command is None:",
         "if False:",
         (
@@ -612,7 +612,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "announce-stops-at-the-first-skipped-key",
         "skip-present grants",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "                continue\n            self.mem.begin_write(",
         "                break\n            self.mem.begin_write(",
         (IX + "test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer",),
@@ -623,7 +623,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "announce-without-the-writers-generation",
         "skip-present grants",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "                writer_gen=req.generation,",
         "                writer_gen=0,",
         (IX + "test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer",),
@@ -633,7 +633,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "skip-present-waits-for-cancelled-writes",
         "skip-present grants",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "return {pend.digest for pend in self.pending.values() if not pend.cancelled}",
         "return {pend.digest for pend in self.pending.values()}",
         (IX + "test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer",),
@@ -643,7 +643,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "alloc-rollback-frees-skipped-grants",
         "skip-present grants",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "if g.block != p.NO_BLOCK:",
         "if True:",
         (IX + "test_a_batch_that_skips_keys_then_fails_gives_every_grant_back_and_says_why",),
@@ -832,7 +832,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "seat-free-trusts-a-pid-of-another-host",
         "taking a seat",
-        "beluga/kv/server.py",
+        "beluga/server/server.py",
         "return seat.identity.same_kernel() and not seat.identity.running()",
         "return not seat.identity.running()",
         (
@@ -846,7 +846,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-swaps-writer-and-generation",
         "recovery of a write in flight",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "                int(headers.writer[i]),\n                int(headers.writer_gen[i]),",
         "                int(headers.writer_gen[i]),\n                int(headers.writer[i]),",
         (
@@ -861,7 +861,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-forgets-the-writers-generation",
         "recovery of a write in flight",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "                int(headers.writer_gen[i]),",
         "                0,",
         (
@@ -874,7 +874,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-gives-no-write-lease",
         "recovery of a write in flight",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "expires=self.clock() + self.write_lease_s,",
         "expires=self.clock(),",
         (
@@ -888,7 +888,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "adoption-frees-answered-grants",
         "requests and restarts",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "                and header.version == pend.version\n                and unanswered(",
         "                and header.version == pend.version\n                and bool(",
         (RESTARTS + "test_a_grant_answered_before_its_server_died_is_kept_for_its_writer",),
@@ -934,7 +934,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "settle-ignores-the-slot-readers-see",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "named = self.ix.find(digest)",
         "named = None",
         (REC + "test_an_overwrite_retires_the_old_copy_wherever_the_scan_is",),
@@ -945,7 +945,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "graves-kept-only-in-memory",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "self.graves.append(digest, rec.first, keep)",
         "rec.graves.get(digest)",
         (REC + "test_a_remove_survives_a_second_takeover_in_the_middle_of_recovery",),
@@ -956,7 +956,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "grave-spares-no-copy",
         "recovery while serving",
-        "beluga/kv/recovery.py",
+        "beluga/server/recovery.py",
         "version < grave[0] and version != grave[1]",
         "version < grave[0]",
         (REC + "test_a_write_committed_during_recovery_outlives_a_second_takeover",),
@@ -966,7 +966,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "allocation-reaches-past-the-frontier",
         "recovery while serving",
-        "beluga/kv/allocator.py",
+        "beluga/server/allocator.py",
         "end = self.origin + (self.frontier if frontier is None else frontier)",
         "end = self.origin + (self.nblocks if frontier is None else frontier)",
         (REC + "test_the_allocator_allocates_below_its_frontier_and_reserves_beyond",),
@@ -976,7 +976,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "commit-before-the-scan-refused",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "            if pend is None and scanning:  # granted before the takeover, not scanned "
         "yet?\n                pend = self._adopt_write(digest, block, version)",
         "            if pend is None and scanning:  # granted before the takeover, not scanned "
@@ -987,7 +987,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "remove-of-an-unnamed-key-buries-nothing",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "            elif scanning:  # a copy the scan has not reached must not come back either",
         "            elif False:  # a copy the scan has not reached must not come back either",
         (REC + "test_a_remove_of_a_key_no_slot_names_keeps_its_copy_gone",),
@@ -998,7 +998,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "scan-keeps-the-older-copy",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "e.version > version):\n            self._drop_copy(block, n)\n",
         "e.version < version):\n            self._drop_copy(block, n)\n",
         (REC + "test_copies_of_a_key_found_apart_leave_the_newest",),
@@ -1007,7 +1007,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "census-frees-writes-in-flight",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])",
         "held = np.zeros(unfinished.size, dtype=bool)",
         (REC + "test_a_write_in_flight_the_scan_passed_is_still_its_writers",),
@@ -1017,7 +1017,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recovery-names-nothing-missing",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "            if e is None or d in self.ix.where:",
         "            if True:",
         (REC + "test_copies_of_a_key_found_apart_leave_the_newest",),
@@ -1026,7 +1026,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "pool-index-writes-a-bucket-it-never-read",
         "recovery while serving",
-        "beluga/kv/index.py",
+        "beluga/server/index.py",
         "        self._load((b1, b2))\n        at = self.where.get(digest)",
         "        at = self.where.get(digest)",
         (REC + "test_the_pool_index_loads_a_bucket_only_when_touched_and_keeps_its_other_slots",),
@@ -1037,7 +1037,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "claim-trusts-blocks-past-the-census",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "return rec.censused(block) or self.alloc.reserve(block, n)",
         "return True",
         (REC + "test_writes_in_flight_at_the_takeover_are_their_writers_before_the_scan",),
@@ -1046,7 +1046,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "census-does-not-look-back",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "        if rec.census == 0 and rec.origin:\n            self._look_back()",
         "        if False:\n            self._look_back()",
         (REC + "test_the_census_starts_where_allocation_was_and_holds_what_reaches_into_it",),
@@ -1055,7 +1055,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "unanswered-grant-above-the-floor-kept",
         "recovery while serving",
-        "beluga/kv/service.py",
+        "beluga/server/service.py",
         "before = headers.version < rec.first",
         "before = headers.version >= 0",
         (REC + "test_a_header_at_or_above_the_floor_is_a_grant_never_answered",),

@@ -58,7 +58,6 @@ from beluga.coherence import (
 )
 from beluga.errors import PoolError
 from beluga.kv import protocol as p
-from beluga.kv.service import MetadataService
 from beluga.litmus import Seen
 from beluga.pool import Geometry, HostState, Pool
 from beluga.pool.hosts import (
@@ -73,6 +72,7 @@ from beluga.pool.hosts import (
 from beluga.pool.layout import Region, host_region_lines, plan, unpack
 from beluga.pool.pool import format_pool
 from beluga.rpc import Request
+from beluga.server.service import MetadataService
 
 
 class Violation(AssertionError):
@@ -466,7 +466,7 @@ def format_visible_at_return(model: ModelConfig) -> None:
     fmt.release(), look.release()
 
 
-# -- metadata service (kv/service.py) -----------------------------------------------
+# -- metadata service (server/service.py) -----------------------------------------------
 
 
 @contextmanager
@@ -560,7 +560,7 @@ def service_answers_durable(model: ModelConfig) -> None:
             raise Violation("a REMOVE was answered while the key could still come back")
 
 
-# -- the pool index (index.c, kv/index.py) -----------------------------------------------
+# -- the pool index (index.c, server/index.py) -----------------------------------------------
 
 
 def _reader_index(pool: Pool) -> object:
@@ -650,7 +650,7 @@ def _digest_in(ix: object, bucket: int, rng: random.Random, taken: set[int]) -> 
 
 def index_move_sweep(model: ModelConfig) -> None:
     """Every state inside a cuckoo move: an entry is always in one of its two buckets."""
-    from beluga.kv.index import PoolIndex
+    from beluga.server.index import PoolIndex
 
     def look(pool: Pool, d: bytes, ix: PoolIndex) -> bool | None:
         """Whether d is in one of its buckets; None if a bucket is torn (being written)."""

@@ -42,8 +42,8 @@ from beluga.compat.mooncake import (
 from beluga.errors import CapacityError, RpcError
 from beluga.kv import KVStore
 from beluga.kv import store as store_module
-from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
+from beluga.server.server import serve
 
 GEOMETRY = Geometry(max_hosts=8, rpc_bytes_per_host=256 << 10, block_size=16 << 10)
 CTX = mp.get_context("fork")

@@ -13,7 +13,7 @@ import pytest
 
 from beluga.bench import e2e, e2e_pd
 from beluga.cli import main
-from beluga.kv.service import HIGH_WATERMARK
+from beluga.server.service import HIGH_WATERMARK
 from beluga.serving.cluster import Handoff, Record
 from beluga.serving.engine import Served, Timings
 from beluga.serving.model import ModelEngine

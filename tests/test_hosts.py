@@ -26,7 +26,6 @@ import pytest
 from beluga.child import server_process
 from beluga.coherence import read_line, write_line
 from beluga.errors import PoolError, RpcError
-from beluga.kv.server import seat_free
 from beluga.pool import Geometry, HostState, Pool
 from beluga.pool.hosts import (
     HOST_MAGIC,
@@ -42,6 +41,7 @@ from beluga.pool.hosts import (
     boot_id,
 )
 from beluga.rpc import RpcServer
+from beluga.server.server import seat_free
 from beluga.signals import stop_on_signals
 from tests.conftest import serving
 from tests.test_native import crc32c_reference

@@ -29,10 +29,10 @@ from beluga import KVStore
 from beluga._native import _core
 from beluga.coherence import LINE, digest
 from beluga.errors import RpcError
-from beluga.kv.index import SLOTS, PoolIndex
-from beluga.kv.service import MetadataService
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import LAYOUT_VERSION
+from beluga.server.index import SLOTS, PoolIndex
+from beluga.server.service import MetadataService
 
 from .test_native import crc32c_reference
 from .test_store import server, value_of

@@ -78,13 +78,21 @@ LAYERS: tuple[Layer, ...] = (
         ),
     ),
     Layer(
+        "server",
+        ("server/",),
+        (
+            "the metadata server: start (attach, take the seat, recover, serve),",
+            "standby and fencing, the service (grants, commits, leases, eviction,",
+            "recovery while serving), the pool index's writer, allocator, metrics",
+        ),
+    ),
+    Layer(
         "kv",
         # beluga/__init__.py: the package's face, the exception tree and a lazy KVStore
         ("kv/", "__init__.py"),
         (
-            "block hashing, KVStore client and THE data path (save / load), metadata",
-            "service (index, allocator, leases, eviction, recovery), the pool index's",
-            "writer, and server;",
+            "the client: block hashing, model identity, KVStore and THE data path",
+            "(save / load), the RPC records it shares with the server;",
             "tier: the Mooncake Store cluster beyond one pod, and its client",
         ),
     ),

@@ -37,14 +37,14 @@ from beluga.chaos.roles import Midway
 from beluga.child import server_process
 from beluga.coherence import LINE, BlockState, digest, parse_header
 from beluga.kv import protocol as p
-from beluga.kv.allocator import BlockAllocator
 from beluga.kv.identity import KVNamespace, ModelIdentity
-from beluga.kv.index import SLOTS, PoolIndex
-from beluga.kv.server import serve
 from beluga.kv.store import MAX_KEY_BYTES, key_bytes
 from beluga.kv.tier import MooncakeTier
 from beluga.pool import Geometry, Pool
 from beluga.pool.hosts import HostRegistry, HostTable
+from beluga.server.allocator import BlockAllocator
+from beluga.server.index import SLOTS, PoolIndex
+from beluga.server.server import serve
 from beluga.transfer import Buffers
 from tests.conftest import serving
 from tests.test_index import reader

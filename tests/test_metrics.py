@@ -26,9 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from beluga import KVStore
 from beluga.cli import build_parser, main
 from beluga.errors import BelugaError
-from beluga.kv import MetadataServer, service
-from beluga.kv.metrics import INFO_FIELDS, STATS_METRICS
 from beluga.pool import Geometry, Pool
+from beluga.server import MetadataServer, service
+from beluga.server.metrics import INFO_FIELDS, STATS_METRICS
 
 GEOMETRY = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=16 << 10)
 BELUGA = [sys.executable, "-m", "beluga"]

@@ -23,7 +23,6 @@ from beluga.errors import (
     PoolNotNamedError,
 )
 from beluga.kv import protocol as p
-from beluga.kv.service import MetadataService
 from beluga.pool import Geometry, HostState, Pool, parse_spec, resolve_pool
 from beluga.pool.hosts import HostEntry, Identity
 from beluga.pool.layout import (
@@ -36,6 +35,7 @@ from beluga.pool.layout import (
     unpack,
 )
 from beluga.rpc import Request
+from beluga.server.service import MetadataService
 
 from .conftest import SMALL
 

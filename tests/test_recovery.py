@@ -1,4 +1,4 @@
-"""Recovery while serving (beluga.kv.service, "Recovery"), in-process, a step at a time.
+"""Recovery while serving (beluga.server.service, "Recovery"), in-process, a step at a time.
 
 A server that took over serves at once and scans the pool in bounded steps
 (``recover_some``); these tests put its operations between the steps, and
@@ -19,14 +19,15 @@ import pytest
 
 from beluga._native import _core
 from beluga.coherence import LINE, ModelConfig, digest, parse_header
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore
 from beluga.kv import protocol as p
-from beluga.kv.allocator import BlockAllocator
-from beluga.kv.index import PoolIndex
-from beluga.kv.recovery import GraveLog
-from beluga.kv.service import MetadataService
 from beluga.pool import Geometry, Pool
 from beluga.rpc import Request
+from beluga.server import MetadataServer
+from beluga.server.allocator import BlockAllocator
+from beluga.server.index import PoolIndex
+from beluga.server.recovery import GraveLog
+from beluga.server.service import MetadataService
 from tests.rpc_util import wait_until
 
 GEOMETRY = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=4096)

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from beluga.coherence import digest
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore
 from beluga.kv import protocol as p
-from beluga.kv import service as service_module
 from beluga.pool import Geometry, Pool
+from beluga.server import MetadataServer
+from beluga.server import service as service_module
 from beluga.transfer import Buffers
 
 #: values are stored to be evicted and reported; the pool keeps some (tests/conftest.py)

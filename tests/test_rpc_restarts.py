@@ -8,7 +8,7 @@ before this server's seat, to a server that is gone.  A caller still
 waiting sends it again; one that gave up never sees it run.  Were it run, an
 ALLOC would be granted to nobody: its extent would wait for a COMMIT that
 never comes, its lease would run out, and it would stay quarantined until
-the caller's host leaves (beluga.kv.service: a writer that may still resume
+the caller's host leaves (beluga.server.service: a writer that may still resume
 keeps its extent), capacity lost at every restart.
 
 A server may also die after it ran a request and before it answered: an
@@ -39,9 +39,9 @@ from beluga.child import stop_process, wait_ready
 from beluga.coherence import digest
 from beluga.errors import RpcError
 from beluga.kv import protocol as p
-from beluga.kv.server import serve
 from beluga.kv.store import KVStore
 from beluga.pool import Pool
+from beluga.server.server import serve
 from tests.conftest import SMALL
 from tests.rpc_util import start, wait_until
 
@@ -125,7 +125,7 @@ def test_a_put_given_up_while_the_server_was_down_is_never_granted(
 def _serve_dying_after_the_grant(spec: str, ready: Any) -> None:
     """A server that dies (SIGKILL) right after it announced the grants of its first ALLOC,
     before it answers: the window between _announce and the response."""
-    from beluga.kv.service import MetadataService
+    from beluga.server.service import MetadataService
 
     announce = MetadataService._announce
 

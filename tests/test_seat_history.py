@@ -12,8 +12,8 @@ import time
 import pytest
 
 from beluga.cli import main
-from beluga.kv.server import MetadataServer
 from beluga.pool import Pool
+from beluga.server.server import MetadataServer
 
 WAIT_S = 30.0
 

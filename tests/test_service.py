@@ -20,10 +20,10 @@ import pytest
 from beluga.coherence import LINE, digest, parse_header
 from beluga.errors import CapacityError
 from beluga.kv import protocol as p
-from beluga.kv.allocator import BlockAllocator, overlapping
-from beluga.kv.service import MetadataService
 from beluga.pool import Geometry, Pool
 from beluga.rpc import Request
+from beluga.server.allocator import BlockAllocator, overlapping
+from beluga.server.service import MetadataService
 
 GEOMETRY = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=16 << 10)
 WRITER = (1, 7)  # host id 1 in its 7th generation
@@ -430,7 +430,7 @@ def test_a_server_process_keeps_full_collections_to_what_is_new() -> None:
     test process's own objects must not be frozen."""
     code = """
 import gc, weakref
-from beluga.kv.service import keep_collections_short
+from beluga.server.service import keep_collections_short
 class Obj: pass
 kept = [Obj() for _ in range(1000)]
 keep_collections_short()

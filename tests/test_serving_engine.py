@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from beluga.errors import KVLayoutError
-from beluga.kv import KVStore, MetadataServer, ModelIdentity
+from beluga.kv import KVStore, ModelIdentity
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import plan
+from beluga.server import MetadataServer
 from beluga.serving.engine import (
     ServingEngine,
     check_kv_pool,

@@ -32,9 +32,10 @@ from beluga.bench.mooncake import MooncakeBaseline
 from beluga.bench.mooncake_engine import MooncakeServingEngine
 from beluga.cli import demo
 from beluga.errors import BackendUnavailableError, ServingError
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore
 from beluga.kv.tier.mooncake import check_available
 from beluga.pool import Pool
+from beluga.server import MetadataServer
 from beluga.serving import cluster as cluster_module
 from beluga.serving import model as model_module
 from beluga.serving.cluster import Cluster, EngineConfig, check_gpu_budget

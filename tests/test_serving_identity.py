@@ -222,8 +222,9 @@ def test_block_keys_are_prefix_hashes_in_a_namespace() -> None:
 @pytest.mark.leaves("keys")
 def test_an_explicit_identity_overrides_the_fingerprint(shm_path: str) -> None:
     """Two engines told they serve one revision share blocks: the user vouches for the weights."""
-    from beluga.kv import KVStore, MetadataServer
+    from beluga.kv import KVStore
     from beluga.pool import Pool
+    from beluga.server import MetadataServer
 
     model = ModelEngine(SHAPE, seed=5)
     fmt = kv_format(model)

@@ -18,8 +18,9 @@ import pytest
 from beluga.errors import PoolNotNamedError, RpcError
 from beluga.integrations import _link
 from beluga.integrations._link import StoreLink
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore
 from beluga.pool import Geometry, Pool
+from beluga.server import MetadataServer
 
 THREADS = 6
 JOIN_S = 60
@@ -179,3 +180,50 @@ def test_a_link_without_a_spec_takes_beluga_pool_or_says_what_to_set(
     link = StoreLink(None, who="Engine X")
     assert link.spec == served and link.available()
     link.close()
+
+
+def test_call_answers_the_default_on_an_outage_and_raises_a_bug(
+    served: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="beluga.integrations")
+    link = StoreLink(served, who="test", retry_s=3600)
+    assert link.call(lambda s: s.get("x"), b"default") is None  # connected: the work's answer
+    seen: list[tuple[KVStore, bool]] = []
+    ran: list[KVStore] = []
+
+    def outage(store: KVStore) -> None:
+        ran.append(store)
+        raise RpcError("the server died")
+
+    def on_outage(store: KVStore) -> None:  # runs before the link lets go of the store
+        with link.connected() as current:
+            seen.append((store, current is store))
+
+    for _ in range(2):  # the second call comes before the next try to connect
+        assert link.call(outage, "default", on_outage=on_outage) == "default"
+    (store,) = TrackedStore.made
+    assert ran == [store] and seen == [(store, True)] and store.closes == 1
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1  # one warning per outage, however many calls meet it
+    link.close()
+
+    def bug(store: KVStore) -> None:
+        raise ValueError("a bug, not an outage")
+
+    link = StoreLink(served, who="test", retry_s=3600)
+    with pytest.raises(ValueError, match="a bug"):
+        link.call(bug, None, on_outage=on_outage)
+    assert len(seen) == 1 and link.available()  # a bug neither counts nor drops the store
+    link.close()
+
+
+def test_a_link_from_a_frameworks_options_reads_its_names_after_the_prefix(
+    served: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = {"x.pool": served, "x.timeout_s": "7", "x.retry_s": 9, "pool": "elsewhere"}
+    link = StoreLink.from_options(options, who="Engine X", where="X's config", prefix="x.")
+    assert (link.spec, link._timeout_s, link._retry_s) == (served, 7.0, 9.0)
+    link.close()
+    monkeypatch.delenv("BELUGA_POOL", raising=False)
+    with pytest.raises(PoolNotNamedError, match=r"set 'x\.pool' in X's config"):
+        StoreLink.from_options({"pool": served}, who="Engine X", where="X's config", prefix="x.")

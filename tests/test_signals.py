@@ -49,8 +49,8 @@ HANG_S = 20.0  # a child not gone by then is hung (the old code never ended)
 # The child: serve(spec) under a profile hook that SIGTERMs the process at one point.
 CHILD = r"""
 import logging, os, signal, sys
-from beluga.kv.server import serve
-from beluga.kv.service import MetadataService
+from beluga.server.server import serve
+from beluga.server.service import MetadataService
 from beluga.rpc.server import RpcServer
 
 where, spec = sys.argv[1], sys.argv[2]

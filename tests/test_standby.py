@@ -7,7 +7,7 @@ SIGKILLed it, so it never resumes.  A server on another host (emulated here
 by ``BELUGA_EMULATED_HOST``: its pid means nothing to the others) is taken
 over only after ``--fence COMMAND`` succeeded; the commands here SIGKILL it,
 which is what cutting its host off the pool does to it (the module doc of
-beluga.kv.server).  Each test runs real ``beluga serve`` processes; the
+beluga.server.server).  Each test runs real ``beluga serve`` processes; the
 client is this process, and it is never restarted: its writes resume on the
 standby.
 """
@@ -26,9 +26,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from beluga.kv.server import seat_free
 from beluga.kv.store import KVStore
 from beluga.pool import Pool
+from beluga.server.server import seat_free
 
 WAIT_S = 30.0  # bound of every wait; none is a timed assert
 

@@ -1,6 +1,6 @@
 """The KV store end to end: API, capacity, crash safety and a multi-process stress test.
 
-The metadata server runs in its own process (``beluga.kv.server.serve``) so
+The metadata server runs in its own process (``beluga.server.server.serve``) so
 that it can be killed with SIGKILL like a real one; clients are this process
 or forked ones, each attached on its own (one emulated host each).
 """
@@ -29,8 +29,8 @@ from beluga.chaos.roles import Midway, read_in_place
 from beluga.child import server_process
 from beluga.errors import CapacityError, RpcError
 from beluga.kv import hash_block, prefix_hashes, seed_hash, sha256
-from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
+from beluga.server.server import serve
 
 #: a store test puts values to read them back; the pool keeps them (tests/conftest.py)
 pytestmark = pytest.mark.leaves("keys")

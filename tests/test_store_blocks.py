@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from beluga.chaos.roles import Midway
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore
 from beluga.pool import Geometry, Pool
+from beluga.server import MetadataServer
 from beluga.transfer import Buffers, Pieces
 
 #: blocks are written to be read back; the pool keeps them (tests/conftest.py)

@@ -22,10 +22,11 @@ import pytest
 
 from beluga.bench.mooncake import MooncakeBaseline
 from beluga.errors import BackendUnavailableError
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore
 from beluga.kv.tier import MooncakeTier, TierConfig
 from beluga.kv.tier.mooncake import check_available
 from beluga.pool import Geometry, Pool
+from beluga.server import MetadataServer
 from beluga.serving.engine import (
     ServingEngine,
     create_kv_pool,

@@ -29,8 +29,9 @@ import torch
 from beluga._native import _core
 from beluga.coherence import ModelConfig, digest, parse_header
 from beluga.errors import BackendUnavailableError, KVLayoutError
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore
 from beluga.pool import Geometry, Pool
+from beluga.server import MetadataServer
 from beluga.transfer import (
     Buffers,
     EngineBlocks,

@@ -33,8 +33,9 @@ from beluga.integrations.moves import (
     engine_layout,
     flash_attention_layout,
 )
-from beluga.kv import KVNamespace, KVStore, MetadataServer, ModelIdentity
+from beluga.kv import KVNamespace, KVStore, ModelIdentity
 from beluga.pool import Geometry, Pool
+from beluga.server import MetadataServer
 from beluga.transfer import KVLayout, KVSpec
 from beluga.transfer.gpu import GpuPool
 from tests.test_transfer_gpu import StandInCuda

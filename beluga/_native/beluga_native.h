@@ -170,14 +170,14 @@
       "ghost hosts and blocks in a new pool")                                                     \
     X(FORMAT_FENCE, "pool/pool.py format_pool", "SFENCE after the new superblock",                \
       "create returns while the superblock is in flight: another host finds no pool")             \
-    X(SERVICE_RECOVER_INVALIDATE, "kv/service.py recover",                                        \
+    X(SERVICE_RECOVER_INVALIDATE, "server/service.py recover",                                    \
       "invalidate the header table, commit table and service line before the recovery scan",     \
       "a server restarted on a host that cached them rebuilds its index from stale lines: "       \
       "acknowledged values are lost")                                                             \
-    X(SERVICE_RECOVER_MFENCE, "kv/service.py recover",                                            \
+    X(SERVICE_RECOVER_MFENCE, "server/service.py recover",                                        \
       "MFENCE between invalidating those tables and loading them",                                \
       "the loads can pass the invalidations and hit old lines")                                   \
-    X(SERVICE_COMMIT_FENCE, "kv/service.py op_commit",                                            \
+    X(SERVICE_COMMIT_FENCE, "server/service.py op_commit",                                        \
       "SFENCE after the commit words, before the answer",                                         \
       "the answer can land before a commit word: a crash then loses an acknowledged value")       \
     X(INDEX_BUCKET_INVALIDATE, "index.c load_buckets",                                            \
@@ -187,11 +187,11 @@
     X(INDEX_BUCKET_MFENCE, "index.c load_buckets",                                                \
       "MFENCE between invalidating the bucket lines and loading them",                            \
       "the loads can pass the invalidations and hit old lines")                                   \
-    X(INDEX_MOVE_FENCE, "kv/index.py PoolIndex.put",                                              \
+    X(INDEX_MOVE_FENCE, "server/index.py PoolIndex.put",                                          \
       "SFENCE between a moved entry's new bucket and its old one",                                \
       "the old bucket can land first: a reader finds the key in neither bucket and misses a "     \
       "committed value")                                                                          \
-    X(SERVICE_CLEAR_FENCE, "kv/service.py _clear_header",                                         \
+    X(SERVICE_CLEAR_FENCE, "server/service.py _clear_header",                                     \
       "SFENCE after clearing a retired or freed block's header (and its commit word)",            \
       "a REMOVE is answered while the clears are in flight: a crash brings the removed key back")
 

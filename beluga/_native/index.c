@@ -6,7 +6,7 @@
  * slots of (tag, first block, version) and a CRC32C of the line.  A key's
  * 16-byte digest names two buckets (bl_ix_hash: bytes 4..7 and 8..11 of the
  * digest, masked to the power-of-two bucket count) and a 32-bit tag (bytes
- * 0..3).  The server (beluga/kv/index.py) keeps a mirror, rewrites a whole
+ * 0..3).  The server (beluga/server/index.py) keeps a mirror, rewrites a whole
  * bucket line with one non-temporal store, and moves entries between a key's
  * two buckets cuckoo-style, always writing the entry's new bucket (fenced)
  * before the old one: at every instant a key sits in at least one bucket.
@@ -24,7 +24,7 @@
  *           invalidated, copied with the CRC32C fused into the copy, header
  *           loaded again and compared whole with the confirmed one.
  *
- * Why no read lease is needed (the reuse rule, kv/service.py): versions never
+ * Why no read lease is needed (the reuse rule, server/service.py): versions never
  * repeat; an extent goes back to the allocator only after the server has
  * cleared (and fenced) the header at its first block; a new writer publishes
  * WRITING (fenced) before its first payload store.  So a reader whose copy saw

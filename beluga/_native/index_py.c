@@ -9,7 +9,7 @@
  * forked child still reads correctly but stops writing hint lines (they are
  * its parent's host id's).
  *
- * The module functions give the server's writer (beluga/kv/index.py) and the
+ * The module functions give the server's writer (beluga/server/index.py) and the
  * tests the formats index.c owns: key digests, a digest's buckets, a bucket
  * line, a counts line, the hints of a ring.
  */

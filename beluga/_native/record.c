@@ -18,7 +18,7 @@
  * STATES (one u64 per granule; granules are the smallest power of two of at
  * least 4 KiB that keeps the record to BL_REC_MAX_GRANULES, so never larger
  * than 8 MiB; block versions are unique across a pool forever, see
- * kv/service.py, so granules may hold several blocks):
+ * server/service.py, so granules may hold several blocks):
  *
  *   START    since the record began, unknown: a line may be cached from
  *            before (a CPU cache outlives the process that filled it).

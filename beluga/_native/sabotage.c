@@ -24,7 +24,7 @@
  *   - an armed core refuses native-mode Memory: removing a step can only ever
  *     weaken the simulated model, never a real CXL mapping.
  *
- * Python points (beluga/pool, beluga/kv) take their names from the same
+ * Python points (beluga/pool, beluga/server) take their names from the same
  * table (_core.SABOTAGE_POINTS) and are bound once, at import: the real
  * operation in production, a recording no-op only when their point is armed.
  *

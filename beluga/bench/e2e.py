@@ -75,10 +75,10 @@ from typing import Any
 import numpy as np
 
 from beluga.bench.stats import percentile
-from beluga.kv.service import HIGH_WATERMARK
 from beluga.kv.store import KVStore
 from beluga.pool import Pool
 from beluga.pool.layout import plan
+from beluga.server.service import HIGH_WATERMARK
 from beluga.serving.cluster import Cluster, EngineConfig, Record, check_gpu_budget, gpu_bytes
 from beluga.serving.engine import KV_ORDER, create_kv_pool, kv_geometry, kv_pool_size
 from beluga.serving.model import DTYPES, QWEN2_7B, ModelShape, engine_memory_bytes

@@ -53,10 +53,10 @@ from beluga.child import server_process
 from beluga.coherence import digest
 from beluga.kv import KVStore
 from beluga.kv import protocol as p
-from beluga.kv.index import SLOTS
-from beluga.kv.service import MetadataService
 from beluga.pool import Geometry, Pool
 from beluga.rpc import Request
+from beluga.server.index import SLOTS
+from beluga.server.service import MetadataService
 from beluga.units import GiB, MiB, TiB
 
 GEOMETRY = Geometry(max_hosts=16)

@@ -58,8 +58,9 @@ from beluga.bench.mooncake import MooncakeBaseline
 from beluga.bench.stats import iterations_for, summarize, time_calls
 from beluga.child import server_process
 from beluga.errors import BackendUnavailableError, BelugaError, RpcError
-from beluga.kv import KVStore, serve
+from beluga.kv import KVStore
 from beluga.pool import Pool
+from beluga.server import serve
 from beluga.units import KiB, MiB, human_bytes
 
 DEFAULT_SIZES = [16 * KiB, 256 * KiB, 2 * MiB]

@@ -42,9 +42,9 @@ import beluga
 from beluga.bench.stats import percentile
 from beluga.bench.vllm_engine import MODELS
 from beluga.errors import BackendUnavailableError
-from beluga.kv import MetadataServer
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import pool_size_for
+from beluga.server import MetadataServer
 
 BLOCK = 32  # tokens per engine block on vLLM's CPU backend
 POSITIONS = 4096  # the bench models' max_position_embeddings (vllm_engine.write_tiny_model)

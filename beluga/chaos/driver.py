@@ -1,6 +1,6 @@
 """The chaos driver: one pool, a real metadata server, clients, and faults.
 
-The driver creates a scratch pool, runs ``beluga serve`` (``beluga.kv.server.serve``)
+The driver creates a scratch pool, runs ``beluga serve`` (``beluga.server.server.serve``)
 in a child process, forks writer, in-place writer and reader processes
 (:mod:`beluga.chaos.roles`), and then, one fault at a time at random
 intervals, injects:
@@ -38,7 +38,7 @@ processes wait beside the server.  A killed server is then not restarted by
 the driver: a standby takes the seat, recovers and serves, and the driver
 starts a new standby to keep N waiting.  A server stopped (SIGSTOP) for less
 than the standbys' ``takeover_after_s`` keeps its seat (its heartbeat has not
-stood still long enough; beluga.kv.server says why that is the rule), and the
+stood still long enough; beluga.server.server says why that is the rule), and the
 verifier catches a standby that takes it.  A server stopped for longer
 (``stall_server``, or a ``stop_server`` hold past it; with ``emulated_hosts``,
 where a standby cannot see a process, any stop) is a stall: a standby fences
@@ -90,8 +90,8 @@ from beluga.chaos.roles import CLIENTS, RoleSpec, role_main
 from beluga.chaos.verifier import History
 from beluga.coherence import BlockState, digest, parse_header, read_line
 from beluga.errors import BelugaError
-from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool, hosts
+from beluga.server.server import serve
 from beluga.signals import raise_if_interrupted
 
 _CTX = mp.get_context("fork")

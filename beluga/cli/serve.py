@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from beluga.cli.common import add_pool_args, pool_spec
-from beluga.kv import service
+from beluga.server import service
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen
 
@@ -130,7 +130,7 @@ def _log_to_stderr(level: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from beluga.kv.server import TAKEOVER_AFTER_S, serve
+    from beluga.server.server import TAKEOVER_AFTER_S, serve
 
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0..65535)")

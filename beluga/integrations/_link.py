@@ -5,10 +5,14 @@ metadata server is down, the engine must go on serving by recomputing, say so
 once, and pick the pool up again when it is back.  :class:`StoreLink` is that
 policy in one place for every integration:
 
-- :meth:`StoreLink.connected` lends the connected :class:`KVStore` for a
-  block of work (``None`` while the pool is unavailable);
-  :meth:`StoreLink.acquire` / :meth:`StoreLink.release` do the same across
-  calls;
+- :meth:`StoreLink.call` runs a piece of work on the connected
+  :class:`KVStore` and answers a default on an outage: the pool unavailable
+  (the work does not run), or an outage met by the work (the connection is
+  dropped and the outage reported); every integration's pool call goes
+  through it;
+- :meth:`StoreLink.connected` lends the connected store for a block of work
+  (``None`` while the pool is unavailable); :meth:`StoreLink.acquire` /
+  :meth:`StoreLink.release` do the same across calls;
 - :meth:`StoreLink.lost` drops a connection after an error; the store is
   closed once nobody is using it any more, so a thread never has the pool
   unmapped under its copy by another thread's failure;
@@ -37,7 +41,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from beluga.errors import (
     BackendUnavailableError,
@@ -49,6 +54,7 @@ from beluga.kv import KVStore
 from beluga.pool import resolve_pool
 
 log = logging.getLogger("beluga.integrations")
+T = TypeVar("T")
 
 #: errors that mean "the pool is not usable now", as opposed to bugs: the RPC
 #: transport, the pool, its device, and the OS refusing to map or open it
@@ -112,6 +118,22 @@ class StoreLink:
         self._closed = False
         _links.add(self)
 
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, Any], *, who: str, where: str, prefix: str = ""
+    ) -> StoreLink:
+        """A link set up by a framework's options: ``pool``, ``coherence``, ``timeout_s``
+        and ``retry_s``, each name after ``prefix``; ``where`` says where users set them
+        (for the error when no pool is named)."""
+        pool = f"{prefix}pool"
+        return cls(
+            resolve_pool(options.get(pool), setting=f"'{pool}' in {where}"),
+            who=who,
+            coherence=options.get(f"{prefix}coherence"),
+            timeout_s=float(options.get(f"{prefix}timeout_s", 5.0)),
+            retry_s=float(options.get(f"{prefix}retry_s", 30.0)),
+        )
+
     def acquire(self) -> KVStore | None:
         """Borrow the connected store, or None (connecting at most every ``retry_s`` seconds).
 
@@ -144,6 +166,32 @@ class StoreLink:
         finally:
             if store is not None:
                 self.release(store)
+
+    def call(
+        self,
+        work: Callable[[KVStore], T],
+        default: T,
+        *,
+        on_outage: Callable[[KVStore], None] | None = None,
+    ) -> T:
+        """``work(store)`` on the connected store, or ``default`` on an outage.
+
+        While the pool is unavailable ``work`` does not run.  When it raises
+        one of :data:`UNAVAILABLE`, ``on_outage(store)`` runs first (to count
+        the error, or to let go of what the caller holds of that store), then
+        the connection is dropped (:meth:`lost`: one warning per outage).  Any
+        other error is a bug and is raised as it is.
+        """
+        with self.connected() as store:
+            if store is None:
+                return default
+            try:
+                return work(store)
+            except UNAVAILABLE as e:
+                if on_outage is not None:
+                    on_outage(store)
+                self.lost(e, store)
+                return default
 
     def available(self) -> bool:
         """Whether the pool is connected now (trying to connect if it is time to)."""

@@ -55,9 +55,8 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from beluga.errors import CapacityError
-from beluga.integrations._link import UNAVAILABLE, StoreLink, log
+from beluga.integrations._link import StoreLink, log
 from beluga.kv import BlockRef, KVNamespace, KVStore, ModelIdentity, resolve_model
-from beluga.pool import resolve_pool
 from beluga.transfer import Pieces, host_bytes
 
 _HEADER = struct.Struct("<4sBB2x16s5q")  # magic, format, ndim, dtype name, shape
@@ -145,14 +144,8 @@ class BelugaBackend(StoragePluginInterface):
         super().__init__(dst_device, config, metadata, local_cpu_backend, loop)
         extra = (config.extra_config if config is not None else None) or {}
         self.namespace = kv_namespace(model_identity(metadata, extra), metadata)
-        self.link = StoreLink(
-            resolve_pool(
-                extra.get("beluga.pool"), setting="'beluga.pool' in LMCache's extra_config"
-            ),
-            who="LMCache BelugaBackend",
-            coherence=extra.get("beluga.coherence"),
-            timeout_s=float(extra.get("beluga.timeout_s", 5.0)),
-            retry_s=float(extra.get("beluga.retry_s", 30.0)),
+        self.link = StoreLink.from_options(
+            extra, who="LMCache BelugaBackend", where="LMCache's extra_config", prefix="beluga."
         )
         self.link.available()  # report a missing pool when LMCache starts
 
@@ -165,23 +158,12 @@ class BelugaBackend(StoragePluginInterface):
         """The store key of a chunk."""
         return self.namespace.key(key.to_string())
 
-    def _call(self, fn: Callable[[KVStore], Any], default: Any) -> Any:
-        """``fn(store)``, or ``default`` while the pool is unavailable."""
-        with self.link.connected() as store:
-            if store is None:
-                return default
-            try:
-                return fn(store)
-            except UNAVAILABLE as e:
-                self.link.lost(e, store)
-                return default
-
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        return self._call(lambda s: s.is_exist(self.pool_key(key)), False)
+        return self.link.call(lambda s: s.is_exist(self.pool_key(key)), False)
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """Leading keys present: one batched prefix lookup."""
-        return self._call(lambda s: s.lookup_prefix([self.pool_key(k) for k in keys]), 0)
+        return self.link.call(lambda s: s.lookup_prefix([self.pool_key(k) for k in keys]), 0)
 
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
@@ -198,7 +180,7 @@ class BelugaBackend(StoragePluginInterface):
         return self.contains(key)
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
-        return self._call(lambda s: s.remove(self.pool_key(key)), False)
+        return self.link.call(lambda s: s.remove(self.pool_key(key)), False)
 
     def touch_cache(self) -> None:
         """The pool's server keeps LRU order from lookups itself."""
@@ -218,29 +200,25 @@ class BelugaBackend(StoragePluginInterface):
         batch = [(k, o) for k, o in zip(keys, objs, strict=True) if len(o.get_shapes()) == 1]
         if not batch:
             return None
-        with self.link.connected() as store:
-            if store is None:
-                return None
-            try:
-                self._put(store, batch)
-            except CapacityError as e:
-                log.debug("LMCache BelugaBackend: no room for %d chunks: %s", len(batch), e)
-                return None
-            except UNAVAILABLE as e:
-                self.link.lost(e, store)
-                return None
-        if on_complete_callback is not None:
+        stored = self.link.call(lambda s: self._put(s, batch), False)
+        if stored and on_complete_callback is not None:
             for key, _ in batch:
                 on_complete_callback(key)
         return None
 
-    def _put(self, store: KVStore, batch: list[tuple[CacheEngineKey, MemoryObj]]) -> None:
+    def _put(self, store: KVStore, batch: list[tuple[CacheEngineKey, MemoryObj]]) -> bool:
         """Each chunk's header and payload, one value per key (a chunk the pool holds is
-        skipped); a chunk whose write lease ran out twice is dropped, as a full pool's."""
+        skipped); a chunk whose write lease ran out twice is dropped, as a full pool's.
+        False when the pool has no room."""
         values = Pieces([[_header(obj), host_bytes(obj.tensor)] for _, obj in batch])
-        saved = store.save([self.pool_key(k) for k, _ in batch], values, attempts=2)
+        try:
+            saved = store.save([self.pool_key(k) for k, _ in batch], values, attempts=2)
+        except CapacityError as e:
+            log.debug("LMCache BelugaBackend: no room for %d chunks: %s", len(batch), e)
+            return False
         if saved.lost:
             log.debug("LMCache BelugaBackend: %d chunks lost their write lease", len(saved.lost))
+        return True
 
     # -- gets ----------------------------------------------------------------
 
@@ -248,7 +226,7 @@ class BelugaBackend(StoragePluginInterface):
         return self.batched_get_blocking([key])[0]
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        return self._call(lambda s: self._get(s, keys), [None] * len(keys))
+        return self.link.call(lambda s: self._get(s, keys), [None] * len(keys))
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None

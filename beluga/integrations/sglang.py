@@ -34,17 +34,16 @@ per outage (:mod:`beluga.integrations._link`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from beluga.errors import CapacityError
-from beluga.integrations._link import UNAVAILABLE, StoreLink, log
-from beluga.kv import KVNamespace, KVStore, ModelIdentity, resolve_model
-from beluga.pool import resolve_pool
-from beluga.transfer import Buffers, Pieces
+from beluga.integrations._link import StoreLink, log
+from beluga.kv import KVNamespace, KVStore, ModelIdentity, Saved, resolve_model
+from beluga.transfer import Buffers, Pieces, Values
 
 SETTING = "--hicache-storage-backend-extra-config 'model_revision' (or 'model_path')"
 # what the host KV pool says about its pages, when it says it (MHA, MLA and other pools)
@@ -107,14 +106,8 @@ class BelugaHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         extra = storage_config.extra_config or {}
         self.model = model_identity(storage_config)
-        self.link = StoreLink(
-            resolve_pool(
-                extra.get("pool"), setting="'pool' in --hicache-storage-backend-extra-config"
-            ),
-            who="SGLang BelugaHiCacheStorage",
-            coherence=extra.get("coherence"),
-            timeout_s=float(extra.get("timeout_s", 5.0)),
-            retry_s=float(extra.get("retry_s", 30.0)),
+        self.link = StoreLink.from_options(
+            extra, who="SGLang BelugaHiCacheStorage", where="--hicache-storage-backend-extra-config"
         )
         rank = 0 if storage_config.is_mla_model else storage_config.tp_rank
         self._scope = (
@@ -157,68 +150,62 @@ class BelugaHiCacheStorage(HiCacheStorage):
         pieces = list(zip(ptrs, sizes, strict=True))
         return [pieces[i * per : (i + 1) * per] for i in range(len(keys))]
 
-    def batch_set_v1(
-        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    def _on_pages(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        move: Callable[[KVStore, list[bytes], list[list[tuple[int, int]]]], list[bool]],
     ) -> list[bool]:
+        """``move`` the pages of ``keys`` (in the host pool at ``host_indices``) between the
+        host pool and the pool; which pages moved (none while the pool is unavailable)."""
         if not keys:
             return []
         pages = self._pages(keys, host_indices)
         pool_keys = [self.key(k) for k in keys]
-        with self.link.connected() as store:
-            if store is None:
-                return [False] * len(keys)
-            return self._set_pages(store, pool_keys, pages)
+        return self.link.call(lambda s: move(s, pool_keys, pages), [False] * len(keys))
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        return self._on_pages(keys, host_indices, self._set_pages)
 
     def _set_pages(
         self, store: KVStore, pool_keys: list[bytes], pages: list[list[tuple[int, int]]]
     ) -> list[bool]:
         """Save pages (a page the pool holds already is skipped, one another host is saving is
         waited for); which are in the pool."""
-        try:
-            saved = store.save(pool_keys, Pieces(pages), attempts=2)
-        except CapacityError as e:
-            log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(pages), e)
-            return [False] * len(pages)
-        except UNAVAILABLE as e:
-            self.link.lost(e, store)
+        saved = self._save(store, pool_keys, Pieces(pages))
+        if saved is None:
             return [False] * len(pages)
         there = set(saved.stored) | set(saved.present)
         return [i in there for i in range(len(pages))]
 
+    @staticmethod
+    def _save(store: KVStore, pool_keys: list[bytes], values: Values) -> Saved | None:
+        """Save values, a lost write lease tried once more; None when the pool has no room."""
+        try:
+            return store.save(pool_keys, values, attempts=2)
+        except CapacityError as e:
+            log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(pool_keys), e)
+            return None
+
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
-        if not keys:
-            return []
-        pages = self._pages(keys, host_indices)
-        pool_keys = [self.key(k) for k in keys]
-        with self.link.connected() as store:
-            if store is None:
-                return [False] * len(keys)
-            return self._get_pages(store, pool_keys, pages)
+        return self._on_pages(keys, host_indices, self._get_pages)
 
+    @staticmethod
     def _get_pages(
-        self, store: KVStore, pool_keys: list[bytes], pages: list[list[tuple[int, int]]]
+        store: KVStore, pool_keys: list[bytes], pages: list[list[tuple[int, int]]]
     ) -> list[bool]:
         """Read pages straight into the host pool, each validated; which were read."""
-        try:
-            located = store.locate(pool_keys, prefix=False)
-            return store.load(located, Pieces(pages), drop_corrupt=True)
-        except UNAVAILABLE as e:
-            self.link.lost(e, store)
-            return [False] * len(pool_keys)
+        located = store.locate(pool_keys, prefix=False)
+        return store.load(located, Pieces(pages), drop_corrupt=True)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Leading pages present: one batched prefix lookup."""
         pool_keys = [self.key(k) for k in keys]
-        with self.link.connected() as store:
-            if store is None:
-                return 0
-            try:
-                return store.lookup_prefix(pool_keys)
-            except UNAVAILABLE as e:
-                self.link.lost(e, store)
-                return 0
+        return self.link.call(lambda s: s.lookup_prefix(pool_keys), 0)
 
     # -- per-key interface ---------------------------------------------------
 
@@ -236,19 +223,17 @@ class BelugaHiCacheStorage(HiCacheStorage):
     ) -> list[torch.Tensor | None]:
         """Values as uint8 tensors, or read into ``target_locations`` (tensors) when given."""
         pool_keys = [self.key(k) for k in keys]
-        with self.link.connected() as store:
-            if store is None:
-                return [None] * len(keys)
-            try:
-                if target_locations is None:
-                    return [
-                        None if v is None else torch.frombuffer(bytearray(v), dtype=torch.uint8)
-                        for v in store.get_batch(pool_keys)
-                    ]
-                lengths = store.batch_get_into(pool_keys, list(target_locations))
-            except UNAVAILABLE as e:
-                self.link.lost(e, store)
-                return [None] * len(keys)
+        if target_locations is None:
+            values = self.link.call(lambda s: s.get_batch(pool_keys), [None] * len(keys))
+            return [
+                None if v is None else torch.frombuffer(bytearray(v), dtype=torch.uint8)
+                for v in values
+            ]
+        lengths = self.link.call(
+            lambda s: s.batch_get_into(pool_keys, list(target_locations)), None
+        )
+        if lengths is None:
+            return [None] * len(keys)
         return [t if n >= 0 else None for t, n in zip(target_locations, lengths, strict=True)]
 
     def set(
@@ -272,18 +257,12 @@ class BelugaHiCacheStorage(HiCacheStorage):
         if data is None:
             return False
         pool_keys = [self.key(k) for k in keys]
-        with self.link.connected() as store:
-            if store is None:
-                return False
-            try:
-                saved = store.save(pool_keys, Buffers(list(data)), attempts=2)
-            except CapacityError as e:
-                log.debug("SGLang BelugaHiCacheStorage: no room for %d pages: %s", len(keys), e)
-                return False
-            except UNAVAILABLE as e:
-                self.link.lost(e, store)
-                return False
-        return len(saved.stored) + len(saved.present) == len(keys)
+
+        def stored_all(store: KVStore) -> bool:
+            saved = self._save(store, pool_keys, Buffers(list(data)))
+            return saved is not None and len(saved.stored) + len(saved.present) == len(keys)
+
+        return self.link.call(stored_all, False)
 
     def clear(self) -> None:
         """Nothing to do: pages stay in the pool for other engines, and the server evicts LRU."""

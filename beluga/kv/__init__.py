@@ -1,4 +1,7 @@
-"""The KVCache store: hashing, model identity, the client, the metadata service and server."""
+"""The KVCache store's client: hashing, model identity, the store and its tier.
+
+The metadata server it talks to is :mod:`beluga.server`.
+"""
 
 from beluga.kv.hashing import (
     block_keys,
@@ -9,7 +12,6 @@ from beluga.kv.hashing import (
     sha256,
 )
 from beluga.kv.identity import KVNamespace, ModelIdentity, resolve_model
-from beluga.kv.server import MetadataServer, serve
 from beluga.kv.store import MAX_KEY_BYTES, BlockRef, KVStore, Retired, Saved
 
 __all__ = [
@@ -17,7 +19,6 @@ __all__ = [
     "BlockRef",
     "KVNamespace",
     "KVStore",
-    "MetadataServer",
     "ModelIdentity",
     "Retired",
     "Saved",
@@ -27,6 +28,5 @@ __all__ = [
     "prefix_hashes",
     "resolve_model",
     "seed_hash",
-    "serve",
     "sha256",
 ]

@@ -738,7 +738,7 @@ class HostRegistry:
         whose heartbeat moves within ``wait_s`` of our clock keeps it; one
         whose heartbeat has stalled may only be paused, so the seat is taken
         from it only when the caller has fenced it (``fenced``: the seat line
-        as it was when its host was cut off the pool, beluga.kv.server) and
+        as it was when its host was cut off the pool, beluga.server.server) and
         the line has not changed since.
 
         A standby on another host may store the seat line at the same moment

@@ -14,7 +14,7 @@ device-DAX mapping is 2 MiB aligned, and so are our offsets on a tmpfs file)::
                       written only by the metadata server, probed by every host
                       with loads; then per host a hint counts line and a ring of
                       hints, each written only by that host (index.c owns the
-                      formats; beluga.kv.index is the server's writer)
+                      formats; beluga.server.index is the server's writer)
     data area         block header table (one line per block), the commit table
                       (one u64 per block: the version the server committed) and the
                       service line (the server's persistent counters), both written

@@ -3,7 +3,7 @@
 Every process is an emulated host with its own mapping of the pool:
 
 metadata server (a process)
-    ``beluga.kv.server.serve`` on the pool: the index and the allocator.
+    ``beluga.server.server.serve`` on the pool: the index and the allocator.
 engine ``i`` (a process each)
     a :class:`~beluga.serving.model.ModelEngine` with its own
     :class:`~beluga.kv.store.KVStore` (its own ``Pool.attach`` and RPC ring),
@@ -275,7 +275,7 @@ def _sigint_ignored() -> Iterator[None]:
 
 def _serve_quietly(pool: str, coherence: str | None, ready: Any) -> None:
     """The metadata server process, without its start-up banner on the driver's terminal."""
-    from beluga.kv.server import serve
+    from beluga.server.server import serve
 
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
     serve(pool, coherence=coherence, ready=ready)

@@ -34,8 +34,8 @@ from beluga.child import server_process
 from beluga.cli import main
 from beluga.coherence import digest, parse_header, read_line
 from beluga.errors import RpcError, WriteLeaseLost
-from beluga.kv.server import serve
 from beluga.pool import Geometry, Pool
+from beluga.server.server import serve
 
 GEOMETRY = Geometry(max_hosts=8, rpc_bytes_per_host=128 << 10, block_size=16 << 10)
 A, B = digest(b"a"), digest(b"b")

@@ -27,8 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from beluga.kv.server import seat_free, serve
 from beluga.pool import Pool
+from beluga.server.server import seat_free, serve
 from tests.conftest import SMALL
 
 STOP_BOUND_S = 5.0  # the bound of the issue: a process still there after it has hung

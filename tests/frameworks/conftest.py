@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore
 from beluga.pool import Geometry, Pool
+from beluga.server import MetadataServer
 
 SETUP = "bash ci/install-frameworks.sh && bash ci/run-framework-tests.sh"
 

@@ -158,10 +158,10 @@ def test_kv_stored_by_one_engine_is_retrieved_bit_exact_by_another(
     assert second.lookup(tokens) == len(tokens)  # found in the pool: its own cache is empty
     # Reads are one-sided: a store counts its hits in its own hint lines, and its
     # stats() folds them into the server's counters before answering.
-    hits = plugin(second)._call(lambda s: s.stats()["hits"], None)
+    hits = plugin(second).link.call(lambda s: s.stats()["hits"], None)
     out = torch.zeros_like(kv)
     found = second.retrieve(tokens, kvcaches=out)
-    assert plugin(second)._call(lambda s: s.stats()["hits"], None) >= hits + 4  # from the pool
+    assert plugin(second).link.call(lambda s: s.stats()["hits"], None) >= hits + 4  # from the pool
     assert int(found.sum()) == len(tokens)
     assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
 

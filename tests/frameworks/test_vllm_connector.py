@@ -84,8 +84,9 @@ from beluga.integrations.vllm import (  # noqa: E402
     counters,
     engine_kv,
 )
-from beluga.kv import KVStore, MetadataServer  # noqa: E402
+from beluga.kv import KVStore  # noqa: E402
 from beluga.pool import Geometry, Pool  # noqa: E402
+from beluga.server import MetadataServer  # noqa: E402
 from beluga.transfer import Buffers  # noqa: E402
 
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 32

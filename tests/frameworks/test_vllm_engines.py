@@ -45,8 +45,9 @@ from typing import Any
 import pytest
 
 from beluga.bench.vllm_engine import MODELS, write_tiny_model
-from beluga.kv import KVStore, MetadataServer
+from beluga.kv import KVStore
 from beluga.pool import Geometry, Pool
+from beluga.server import MetadataServer
 from tests.frameworks.conftest import SETUP
 
 try:

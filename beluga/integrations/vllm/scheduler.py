@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from beluga.coherence import digest
-from beluga.integrations._link import UNAVAILABLE, StoreLink, log
+from beluga.integrations._link import StoreLink, log
 from beluga.integrations.vllm.events import Block, PoolEvents, SavedBlocks
 from beluga.integrations.vllm.metrics import BelugaConnectorStats, Tally
 from beluga.integrations.vllm.options import Options
@@ -212,15 +212,13 @@ class BelugaScheduler:
         hashes = self._block_hashes(request)[first : request.num_tokens // self.block_tokens]
         if not hashes or num_computed_tokens >= request.num_tokens - 1:
             return 0, False
-        with self.link.connected() as store:
-            if store is None:
-                return 0, False
-            try:
-                found = self._locate(store, hashes)
-            except UNAVAILABLE as e:
-                self._tally.add(pool_errors=1)
-                self.link.lost(e, store)
-                return 0, False
+        found = self.link.call(
+            lambda s: self._locate(s, hashes),
+            None,
+            on_outage=lambda _: self._tally.add(pool_errors=1),
+        )
+        if found is None:
+            return 0, False
         hits = self._hit(found, num_computed_tokens, request.num_tokens)
         others = (h for r, h in self._async_loading.items() if r != request.request_id)
         loading = set().union(*others)
@@ -456,14 +454,9 @@ class BelugaScheduler:
         """Read the keys the server took out since the last call (one RPC; none while the
         server is away, whose retirements are then read at the next call, or lost to a
         restart: a gap, logged)."""
-        with self.link.connected() as store:
-            if store is None:
-                return
-            try:
-                got = store.retired(self._retired)
-            except UNAVAILABLE as e:
-                self.link.lost(e, store)
-                return
+        got = self.link.call(lambda s: s.retired(self._retired), None)
+        if got is None:
+            return
         if got.gap:
             log.info(
                 "BelugaConnector: the pool server restarted or evicted faster than it "

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from beluga.errors import CapacityError, KVLayoutError
-from beluga.integrations._link import UNAVAILABLE, StoreLink, log
+from beluga.integrations._link import StoreLink, log
 from beluga.integrations.moves import BlockMoves, engine_layout
 from beluga.integrations.vllm.events import Block, SavedBlocks
 from beluga.integrations.vllm.metrics import BelugaConnectorStats, Tally
@@ -122,12 +122,7 @@ class BelugaWorker:
         layer_layouts = [layout for _, layout in self._layer_layouts.values()]
         self._moves = BlockMoves([*self._layouts, *layer_layouts])
         # connect now, so a missing pool (or one the GPU cannot map) is reported at engine start
-        with self.link.connected() as store:
-            if store is not None:
-                try:
-                    self._moves.prepare(store)
-                except UNAVAILABLE as e:
-                    self._lost(e, store)
+        self.link.call(self._moves.prepare, None, on_outage=self._moves.forget)
 
     def start_load_kv(self, meta: BelugaMetadata | None) -> None:
         """Load the step's blocks: on the load thread when asynchronous (one job per
@@ -185,27 +180,22 @@ class BelugaWorker:
         error, so vLLM recomputes it (or fails the request, as its
         ``kv_load_failure_policy`` says) instead of using what was copied.
         """
-        valid = np.zeros(len(refs), dtype=bool)
-        with self.link.connected() as store:
-            if store is not None:
-                try:
-                    with self._tally.timed("load_seconds"):
-                        # the store checks each block's header and the checksum of what was copied
-                        got = self._moves.load(
-                            store, layout, engine, refs, at=at, value_bytes=value_bytes
-                        )
-                        valid = np.array(got, dtype=bool)
-                    self._tally.add(load_bytes=int(valid.sum()) * layout.format.nbytes)
-                except UNAVAILABLE as e:
-                    self._tally.add(pool_errors=1)
-                    self._lost(e, store)
-                    valid[:] = False
-        return valid
 
-    def _lost(self, error: BaseException, store: KVStore) -> None:
-        """Drop a store after an outage: its GPU registration first, then the connection."""
+        def load(store: KVStore) -> np.ndarray:
+            with self._tally.timed("load_seconds"):
+                # the store checks each block's header and the checksum of what was copied
+                got = self._moves.load(store, layout, engine, refs, at=at, value_bytes=value_bytes)
+                valid = np.array(got, dtype=bool)
+            self._tally.add(load_bytes=int(valid.sum()) * layout.format.nbytes)
+            return valid
+
+        return self.link.call(load, np.zeros(len(refs), dtype=bool), on_outage=self._pool_error)
+
+    def _pool_error(self, store: KVStore) -> None:
+        """Count an outage, and let go of the store's GPU registration before the link drops
+        the store."""
+        self._tally.add(pool_errors=1)
         self._moves.forget(store)
-        self.link.lost(error, store)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layer_loads is None or layer_name not in self._layer_layouts:
@@ -255,36 +245,32 @@ class BelugaWorker:
         skipped by the store (it costs no pool capacity); a write whose lease
         ran out is tried once more.
         """
-        if not self._layouts:
-            return
-        with self.link.connected() as store:
-            if store is None:
-                return
-            for save, keys in jobs:
-                layout = self._layouts[save.group]
-                try:
-                    with self._tally.timed("save_seconds"):
-                        saved = self._moves.save(store, layout, keys, save.engine_blocks)
-                except CapacityError as e:
-                    self._tally.add(save_full=len(keys))
-                    log.debug("BelugaConnector: no room for %d blocks: %s", len(keys), e)
-                    continue
-                except UNAVAILABLE as e:
-                    self._tally.add(pool_errors=1)
-                    self._lost(e, store)
-                    return
-                n = len(saved.stored)
-                self._tally.add(
-                    saved_blocks=n,
-                    save_bytes=n * layout.format.nbytes,
-                    save_skipped=len(saved.present) + len(saved.in_flight),
-                    lease_losses=len(saved.lost),
-                )
-                if self._events:
-                    with self._in_pool_lock:
-                        self._in_pool += [
-                            (save.hashes[i], save.group) for i in saved.stored + saved.present
-                        ]
+        if self._layouts:
+            self.link.call(lambda s: self._save_jobs(s, jobs), None, on_outage=self._pool_error)
+
+    def _save_jobs(self, store: KVStore, jobs: list[tuple[SaveSpec, list[bytes]]]) -> None:
+        """Save each job's blocks in turn; a job the pool has no room for is counted, skipped."""
+        for save, keys in jobs:
+            layout = self._layouts[save.group]
+            try:
+                with self._tally.timed("save_seconds"):
+                    saved = self._moves.save(store, layout, keys, save.engine_blocks)
+            except CapacityError as e:
+                self._tally.add(save_full=len(keys))
+                log.debug("BelugaConnector: no room for %d blocks: %s", len(keys), e)
+                continue
+            n = len(saved.stored)
+            self._tally.add(
+                saved_blocks=n,
+                save_bytes=n * layout.format.nbytes,
+                save_skipped=len(saved.present) + len(saved.in_flight),
+                lease_losses=len(saved.lost),
+            )
+            if self._events:
+                with self._in_pool_lock:
+                    self._in_pool += [
+                        (save.hashes[i], save.group) for i in saved.stored + saved.present
+                    ]
 
     def get_kv_cache_events(self) -> SavedBlocks | None:
         """The blocks this worker's saves left in the pool since the last call (KV events)."""

@@ -282,7 +282,7 @@ def beluga_pool() -> Iterator[dict[str, str]]:
 
 
 def _serve(spec: str, ready: Any) -> None:
-    from beluga.kv.server import serve
+    from beluga.server.server import serve
 
     serve(spec, coherence="native", ready=ready)
 

@@ -7,9 +7,9 @@ raise a :class:`~beluga.signals.StopFlag` (the rule of beluga.signals); every
 wait of :func:`serve` is bounded and looks at it: the standby's look at the
 seat, a fence, taking the seat, the RPC poll.  A signal during recovery is
 acted on once recovery is done, before anything is served.  With a metrics port
-it also serves Prometheus metrics (beluga.kv.metrics) until it stops.
+it also serves Prometheus metrics (beluga.server.metrics) until it stops.
 
-It logs through ``logging`` (logger ``beluga.kv.server``); the ``beluga``
+It logs through ``logging`` (logger ``beluga.server.server``); the ``beluga``
 command prints those records as ``beluga serve: ...`` lines on stderr.
 
 Standby (``beluga serve --standby``, :func:`wait_for_seat`).  A standby
@@ -27,7 +27,7 @@ Fencing: the one rule
   the pool.*  Everything the new server owns (index buckets, header clears,
   commit words, grants, ring status and response lines) is then written by
   it alone, so readers and writers rely on nothing new: the rules of
-  beluga.kv.service hold as they do for one server.
+  beluga.server.service hold as they do for one server.
 
   Why the rule is kept outside the pool.  The old server may be stopped, not
   dead (SIGSTOP, a paused VM), at any instruction, including between its
@@ -83,16 +83,16 @@ from typing import TYPE_CHECKING, Any
 
 from beluga.errors import PoolChangedError, PoolError
 from beluga.kv import protocol as p
-from beluga.kv.recovery import RECOVERY_REGION
-from beluga.kv.service import MetadataService, keep_collections_short
 from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
 from beluga.pool.hosts import Seat, Staleness
 from beluga.rpc import RpcServer
+from beluga.server.recovery import RECOVERY_REGION
+from beluga.server.service import MetadataService, keep_collections_short
 from beluga.signals import StopFlag, stop_on_signals
 
 if TYPE_CHECKING:
-    from beluga.kv.metrics import ServerMetrics
+    from beluga.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +157,9 @@ class MetadataServer:
         """Take the service over from the pool, wire it into the RPC server, refresh once.
 
         The service recovers in steps between polls (``RpcServer.background``): it
-        answers writes at once, whatever the pool's size (beluga.kv.service, "Recovery").
+        answers writes at once, whatever the pool's size (beluga.server.service, "Recovery").
         A pool of one recovery region (``BELUGA_RECOVERY_REGION`` blocks, default
-        :data:`~beluga.kv.recovery.RECOVERY_REGION`) is recovered before the first answer:
+        :data:`~beluga.server.recovery.RECOVERY_REGION`) is recovered before the first answer:
         that takes one step's time.
         """
         started = time.perf_counter()
@@ -178,7 +178,7 @@ class MetadataServer:
         log.debug("recovery took %.3f s", self.recovery_s)
         handlers, tick = self.service.handlers(), self.service.tick
         if metrics_port is not None:
-            from beluga.kv.metrics import ServerMetrics  # prometheus_client only when asked
+            from beluga.server.metrics import ServerMetrics  # prometheus_client only when asked
 
             metrics = self.metrics = ServerMetrics(self.service.stats, recovery_s=self.recovery_s)
             handlers = {op: metrics.timed(op_name(op), h) for op, h in handlers.items()}

@@ -1,4 +1,4 @@
-"""What a metadata server keeps while it recovers in the background (beluga.kv.service).
+"""What a metadata server keeps while it recovers in the background (beluga.server.service).
 
 The argument for recovering while serving is in the service's module doc
 ("Recovery"); this module holds its state and the one thing of it that
@@ -18,7 +18,7 @@ older copy of a key whose overwrite was in flight when the last server but
 one died) would come back after a REMOVE of the key was answered.
 
 The service line (one line, written by the server alone) holds four words:
-the version floor (beluga.kv.service), the log of graves (below), the most
+the version floor (beluga.server.service), the log of graves (below), the most
 blocks one extent was ever granted, and the block the allocator was at
 (``max_extent`` and ``cursor``: where the next server's census starts, and
 how far back before it an extent can begin that reaches into it).

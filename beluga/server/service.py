@@ -8,7 +8,7 @@ eviction are tested in-process without sleeping.
 State
   index      digest -> Entry(first block, extent, version, length, read lease),
              an OrderedDict in LRU order (oldest first); the same entries live
-             in the pool's hash index (beluga.kv.index), which this service
+             in the pool's hash index (beluga.server.index), which this service
              alone writes and every host reads with loads, without an RPC
   pending    first block -> a write in progress: who writes it (host id and
              that id's generation), under a write lease
@@ -166,9 +166,11 @@ from beluga.coherence import (
 )
 from beluga.errors import CapacityError
 from beluga.kv import protocol as p
-from beluga.kv.allocator import BlockAllocator, overlapping
-from beluga.kv.index import PoolIndex
-from beluga.kv.recovery import (
+from beluga.pool import Pool
+from beluga.rpc import BatchHandler, Request, per_request
+from beluga.server.allocator import BlockAllocator, overlapping
+from beluga.server.index import PoolIndex
+from beluga.server.recovery import (
     CENSUS_REGIONS,
     CURSOR_WORD,
     EXTENT_WORD,
@@ -177,8 +179,6 @@ from beluga.kv.recovery import (
     GraveLog,
     RecoveryState,
 )
-from beluga.pool import Pool
-from beluga.rpc import BatchHandler, Request, per_request
 
 _CLEAR = bytes(LINE)
 _COLUMNS = ("block", "state", "version", "digest", "length", "writer", "writer_gen")
