@@ -327,3 +327,18 @@ def test_a_save_names_a_lost_lease_while_it_waits_for_another_writer_of_its_seco
     else:
         assert (saved.stored, saved.present, saved.in_flight) == ([], [1], [])
         assert store.get(b"b") == b"the other's"
+
+
+def test_a_peek_is_the_first_bytes_as_the_pool_holds_them_unchecked(store: KVStore) -> None:
+    a, b = values(store, [b"a", b"b"])
+    refs = store.locate([b"a", b"b"])
+    assert store.peek(refs, 64) == [a[:64], b[:64]]
+    assert store.peek(refs, SIZE) == [a, b] and store.peek([], 64) == []
+    for nbytes in (0, SIZE + 1):
+        with pytest.raises(ValueError, match="peek at 1 to a value's length bytes"):
+            store.peek(refs, nbytes)
+    # a byte changed behind the store's back: a peek shows it, a validated load misses it
+    store.mem.nt_store(refs[0].payload_offset + 3, bytes([a[3] ^ 0xFF]))
+    store.mem.sfence()
+    assert store.peek(refs[:1], 8) == [a[:3] + bytes([a[3] ^ 0xFF]) + a[4:8]]
+    assert store.load(refs[:1], Buffers(sinks(1))) == [False]

@@ -25,10 +25,10 @@ bytes.  Both directions go through the store's one data path: a put is one
 ``KVStore.save`` of each chunk's header and payload (one reserve RPC, every
 header and payload moved straight from the MemoryObjs in one C call, each
 block sealed with the CRC32C of the bytes it stored, one commit; a chunk the
-pool holds already is skipped).  A get locates the
-batch (one RPC), peeks at the headers (unchecked, only to size the reads),
-allocates MemoryObjs from LMCache's CPU backend, and reads header and payload
-into them with one ``KVStore.load``: a chunk is kept only if its block
+pool holds already is skipped).  A get locates the batch in the pool index (no
+RPC), peeks at the headers (``KVStore.peek``: unchecked, only to size the
+reads), allocates MemoryObjs from LMCache's CPU backend, and reads header and
+payload into them with one ``KVStore.load``: a chunk is kept only if its block
 validated (this key and version, its checksum over the bytes as copied) and
 its header is the one peeked at.  A replaced, evicted or corrupted block is a
 miss, never data.
@@ -248,9 +248,7 @@ class BelugaBackend(StoragePluginInterface):
         refs = [r for _, r in found]
         # An unchecked peek at the headers, only to size the memory objects: the
         # validated read below copies each header again, and it must be this one.
-        peeked = np.zeros(len(refs) * _HEADER.size, dtype=np.uint8)
-        rows = [(0, j * _HEADER.size, r.payload_offset, _HEADER.size) for j, r in enumerate(refs)]
-        store.mem.scatter_read([peeked], np.array(rows, dtype=np.uint64))
+        peeked = store.peek(refs, _HEADER.size)
         objs = self._allocate(refs, peeked)
         try:
             self._read(store, refs, objs, peeked)
@@ -265,7 +263,7 @@ class BelugaBackend(StoragePluginInterface):
 
     @staticmethod
     def _read(
-        store: KVStore, refs: list[BlockRef], objs: list[MemoryObj | None], peeked: np.ndarray
+        store: KVStore, refs: list[BlockRef], objs: list[MemoryObj | None], peeked: list[bytes]
     ) -> None:
         """Read whole chunks into their memory objects; drop each one that is not valid."""
         wanted = [j for j, obj in enumerate(objs) if obj is not None]
@@ -277,15 +275,15 @@ class BelugaBackend(StoragePluginInterface):
         sink = Pieces([[headers[n * h : (n + 1) * h], p] for n, p in enumerate(payloads)])
         valid = store.load([refs[j] for j in wanted], sink, drop_corrupt=True)
         for n, j in enumerate(wanted):
-            if not valid[n] or _header_at(headers, n) != _header_at(peeked, j):
+            if not valid[n] or _header_at(headers, n) != peeked[j]:
                 objs[j].ref_count_down()  # type: ignore[union-attr]
                 objs[j] = None
 
-    def _allocate(self, refs: list[BlockRef], headers: np.ndarray) -> list[MemoryObj | None]:
+    def _allocate(self, refs: list[BlockRef], headers: list[bytes]) -> list[MemoryObj | None]:
         """A MemoryObj for each block whose header parses and matches its length."""
         objs: list[MemoryObj | None] = []
-        for j, ref in enumerate(refs):
-            parsed = _parse(_header_at(headers, j))
+        for ref, header in zip(refs, headers, strict=True):
+            parsed = _parse(header)
             obj = None
             if parsed is not None and _HEADER.size + _nbytes(*parsed[:2]) == ref.length:
                 obj = self.local_cpu_backend.allocate(*parsed)

@@ -488,6 +488,23 @@ class KVStore:
         block again: a block replaced since is a miss, never other bytes."""
         return [None if loc is None else self._ref(*loc) for loc in self.index.locate(keys, prefix)]
 
+    def peek(self, refs: Sequence[BlockRef], nbytes: int) -> list[bytes]:
+        """The first ``nbytes`` of each located value as the pool holds them now, unchecked.
+
+        No header and no checksum is looked at, so what comes back may be
+        another writer's bytes: only a hint, such as a value's own header that
+        sizes the buffers of a :meth:`load` (which checks every byte it
+        returns, and lets the caller compare the header again).  One C call
+        for the batch, no RPC.
+        """
+        if nbytes < 1 or any(nbytes > r.length for r in refs):
+            raise ValueError(f"peek at 1 to a value's length bytes, not {nbytes}")
+        out = np.zeros(len(refs) * nbytes, dtype=np.uint8)
+        if refs:
+            rows = [(0, j * nbytes, r.payload_offset, nbytes) for j, r in enumerate(refs)]
+            self.mem.scatter_read([out], np.array(rows, dtype=np.uint64))
+        return [out[j * nbytes : (j + 1) * nbytes].tobytes() for j in range(len(refs))]
+
     # -- values --------------------------------------------------------------
 
     def batch_put_from(self, keys: Sequence[Key], values: Sequence[Any]) -> None:
