@@ -49,7 +49,7 @@ STORE = "tests/test_store.py::"
 BLOCKS = "tests/test_store_blocks.py::"
 VLLM = "tests/frameworks/test_vllm_connector.py::"
 RETIRED = "tests/test_retired.py::"
-MOONCAKE = "tests/test_compat_mooncake.py::"
+MOONCAKE = "tests/compat_mooncake/test_values.py::"
 RESTARTS = "tests/test_rpc_restarts.py::"
 GPU = "tests/test_transfer_gpu.py::"
 REC = "tests/test_recovery.py::"
@@ -220,7 +220,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "floor-persists-the-version-not-the-floor",
         "version floor",
-        "beluga/server/service.py",
+        "beluga/server/extents.py",
         'self.mem.nt_store(self.sb.service_offset, self.floor.to_bytes(8, "little"))',
         'self.mem.nt_store(self.sb.service_offset, self.version.to_bytes(8, "little"))',
         (IX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
@@ -230,7 +230,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-ignores-the-floor",
         "version floor",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         'stored = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")',
         "stored = 0",
         (IX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
@@ -318,7 +318,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-trusts-a-sealed-header",
         "service",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "committed[rel] == headers.version",
         "headers.version == headers.version",
         (SVC + "test_a_late_seal_is_not_a_committed_value_after_a_restart",),
@@ -328,7 +328,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "retire-frees-leased-extents",
         "service",
-        "beluga/server/service.py",
+        "beluga/server/extents.py",
         "        if e.lease_until > self.clock():",
         "        if e.lease_until < self.clock():",
         (SVC + "test_retired_extents_wait_out_their_read_leases",),
@@ -337,7 +337,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "evict-ignores-read-leases",
         "service",
-        "beluga/server/service.py",
+        "beluga/server/extents.py",
         "            if e.lease_until <= now:\n                del self.index[digest]",
         "            if True:\n                del self.index[digest]",
         (SVC + "test_eviction_is_lru_and_waits_for_read_leases",),
@@ -389,7 +389,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-ignores-copies-of-a-key",
         "service",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "if len(set(keys)) == len(keys):",
         "if True:",
         (SVC + "test_recovery_decides_as_one_header_at_a_time",),
@@ -801,7 +801,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "mooncake-lost-lease-named-among-all-keys",
         "mooncake lost leases",
-        "beluga/compat/mooncake.py",
+        "beluga/compat/mooncake/core.py",
         "lost = {k for n, k in enumerate(chosen) if n in refused}",
         "lost = {k for n, k in enumerate(named) if n in refused}",
         (MOONCAKE + "test_a_batch_put_that_loses_one_lease_fails_that_value_and_no_other",),
@@ -811,7 +811,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "mooncake-lost-lease-fails-the-whole-batch",
         "mooncake lost leases",
-        "beluga/compat/mooncake.py",
+        "beluga/compat/mooncake/core.py",
         'RPC_FAIL if c == OK and bytes(keys[i] or b"") in lost else c',
         "RPC_FAIL if c == OK else c",
         (MOONCAKE + "test_a_batch_put_that_loses_one_lease_fails_that_value_and_no_other",),
@@ -846,7 +846,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-swaps-writer-and-generation",
         "recovery of a write in flight",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "                int(headers.writer[i]),\n                int(headers.writer_gen[i]),",
         "                int(headers.writer_gen[i]),\n                int(headers.writer[i]),",
         (
@@ -861,7 +861,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-forgets-the-writers-generation",
         "recovery of a write in flight",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "                int(headers.writer_gen[i]),",
         "                0,",
         (
@@ -874,7 +874,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recover-gives-no-write-lease",
         "recovery of a write in flight",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "expires=self.clock() + self.write_lease_s,",
         "expires=self.clock(),",
         (
@@ -934,7 +934,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "settle-ignores-the-slot-readers-see",
         "recovery while serving",
-        "beluga/server/service.py",
+        "beluga/server/settling.py",
         "named = self.ix.find(digest)",
         "named = None",
         (REC + "test_an_overwrite_retires_the_old_copy_wherever_the_scan_is",),
@@ -945,7 +945,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "graves-kept-only-in-memory",
         "recovery while serving",
-        "beluga/server/service.py",
+        "beluga/server/settling.py",
         "self.graves.append(digest, rec.first, keep)",
         "rec.graves.get(digest)",
         (REC + "test_a_remove_survives_a_second_takeover_in_the_middle_of_recovery",),
@@ -956,7 +956,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "grave-spares-no-copy",
         "recovery while serving",
-        "beluga/server/recovery.py",
+        "beluga/server/recovery_state.py",
         "version < grave[0] and version != grave[1]",
         "version < grave[0]",
         (REC + "test_a_write_committed_during_recovery_outlives_a_second_takeover",),
@@ -998,7 +998,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "scan-keeps-the-older-copy",
         "recovery while serving",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "e.version > version):\n            self._drop_copy(block, n)\n",
         "e.version < version):\n            self._drop_copy(block, n)\n",
         (REC + "test_copies_of_a_key_found_apart_leave_the_newest",),
@@ -1007,7 +1007,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "census-frees-writes-in-flight",
         "recovery while serving",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])",
         "held = np.zeros(unfinished.size, dtype=bool)",
         (REC + "test_a_write_in_flight_the_scan_passed_is_still_its_writers",),
@@ -1017,7 +1017,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "recovery-names-nothing-missing",
         "recovery while serving",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "            if e is None or d in self.ix.where:",
         "            if True:",
         (REC + "test_copies_of_a_key_found_apart_leave_the_newest",),
@@ -1037,7 +1037,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "claim-trusts-blocks-past-the-census",
         "recovery while serving",
-        "beluga/server/service.py",
+        "beluga/server/settling.py",
         "return rec.censused(block) or self.alloc.reserve(block, n)",
         "return True",
         (REC + "test_writes_in_flight_at_the_takeover_are_their_writers_before_the_scan",),
@@ -1046,7 +1046,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "census-does-not-look-back",
         "recovery while serving",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "        if rec.census == 0 and rec.origin:\n            self._look_back()",
         "        if False:\n            self._look_back()",
         (REC + "test_the_census_starts_where_allocation_was_and_holds_what_reaches_into_it",),
@@ -1055,7 +1055,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "unanswered-grant-above-the-floor-kept",
         "recovery while serving",
-        "beluga/server/service.py",
+        "beluga/server/recovery.py",
         "before = headers.version < rec.first",
         "before = headers.version >= 0",
         (REC + "test_a_header_at_or_above_the_floor_is_a_grant_never_answered",),

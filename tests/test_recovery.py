@@ -26,7 +26,7 @@ from beluga.rpc import Request
 from beluga.server import MetadataServer
 from beluga.server.allocator import BlockAllocator
 from beluga.server.index import PoolIndex
-from beluga.server.recovery import GraveLog
+from beluga.server.recovery_state import GraveLog
 from beluga.server.service import MetadataService
 from tests.rpc_util import wait_until
 

@@ -430,7 +430,7 @@ def test_a_server_process_keeps_full_collections_to_what_is_new() -> None:
     test process's own objects must not be frozen."""
     code = """
 import gc, weakref
-from beluga.server.service import keep_collections_short
+from beluga.server.collector import keep_collections_short
 class Obj: pass
 kept = [Obj() for _ in range(1000)]
 keep_collections_short()

@@ -170,11 +170,11 @@
       "ghost hosts and blocks in a new pool")                                                     \
     X(FORMAT_FENCE, "pool/pool.py format_pool", "SFENCE after the new superblock",                \
       "create returns while the superblock is in flight: another host finds no pool")             \
-    X(SERVICE_RECOVER_INVALIDATE, "server/service.py recover",                                    \
+    X(SERVICE_RECOVER_INVALIDATE, "server/recovery.py recover",                                   \
       "invalidate the header table, commit table and service line before the recovery scan",     \
       "a server restarted on a host that cached them rebuilds its index from stale lines: "       \
       "acknowledged values are lost")                                                             \
-    X(SERVICE_RECOVER_MFENCE, "server/service.py recover",                                        \
+    X(SERVICE_RECOVER_MFENCE, "server/recovery.py recover",                                       \
       "MFENCE between invalidating those tables and loading them",                                \
       "the loads can pass the invalidations and hit old lines")                                   \
     X(SERVICE_COMMIT_FENCE, "server/service.py op_commit",                                        \
@@ -191,7 +191,7 @@
       "SFENCE between a moved entry's new bucket and its old one",                                \
       "the old bucket can land first: a reader finds the key in neither bucket and misses a "     \
       "committed value")                                                                          \
-    X(SERVICE_CLEAR_FENCE, "server/service.py _clear_header",                                     \
+    X(SERVICE_CLEAR_FENCE, "server/extents.py _clear_header",                                     \
       "SFENCE after clearing a retired or freed block's header (and its commit word)",            \
       "a REMOVE is answered while the clears are in flight: a crash brings the removed key back")
 

@@ -25,7 +25,7 @@ class BlockAllocator:
     it) and not fork-safe: it is process memory, rebuilt from the pool by recovery.
 
     The known blocks are the ``frontier`` blocks from ``origin`` on, wrapping at the
-    pool's end (a recovery may start its scan anywhere: beluga.server.service, "Recovery").
+    pool's end (a recovery may start its scan anywhere: beluga.server.recovery).
     """
 
     def __init__(self, nblocks: int, frontier: int | None = None, origin: int = 0) -> None:

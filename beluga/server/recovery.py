@@ -1,210 +1,483 @@
-"""What a metadata server keeps while it recovers in the background (beluga.server.service).
+"""Recovery: a new server rebuilds what it knows from the pool, while it serves.
 
-The argument for recovering while serving is in the service's module doc
-("Recovery"); this module holds its state and the one thing of it that
-lives in the pool: the graves.
+This is the one place of the argument; the service's other parts
+(:mod:`beluga.server.service`, :mod:`~beluga.server.extents`,
+:mod:`~beluga.server.settling`) and the state a recovery keeps
+(:mod:`beluga.server.recovery_state`: where it stands, the log of graves and
+its format) point here.
 
-Graves.  While a server recovers, it decides keys whose copies in the part
-of the pool it has not scanned yet it cannot see: a REMOVE of a key, a
-commit of a write granted before the takeover, an eviction.  Each such key
-gets a grave, ``(digest, below, keep)``: any copy of the key with a version
-below ``below`` other than ``keep`` is dead, wherever recovery finds it.
-The server checks its graves as it scans; and because the server can itself
-be taken over before it has scanned everything, the graves are also written
-to the pool before the answer that relies on them goes out, so that the
-next server applies them too (the second takeover in the middle of a
-recovery).  Without that, a copy the first server never reached (say, the
-older copy of a key whose overwrite was in flight when the last server but
-one died) would come back after a REMOVE of the key was answered.
+Recovery
+  The pool, not the process, is the source of truth (the index in it is
+  derived, and repaired from the headers and commit table last).  A PUBLISHED
+  header whose version the commit table holds is a value (the newest version
+  of a key wins; overlaps resolve to the newer extent).  Any other header with
+  a writer (WRITING, or PUBLISHED but not committed: its COMMIT may still be on
+  its way) is a write in progress again, under a fresh write lease, owned by
+  the host id and generation its header names, so it is freed as soon as that
+  writer is seen gone.  Everything else is free.  A value whose writer sealed
+  it after its lease ran out was never committed, so it never comes back.
+  The scan makes no object per block: the C core parses the header table into
+  numpy columns, the allocator decides every extent that overlaps no other at
+  once (``reserve_many``), and only values tied to another by a key or a block
+  are decided one at a time, newest first, with the same outcome.
 
-The service line (one line, written by the server alone) holds four words:
-the version floor (beluga.server.service), the log of graves (below), the most
-blocks one extent was ever granted, and the block the allocator was at
-(``max_extent`` and ``cursor``: where the next server's census starts, and
-how far back before it an extent can begin that reaches into it).
+Recovering while serving (issue 36)
+  A scan of the whole pool costs about a microsecond a block: minutes at the
+  pod's 134 M blocks, and writers used to wait all that time.  So a server
+  that takes over scans in bounded steps (``recover_some``, between polls of
+  its loop: flat out while idle, ``RECOVERY_SHARE`` of a busy loop), and
+  answers every operation from the first one:
 
-The log of graves is an extent of data blocks, taken from the allocator
-like any value's, with no block header (so no scan mistakes it for a value):
-one 64-byte line an entry, ``digest (16) | below (u64) | keep (u64) | number
-(u64, from 1) | CRC32C of the 40 bytes before (u32) | zeros``.  The service
-line's second word names it: ``first block | blocks << 32`` (0: no log).  A
-new extent is zeroed and fenced before that word points at it, so a line
-left in it by an older log never reads as an entry; entries are read in
-order up to the first whose CRC or number is wrong (a torn or unfenced
-append, which no answer relied on).  A full log moves to an extent twice as
-large (copied, fenced, then pointed at, then the old one freed).  A server
-that finds a log at its start reserves its extent, takes its graves as its
-own and appends to it; once it has scanned the whole pool (every grave
-applied, the clears fenced) it points the word at nothing, fences and frees
-the extent.  The log holds only keys decided during recoveries, so it is
-small: a grave costs 64 bytes of the pool until the recovery ends.
+  takeover   reads the service line (the version floor, the log of graves,
+             the longest extent, where the last server allocated:
+             recovery_state.py) and nothing that grows with the pool; the
+             allocator, the pool index's mirror and the index start empty.
+             Versions below the floor stored were handed out before; a
+             header at or above it is a grant whose answer never went out
+             (the floor is raised, fenced, before any answer names a version
+             above it), cleared when met.
+  census     region by region from where the last server allocated (wrapping
+             at the pool's end), it holds the extent of every write of
+             before the takeover as the rule above decides within the
+             region, and frees the rest: allocation takes only blocks the
+             census has passed, so no extent is handed out twice, and an
+             ALLOC that finds no room runs census steps before it evicts
+             anything.  Its first region first decides the extents that
+             begin before it and reach into it (``_look_back``, at most the
+             longest extent back), ahead of their own region.
+  keys       behind the census, each region's values join the index (a key
+             met again keeps its newest copy, the other is cleared and
+             freed) and its writes in flight are pending again.
+  buckets    then the pool index is reconciled with the index, a range of
+             buckets a step, and what no slot named is put in last.
 
-Not thread-safe and not fork-safe: it lives on the server's one thread.
+  While keys are not all known (``_scanning``), every operation on a key
+  first settles it (``_settle``): the copy the pool index names (what readers
+  get) is brought into the index, or cleared, by the same rules, so the
+  operation sees what a finished recovery would have shown of that key.  A
+  COMMIT or ABORT naming a block not scanned yet adopts the write there
+  (``_adopt_write``: its header, under its writer, or a committed copy when
+  the COMMIT was sent again).  Adopted blocks are skipped by the scan.
+
+  What the promises need:
+  - a read is the committed bytes of the key or a miss: readers use the pool
+    index and headers only, which the scan changes with the same stores and
+    fences as any server; a copy a scan has not reached yet stays readable
+    only if the pool index named it, as it was before the takeover;
+  - an acknowledged write is never lost: its copy is named by the pool index
+    (its COMMIT's slot was fenced before the answer) and its older copies were
+    cleared, so the scan finds it newest, or a COMMIT during recovery makes it
+    the newest decided (below);
+  - a key this server changed while copies of it lie unscanned (a REMOVE or
+    DROP, an eviction, a commit of a write granted before the takeover) gets
+    a grave: every copy of before the takeover but the one kept is dead when
+    the scan meets it.  A commit of a new write needs none: its version is
+    above every such copy.  Graves are written to the pool (the log of
+    graves, recovery_state.py) before the answer that relies on them, so a second
+    takeover in the middle of a recovery applies them too; the log goes once
+    every region's keys are scanned (every grave applied, the clears fenced);
+  - stats while recovering count what is known (``recovering``,
+    ``recovery_blocks_left``); a ring adopted before the scan reached its
+    writer's grants has them asked about (``forget_unanswered``) when the
+    scan finds them, as long as the ring keeps the requests.
+
+Graves
+  While a server recovers, it decides keys whose copies in the part
+  of the pool it has not scanned yet it cannot see: a REMOVE of a key, a
+  commit of a write granted before the takeover, an eviction.  Each such key
+  gets a grave, ``(digest, below, keep)``: any copy of the key with a version
+  below ``below`` other than ``keep`` is dead, wherever recovery finds it.
+  The server checks its graves as it scans; and because the server can itself
+  be taken over before it has scanned everything, the graves are also written
+  to the pool before the answer that relies on them goes out, so that the
+  next server applies them too (the second takeover in the middle of a
+  recovery).  Without that, a copy the first server never reached (say, the
+  older copy of a key whose overwrite was in flight when the last server but
+  one died) would come back after a REMOVE of the key was answered.
 """
 
 from __future__ import annotations
 
-import struct
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import replace
 
-from beluga.coherence import LINE, Memory, crc32c
-from beluga.pool.layout import Superblock
+import numpy as np
 
-#: blocks a recovery step scans for keys, or buckets it reconciles: a few milliseconds of
-#: the server's thread at a time (docs/alignment.md has the figures)
-RECOVERY_REGION = 1 << 12
-#: a census step covers this many regions (it does a tenth of the work a block)
-CENSUS_REGIONS = 4
-#: the most of a busy server's time recovery takes (an idle server recovers flat out)
-RECOVERY_SHARE = 0.2
-_ENTRY = struct.Struct("<16sQQQ")  # digest, below, keep, number (the CRC follows)
-_LOG_WORD = 8  # the log's word: the service line's second u64
-EXTENT_WORD = 16  # the most blocks one extent was granted (raised before the grant)
-CURSOR_WORD = 24  # where allocation was going on (a hint, written as it moves on)
+from beluga._native import step
+from beluga.coherence import LINE, BlockState, HeaderTable, Memory, parse_header_table
+from beluga.server.allocator import BlockAllocator, overlapping
+from beluga.server.collector import gc_paused
+from beluga.server.extents import Entry, ExtentKeeping, Pending
+from beluga.server.recovery_state import (
+    CENSUS_REGIONS,
+    CURSOR_WORD,
+    EXTENT_WORD,
+    RECOVERY_REGION,
+    RECOVERY_SHARE,
+    RecoveryState,
+)
 
-
-@dataclass
-class RecoveryState:
-    """Where a background recovery stands (the service's module doc, "Recovery").
-
-    Not thread-safe, not fork-safe: the server's one thread owns it.
-
-    ``census`` and ``keys``: blocks done, counted from ``origin`` (census >= keys);
-    ``buckets``: pool index buckets reconciled; ``first``: the version floor at the
-    takeover (every copy a scan finds is below it, every version this server hands
-    out above it).
-    """
-
-    first: int  # versions below it were handed out before the takeover
-    expires: float  # the write lease of writes found in flight
-    nblocks: int
-    origin: int = 0  # the block the scans start at (they wrap at the pool's end)
-    region: int = RECOVERY_REGION
-    census: int = 0
-    keys: int = 0
-    buckets: int = 0
-    naming: list[bytes] | None = None  # keys to check that the index names them (last phase)
-    graves: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # digest -> below, keep
-    adopted: set[int] = field(default_factory=set)  # first blocks decided ahead of the scan
-    #: writers whose rings were adopted meanwhile: which of their requests went unanswered
-    unanswered: dict[tuple[int, int], Callable[[int], bool]] = field(default_factory=dict)
-    since: float = field(default_factory=time.perf_counter)  # when it started
-    spent: float = 0.0  # seconds of steps so far
-
-    def censused(self, block: int) -> bool:
-        """Whether the census has passed a block (its extent, if any, is held)."""
-        return (block - self.origin) % self.nblocks < self.census
-
-    def scanned(self, block: int) -> bool:
-        """Whether the scan of keys has passed a block."""
-        return (block - self.origin) % self.nblocks < self.keys
-
-    def span(self, done: int, most: int) -> tuple[int, int]:
-        """The next blocks to scan after ``done`` of them, at most ``most``, not across the
-        pool's end: (first block, how many)."""
-        first = (self.origin + done) % self.nblocks
-        return first, min(most, self.nblocks - done, self.nblocks - first)
-
-    def dead(self, digest: bytes, version: int) -> bool:
-        """Whether a grave says this copy of a key is gone."""
-        grave = self.graves.get(digest)
-        return grave is not None and version < grave[0] and version != grave[1]
+_COLUMNS = ("block", "state", "version", "digest", "length", "writer", "writer_gen")
+# named sabotage points (beluga_native.h): recovery's fresh reads of what a gone server stored
+_recover_invalidate = step("SERVICE_RECOVER_INVALIDATE", Memory.invalidate)
+_recover_mfence = step("SERVICE_RECOVER_MFENCE", Memory.mfence)
 
 
-def _line(number: int, digest: bytes, below: int, keep: int) -> bytes:
-    body = _ENTRY.pack(digest, below, keep, number)
-    return body + crc32c(body).to_bytes(4, "little") + bytes(LINE - _ENTRY.size - 4)
+class Recovery(ExtentKeeping):
+    """The metadata service's recovery steps (the module doc): takeover, census, keys,
+    buckets, naming.  Not thread-safe, not fork-safe: the service's."""
 
+    @staticmethod
+    def _newest_first(headers: HeaderTable, rows: np.ndarray) -> np.ndarray:
+        """Rows of the header table by version, newest first; ties by block, lowest first."""
+        return rows[np.lexsort((headers.block[rows], ~headers.version[rows]))]
 
-def _entry(line: bytes, number: int) -> tuple[bytes, int, int] | None:
-    """An entry's (digest, below, keep) if the line is entry ``number``, else None."""
-    body = line[: _ENTRY.size]
-    if int.from_bytes(line[_ENTRY.size : _ENTRY.size + 4], "little") != crc32c(body):
-        return None
-    digest, below, keep, got = _ENTRY.unpack(body)
-    return (digest, below, keep) if got == number else None
+    def _reserve_values(
+        self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray
+    ) -> np.ndarray:
+        """Which committed values (rows, newest first) recovery keeps: each in turn, unless
+        a newer copy of its key was kept or a kept extent overlaps its own."""
+        firsts, counts = headers.block[rows], extents[rows]
+        keys = headers.digest[rows].tolist()
+        if len(set(keys)) == len(keys):
+            return self.alloc.reserve_many(firsts, counts)
+        copies = Counter(keys)  # a key committed twice: a crash during an overwrite
+        shared = np.fromiter((copies[k] > 1 for k in keys), dtype=bool, count=len(keys))
+        # only values tied to another by a key or a block depend on the order
+        tangled = shared | overlapping(firsts, counts)
+        won = np.zeros(rows.size, dtype=bool)
+        won[~tangled] = self.alloc.reserve_many(firsts[~tangled], counts[~tangled])
+        kept: set[bytes] = set()
+        for i in np.flatnonzero(tangled).tolist():
+            key = keys[i]
+            if key not in kept and self.alloc.reserve(int(firsts[i]), int(counts[i])):
+                kept.add(key)
+                won[i] = True
+        return won
 
+    def _scanning(self) -> bool:
+        """Whether some blocks' keys are still unknown (graves and settling apply)."""
+        return self.rec is not None and self.rec.keys < self.sb.nblocks
 
-class GraveLog:
-    """The graves of a recovery, in the pool (the module doc).  Not thread-safe, not
-    fork-safe: the server's one thread owns it.
-
-    ``allocate(n)`` gives the first block of n free blocks (or raises) and
-    ``release(first, n)`` frees them: the service's allocator.
-    """
-
-    def __init__(
-        self,
-        mem: Memory,
-        sb: Superblock,
-        allocate: Callable[[int], int],
-        release: Callable[[int, int], None],
-    ) -> None:
-        self.mem, self.sb = mem, sb
-        self._allocate, self._release = allocate, release
-        self.first = self.nblocks = self.count = 0
+    def _blocks_left(self) -> int:
+        """Blocks whose keys recovery has not scanned yet."""
+        return 0 if self.rec is None else self.sb.nblocks - self.rec.keys
 
     @property
-    def capacity(self) -> int:
-        return self.nblocks * self.sb.block_size // LINE
+    def recovering(self) -> bool:
+        """Whether recovery still runs (:meth:`recover_some`)."""
+        return self.rec is not None
 
-    def _offset(self, number: int) -> int:
-        return self.sb.block_payload_offset(self.first) + (number - 1) * LINE
+    def _take_over(self, region: int) -> None:
+        """What a server does before its first answer: the version floor and the graves a
+        server before it left; nothing that grows with the pool."""
+        sb = self.sb
+        _recover_invalidate(self.mem, sb.service_offset, LINE)
+        _recover_mfence(self.mem)
+        stored = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")
+        # every version any answer named is below the floor stored (_next_version); a
+        # header at or above it is a grant never answered, cleared as the scan meets it
+        self.version = self.floor = stored
+        n = sb.nblocks
+        self.max_extent = self._service_word(EXTENT_WORD)
+        self._extent_known = self.max_extent > 0
+        # the census starts where the last server allocated (free blocks are likely
+        # there), and looks back max_extent blocks for extents reaching into its start
+        hint = self._service_word(CURSOR_WORD) if self._extent_known else 0
+        origin = hint - hint % region if hint < n else 0
+        self.alloc = BlockAllocator(n, frontier=0, origin=origin)
+        self.rec = RecoveryState(
+            first=self.version,
+            expires=self.clock() + self.write_lease_s,
+            nblocks=n,
+            origin=origin,
+            region=region,
+        )
+        for digest, below, keep in self.graves.read(_recover_invalidate):
+            self.rec.graves[digest] = (below, keep)
+        if self.graves.nblocks:
+            self.alloc.reserve(self.graves.first, self.graves.nblocks)
 
-    def read(self, invalidate: Callable[[Memory, int, int], None]) -> list[tuple[bytes, int, int]]:
-        """The graves of the log the service line names (the caller has invalidated that
-        line and fenced); ``invalidate`` reads the extent fresh.  The log is this one's now."""
-        word = int.from_bytes(self.mem.load(self.sb.service_offset + _LOG_WORD, 8), "little")
-        first, nblocks = word & 0xFFFFFFFF, word >> 32
-        if not nblocks or first + nblocks > self.sb.nblocks:
-            return []
-        self.first, self.nblocks = first, nblocks
-        start, size = self.sb.block_payload_offset(first), nblocks * self.sb.block_size
-        invalidate(self.mem, start, size)
-        self.mem.mfence()
-        table = self.mem.load(start, size)
-        out = []
-        for number in range(1, self.capacity + 1):
-            got = _entry(table[(number - 1) * LINE : number * LINE], number)
-            if got is None:
-                break
-            out.append(got)
-        self.count = len(out)
-        return out
+    def _service_word(self, at: int) -> int:
+        """A word of the service line (recovery_state.py; read fresh by the takeover)."""
+        return int.from_bytes(self.mem.load(self.sb.service_offset + at, 8), "little")
 
-    def append(self, digest: bytes, below: int, keep: int) -> None:
-        """One more grave (unfenced: it is in the pool at the caller's next fence)."""
-        if self.count == self.capacity:
-            self._move(max(1, 2 * self.nblocks))
-        self.count += 1
-        self.mem.nt_store(self._offset(self.count), _line(self.count, digest, below, keep))
+    def _note_extent(self, n: int) -> None:
+        """An extent of ``n`` blocks exists: the service line's word covers it before any
+        header of it can be in the pool (the grant's fence follows)."""
+        if n > self.max_extent:
+            self.max_extent = n
+            if self._extent_known:
+                self._write_extent()
 
-    def _move(self, nblocks: int) -> None:
-        """Into a zeroed extent of ``nblocks``: entries copied, fenced, then pointed at."""
-        old = (self.first, self.nblocks)
-        kept = self.mem.load(self._offset(1), self.count * LINE) if self.count else b""
-        first = self._allocate(nblocks)
-        start, size = self.sb.block_payload_offset(first), nblocks * self.sb.block_size
-        self.mem.nt_store(start, kept + bytes(size - len(kept)))
-        self.mem.sfence()  # no sabotage point: an unfenced log is one no answer relied on yet
-        self._point(first, nblocks)
-        if old[1]:
-            self._release(*old)
+    def _write_extent(self) -> None:
+        word = self.max_extent.to_bytes(8, "little")
+        self.mem.nt_store(self.sb.service_offset + EXTENT_WORD, word)
 
-    def _point(self, first: int, nblocks: int) -> None:
-        """Make the service line name the log, fenced."""
-        self.first, self.nblocks = first, nblocks
-        word = first | nblocks << 32 if nblocks else 0
-        self.mem.nt_store(self.sb.service_offset + _LOG_WORD, word.to_bytes(8, "little"))
-        self.mem.sfence()
+    def _note_cursor(self) -> None:
+        """Where allocation goes on, for the next server's census (a hint: unfenced)."""
+        at = self.alloc.cursor
+        if at // RECOVERY_REGION != self._cursor_hint:
+            self._cursor_hint = at // RECOVERY_REGION
+            self.mem.nt_store(self.sb.service_offset + CURSOR_WORD, at.to_bytes(8, "little"))
 
-    def close(self) -> None:
-        """Every grave applied (and fenced): the line names no log, the extent is freed."""
-        if not self.nblocks:
+    def recover(self) -> None:
+        """Recover the whole pool now: every step of :meth:`recover_some`."""
+        with gc_paused():
+            while self.rec is not None:
+                self._recover_step()
+
+    def recover_some(self, served: int = 0) -> bool:
+        """One bounded step of recovery (a few ms); whether more remains.
+
+        The server's loop calls it between polls with how many requests its last
+        poll served: an idle server recovers flat out, a busy one gives recovery at
+        most ``RECOVERY_SHARE`` of its time (the module doc).
+        """
+        rec = self.rec
+        if rec is None:
+            return False
+        now = time.perf_counter()
+        if served and rec.spent > RECOVERY_SHARE * (now - rec.since):
+            return True
+        with gc_paused():
+            self._recover_step()
+        rec.spent += time.perf_counter() - now
+        return self.rec is not None
+
+    def _recover_step(self) -> None:
+        rec = self.rec
+        assert rec is not None
+        n = self.sb.nblocks
+        if rec.census < n and rec.keys == rec.census:  # caught up: one read for both
+            self._keys_step(self._census_step(rec.region))
+        elif rec.census < n:
+            self._census_step()
+        elif rec.keys < n:
+            self._keys_step()
+        elif rec.buckets < self.ix.nbuckets:
+            self._reconcile_step()
+        else:
+            self._naming_step()
+        if rec.keys == n and (rec.graves or rec.unanswered or self.graves.nblocks):
+            self.graves.close()  # every grave applied, the clears fenced: the log can go
+            rec.graves.clear()
+            rec.unanswered.clear()
+
+    def _read_region(self, lo: int, hi: int) -> tuple[HeaderTable, np.ndarray]:
+        """The valid headers of blocks [lo, hi) (absolute block numbers) and their commit
+        words, read fresh."""
+        sb = self.sb
+        _recover_invalidate(self.mem, sb.block_header_offset(lo), (hi - lo) * LINE)
+        _recover_invalidate(self.mem, sb.block_commit_offset(lo), (hi - lo) * 8)
+        _recover_mfence(self.mem)
+        headers = parse_header_table(self.mem.load(sb.block_header_offset(lo), (hi - lo) * LINE))
+        committed = np.frombuffer(self.mem.load(sb.block_commit_offset(lo), (hi - lo) * 8), "<u8")
+        return replace(headers, block=headers.block + lo), committed
+
+    def _classify(
+        self, headers: HeaderTable, committed: np.ndarray, lo: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Masks of a region's headers: live (a write of before the takeover, not decided
+        ahead of the scan), committed among them, and stray (a version this server's
+        floor says was never handed out: no grant's)."""
+        rec = self.rec
+        assert rec is not None
+        ours = np.ones(len(headers), dtype=bool)
+        if rec.adopted:
+            ours = ~np.isin(headers.block, np.fromiter(rec.adopted, np.int64, len(rec.adopted)))
+        before = headers.version < rec.first
+        live = (
+            ours
+            & before
+            & ((headers.state == BlockState.WRITING) | (headers.state == BlockState.PUBLISHED))
+        )
+        rel = headers.block - lo
+        done = live & (headers.state == BlockState.PUBLISHED) & (committed[rel] == headers.version)
+        return live, done, ours & ~before
+
+    def _extents(self, headers: HeaderTable) -> np.ndarray:
+        size = self.sb.block_size
+        return np.maximum(1, headers.length // size + (headers.length % size != 0))
+
+    def _census_step(self, most: int = 0) -> tuple[HeaderTable, np.ndarray, int, int]:
+        """Make the next region's free blocks allocatable: every write of before the
+        takeover there keeps its extent (overlaps and copies of a key within the region
+        decided as the one-at-a-time rule does), the rest is free.  ``most``: blocks at
+        most (default: a census's usual span).  Returns what the key pass needs of the
+        region: its headers as the census left them, commit words, first block, blocks."""
+        rec = self.rec
+        assert rec is not None
+        if rec.census == 0 and rec.origin:
+            self._look_back()
+        lo, count = rec.span(rec.census, most or CENSUS_REGIONS * rec.region)
+        hi = lo + count
+        headers, committed = self._read_region(lo, hi)
+        live, done, stray = self._classify(headers, committed, lo)
+        extents = self._extents(headers)
+        # newest first (ties: lower block first), as the one-at-a-time rule reads them
+        published = self._newest_first(headers, np.flatnonzero(done))
+        won = self._reserve_values(headers, published, extents)
+        unfinished = self._newest_first(headers, np.flatnonzero(live & ~done))
+        held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])
+        lost = np.concatenate((published[~won], unfinished[~held], np.flatnonzero(stray)))
+        for block in headers.block[lost].tolist():
+            self._drop_copy(block)
+        words = committed != 0  # commit words of nothing kept
+        words[headers.block[published[won]] - lo] = False
+        for block in rec.adopted:
+            if lo <= block < hi:
+                words[block - lo] = False
+        for block in np.flatnonzero(words).tolist():
+            self._set_commit(lo + block, 0)
+        if len(headers):
+            self._note_extent(int(extents[live].max(initial=0)))
+        rec.census += count
+        self.alloc.advance(rec.census)
+        if rec.census == self.sb.nblocks and not self._extent_known:  # every extent seen
+            self._extent_known = True
+            self._write_extent()
+        self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
+        kept = np.ones(len(headers), dtype=bool)
+        kept[lost] = False
+        left = replace(headers, **{f: getattr(headers, f)[kept] for f in _COLUMNS})
+        return left, committed, lo, count
+
+    def _keys_step(self, read: tuple[HeaderTable, np.ndarray, int, int] | None = None) -> None:
+        """Know the keys of the next region the census has done: each committed value
+        joins the index unless a grave or a newer copy of its key says otherwise; each
+        write in flight is pending again, under its writer."""
+        rec = self.rec
+        assert rec is not None
+        if read is None:
+            lo, count = rec.span(rec.keys, min(rec.region, rec.census - rec.keys))
+            headers, committed = self._read_region(lo, lo + count)
+        else:  # the census's read of the region, just now
+            headers, committed, lo, count = read
+        live, done, _ = self._classify(headers, committed, lo)
+        extents = self._extents(headers)
+        # what the census held: a write it did not see (it read the table stale) never joins
+        held = np.zeros(len(headers), dtype=bool)
+        held[live] = self.alloc.held(headers.block[live], extents[live])
+        for block in headers.block[live & ~held].tolist():
+            self._drop_copy(block)
+        live &= held
+        done &= held
+        values = self._newest_first(headers, np.flatnonzero(done))
+        keys = headers.digest[values].tolist()
+        index, graves = self.index, rec.graves
+        known = np.fromiter((k in index or k in graves for k in keys), bool, len(keys))
+        self._index_recovered(headers, values[~known], extents)
+        for i in values[known].tolist():
+            self._recover_copy(
+                headers.digest[i].tobytes(),
+                int(headers.block[i]),
+                int(headers.version[i]),
+                int(headers.length[i]),
+                int(extents[i]),
+            )
+        self._recover_writes(headers, np.flatnonzero(live & ~done), extents)
+        rec.keys += count
+        self.counters["recovered_keys"] = len(self.index)
+        self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
+
+    def _index_recovered(self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray) -> None:
+        """Index values of keys met for the first time, as older than everything indexed
+        (the LRU order's start), oldest first among themselves."""
+        rows = rows[np.lexsort((headers.block[rows], headers.version[rows]))]
+        blocks = headers.block[rows].tolist()
+        versions = headers.version[rows].tolist()
+        keys = headers.digest[rows].tolist()
+        entries = map(
+            Entry, blocks, extents[rows].tolist(), versions, headers.length[rows].tolist()
+        )
+        before = len(self.index)
+        self.index.update(zip(keys, entries, strict=True))
+        if before:
+            for key in reversed(keys):
+                self.index.move_to_end(key, last=False)
+        self.by_block.update(zip(blocks, zip(keys, versions, strict=True), strict=True))
+
+    def _recover_copy(self, digest: bytes, block: int, version: int, length: int, n: int) -> None:
+        """A committed copy of a key the index or a grave knows, found by the scan (its
+        extent reserved by the census): kept if it is the newest alive, else dropped."""
+        rec = self.rec
+        assert rec is not None
+        e = self.index.get(digest)
+        if rec.dead(digest, version) or (e is not None and e.version > version):
+            self._drop_copy(block, n)
             return
-        old = (self.first, self.nblocks)
-        self._point(0, 0)
-        self.count = 0
-        self._release(*old)
+        named = digest in self.ix.where
+        if e is not None:  # an older copy found before (the newer one's commit was in flight)
+            del self.index[digest]
+            self._retire(e, None)
+        self._index_copy(digest, Entry(block, n, version, length))
+        if named:
+            self.ix.put(digest, block, version)
+
+    def _index_copy(self, digest: bytes, e: Entry) -> None:
+        """A value of before the takeover joins the index, at the LRU order's start."""
+        self.index[digest] = e
+        self.index.move_to_end(digest, last=False)
+        self.by_block[e.block] = (digest, e.version)
+
+    def _recover_writes(self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray) -> None:
+        """Writes found in flight: pending again under their writers (the census holds
+        their extents); a slot of the pool index naming one goes."""
+        rec = self.rec
+        assert rec is not None
+        writers = set()
+        for i in self._newest_first(headers, rows).tolist():
+            block = int(headers.block[i])
+            self.pending[block] = Pending(
+                headers.digest[i].tobytes(),
+                int(headers.version[i]),
+                int(headers.length[i]),
+                int(extents[i]),
+                int(headers.writer[i]),
+                int(headers.writer_gen[i]),
+                rec.expires,
+            )
+            writers.add((int(headers.writer[i]), int(headers.writer_gen[i])))
+            key, version = headers.digest[i].tobytes(), int(headers.version[i])
+            if self.ix.find(key) == (block, version):
+                self.ix.drop(key)
+        for who in writers & rec.unanswered.keys():  # rings adopted before the scan came
+            self.forget_unanswered(*who, rec.unanswered[who])
+        self.counters["recovered_writes"] = len(self.pending)
+
+    def _reconcile_step(self) -> None:
+        """Make the next buckets of the pool index name exactly what the index holds."""
+        rec = self.rec
+        assert rec is not None
+        lo = rec.buckets
+        hi = min(self.ix.nbuckets, lo + rec.region)
+        got = self.ix.reconcile(lo, hi, lambda blocks: [self.by_block.get(b) for b in blocks])
+        self.counters["index_repaired"] += got["dropped"]
+        rec.buckets = hi
+        if hi == self.ix.nbuckets:
+            self.ix.loaded_all()
+        self.mem.sfence()  # no sabotage point: a repair lost in a crash is redone by the next
+
+    def _naming_step(self) -> None:
+        """Name in the pool index the values no slot named (their insertion was lost in a
+        crash); then recovery is over."""
+        rec = self.rec
+        assert rec is not None
+        if rec.naming is None:  # the index names a subset of the keys: equal sizes, all named
+            rec.naming = [] if len(self.ix) == len(self.index) else list(self.index)
+        todo = rec.naming[-rec.region :]
+        del rec.naming[-rec.region :]
+        for d in todo:
+            e = self.index.get(d)
+            if e is None or d in self.ix.where:
+                continue
+            self.counters["index_repaired"] += 1
+            if not self.ix.put(d, e.block, e.version):  # could not be placed
+                self._retire(self.index.pop(d), None)
+                self.counters["index_evictions"] += 1
+        self.mem.sfence()  # no sabotage point: an insertion lost in a crash is redone
+        if not rec.naming:
+            self.rec = None
+            self.counters["recovered_keys"] = len(self.index)

@@ -87,8 +87,9 @@ from beluga.kv.tier import MooncakeTier, TierConfig, make_tier
 from beluga.pool import Pool
 from beluga.pool.hosts import Seat, Staleness
 from beluga.rpc import RpcServer
-from beluga.server.recovery import RECOVERY_REGION
-from beluga.server.service import MetadataService, keep_collections_short
+from beluga.server.collector import keep_collections_short
+from beluga.server.recovery_state import RECOVERY_REGION
+from beluga.server.service import MetadataService
 from beluga.signals import StopFlag, stop_on_signals
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ class MetadataServer:
         """Take the service over from the pool, wire it into the RPC server, refresh once.
 
         The service recovers in steps between polls (``RpcServer.background``): it
-        answers writes at once, whatever the pool's size (beluga.server.service, "Recovery").
+        answers writes at once, whatever the pool's size (beluga.server.recovery).
         A pool of one recovery region (``BELUGA_RECOVERY_REGION`` blocks, default
         :data:`~beluga.server.recovery.RECOVERY_REGION`) is recovered before the first answer:
         that takes one step's time.

@@ -1,0 +1,209 @@
+"""The life of an extent in the pool: granted, committed, retired, evicted, freed.
+
+These are :class:`ExtentKeeping`'s methods, one part of the metadata service
+(:class:`~beluga.server.service.MetadataService`, whose module doc lists the
+state they share): versions and their floor, commit words, the pool index's
+entries, retiring a key, eviction and allocation.
+
+Reuse of an extent (the one rule readers and writers rely on)
+  An extent goes back to the allocator only when no host can still store into
+  it, and a reader that raced its reuse sees the header change:
+
+  - a write in progress is freed when its writer commits (or its COMMIT is
+    refused), aborts, or is gone: its host id is no longer held, alive, in the
+    generation that wrote.  A write lease that runs out *cancels* the write
+    (its COMMIT is refused) but does not free the extent while its writer
+    lives: a writer stopped mid-payload (SIGSTOP, a paused VM) may resume and
+    store the rest of its payload and its header, and those stores must land
+    on nothing but its own dead extent.  Until then the extent is quarantined.
+    On one kernel "alive" is exact (pid and start time); across hosts it is a
+    heartbeat seen moving within the host table's stale_s.
+  - a committed value that is removed, replaced or evicted leaves the pool
+    index, and its header and commit word are cleared (fenced) before its
+    extent can be handed out again.  Readers hold no lease: versions never
+    repeat, and a new writer publishes WRITING (fenced) before its first
+    payload store, so a reader whose copy saw any later byte finds the header
+    at the extent's first block changed (cleared, WRITING, or another
+    version) when it checks again after the copy, and reports a miss.  The
+    only leases left are those of the LOOKUP RPC, kept for callers that
+    still use it; they make misses rarer, never reads correct.
+
+Eviction
+  LRU, skipping leased entries: above ``high_watermark`` of the blocks in use
+  the service evicts down to ``low_watermark``, and an allocation that does
+  not fit evicts until it does.  When nothing can be evicted the allocation
+  fails with CapacityError.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from beluga._native import step
+from beluga.coherence import LINE, Memory
+from beluga.errors import CapacityError
+
+_CLEAR = bytes(LINE)
+FLOOR_STEP = 1 << 16  # versions handed out per write of the floor
+# a named sabotage point (beluga_native.h)
+_clear_fence = step("SERVICE_CLEAR_FENCE", Memory.sfence)
+
+
+@dataclass(slots=True)
+class Entry:
+    block: int
+    nblocks: int
+    version: int
+    length: int
+    lease_until: float = 0.0
+
+
+@dataclass
+class Pending:
+    digest: bytes
+    version: int
+    length: int
+    nblocks: int
+    host: int  # host id of the writer
+    generation: int  # of that host id, when it wrote (grants start at 1; 0: unknown)
+    expires: float
+    cancelled: bool = False  # its lease ran out: COMMIT is refused; freed once the writer is done
+
+
+class ExtentKeeping:
+    """The metadata service's extents (the module doc); recovery's steps, on the same
+    object, are :class:`~beluga.server.recovery.Recovery`'s and
+    :class:`~beluga.server.settling.Settling`'s.  Not thread-safe, not fork-safe: the
+    service's (its one thread; process memory rebuilt from the pool)."""
+
+    def extent(self, length: int) -> int:
+        return max(1, -(-length // self.sb.block_size))
+
+    def _clear_header(self, block: int) -> None:
+        """Clear a header, fenced with whatever was stored before it (a commit word)."""
+        self.mem.nt_store(self.sb.block_header_offset(block), _CLEAR)
+        _clear_fence(self.mem)
+
+    def _drop_copy(self, block: int, reserved: int = 0) -> None:
+        """A copy recovery found dead or beaten: commit word and header cleared (unfenced:
+        a clear lost in a crash is redone by the next scan), ``reserved`` blocks freed."""
+        self._set_commit(block, 0)
+        self.mem.nt_store(self.sb.block_header_offset(block), _CLEAR)
+        if reserved:
+            self.alloc.release(block, reserved)
+
+    def _next_version(self) -> int:
+        """A version never handed out before, by this server or any before it."""
+        self.version += 1
+        if self.version >= self.floor:
+            self.floor = self.version + FLOOR_STEP
+            self.mem.nt_store(self.sb.service_offset, self.floor.to_bytes(8, "little"))
+            # persisted before the version is used: every version goes into the WRITING
+            # header of its grant (_announce), whose fence precedes the answer, and
+            # recovery takes the highest of the floor and every header's version
+        return self.version
+
+    def _set_commit(self, block: int, version: int) -> None:
+        """Record (or, with 0, erase) the committed version of an extent; fenced by callers."""
+        self.mem.nt_store(self.sb.block_commit_offset(block), version.to_bytes(8, "little"))
+
+    def _free_pending(self, block: int) -> Pending:
+        """A write is over without a commit: clear its header, free its extent."""
+        pend = self.pending.pop(block)
+        self._clear_header(block)
+        self.alloc.release(block, pend.nblocks)
+        return pend
+
+    def _index(self, digest: bytes, e: Entry) -> bool:
+        """Make ``digest`` a committed entry, in memory and in the pool index.
+
+        When the pool index cannot place it, other keys of its two buckets are
+        evicted (never seen at the index's load of at most a third); False if
+        none can be (all leased).
+        """
+        while not self.ix.put(digest, e.block, e.version):
+            now = self.clock()
+            crowd = [d for d in self.ix.crowd(digest) if self.index[d].lease_until <= now]
+            if not crowd:
+                return False
+            self._retire(self.index.pop(crowd[0]), crowd[0])
+            self.counters["index_evictions"] += 1
+        self.index[digest] = e
+        self.by_block[e.block] = (digest, e.version)
+        return True
+
+    def _retire(self, e: Entry, digest: bytes | None) -> None:
+        """A key is gone: out of the pool index (``digest``: None when a new value of the
+        key already took its slot), commit word and header cleared; the extent is freed
+        (after the read leases of RPC lookups, if any).
+
+        Any of the clears alone keeps readers and recovery from finding the value, so
+        they need no fence between them, only one before the answer goes out.
+        """
+        if digest is not None:
+            self.ix.drop(digest)
+            self.retired.append(digest)
+            self.retired_next += 1
+        if self.by_block.get(e.block, (b"", 0))[1] == e.version:
+            del self.by_block[e.block]
+        self._set_commit(e.block, 0)
+        self._clear_header(e.block)
+        if e.lease_until > self.clock():
+            heapq.heappush(self.retiring, (e.lease_until, e.block, e.nblocks))
+        else:
+            self.alloc.release(e.block, e.nblocks)
+        if digest is not None and self._scanning():
+            self._bury(digest, 0)
+
+    def _evict_one(self) -> bool:
+        now = self.clock()
+        for digest, e in self.index.items():
+            if e.lease_until <= now:
+                del self.index[digest]
+                if self.on_evict is not None:
+                    self._demote(digest, e)
+                self._retire(e, digest)
+                self.counters["evictions"] += 1
+                return True
+        return False
+
+    def _demote(self, digest: bytes, e: Entry) -> None:
+        """Hand an evicted value's bytes (read validated, before the extent is freed) on."""
+        assert self.on_evict is not None
+        value = self.mem.read_bytes(
+            self.sb.block_header_offset(e.block),
+            self.sb.block_payload_offset(e.block),
+            e.nblocks * self.sb.block_size,
+            digest,
+            e.version,
+        )
+        if isinstance(value, bytes):
+            self.on_evict(digest, value)
+        else:
+            self.counters["demotions_unreadable"] += 1
+
+    def _allocate(self, nblocks: int) -> int:
+        while (first := self.alloc.allocate(nblocks)) is None:
+            if self.rec is not None and self.rec.census < self.sb.nblocks:
+                self._census_step(self.rec.region)  # room is known after each, before evicting
+                continue
+            if nblocks > self.alloc.nblocks or not self._evict_one():
+                raise CapacityError(
+                    f"no room for {nblocks} contiguous blocks: {self.alloc.used} of "
+                    f"{self.alloc.nblocks} are in use and nothing can be evicted (all leased "
+                    "or being written); retry later, remove keys, or use a bigger pool"
+                )
+        return first
+
+    def _allocate_known(self, nblocks: int) -> int:
+        """Free blocks for the log of graves: found by the census if need be, never by an
+        eviction (whose grave would need the log)."""
+        while (first := self.alloc.allocate(nblocks)) is None:
+            if self.rec is None or self.rec.census >= self.sb.nblocks:
+                raise CapacityError(
+                    f"no room for the {nblocks} blocks of the recovery's log of removed keys: "
+                    "the pool is full; retry once the server has recovered"
+                )
+            self._census_step()
+        return first

@@ -1,0 +1,177 @@
+"""Decisions ahead of recovery's scan: a request on a key, or a COMMIT or ABORT of a
+block, that the scan has not reached yet (the argument: :mod:`beluga.server.recovery`,
+"Recovering while serving").
+
+While keys are not all known, the metadata service settles each key a request
+names (the copy the pool index names is adopted or cleared), adopts a write a
+COMMIT or ABORT names, decides before the census's first region the extents
+reaching into it, and writes a grave for a key it decides with copies of it
+still unscanned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from beluga.coherence import LINE, BlockHeader, BlockState, parse_header
+from beluga.server.extents import Entry, ExtentKeeping, Pending
+from beluga.server.recovery import _recover_invalidate, _recover_mfence
+
+
+class Settling(ExtentKeeping):
+    """The metadata service's decisions ahead of the scan (the module doc).  Not
+    thread-safe, not fork-safe: the service's."""
+
+    def _claim(self, block: int, n: int) -> bool:
+        """Hold an extent the scan has not reached: the census holds it already below its
+        frontier (a live header there kept its extent), else it is reserved now."""
+        rec = self.rec
+        assert rec is not None
+        return rec.censused(block) or self.alloc.reserve(block, n)
+
+    def _read_copy(self, block: int) -> tuple[BlockHeader | None, int]:
+        """A block's header and commit word, read fresh."""
+        sb = self.sb
+        _recover_invalidate(self.mem, sb.block_header_offset(block), LINE)
+        _recover_invalidate(self.mem, sb.block_commit_offset(block), 8)
+        _recover_mfence(self.mem)
+        header = parse_header(self.mem.load(sb.block_header_offset(block), LINE))
+        word = int.from_bytes(self.mem.load(sb.block_commit_offset(block), 8), "little")
+        return header, word
+
+    def _settle(self, digest: bytes) -> None:
+        """Before an operation on a key while the scan runs: bring the copy the pool
+        index names (what readers get) into the index, or drop it, by the scan's rules.
+
+        Afterwards the index's answer for the key is what it will be once the scan is
+        done, as far as any copy a reader can see goes: the newest live copy, or none.
+        """
+        rec = self.rec
+        assert rec is not None
+        named = self.ix.find(digest)
+        if named is None:
+            return
+        block, version = named
+        e = self.index.get(digest)
+        if e is not None and e.block == block and e.version == version:
+            return
+        if version >= rec.first or rec.scanned(block) or block in rec.adopted:
+            self._name(digest)  # the slot names nothing the index holds: stale
+            return
+        header, word = self._read_copy(block)
+        if (
+            header is None
+            or header.digest != digest
+            or header.version != version
+            or header.state != BlockState.PUBLISHED
+            or word != version
+        ):
+            self._name(digest)  # a write in flight, or nothing: not a value to read
+            return
+        self._adopt_copy(digest, block, version, header.length)
+
+    def _adopt_copy(self, digest: bytes, block: int, version: int, length: int) -> bool:
+        """A committed copy of before the takeover met ahead of the scan: indexed (and
+        named) if no grave and no newer copy known says otherwise, else cleared."""
+        rec = self.rec
+        assert rec is not None
+        n = self.extent(length)
+        e = self.index.get(digest)
+        if rec.dead(digest, version) or (e is not None and e.version > version):
+            self._drop_copy(block, n if rec.censused(block) else 0)
+        elif self._claim(block, n):
+            rec.adopted.add(block)
+            if e is not None:
+                del self.index[digest]
+                self._retire(e, None)
+            self._index_copy(digest, Entry(block, n, version, length))
+            if self.ix.find(digest) != (block, version):
+                self.ix.put(digest, block, version)
+            return True
+        else:  # its extent overlaps one held already: not a value
+            self._drop_copy(block)
+        self._name(digest)
+        return False
+
+    def _name(self, digest: bytes) -> None:
+        """Make the pool index name what the index holds of a key (or nothing)."""
+        e = self.index.get(digest)
+        if e is None:
+            self.ix.drop(digest)
+        elif not self.ix.put(digest, e.block, e.version):
+            self._retire(self.index.pop(digest), digest)
+            self.counters["index_evictions"] += 1
+
+    def _adopt_write(self, digest: bytes, block: int, version: int) -> Pending | None:
+        """A COMMIT or ABORT of a block the scan has not reached: the write there, granted
+        before the takeover, becomes pending now (a committed one is adopted as a value:
+        its COMMIT was sent again); None if the block holds no such write."""
+        rec = self.rec
+        assert rec is not None
+        if not 0 <= block < self.sb.nblocks or rec.scanned(block) or version >= rec.first:
+            return None
+        if block in rec.adopted:
+            return None
+        header, word = self._read_copy(block)
+        if header is None or header.digest != digest or header.version != version:
+            return None
+        if header.state == BlockState.PUBLISHED and word == version:
+            self._settle(digest)
+            if self.index.get(digest) is None or self.index[digest].block != block:
+                self._adopt_copy(digest, block, version, header.length)
+            return None
+        if header.state not in (BlockState.WRITING, BlockState.PUBLISHED):
+            return None
+        return self._adopt_pending(block, header)
+
+    def _adopt_pending(self, block: int, header: BlockHeader) -> Pending | None:
+        """A write in flight met ahead of the scan, pending again under its writer (None if
+        its extent overlaps one held already)."""
+        rec = self.rec
+        assert rec is not None
+        n = self.extent(header.length)
+        if not self._claim(block, n):
+            return None
+        rec.adopted.add(block)
+        pend = Pending(
+            header.digest,
+            header.version,
+            header.length,
+            n,
+            header.writer,
+            header.writer_gen,
+            rec.expires,
+        )
+        self.pending[block] = pend
+        return pend
+
+    def _look_back(self) -> None:
+        """Before the census's first region (not the pool's first block): the extents that
+        begin before it and reach into it are decided now, ahead of the scan, so that none
+        of their blocks is taken for free."""
+        rec = self.rec
+        assert rec is not None
+        start = max(0, rec.origin - max(0, self.max_extent - 1))
+        if start == rec.origin:
+            return
+        headers, committed = self._read_region(start, rec.origin)
+        live, done, _ = self._classify(headers, committed, start)
+        reach = headers.block + self._extents(headers) > rec.origin
+        for i in np.flatnonzero(live & reach).tolist():
+            block = int(headers.block[i])
+            header, _ = self._read_copy(block)
+            if header is None:
+                continue
+            if done[i]:
+                self._adopt_copy(header.digest, block, header.version, header.length)
+            elif self._adopt_pending(block, header) is None:
+                self._drop_copy(block)
+
+    def _bury(self, digest: bytes, keep: int) -> None:
+        """Every copy of ``digest`` of before the takeover but ``keep`` is gone: in the
+        scan's rules now and, through the log of graves, a successor's (recovery_state.py)."""
+        rec = self.rec
+        assert rec is not None
+        rec.graves[digest] = (rec.first, keep)
+        self.graves.append(digest, rec.first, keep)
+        self.mem.sfence()  # no sabotage point yet: in the pool before the answer relying on it
