@@ -185,23 +185,43 @@ def test_rows_outside_the_blocks_are_refused_before_anything_moves(pool: Pool) -
         pool.memory.read_blocks([out], table_for(blocks), [(0, 0, 10, b"short", 1)])
 
 
-def test_foreign_bytes_in_the_extent_are_never_sealed_in(pool: Pool) -> None:
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 9000),
+    st.integers(0, 2**32),
+    st.floats(0, 1, exclude_max=True),
+    st.binary(min_size=1, max_size=64),
+)
+def test_foreign_bytes_in_the_extent_are_never_sealed_in(
+    length: int, seed: int, where: float, stray: bytes
+) -> None:
     """What a stalled writer (or anyone) left in the extent is not what this writer meant:
-    the seal's CRC is of the writer's source bytes, so the block reads as a miss."""
-    blocks = blocks_of(pool, 0, 1, 6000)
-    data = np.frombuffer(random.Random(4).randbytes(6000), dtype=np.uint8)
-    table = table_for(blocks)
-    mem = pool.memory
-    b = blocks[0]
-    mem.begin_write(b["hdr"], b["payload"], b["digest"], b["version"], b["length"])
+    the seal's CRC is of the writer's source bytes, so the block reads as a miss, whatever
+    the value's length and wherever in it foreign bytes land, however many."""
+    import mmap
 
-    mem.write_blocks(
-        [data], table, [(b["hdr"], b["payload"], b["digest"], b["version"], 6000, 0, 0, 0)]
-    )
-    mem.nt_store(b["payload"] + 10, b"\x00" if data[10] else b"\x01")  # a late stray store
-    mem.sfence()
-    res, _ = read(mem, blocks, table, 16 << 10)
-    assert res == [Miss.CHECKSUM]
+    data = np.frombuffer(random.Random(seed).randbytes(length), dtype=np.uint8)
+    at = int(where * length)
+    stray = stray[: length - at]
+    if stray == data[at : at + len(stray)].tobytes():  # not foreign: make the first byte so
+        stray = bytes([stray[0] ^ 0xFF]) + stray[1:]
+    cap = (length + 4095) // 4096 * 4096
+    b = {"hdr": 4096, "payload": 1 << 20, "digest": digest(b"k"), "version": 1, "length": length}
+    buf = mmap.mmap(-1, 4 << 20)
+    mem = Memory(buf)
+    try:
+        table = table_for([b])
+        mem.begin_write(b["hdr"], b["payload"], b["digest"], b["version"], length)
+        mem.write_blocks(
+            [data], table, [(b["hdr"], b["payload"], b["digest"], b["version"], length, 0, 0, 0)]
+        )
+        mem.nt_store(b["payload"] + at, stray)  # a late stray store
+        mem.sfence()
+        res, _ = read(mem, [b], table, cap)
+        assert res == [Miss.CHECKSUM]
+    finally:
+        mem.release()
+        buf.close()
 
 
 @settings(max_examples=30, deadline=None)

@@ -9,6 +9,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from beluga.coherence import Memory
 
@@ -94,15 +96,60 @@ def test_a_host_always_sees_its_own_stores() -> None:
     assert bytes(shared[:8]) == b"streamed" and bytes(shared[100:106]) == b"cached"
 
 
-def test_an_evicted_line_never_overtakes_its_own_queued_bytes() -> None:
+LINES = 3  # the lines a host's own stores land in below
+#: one step of a host: an operation (stores and loads weighted up), a line, a place in it, bytes
+_OWN_OPS = st.tuples(
+    st.sampled_from(["nt_store", "store"] * 3 + ["load"] * 2 + ["flush", "writeback", "sfence"]),
+    st.integers(0, LINES - 1),
+    st.integers(0, LINE - 1),
+    st.binary(min_size=1, max_size=16),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@example(  # a line comes in over its queued bytes, is stored to, and is evicted by a load
+    cache_lines=1,
+    drain_rate=0.0,
+    seed=0,
+    ops=[
+        ("nt_store", 0, 0, b"old"),
+        ("load", 0, 0, b""),
+        ("store", 0, 0, b"new"),
+        ("load", 1, 0, b""),
+    ],
+)
+@given(
+    cache_lines=st.sampled_from([1, 2]),
+    drain_rate=st.sampled_from([0.0, 0.5]),
+    seed=st.integers(0, 2**32),
+    ops=st.lists(_OWN_OPS, max_size=30),
+)
+def test_an_evicted_line_never_overtakes_its_own_queued_bytes(
+    cache_lines: int, drain_rate: float, seed: int, ops: list[tuple]
+) -> None:
+    """Whatever a host stores, cached or streamed, whatever its tiny cache evicts (written
+    back over bytes it queued for that line) and whenever its queue drains, memory ends
+    with the host's stores in its program order: the last bytes stored at each place."""
     shared = bytearray(1 << 16)
-    m = Memory(shared, "model", cache_lines=1, **QUIET)
-    m.nt_store(0, b"old")  # queued
-    m.load(0, 3)  # the line comes in with the queued bytes over it
-    m.store(0, b"new")
-    m.load(LINE, 1)  # a one-line cache evicts line 0: its queued bytes go first
+    want = bytearray(LINES * LINE)
+    knobs = {**QUIET, "drain_rate": drain_rate}
+    m = Memory(shared, "model", seed=seed, cache_lines=cache_lines, **knobs)
+    for name, line, at, data in ops:
+        off = line * LINE + at
+        if name in ("nt_store", "store"):
+            data = data[: LINES * LINE - off]
+            getattr(m, name)(off, data)
+            want[off : off + len(data)] = data
+        elif name == "load":
+            m.load(off, 1)  # a one- or two-line cache evicts another line
+        elif name in ("flush", "writeback"):
+            getattr(m, name)(line * LINE, LINE)
+        else:
+            m.sfence()
+    for line in range(LINES):
+        m.flush(line * LINE, LINE)
     m.sfence()
-    assert bytes(shared[:3]) == b"new"
+    assert bytes(shared[: LINES * LINE]) == bytes(want)
 
 
 # -- eviction ------------------------------------------------------------------------

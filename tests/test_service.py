@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from beluga.coherence import LINE, digest, parse_header
 from beluga.errors import CapacityError
@@ -199,14 +201,58 @@ def test_a_late_seal_is_not_a_committed_value_after_a_restart(h: Harness) -> Non
     assert h.commit("a", late) and h.read("a") == b"new"
 
 
-@pytest.mark.leaves("writes")  # it ends holding a grant: a WRITING header
-def test_recovery_never_resurrects_a_removed_key(h: Harness) -> None:
-    g = h.put("gone", b"x" * 100)
-    payload = p.encode_digests([digest(b"gone")])
-    assert p.decode_flags(h.svc.op_remove(h.request(p.StoreOp.REMOVE, payload))) == [True]
-    h.svc = h.start()
-    assert h.lookup("gone") is None and h.svc.stats()["blocks_used"] == 0
-    assert h.alloc("gone", 1).version > g.version  # versions never repeat after a restart
+_KEYS = ("a", "b", "c")
+#: a writer's puts and removes of a few keys, and server restarts, in any order
+_PUTS_REMOVES_RESTARTS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.sampled_from(_KEYS), st.binary(min_size=1, max_size=100)),
+        st.tuples(st.just("remove"), st.sampled_from(_KEYS), st.just(b"")),
+        st.tuples(st.just("restart"), st.just(""), st.just(b"")),
+    ),
+    max_size=12,
+)
+
+
+# it ends holding a grant (a WRITING header), and the keys it put
+@pytest.mark.leaves("keys", "writes")
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@example(ops=[("put", "a", b"x" * 100), ("remove", "a", b"")])
+@given(ops=_PUTS_REMOVES_RESTARTS)
+def test_recovery_never_resurrects_a_removed_key(
+    shm_path: str, ops: list[tuple[str, str, bytes]]
+) -> None:
+    """Whatever puts, removes and restarts came before, a recovered server finds each key's
+    last committed value, or nothing once it was removed, holds blocks for those values
+    alone, and grants versions above every version granted before."""
+    pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY)
+    try:
+        h = Harness(pool, Clock(), {WRITER}, write_lease_s=1.0, read_lease_s=2.0)
+        want: dict[str, bytes] = {}
+        granted = 0
+
+        def recovered() -> None:
+            h.svc = h.start()  # a new server recovers from the pool
+            assert {k: h.read(k) for k in _KEYS} == {k: want.get(k) for k in _KEYS}
+            assert h.svc.stats()["blocks_used"] == len(want)
+
+        for op, key, value in ops:
+            if op == "put":
+                granted = max(granted, h.put(key, value).version)
+                want[key] = value
+            elif op == "remove":
+                payload = p.encode_digests([digest(key.encode())])
+                removed = p.decode_flags(h.svc.op_remove(h.request(p.StoreOp.REMOVE, payload)))
+                assert removed == [key in want]
+                want.pop(key, None)
+            else:
+                recovered()
+        recovered()
+        assert h.alloc(_KEYS[0], 1).version > granted  # versions never repeat after a restart
+    finally:
+        pool.close()
+        Pool.destroy(shm_path)
 
 
 @pytest.mark.leaves("keys")

@@ -185,9 +185,13 @@ def test_a_model_of_another_kv_shape_is_refused_before_anything_is_written(
     hosts: Hosts,
 ) -> None:
     other = ModelEngine(ModelShape(num_layers=3), seed=5)
+    before = hosts.a.store.stats()
     with pytest.raises(KVLayoutError, match=r"L2H2D32B16.*L3H2D32B16.*create_kv_pool"):
         ServingEngine(other, hosts.a.store)
-    assert hosts.a.store.stats()["puts"] == 0
+    after = hosts.a.store.stats()
+    assert after["puts"] == 0  # nothing committed ...
+    assert after["blocks_used"] == before["blocks_used"]  # ... nor reserved
+    assert after["writes_in_flight"] == 0 and after["keys"] == before["keys"]
 
 
 def test_a_pool_not_made_for_kv_is_refused(shm_path: str, models: tuple) -> None:
