@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run Mooncake's own store tests, unchanged, against Mooncake and against the Beluga
-# drop-in, and compare every test's outcome (beluga/compat/mooncake_tests.py).
+# drop-in, and compare every test's outcome (tests/compat_mooncake/mooncake_own_tests.py).
 #
 #   ci/mooncake-own-tests.sh MOONCAKE_GIT [REVISION] [-- MORE ARGUMENTS]
 #
@@ -14,7 +14,7 @@
 # stale; 1 otherwise; 2 for bad arguments.
 set -euo pipefail
 
-usage() { echo "usage: $0 MOONCAKE_GIT [REVISION] [-- ARGS for python -m beluga.compat.mooncake_tests]" >&2; exit 2; }
+usage() { echo "usage: $0 MOONCAKE_GIT [REVISION] [-- ARGS for python -m tests.compat_mooncake.mooncake_own_tests]" >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 repo=$1; shift
 revision=v0.3.13
@@ -33,4 +33,4 @@ trap 'rm -rf "$scratch"' EXIT
 git -C "$repo" archive "$revision" mooncake-wheel/tests | tar -x -C "$scratch"
 echo "mooncake-own-tests: Mooncake's tests at $revision ($(git -C "$repo" rev-parse --short "$revision^{commit}"))"
 cd "$root"
-"$python" -m beluga.compat.mooncake_tests "$scratch/mooncake-wheel/tests" "$@"
+"$python" -m tests.compat_mooncake.mooncake_own_tests "$scratch/mooncake-wheel/tests" "$@"

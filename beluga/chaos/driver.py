@@ -175,7 +175,7 @@ class ChaosConfig:
     #: a server only by its heartbeat and fences it with a --fence command, as across machines
     emulated_hosts: bool = False
     #: a writer client of a layer above chaos for writer slots 2, 5, ... (roles.CLIENTS):
-    #: "mooncake", the Mooncake drop-in (import beluga.compat.chaos first); None: none
+    #: "mooncake", the Mooncake drop-in (import beluga.compat.mooncake.chaos first); None: none
     writer_client: str | None = None
     weights: dict[str, float] = field(default_factory=lambda: dict(WEIGHTS))
 
@@ -371,7 +371,7 @@ class ChaosDriver:
             raise ChaosError(
                 f"no writer client {cfg.writer_client!r} is registered (known: "
                 f"{sorted(CLIENTS) or 'none'}); import the module that registers it first "
-                "(beluga.compat.chaos registers 'mooncake')"
+                "(beluga.compat.mooncake.chaos registers 'mooncake')"
             )
         self.log(
             f"beluga chaos: seed {self.seed}, {cfg.faults} faults, coherence {cfg.coherence}, "

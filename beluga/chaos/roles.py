@@ -47,7 +47,7 @@ Writer slots write three ways, by slot number: ``put``/``put_batch`` (slot 0,
 3, ...); ``save`` without ``replace`` and with ``wait_s`` (slot 1, 4, ...;
 half its saves run beside a second save of overlapping keys on a helper
 thread, so a key is in flight elsewhere and waited for); and, when the run
-names a client of a layer above in :data:`CLIENTS` (``beluga.compat.chaos``:
+names a client of a layer above in :data:`CLIENTS` (``beluga.compat.mooncake.chaos``:
 the Mooncake drop-in), through that client (slot 2, 5, ...).  Readers load the
 in-place path with ``drop_corrupt``, and reader 0 follows ``retired``.
 """
@@ -106,7 +106,7 @@ class WriterClient(Protocol):
 
 
 #: writer clients of layers above chaos, by name, each made from a role's spec in the role's
-#: own process; ``beluga.compat.chaos`` registers "mooncake" (the Mooncake drop-in), and a
+#: own process; ``beluga.compat.mooncake.chaos`` registers "mooncake" (the Mooncake drop-in), and a
 #: run whose ``ChaosConfig.writer_client`` names it gives it writer slots 2, 5, ...
 CLIENTS: dict[str, Callable[[RoleSpec], WriterClient]] = {}
 

@@ -119,7 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_chaos_command(args: argparse.Namespace) -> int:
-    import beluga.compat.chaos  # noqa: F401  (registers the Mooncake drop-in as a writer client)
+    import beluga.compat.mooncake.chaos  # noqa: F401  (registers the Mooncake drop-in as a writer client)
     from beluga.chaos import KINDS, ChaosConfig, run_chaos
     from beluga.chaos.driver import WEIGHTS
 

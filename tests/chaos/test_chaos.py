@@ -26,7 +26,7 @@ import random
 
 import pytest
 
-import beluga.compat.chaos  # noqa: F401  (registers the Mooncake drop-in as a writer client)
+import beluga.compat.mooncake.chaos  # noqa: F401  (registers the Mooncake drop-in as a writer client)
 from beluga.chaos import KINDS, ChaosConfig, ChaosError, ChaosReport, run_chaos
 from beluga.chaos.roles import READ_PATHS
 

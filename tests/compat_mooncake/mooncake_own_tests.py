@@ -3,7 +3,7 @@
 ::
 
     git -C MOONCAKE_CHECKOUT archive v0.3.13 mooncake-wheel/tests | tar -x -C /tmp/mc
-    python -m beluga.compat.mooncake_tests /tmp/mc/mooncake-wheel/tests [--json OUT]
+    python -m tests.compat_mooncake.mooncake_own_tests /tmp/mc/mooncake-wheel/tests [--json OUT]
 
 (``ci/mooncake-own-tests.sh`` does both.)  Mooncake's tests are not part of
 this project: they are read from the folder given, copied into scratch
@@ -70,7 +70,7 @@ _LINE = re.compile(r"^(\S+\.py::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)
 #: what runs a child so that the kernel kills it if this process dies (pdeathsig)
 _SETPRIV = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
 _CONFTEST = """\
-# written by beluga.compat.mooncake_tests: Mooncake's imports get the Beluga drop-in
+# written by tests.compat_mooncake.mooncake_own_tests: Mooncake's imports get the Beluga drop-in
 from beluga.compat.mooncake import install
 
 install()
@@ -324,7 +324,7 @@ def _summary(run: FileRun) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m beluga.compat.mooncake_tests")
+    parser = argparse.ArgumentParser(prog="python -m tests.compat_mooncake.mooncake_own_tests")
     parser.add_argument("tests", type=Path, help="a Mooncake checkout's mooncake-wheel/tests")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per test file")
     parser.add_argument("--json", type=Path, help="write every outcome and the verdict here")

@@ -1,4 +1,4 @@
-"""The runner of Mooncake's own store tests (beluga/compat/mooncake_tests.py): its parsing,
+"""The runner of Mooncake's own store tests (mooncake_own_tests.py, here): its parsing,
 its verdict, and that a file which hangs is killed and its tests reported hung.
 
 Mooncake's tests themselves are not in this project (ci/mooncake-own-tests.sh fetches
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from beluga.compat import mooncake_tests as runner
 from beluga.compat.mooncake import DIFFERENCES
+from tests.compat_mooncake import mooncake_own_tests as runner
 
 A, B, C, D = (f"test_x.py::T::test_{c}" for c in "abcd")
 
