@@ -169,7 +169,7 @@ def model_eviction(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
 @contextmanager
 def serving(pool: Pool, **options: object) -> Iterator[RpcServer]:
     """An RPC server (the grantor of host ids) in a thread of this process."""
-    server = RpcServer(pool, refresh_s=0.01, **options)  # type: ignore[arg-type]
+    server = RpcServer.open(pool, refresh_s=0.01, **options)  # type: ignore[arg-type]
     server.start_thread()
     try:
         yield server

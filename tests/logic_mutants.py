@@ -47,7 +47,7 @@ SVC = "tests/test_service.py::"
 HOSTS = "tests/test_hosts.py::"
 STORE = "tests/test_store.py::"
 BLOCKS = "tests/test_store_blocks.py::"
-VLLM = "tests/frameworks/test_vllm_connector.py::"
+VLLM = "tests/frameworks/test_vllm_parallel.py::"
 RETIRED = "tests/test_retired.py::"
 MOONCAKE = "tests/compat_mooncake/test_values.py::"
 RESTARTS = "tests/test_rpc_restarts.py::"
@@ -535,7 +535,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "standby-trusts-another-host-unfenced",
         "standby",
-        "beluga/server/server.py",
+        "beluga/server/standby.py",
         "if not here and fence_command is None:",
         "if False:",
         (
@@ -548,9 +548,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "seat-taken-from-another-host-unsettled",
         "standby",
-        "beluga/pool/hosts.py",
-        "            mine = self._settle(mine, stopping)",
-        "            pass",
+        "beluga/pool/seat.py",
+        "        mine = _settle(t, mine, stopping)",
+        "        pass",
         (HOSTS + "test_a_rival_standby_that_stores_the_seat_at_once_wins_and_the_other_waits",),
         "two standbys on two hosts that stored the seat line at once would both serve: the "
         "test's rival overwrites the seat and take_seat returns instead of raising",
@@ -821,7 +821,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "seat-left-elsewhere-taken-unsettled",
         "taking a seat",
-        "beluga/pool/hosts.py",
+        "beluga/pool/seat.py",
         "if fenced is not None or empty_elsewhere:",
         "if fenced is not None:",
         (HOSTS + "test_an_empty_seat_last_held_on_another_host_is_taken_through_the_settle",),
@@ -832,7 +832,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "seat-free-trusts-a-pid-of-another-host",
         "taking a seat",
-        "beluga/server/server.py",
+        "beluga/server/standby.py",
         "return seat.identity.same_kernel() and not seat.identity.running()",
         "return not seat.identity.running()",
         (

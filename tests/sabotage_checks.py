@@ -60,15 +60,8 @@ from beluga.errors import PoolError
 from beluga.kv import protocol as p
 from beluga.litmus import Seen
 from beluga.pool import Geometry, HostState, Pool
-from beluga.pool.hosts import (
-    ClaimAnswer,
-    ClaimRequest,
-    Grant,
-    HostEntry,
-    HostRegistry,
-    HostTable,
-    Identity,
-)
+from beluga.pool.host_records import ClaimAnswer, ClaimRequest, Grant, HostEntry, Identity
+from beluga.pool.hosts import HostRegistry, HostTable
 from beluga.pool.layout import Region, host_region_lines, plan, unpack
 from beluga.pool.pool import format_pool
 from beluga.rpc import Request

@@ -51,7 +51,7 @@ def ended_closed(thread: threading.Thread, errors: list[BaseException]) -> None:
 
 def still_serves(spec: str) -> None:
     """The pool attaches again and a new server answers a new client."""
-    with Pool.attach(spec) as pool, RpcServer(pool, refresh_s=0.01) as server:
+    with Pool.attach(spec) as pool, RpcServer.open(pool, refresh_s=0.01) as server:
         server.start_thread()
         with Pool.attach(spec) as other, RpcClient(other) as client:
             assert client.call(Op.ECHO, b"still here") == b"still here"
@@ -59,7 +59,7 @@ def still_serves(spec: str) -> None:
 
 def close_under_serve_forever(spec: str) -> None:
     spool, cpool = Pool.attach(spec), Pool.attach(spec)
-    server = RpcServer(spool, refresh_s=3600)  # one poll call: the close lands inside it
+    server = RpcServer.open(spool, refresh_s=3600)  # one poll call: the close lands inside it
     client = connect(server, cpool)  # an active ring, so the poll reads pool memory
     errors: list[BaseException] = []
     loop = start(server.serve_forever, errors)
@@ -76,7 +76,7 @@ def close_under_serve_forever(spec: str) -> None:
 def close_under_client_wait(spec: str) -> None:
     rpc_client.SLICE_S = 3600.0  # one C wait per call: the close lands inside it
     spool, cpool = Pool.attach(spec), Pool.attach(spec)
-    server = RpcServer(spool)  # never polls: the call is never answered
+    server = RpcServer.open(spool)  # never polls: the call is never answered
     client = connect(server, cpool)
     errors: list[BaseException] = []
     caller = start(lambda: client.call(Op.ECHO, b"x", timeout=3600), errors)
@@ -92,7 +92,7 @@ def close_under_client_wait(spec: str) -> None:
 
 def close_under_pump_and_echo(spec: str) -> None:
     spool, cpool = Pool.attach(spec), Pool.attach(spec)
-    server = RpcServer(spool, refresh_s=3600)
+    server = RpcServer.open(spool, refresh_s=3600)
     client = connect(server, cpool, depth=8)
     echo_errors: list[BaseException] = []
     pump_errors: list[BaseException] = []
@@ -147,7 +147,7 @@ def test_closing_the_pool_under_a_running_loop_never_crashes(
 
 def test_a_loop_refuses_to_start_on_a_closing_or_released_pool(pool: Pool) -> None:
     memory = pool.memory
-    server = RpcServer(pool)
+    server = RpcServer.open(pool)
     try:
         with Pool.attach(pool.spec) as other:
             client = connect(server, other)

@@ -27,21 +27,19 @@ from beluga.child import server_process
 from beluga.coherence import read_line, write_line
 from beluga.errors import PoolError, RpcError
 from beluga.pool import Geometry, HostState, Pool
-from beluga.pool.hosts import (
+from beluga.pool.host_records import (
     HOST_MAGIC,
-    SEAT_SETTLE_S,
     ClaimRequest,
     Grant,
     HostEntry,
-    HostRegistry,
-    HostTable,
     Identity,
     Seat,
-    Staleness,
     boot_id,
 )
+from beluga.pool.hosts import HostRegistry, HostTable, Staleness
+from beluga.pool.seat import SEAT_SETTLE_S, leave_seat, take_seat
 from beluga.rpc import RpcServer
-from beluga.server.server import seat_free
+from beluga.server.standby import seat_free
 from beluga.signals import stop_on_signals
 from tests.conftest import serving
 from tests.test_native import crc32c_reference
@@ -89,7 +87,7 @@ def test_no_server_is_a_clear_error_and_the_request_is_withdrawn(pool: Pool) -> 
 
 def _serve_rpc(spec: str, ready: mp.Event) -> None:
     with Pool.attach(spec) as pool, stop_on_signals() as stopping:
-        server = RpcServer(pool, refresh_s=0.005, stopping=stopping)
+        server = RpcServer.open(pool, refresh_s=0.005, stopping=stopping)
         ready.set()
         server.serve_forever()
         server.close()
@@ -277,7 +275,7 @@ def test_another_hosts_holder_lives_while_its_heartbeat_moves(pool: Pool) -> Non
     clock.now += 11
     assert registry.alive(1) is None  # never confirmed within stale_s
     from beluga.coherence import write_line
-    from beluga.pool.hosts import HostEntry
+    from beluga.pool.host_records import HostEntry
 
     entry = HostEntry(1, HostState.ALIVE, 4242, 1, b"elsewher", 100, 3, 99)
     write_line(table.mem, table._host_off(1), entry.pack())
@@ -340,7 +338,7 @@ def test_the_watch_travels_in_the_status_lines_to_the_next_server(pool: Pool) ->
     _remote_holder(pool.hosts, 1, 3, beat=100)
     ring = RingControl(1, 3, 8, 4242, 1, 0)  # its ring: each refresh judges its holder
     write_line(pool.memory, ring_offset(pool.superblock, 1), ring.pack())
-    with RpcServer(pool, stale_s=10.0) as first:
+    with RpcServer.open(pool, stale_s=10.0) as first:
         clock.now += 7
         first.refresh()
         line = read_line(pool.memory, ring_offset(pool.superblock, 1) + STATUS_LINE)
@@ -348,7 +346,7 @@ def test_the_watch_travels_in_the_status_lines_to_the_next_server(pool: Pool) ->
         assert status is not None and status.watch is not None
         assert (status.watch.generation, status.watch.beat) == (3, 100)
         assert status.watch.still_s == pytest.approx(7.0)
-    with RpcServer(pool, stale_s=10.0) as second:
+    with RpcServer.open(pool, stale_s=10.0) as second:
         clock.now += 2
         assert second.registry.alive(1) is not None  # 9 s
         clock.now += 1.5
@@ -363,7 +361,7 @@ def test_a_holder_taken_for_dead_finds_its_grant_gone(pool: Pool) -> None:
         table, 10.0, before_grant=lambda h, old: regrants.append((h, old.generation))
     )
     from beluga.coherence import write_line
-    from beluga.pool.hosts import HostEntry
+    from beluga.pool.host_records import HostEntry
 
     _remote_grant(table, 0, 1)
     stalled = HostEntry(0, HostState.ALIVE, 4242, 1, b"elsewher", 7, 1, 99)
@@ -397,9 +395,9 @@ def test_torn_and_foreign_lobby_lines_are_ignored(pool: Pool) -> None:
 def test_a_second_server_is_refused_while_one_serves(pool: Pool) -> None:
     with serving(pool):
         with pytest.raises(PoolError, match=r"server seat .* is held by another process"):
-            RpcServer(pool)
+            RpcServer.open(pool)
         with Pool.attach(pool.spec) as other, pytest.raises(PoolError, match="another"):
-            RpcServer(other)
+            RpcServer.open(other)
     with serving(pool) as again:  # the seat and the lock were given back
         assert again.registry.table.seat() is not None
 
@@ -444,7 +442,7 @@ def test_a_rival_standby_that_stores_the_seat_at_once_wins_and_the_other_waits(
     thread = threading.Thread(target=rival_stores_after_ours)
     thread.start()
     with pytest.raises(PoolError, match="took the seat at once"):
-        HostRegistry(table).take_seat(11, wait_s=1.0, fenced=stalled)
+        take_seat(table, 11, wait_s=1.0, fenced=stalled)
     thread.join(10)
     assert table.seat() == rival  # the rival's line stands: nothing of ours overwrote it
 
@@ -454,12 +452,12 @@ def test_a_seat_taken_from_another_host_without_a_rival_is_held(pool: Pool) -> N
     stalled = _foreign_seat(table, 4242, b"\x01" * 8)
     write_line(table.mem, table._seat_off, stalled.pack())
     started = time.monotonic()
-    mine = HostRegistry(table).take_seat(11, wait_s=1.0, fenced=stalled)
+    mine = take_seat(table, 11, wait_s=1.0, fenced=stalled)
     assert time.monotonic() - started >= SEAT_SETTLE_S  # it held the seat through the settle
     seat = table.seat()
     assert seat is not None and seat.identity == mine.identity and seat.epoch == 11
     assert seat.takeovers == 1
-    HostRegistry(table).leave_seat(mine)
+    leave_seat(table, mine)
 
 
 def _store_after_ours(table: HostTable, rival: Seat) -> threading.Thread:
@@ -494,7 +492,7 @@ def test_an_empty_seat_last_held_on_another_host_is_taken_through_the_settle(
     rival = _foreign_seat(table, 5151, b"\x02" * 8, epoch=9)
     thread = _store_after_ours(table, rival)
     with pytest.raises(PoolError, match="took the seat at once"):
-        HostRegistry(table).take_seat(11, wait_s=1.0)
+        take_seat(table, 11, wait_s=1.0)
     thread.join(10)
     assert table.seat() == rival
 

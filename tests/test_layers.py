@@ -71,7 +71,7 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         "chaos, litmus",
-        ("chaos/", "litmus.py"),
+        ("chaos/", "litmus/"),
         (
             "harnesses over a live pool: fault injection with every answer checked;",
             "coherence litmus tests across hosts (above the pool, never inside it)",
@@ -161,12 +161,6 @@ EXEMPTIONS: tuple[Exemption, ...] = (
         RAW_MAPPING,
         "certification times the GPU's own copies to and from the pinned pool region, "
         "which is the device's path, not the CPU's Memory",
-    ),
-    Exemption(
-        "rpc/server.py",
-        RAW_MAPPING,
-        "the server seat's exclusive lock is an flock on the mapping's backing file; "
-        "no byte of the pool is read or written through it",
     ),
 )
 

@@ -24,7 +24,7 @@ from beluga.errors import (
 )
 from beluga.kv import protocol as p
 from beluga.pool import Geometry, HostState, Pool, parse_spec, resolve_pool
-from beluga.pool.hosts import HostEntry, Identity
+from beluga.pool.host_records import HostEntry, Identity
 from beluga.pool.layout import (
     LAYOUT_VERSION,
     MAGIC,

@@ -77,7 +77,7 @@ def handlers() -> dict:
 
 def _server_main(spec: str, mode: str, gone: mp.Queue, ready: mp.Event) -> None:
     with Pool.attach(spec, coherence=mode) as pool, stop_on_signals() as stopping:
-        server = RpcServer(
+        server = RpcServer.open(
             pool, handlers(), refresh_s=0.02, on_client_gone=gone.put, stopping=stopping
         )
         ready.set()
@@ -245,7 +245,7 @@ def _counting_server(pool: Pool, runs: list[bytes]) -> RpcServer:
         runs.append(r.payload)
         return _add(r)
 
-    return RpcServer(pool, {OP_ADD: per_request(add)}, refresh_s=0.02)
+    return RpcServer.open(pool, {OP_ADD: per_request(add)}, refresh_s=0.02)
 
 
 def test_a_request_its_caller_gave_up_on_is_never_run_by_the_next_server(pool: Pool) -> None:
@@ -362,7 +362,7 @@ def test_a_killed_client_is_reclaimed_and_others_keep_going(pool: Pool) -> None:
 
 def test_in_process_server_and_hostile_lines(pool: Pool) -> None:
     """A rogue host writes lines into a live ring; the server answers errors and carries on."""
-    server = RpcServer(pool, handlers(), refresh_s=0.02)
+    server = RpcServer.open(pool, handlers(), refresh_s=0.02)
     server.start_thread()
     try:
         with Pool.attach(pool.spec) as other, RpcClient(other, depth=4) as c:
@@ -420,7 +420,7 @@ def test_in_process_server_and_hostile_lines(pool: Pool) -> None:
     )
 )
 def test_random_bytes_in_slots_never_stop_the_server(pool: Pool, junk: list) -> None:
-    server = RpcServer(pool, handlers(), refresh_s=0.02)
+    server = RpcServer.open(pool, handlers(), refresh_s=0.02)
     server.start_thread()
     try:
         with Pool.attach(pool.spec) as other, RpcClient(other, depth=8) as c:
@@ -449,7 +449,7 @@ def test_a_ring_control_line_is_its_fields_padded_then_their_crc32c() -> None:
 def test_out_of_line_payloads_lie_in_the_slot_buffers_the_protocol_names(pool: Pool) -> None:
     """request_buffer / response_buffer (what chaos aims its hostile bytes at) are where the
     C core really puts a slot's out-of-line payloads."""
-    server = RpcServer(pool, handlers(), refresh_s=0.02)
+    server = RpcServer.open(pool, handlers(), refresh_s=0.02)
     server.start_thread()
     try:
         with RpcClient(pool, depth=4) as c:

@@ -34,7 +34,7 @@ def _echo_line(seq: int, gen: int) -> bytes:
 def test_a_client_paused_mid_line_is_served_when_it_resumes(pool: Pool, mode: str) -> None:
     with (
         Pool.attach(pool.spec, coherence=mode) as served,
-        RpcServer(served, refresh_s=0.02) as server,
+        RpcServer.open(served, refresh_s=0.02) as server,
     ):
         server.start_thread()
         with (
@@ -75,7 +75,7 @@ def test_a_client_paused_mid_line_is_served_when_it_resumes(pool: Pool, mode: st
 
 
 def test_a_line_torn_past_the_patience_is_answered_corrupt(pool: Pool) -> None:
-    with RpcServer(pool, refresh_s=0.02, torn_patience_s=0.2) as server:
+    with RpcServer.open(pool, refresh_s=0.02, torn_patience_s=0.2) as server:
         server.start_thread()
         assert server.rings.torn_patience_s == pytest.approx(0.2)
         with Pool.attach(pool.spec) as host, RpcClient(host, depth=4) as c:
@@ -100,5 +100,5 @@ def test_a_line_torn_past_the_patience_is_answered_corrupt(pool: Pool) -> None:
 
 
 def test_the_default_patience_is_the_documented_ten_seconds(pool: Pool) -> None:
-    with RpcServer(pool) as server:
+    with RpcServer.open(pool) as server:
         assert server.rings.torn_patience_s == pytest.approx(10.0)

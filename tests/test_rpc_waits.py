@@ -49,7 +49,7 @@ def _server(pool: Pool, go: threading.Event | None = None) -> RpcServer:
         assert go is not None and go.wait(60)
         return r.payload
 
-    return RpcServer(pool, {OP_HELD: per_request(hold)}, refresh_s=0.02)
+    return RpcServer.open(pool, {OP_HELD: per_request(hold)}, refresh_s=0.02)
 
 
 def test_a_sleeping_client_is_woken_by_its_response(pool: Pool, held: threading.Event) -> None:

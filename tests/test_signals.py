@@ -130,7 +130,7 @@ def _run_child(where: str, spec: str) -> str:
 
 def test_a_standby_signalled_while_its_wait_holds_a_lock_exits(pool: Pool) -> None:
     """The old handler's Event.set waited for the lock of the Event.wait it interrupted."""
-    with RpcServer(pool):  # holds the seat (this process is alive): the standby waits
+    with RpcServer.open(pool):  # holds the seat (this process is alive): the standby waits
         err = _run_child("standby", pool.spec)
     assert "stopped while standing by" in err
 
@@ -274,7 +274,7 @@ def test_handlers_are_installed_only_from_the_main_thread() -> None:
 
 def test_an_rpc_server_stopped_by_its_flag_ends_serve_forever(pool: Pool) -> None:
     stop = StopFlag()
-    with RpcServer(pool, stopping=stop) as server:
+    with RpcServer.open(pool, stopping=stop) as server:
         thread = server.start_thread()
         stop.set()  # what a signal handler does: no call into the server
         thread.join(HANG_S)
@@ -286,6 +286,6 @@ def test_closing_an_rpc_server_leaves_its_process_stop_flag_alone(pool: Pool) ->
     """The flag is the process's (a standby's): a server that closes itself because it lost
     the seat during recovery must send the standby back to waiting, not stop it."""
     stop = StopFlag()
-    with RpcServer(pool, stopping=stop) as server:
+    with RpcServer.open(pool, stopping=stop) as server:
         server.stop()
     assert not stop.is_set()

@@ -28,7 +28,7 @@ import pytest
 
 from beluga.kv.store import KVStore
 from beluga.pool import Pool
-from beluga.server.server import seat_free
+from beluga.server.standby import seat_free
 
 WAIT_S = 30.0  # bound of every wait; none is a timed assert
 

@@ -307,7 +307,7 @@ def bandwidth(pool: Pool, s: Settings) -> dict[str, Any]:
 def _echo_server(spec: str, limit_s: float, stop: Any, errors: Any) -> None:
     """Child process: one server thread answering echoes in C until stopped."""
     try:
-        with Pool.attach(spec, coherence="native") as pool, RpcServer(pool) as server:
+        with Pool.attach(spec, coherence="native") as pool, RpcServer.open(pool) as server:
             deadline = time.monotonic() + limit_s
             while not stop.is_set() and time.monotonic() < deadline:
                 server.serve_echo(0.2)

@@ -49,7 +49,7 @@ _CTX = mp.get_context("fork")
 
 def ring_server(spec: str, mode: str, ready: Any) -> None:
     with Pool.attach(spec) as pool, stop_on_signals() as stopping:
-        server = RpcServer(pool, stopping=stopping)  # SIGTERM only raises the flag
+        server = RpcServer.open(pool, stopping=stopping)  # SIGTERM only raises the flag
         ready.set()
         if mode == "c":
             server.serve_echo(3600)

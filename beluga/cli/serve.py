@@ -130,7 +130,8 @@ def _log_to_stderr(level: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from beluga.server.server import TAKEOVER_AFTER_S, serve
+    from beluga.server.server import serve
+    from beluga.server.standby import TAKEOVER_AFTER_S
 
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0..65535)")

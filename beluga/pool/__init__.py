@@ -10,7 +10,8 @@ from beluga.pool.backends import (
     register_backend,
     resolve_pool,
 )
-from beluga.pool.hosts import HostEntry, HostState, HostTable
+from beluga.pool.host_records import HostEntry, HostState
+from beluga.pool.hosts import HostTable
 from beluga.pool.layout import LAYOUT_VERSION, Geometry, Region, Superblock
 from beluga.pool.pool import Pool, removal_guard
 

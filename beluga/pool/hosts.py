@@ -44,6 +44,9 @@ Liveness of a holder
     takeover every few seconds no single server would ever watch that long,
     and ids ran out.  Only the time between two servers is not counted.
 
+The lines' formats and who a process is are :mod:`beluga.pool.host_records`;
+the seat's protocol (taking, keeping and leaving it) is :mod:`beluga.pool.seat`.
+
 Time is an input: :class:`HostTable` takes the monotonic ``clock`` that
 staleness is judged by and the ``wall`` clock of heartbeat stamps, so tests
 drive both; only real waits (a claimant waiting for its answer) read the
@@ -57,30 +60,25 @@ is identified by its own pid), and never inherits its parent's.
 
 from __future__ import annotations
 
-import enum
-import hashlib
 import os
 import random
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import psutil
-
 from beluga import _native
-from beluga.coherence import (
-    LINE,
-    Memory,
-    line_reader,
-    line_writer,
-    seal_record,
-    unseal_record,
-    write_line,
-)
+from beluga.coherence import LINE, Memory, line_reader, line_writer, write_line
 from beluga.errors import PoolError, RpcError
+from beluga.pool.host_records import (
+    ClaimAnswer,
+    ClaimRequest,
+    Grant,
+    HostEntry,
+    HostState,
+    Identity,
+    Seat,
+)
 from beluga.pool.layout import Region, lobby_lines
-from beluga.signals import StopFlag
 
 # Every line read here is written by another host: invalidate, MFENCE, load.  The
 # steps are sabotage points (beluga_native.h), the server's and the claimants' apart.
@@ -93,23 +91,6 @@ _holder_read = line_reader("HOSTS_HOLDER_READ_INVALIDATE", "HOSTS_HOLDER_READ_MF
 # a poll, and nothing is ordered after them.
 _write_grant = line_writer("HOSTS_GRANT_FENCE")
 
-HOST_MAGIC = 0x54534F48  # "HOST"
-GRANT_MAGIC = 0x544E5247  # "GRNT"
-CLAIM_MAGIC = 0x4D49414C  # "LAIM"
-ANSWER_MAGIC = 0x52534E41  # "ANSR"
-SEAT_MAGIC = 0x54414553  # "SEAT"
-#: how long a server that took the seat from another host keeps checking that it is still
-#: its own before it writes anything else (HostRegistry.take_seat): two standbys on two hosts
-#: that fenced one server at once both store the seat line; the last store wins
-SEAT_SETTLE_S = 0.5
-_HOST = struct.Struct("<IIIIQ8sQQQ")  # magic, id, state, pid, start, boot, beat, gen, nonce
-_GRANT = struct.Struct("<IIIIQ8sQ")  # magic, id, gen, pid, start, boot, nonce
-_CLAIM = struct.Struct("<IiIQ8sQ")  # magic, wanted id (-1: any), pid, start, boot, nonce
-_ANSWER = struct.Struct("<IiIIQ")  # magic, result, gen, holder pid, nonce
-# magic, epoch, pid, start, boot, heartbeat, since, seats taken, takeovers (the last three
-# were added later: a seat line written without them reads them as 0)
-_SEAT = struct.Struct("<IIIQ8sQQII")
-
 DEFAULT_STALE_S = 10.0
 CLAIM_POLL_S = 0.0005  # how often a claimant looks for its answer
 REPOST_S = 0.05  # how often a claimant checks its request is still in its lobby line
@@ -117,253 +98,6 @@ ANY_HOST = -1
 REFUSED_FULL = -1  # answer: every id is held by a live process
 REFUSED_HELD = -2  # answer: the wanted id is held by a live process
 REFUSED_RANGE = -3  # answer: the wanted id does not exist
-
-
-#: set to a name, this process counts as a host of its own (liveness by heartbeat only)
-EMULATED_HOST_ENV = "BELUGA_EMULATED_HOST"
-
-
-def _boot_id() -> bytes:
-    """This kernel's boot id (8 bytes), or that of the host named by ``$BELUGA_EMULATED_HOST``.
-
-    The variable emulates another host on one machine (tests, the chaos
-    tier): its processes' pids mean nothing to others, so their liveness is
-    judged by heartbeat, as across machines.  Never set it in production.
-    """
-    emulated = os.environ.get(EMULATED_HOST_ENV)
-    if emulated:
-        return hashlib.blake2b(b"beluga-emulated-host:" + emulated.encode(), digest_size=8).digest()
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            return bytes.fromhex(f.read().strip().decode().replace("-", ""))[:8]
-    except OSError:
-        return b"\0" * 8
-
-
-BOOT_ID = _boot_id()
-
-
-def boot_id() -> bytes:
-    """This process's host's boot id (:data:`BOOT_ID`, read here so :func:`emulate_host` holds)."""
-    return BOOT_ID
-
-
-def emulate_host(name: str) -> None:
-    """Make this process a host of its own named ``name`` from now on (``$BELUGA_EMULATED_HOST``
-    for processes forked after the boot id was read: the chaos tier's servers).  Tests only."""
-    global BOOT_ID
-    os.environ[EMULATED_HOST_ENV] = name
-    BOOT_ID = _boot_id()
-
-
-def process_start_ms(pid: int) -> int | None:
-    """Start time of a live process in ms since the epoch, or None if it is gone.
-
-    A zombie is gone: it will never run again, only its parent has not reaped it.
-    """
-    try:
-        proc = psutil.Process(pid)
-        with proc.oneshot():
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-            return round(proc.create_time() * 1000)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return None
-
-
-def _unseal(line: bytes, st: struct.Struct, magic: int) -> tuple | None:
-    """The fields of a sealed line of format ``st``; None when torn, foreign or empty."""
-    body = unseal_record(line)
-    if body is None:
-        return None
-    fields = st.unpack_from(body)
-    return fields[1:] if fields[0] == magic else None
-
-
-@dataclass(frozen=True)
-class Identity:
-    """Who a process is, everywhere: pid and start time on one boot of one kernel."""
-
-    pid: int
-    start_ms: int
-    boot_id: bytes
-
-    @classmethod
-    def mine(cls) -> Identity:
-        pid = os.getpid()
-        return cls(pid, process_start_ms(pid) or 0, boot_id())
-
-    def same_kernel(self) -> bool:
-        return self.boot_id == boot_id()
-
-    def running(self) -> bool:
-        """On this kernel: whether this exact process still runs (exact, no timing)."""
-        return process_start_ms(self.pid) == self.start_ms
-
-
-class HostState(enum.IntEnum):
-    FREE = 0
-    ALIVE = 1
-    LEFT = 2
-
-
-@dataclass(frozen=True)
-class HostEntry:
-    """A host line: written only by the holder of the id."""
-
-    host_id: int
-    state: HostState
-    pid: int
-    start_ms: int
-    boot_id: bytes
-    heartbeat_ns: int
-    generation: int
-    nonce: int
-
-    @property
-    def identity(self) -> Identity:
-        return Identity(self.pid, self.start_ms, self.boot_id)
-
-    def pack(self) -> bytes:
-        return seal_record(
-            _HOST.pack(
-                HOST_MAGIC,
-                self.host_id,
-                self.state,
-                self.pid,
-                self.start_ms,
-                self.boot_id,
-                self.heartbeat_ns,
-                self.generation,
-                self.nonce,
-            )
-        )
-
-    @classmethod
-    def unpack(cls, line: bytes) -> HostEntry | None:
-        """Decode a host line; None for a free, torn or garbage line."""
-        f = _unseal(line, _HOST, HOST_MAGIC)
-        if f is None or f[1] not in HostState._value2member_map_:
-            return None
-        hid, state, *rest = f
-        return cls(hid, HostState(state), *rest)
-
-
-@dataclass(frozen=True)
-class Grant:
-    """A grant line: written only by the server; who holds an id, in which generation."""
-
-    host_id: int
-    generation: int
-    identity: Identity
-    nonce: int
-
-    def pack(self) -> bytes:
-        i = self.identity
-        return seal_record(
-            _GRANT.pack(
-                GRANT_MAGIC,
-                self.host_id,
-                self.generation,
-                i.pid,
-                i.start_ms,
-                i.boot_id,
-                self.nonce,
-            )
-        )
-
-    @classmethod
-    def unpack(cls, line: bytes) -> Grant | None:
-        f = _unseal(line, _GRANT, GRANT_MAGIC)
-        if f is None:
-            return None
-        hid, gen, pid, start, boot, nonce = f
-        return cls(hid, gen, Identity(pid, start, boot), nonce)
-
-
-@dataclass(frozen=True)
-class ClaimRequest:
-    """A lobby line: a claimant's request for an id (any, or a given one)."""
-
-    wanted: int
-    identity: Identity
-    nonce: int
-
-    def pack(self) -> bytes:
-        i = self.identity
-        return seal_record(
-            _CLAIM.pack(CLAIM_MAGIC, self.wanted, i.pid, i.start_ms, i.boot_id, self.nonce)
-        )
-
-    @classmethod
-    def unpack(cls, line: bytes) -> ClaimRequest | None:
-        f = _unseal(line, _CLAIM, CLAIM_MAGIC)
-        if f is None:
-            return None
-        wanted, pid, start, boot, nonce = f
-        return cls(wanted, Identity(pid, start, boot), nonce)
-
-
-@dataclass(frozen=True)
-class ClaimAnswer:
-    """An answer line: the server's reply to the request last seen in a lobby line."""
-
-    result: int  # the granted id, or a REFUSED_* code
-    generation: int
-    holder_pid: int  # for REFUSED_HELD: who holds the wanted id
-    nonce: int
-
-    def pack(self) -> bytes:
-        return seal_record(
-            _ANSWER.pack(ANSWER_MAGIC, self.result, self.generation, self.holder_pid, self.nonce)
-        )
-
-    @classmethod
-    def unpack(cls, line: bytes) -> ClaimAnswer | None:
-        f = _unseal(line, _ANSWER, ANSWER_MAGIC)
-        return None if f is None else cls(*f)
-
-
-@dataclass(frozen=True)
-class Seat:
-    """The seat line: which server serves the pool (epoch 0: none), since when, how often.
-
-    ``seats`` counts every server that ever took this pool's seat and
-    ``takeovers`` those that took it from a server that had not left it (it
-    died, or stalled past the staleness bound); each new server carries both
-    forward, so they are the pool's history, not one process's.
-    """
-
-    epoch: int
-    identity: Identity
-    heartbeat_ns: int
-    since_ns: int = 0  # wall clock when this server took the seat
-    seats: int = 0
-    takeovers: int = 0
-
-    def pack(self) -> bytes:
-        i = self.identity
-        return seal_record(
-            _SEAT.pack(
-                SEAT_MAGIC,
-                self.epoch,
-                i.pid,
-                i.start_ms,
-                i.boot_id,
-                self.heartbeat_ns,
-                self.since_ns,
-                self.seats,
-                self.takeovers,
-            )
-        )
-
-    @classmethod
-    def unpack(cls, line: bytes) -> Seat | None:
-        f = _unseal(line, _SEAT, SEAT_MAGIC)
-        if f is None:
-            return None
-        epoch, pid, start, boot, beat, since, seats, takeovers = f
-        return cls(epoch, Identity(pid, start, boot), beat, since, seats, takeovers)
 
 
 class Staleness:
@@ -600,17 +334,6 @@ class HostTable:
             write_line(self.mem, self._host_off(entry.host_id), left.pack())
 
 
-SEAT_POLL_S = 0.05  # how often a server taking the seat looks at it again
-
-
-def _stopped(seconds: float, stopping: StopFlag | None) -> bool:
-    """Sleep ``seconds``, or less once ``stopping`` is set; whether it is."""
-    if stopping is None:
-        time.sleep(seconds)
-        return False
-    return stopping.wait(seconds)
-
-
 class HostRegistry:
     """The server's side of the host table: it grants ids and judges liveness.
 
@@ -721,109 +444,3 @@ class HostRegistry:
         self.stale.forget((result, g.generation))
         self.granted += 1
         return ClaimAnswer(result, g.generation, 0, req.nonce)
-
-    # -- the seat ------------------------------------------------------------------
-
-    def take_seat(
-        self,
-        epoch: int,
-        wait_s: float,
-        fenced: Seat | None = None,
-        stopping: StopFlag | None = None,
-    ) -> Seat:
-        """Write this server into the seat, unless a server that may still write holds it.
-
-        A server of this kernel is judged exactly (pid and start time): a
-        running one, stopped or not, keeps the seat.  One of another host
-        whose heartbeat moves within ``wait_s`` of our clock keeps it; one
-        whose heartbeat has stalled may only be paused, so the seat is taken
-        from it only when the caller has fenced it (``fenced``: the seat line
-        as it was when its host was cut off the pool, beluga.server.server) and
-        the line has not changed since.
-
-        A standby on another host may store the seat line at the same moment
-        (both fenced the same stalled server; both saw an empty seat last
-        held elsewhere), and CXL memory has no atomic to stop it.  So a seat
-        taken from another host is held, heartbeaten, for ``SEAT_SETTLE_S``
-        and re-read every beat: the last store wins, the other server raises
-        ``PoolError`` here and its standby waits again.  A standby paused
-        between its look and its store can still break this (the operator's
-        fence must cover standbys too: docs/operations.md).
-
-        Both waits end early, with ``PoolError``, once ``stopping`` is set
-        (the process was told to stop: beluga.signals).
-        """
-        t = self.table
-        seat = t.seat()
-        if seat is not None and seat.epoch:
-            where = "" if seat.identity.same_kernel() else ", on another host"
-            if seat.identity.same_kernel():
-                busy = seat.identity.running() and seat.identity != Identity.mine()
-            elif fenced is not None:
-                busy = seat != fenced
-            elif self._seat_moves(seat, wait_s, stopping):
-                busy = True
-            else:
-                raise PoolError(
-                    f"the Beluga server of this pool (pid {seat.identity.pid}{where}) has not "
-                    f"heartbeat for {wait_s:g} s, but it may be paused, not dead, and write "
-                    "again: take over with `beluga serve --standby --fence COMMAND` (a command "
-                    "that cuts its host off the pool; docs/operations.md), or stop that server"
-                )
-            if busy:
-                raise PoolError(
-                    f"another Beluga server (pid {seat.identity.pid}{where}) serves this "
-                    "pool; stop it first (one server per pool)"
-                )
-        now = t.wall()
-        seats = seat.seats if seat is not None else 0
-        took_over = seat is not None and seat.epoch != 0 and seat.identity != Identity.mine()
-        takeovers = (seat.takeovers if seat is not None else 0) + took_over
-        mine = Seat(epoch, Identity.mine(), now, now, seats + 1, takeovers)
-        write_line(t.mem, t._seat_off, mine.pack())
-        empty_elsewhere = seat is not None and not seat.epoch and not seat.identity.same_kernel()
-        if fenced is not None or empty_elsewhere:
-            mine = self._settle(mine, stopping)
-        return mine
-
-    def _settle(self, mine: Seat, stopping: StopFlag | None) -> Seat:
-        """Hold a seat just taken for SEAT_SETTLE_S, beating it, until no rival overwrote it."""
-        deadline = time.monotonic() + SEAT_SETTLE_S
-        while True:
-            if _stopped(SEAT_POLL_S, stopping):
-                self.leave_seat(mine)
-                raise PoolError("told to stop while settling into the seat; it was left")
-            try:
-                mine = self.keep_seat(mine)
-            except PoolError as e:
-                raise PoolError(f"a standby on another host took the seat at once: {e}") from e
-            if time.monotonic() >= deadline:
-                return mine
-
-    def _seat_moves(self, seat: Seat, wait_s: float, stopping: StopFlag | None) -> bool:
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            now = self.table.seat()
-            if now != seat:
-                return now is not None and now.epoch != 0
-            if _stopped(SEAT_POLL_S, stopping):
-                raise PoolError("told to stop while watching the seat's heartbeat")
-        return False
-
-    def keep_seat(self, seat: Seat) -> Seat:
-        """Heartbeat the seat; raises if another server took it over meanwhile."""
-        t = self.table
-        now = t.seat()
-        if now is None or now.epoch != seat.epoch or now.identity != seat.identity:
-            who = f"pid {now.identity.pid}" if now else "someone"
-            raise PoolError(f"another Beluga server ({who}) took this pool over; stopping")
-        beat = replace(seat, heartbeat_ns=max(t.wall(), seat.heartbeat_ns + 1))
-        write_line(t.mem, t._seat_off, beat.pack())
-        return beat
-
-    def leave_seat(self, seat: Seat) -> None:
-        """Clear the seat if it is still ours."""
-        t = self.table
-        now = t.seat()
-        if now is not None and now.epoch == seat.epoch and now.identity == seat.identity:
-            write_line(t.mem, t._seat_off, replace(seat, epoch=0, heartbeat_ns=t.wall()).pack())

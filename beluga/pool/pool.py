@@ -16,7 +16,8 @@ from beluga._native import step
 from beluga.coherence import LINE, Memory, ModelConfig, attach, resolve_mode
 from beluga.errors import PoolChangedError, PoolError
 from beluga.pool.backends import Backend, Mapping, parse_spec
-from beluga.pool.hosts import DEFAULT_STALE_S, HostEntry, HostTable, Identity
+from beluga.pool.host_records import HostEntry, Identity
+from beluga.pool.hosts import DEFAULT_STALE_S, HostTable
 from beluga.pool.layout import (
     MAGIC,
     REGION_ALIGN,

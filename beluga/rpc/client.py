@@ -20,7 +20,8 @@ from beluga._native import _core
 from beluga.coherence import LINE, read_line, write_line
 from beluga.errors import RpcError
 from beluga.pool import Pool
-from beluga.pool.hosts import DEFAULT_STALE_S, Staleness, boot_id, process_start_ms
+from beluga.pool.host_records import boot_id, process_start_ms
+from beluga.pool.hosts import DEFAULT_STALE_S, Staleness
 from beluga.rpc.protocol import (
     MAX_DEPTH,
     STATUS_LINE,

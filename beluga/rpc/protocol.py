@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from beluga._native import _core
 from beluga.coherence import seal_record, unseal_record
 from beluga.errors import BelugaError, CapacityError, RpcError
-from beluga.pool.hosts import Watch, boot_id
+from beluga.pool.host_records import boot_id
+from beluga.pool.hosts import Watch
 from beluga.pool.layout import Superblock
 
 RING_MAGIC = 0x474E4952  # "RING"

@@ -6,8 +6,12 @@ the client raises).  :func:`per_request` adapts a one-at-a-time function.
 
 The server's life cycle, in shared memory:
 
-- it takes the pool's server seat (refused while another live server holds
-  it) with a fresh random *epoch*; it holds no host id of its own;
+- it serves under the pool's server seat, taken before it starts
+  (beluga.pool.seat: refused while another live server holds it), whose
+  random *epoch* names it in every status line; it holds no host id of its
+  own.  A server of its own (tests, benchmarks) takes both at once with
+  :meth:`RpcServer.open`; the metadata server takes the seat as a step of its
+  start (beluga.server.server);
 - every ``refresh_s`` it reads each ring's control line and the host table:
   a ring whose generation is that of the id's grant and whose holder is alive
   (pid + start time on this kernel, a moving heartbeat across hosts) is
@@ -46,23 +50,17 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from beluga._native import _core
 from beluga.coherence import read_line, write_line
 from beluga.errors import BelugaError, CapacityError, RpcError
 from beluga.pool import Pool
-from beluga.pool.hosts import (
-    DEFAULT_STALE_S,
-    Grant,
-    HostRegistry,
-    Seat,
-    boot_id,
-    process_start_ms,
-)
+from beluga.pool.host_records import Grant, boot_id, process_start_ms
+from beluga.pool.hosts import DEFAULT_STALE_S, HostRegistry
+from beluga.pool.seat import ServerSeat
 from beluga.rpc.protocol import (
     STATUS_LINE,
     Op,
@@ -118,15 +116,43 @@ NO_HOST = 0xFFFFFFFF  # the server's "host id" in status lines: it holds none
 
 
 class RpcServer:
-    """Serve every ring of a pool.  ``serve_forever`` until ``stop``; or ``start_thread``.
+    """Serve every ring of a pool under a seat.  ``serve_forever`` until ``stop``; or
+    ``start_thread``.
 
     One thread serves (``serve_forever``); ``stop`` may be called from any
     thread.  Not fork-safe: a forked child must not serve the parent's rings.
     """
 
+    @classmethod
+    def open(
+        cls,
+        pool: Pool,
+        handlers: Mapping[int, BatchHandler] | None = None,
+        *,
+        stale_s: float = DEFAULT_STALE_S,
+        stopping: StopFlag | None = None,
+        **options: Any,
+    ) -> RpcServer:
+        """Take the pool's seat (:meth:`ServerSeat.take <beluga.pool.seat.ServerSeat.take>`),
+        serve under it, and refresh once: a transport serving on its own (tests,
+        benchmarks).  ``options``: the constructor's."""
+        seat = ServerSeat.take(pool, wait_s=stale_s, stopping=stopping)
+        try:
+            server = cls(pool, seat, handlers, stale_s=stale_s, stopping=stopping, **options)
+        except BaseException:
+            seat.close()
+            raise
+        try:
+            server.refresh()
+        except BaseException:
+            server.close()
+            raise
+        return server
+
     def __init__(
         self,
         pool: Pool,
+        seat: ServerSeat,
         handlers: Mapping[int, BatchHandler] | None = None,
         *,
         max_batch: int = 256,
@@ -136,22 +162,17 @@ class RpcServer:
         on_client_gone: Callable[[int], None] | None = None,
         tick: Callable[[], None] | None = None,
         torn_patience_s: float | None = None,
-        first_refresh: bool = True,
-        fenced: Seat | None = None,
         stopping: StopFlag | None = None,
     ) -> None:
-        """``torn_patience_s``: how long a torn request line is waited for (rpc.c TORN LINES).
+        """Serve under ``seat`` (taken: :class:`~beluga.pool.seat.ServerSeat`), which this
+        server keeps at every refresh and leaves when it closes.  It adopts no ring and
+        grants no id until the first :meth:`refresh`.
 
-        ``first_refresh=False`` takes the seat but adopts no ring and grants no
-        id yet: for a caller that must hold the seat before it builds what the
-        handlers need (the metadata server recovers from the pool), then
-        calls :meth:`refresh` itself.  ``fenced``: the seat line of a server
-        on another host that the caller has cut off the pool, which may be
-        taken although its holder never left it (``HostRegistry.take_seat``).
+        ``torn_patience_s``: how long a torn request line is waited for (rpc.c TORN LINES).
         ``stopping``: a flag that stops this server too, besides :meth:`stop`
         (which leaves it alone: it is not this server's to raise); a process
         passes the one its signal handlers set (beluga.signals), so a signal
-        stops the seat's wait, :meth:`serve_forever` and :meth:`serve_echo`
+        stops :meth:`serve_forever` and :meth:`serve_echo`
         within a poll, and nothing waits on a lock.
         """
         self.pool = pool
@@ -176,7 +197,8 @@ class RpcServer:
         #: with how many requests the last poll served, it says whether more remains (then
         #: the next poll does not wait)
         self.background: Callable[[int], bool] | None = None
-        self.epoch = int.from_bytes(os.urandom(4), "little") or 1
+        self.seat = seat
+        self.epoch = seat.epoch
         self.start_ms = process_start_ms(os.getpid()) or 0
         self.active: dict[int, RingControl] = {}
         self.refused_pending = 0  # requests left by a gone server, answered RESTARTED unrun
@@ -191,17 +213,7 @@ class RpcServer:
         self._stopping = stopping  # raised by whoever owns it (a signal)
         self._thread: threading.Thread | None = None
         self.registry = HostRegistry(pool.hosts, stale_s, before_grant=self._regrant)
-        self._lock_fd = pool.mapping.exclusive_lock(f"the server seat of {pool.spec}")
-        try:
-            self.seat = self.registry.take_seat(
-                self.epoch, wait_s=stale_s, fenced=fenced, stopping=stopping
-            )
-            self._inherit_watches()
-            if first_refresh:
-                self.refresh()
-        except BaseException:
-            self._unlock()
-            raise
+        self._inherit_watches()
 
     def _inherit_watches(self) -> None:
         """Start judging each id's holder from what the servers before this one watched."""
@@ -234,36 +246,6 @@ class RpcServer:
         )
         write_line(self.mem, ring_offset(self.sb, host_id) + STATUS_LINE, status.pack())
 
-    @contextmanager
-    def beating_seat(self, period_s: float = 0.25) -> Iterator[None]:
-        """Heartbeat the seat from a thread while the caller works without refreshing.
-
-        For a server's start (recovery reads the whole pool before the first
-        :meth:`refresh`): standbys judge a server by its seat heartbeat, and
-        must not take a recovering server for a stalled one.  A seat taken
-        over meanwhile raises here, at the end, as :meth:`refresh` would.
-        """
-        done = threading.Event()
-        lost: list[BaseException] = []
-
-        def beat() -> None:
-            while not done.wait(period_s):
-                try:
-                    self.seat = self.registry.keep_seat(self.seat)
-                except BaseException as e:  # the seat is gone: report it to the caller
-                    lost.append(e)
-                    return
-
-        t = threading.Thread(target=beat, name="beluga-seat-beat", daemon=True)
-        t.start()
-        try:
-            yield
-        finally:
-            done.set()
-            t.join()
-        if lost:
-            raise lost[0]
-
     def refresh(self) -> None:
         """Adopt new clients, drop dead ones, grant host ids, heartbeat every status line.
 
@@ -273,7 +255,7 @@ class RpcServer:
         refresh, before anything more is written.
         """
         self.pool.check_unchanged()
-        self.seat = self.registry.keep_seat(self.seat)
+        self.seat.keep()
         for h in range(self.sb.max_hosts):
             ctl = RingControl.unpack(read_line(self.mem, ring_offset(self.sb, h)))
             grant = self.registry.alive(h) if ctl else None
@@ -427,14 +409,9 @@ class RpcServer:
                 return  # another pool's lines now: write none of them
             for h in range(self.sb.max_hosts):
                 self._write_status(h, 0, 0)
-            self.registry.leave_seat(self.seat)
+            self.seat.leave()
         finally:
-            self._unlock()
-
-    def _unlock(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            self.seat.unlock()
 
     def __enter__(self) -> RpcServer:
         return self

@@ -42,7 +42,7 @@ from beluga import litmus
 from beluga.errors import BelugaError
 from beluga.kv import KVStore
 from beluga.pool import HostEntry, Pool
-from beluga.pool.hosts import BOOT_ID
+from beluga.pool.host_records import BOOT_ID
 from beluga.rpc import RpcServer
 from emulation.guest.blocks import (
     BLOCKS,
@@ -82,7 +82,7 @@ class Host:
 def hosts_both(host: Host) -> None:
     table = host.pool.hosts
     if host.index == 0:
-        host.server = RpcServer(host.pool, refresh_s=0.05)
+        host.server = RpcServer.open(host.pool, refresh_s=0.05)
         host.server.start_thread()
     claimed: list[HostEntry | BaseException] = []
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from beluga.pool import Pool
-from beluga.server.server import seat_free, serve
+from beluga.server.server import serve
+from beluga.server.standby import seat_free
 from tests.conftest import SMALL
 
 STOP_BOUND_S = 5.0  # the bound of the issue: a process still there after it has hung
