@@ -105,7 +105,7 @@ ASSUMPTIONS = (
     "filler entries stand in for other keys; several readers at once contend only for the "
     "memory system, not measured here",
     "full GC frozen: right after recovery, as `beluga serve` freezes what it built "
-    "(service.keep_collections_short); a running server's full collection then scans what "
+    "(collector.keep_collections_short); a running server's full collection then scans what "
     "was made since the last one, so its pause grows with the keys written between two, "
     "not with the keys held",
 )
@@ -285,7 +285,7 @@ def measure(size: int, fraction: float, repeats: int = 3, after_s: float = 2.0) 
             t = time.perf_counter()
             gc.collect()
             collections.append(time.perf_counter() - t)
-        gc.freeze()  # what `beluga serve` does after recovery (service.keep_collections_short)
+        gc.freeze()  # what `beluga serve` does after recovery (collector.keep_collections_short)
         try:
             for _ in range(repeats):
                 t = time.perf_counter()

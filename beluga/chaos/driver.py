@@ -90,7 +90,9 @@ from beluga.chaos.roles import CLIENTS, RoleSpec, role_main
 from beluga.chaos.verifier import History
 from beluga.coherence import BlockState, digest, parse_header, read_line
 from beluga.errors import BelugaError
-from beluga.pool import Geometry, Pool, hosts
+from beluga.pool import Geometry, Pool
+from beluga.pool.host_records import emulate_host
+from beluga.pool.seat import SEAT_SETTLE_S
 from beluga.server.server import serve
 from beluga.signals import raise_if_interrupted
 
@@ -283,7 +285,7 @@ def _server_main(
     with open(os.devnull, "w") as quiet:  # one "beluga serve" line per restart is noise here
         os.dup2(quiet.fileno(), 1)
     if host is not None:
-        hosts.emulate_host(host)
+        emulate_host(host)
     if coherence == "model":
         os.environ["BELUGA_MODEL_SEED"] = str(os.getpid())
     serve(spec, coherence=coherence, ready=_Ready(conn), standby=standby, **options)
@@ -671,7 +673,7 @@ class ChaosDriver:
                 s = self.server
                 if s is not None and not s.gone and s.seat_beat is not None and not s.ready:
                     # a standby that stored the seat line while this one did, from another
-                    # host, and lost (HostRegistry.take_seat's settle): it waits again
+                    # host, and lost (beluga.pool.seat.take_seat's settle): it waits again
                     s.standby, s.seat_beat = True, None
                     self.standbys.append(s)
                     self.server = None
@@ -704,7 +706,7 @@ class ChaosDriver:
         if not s.ready and s.seat_beat is not None and self.pool is not None:
             seat = self.pool.hosts.seat()  # a standby serves once it beats the seat
             # (across hosts, once it has held it past the settle: it may lose it till then)
-            settle = hosts.SEAT_SETTLE_S if self.cfg.emulated_hosts else 0.0
+            settle = SEAT_SETTLE_S if self.cfg.emulated_hosts else 0.0
             if (
                 seat is not None
                 and seat.identity.pid == s.pid

@@ -132,7 +132,7 @@ def test_across_emulated_hosts_a_standby_fences_by_command_and_takes_over(
 ) -> None:
     """Every server and standby a host of its own: a standby cannot see a killed or stopped
     server's process, only its heartbeat, so it waits takeover_after, runs its --fence
-    command and takes the seat with the line it saw (HostRegistry.take_seat(fenced=...))."""
+    command and takes the seat with the line it saw (beluga.pool.seat.take_seat(fenced=...))."""
     weights = {"kill_server": 3, "stall_server": 2, "corrupt_payload": 2, "kill_writer": 1}
     config = ChaosConfig(
         faults=24, seed=SEED, pool_path=shm_path, standbys=1, takeover_after_s=0.5,
