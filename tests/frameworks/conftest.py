@@ -1,4 +1,5 @@
-"""Fixtures for the framework tests: a pool with its metadata server, in this process.
+"""Fixtures for the framework tests: a pool with its metadata server, in this process, and
+tiny models for the vLLM connector's tests.
 
 These tests run inside the frameworks' own virtualenvs (ci/run-framework-tests.sh);
 in the main environment each module skips at import, naming the install step.
@@ -41,6 +42,27 @@ def served_pool(shm_path: str, request: pytest.FixtureRequest) -> Iterator[str]:
     server.close()
     pool.close()
     Pool.destroy(shm_path)
+
+
+@pytest.fixture(scope="session")
+def llamas(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A tiny random Llama at two paths (two hosts), a fine-tune in a directory of the same
+    name, and one whose directory holds its config alone (the vLLM connector's tests)."""
+    from tests.frameworks.vllm_rig import tiny_llama  # it imports vLLM: only its tests ask
+
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "base": tiny_llama(root / "host-1" / "llama", seed=0),
+        "copy": tiny_llama(root / "host-2" / "llama", seed=0),
+        "fine-tune": tiny_llama(root / "fine-tune" / "llama", seed=1),
+        "config-only": tiny_llama(root / "config-only" / "llama", seed=None),
+    }
+
+
+@pytest.fixture(scope="session")
+def model_dir(llamas: dict[str, str]) -> str:
+    """Enough for vLLM's ModelConfig, nothing downloaded."""
+    return llamas["base"]
 
 
 def write_model(path: Path, seed: int) -> str:
