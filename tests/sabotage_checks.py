@@ -396,7 +396,7 @@ def hosts_grant_sweep(model: ModelConfig) -> None:
             request.nonce,
             answer.generation,
         )
-        return litmus._judge(ok), landed
+        return litmus.judge(ok), landed
 
     for seed in SEEDS:
         r = litmus.sweep_crashes(lambda k, s=seed: attempt(k, s), name="grant")
@@ -435,7 +435,7 @@ def format_sweep(model: ModelConfig) -> None:
         view = np.frombuffer(shared, dtype=np.uint8)
         regions = (sb.hosts, sb.rpc, sb.index, sb.headers)
         clear = not any(view[r.offset : r.end].any() for r in regions)
-        return litmus._judge(clear), landed
+        return litmus.judge(clear), landed
 
     for seed in range(2):
         r = litmus.sweep_crashes(lambda k, s=seed: attempt(k, s), last=30, name="format")
