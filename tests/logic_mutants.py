@@ -458,8 +458,8 @@ MUTANTS: list[Mutant] = [
         "tier-promotes-under-the-first-key",
         "tier promotion",
         "beluga/kv/tiered.py",
-        "saved = KVStore.save(\n                    self, [k for k, _ in found],",
-        "saved = KVStore.save(\n                    self, [found[0][0] for _ in found],",
+        "saved = store.save(\n                    [k for k, _ in found],",
+        "saved = store.save(\n                    [found[0][0] for _ in found],",
         (IX + "test_a_tier_hit_for_the_second_key_is_promoted_under_that_key",),
         "every promoted value would land under the first found key",
         cheap=True,
@@ -468,8 +468,8 @@ MUTANTS: list[Mutant] = [
         "tier-batch-asks-for-the-wrong-keys",
         "tier promotion",
         "beluga/kv/tiered.py",
-        "self._from_tier([keys[i] for i in misses]), strict=True):\n                out[i] = v",
-        "self._from_tier(list(keys[: len(misses)])), strict=True):\n                out[i] = v",
+        "self.fetch(store, [keys[i] for i in misses]), strict=True):\n                out[i] = v",
+        "self.fetch(store, list(keys[: len(misses)])), strict=True):\n                out[i] = v",
         (IX + "test_a_tier_hit_for_the_second_key_is_promoted_under_that_key",),
         "get_batch would fetch the first keys from the tier, not the ones the pool missed",
     ),
@@ -691,8 +691,8 @@ MUTANTS: list[Mutant] = [
         "tier-locate-looks-again-only-when-all-found",
         "tier promotion",
         "beluga/kv/tiered.py",
-        "if any(v is not None for v in self._from_tier(missing)):",
-        "if all(v is not None for v in self._from_tier(missing)):",
+        "return any(v is not None for v in self.fetch(store, missing))",
+        "return all(v is not None for v in self.fetch(store, missing))",
         (
             IX + "test_a_request_whose_tier_holds_some_of_its_missed_keys_promotes_each_under_"
             "its_own_key",
@@ -704,8 +704,8 @@ MUTANTS: list[Mutant] = [
         "tier-prefix-counts-past-a-tier-miss",
         "tier promotion",
         "beluga/kv/tiered.py",
-        "n += next((i for i, t in enumerate(there) if not t), len(there))",
-        "n += sum(there)",
+        "return next((i for i, t in enumerate(there) if not t), len(there))",
+        "return sum(there)",
         (
             IX + "test_a_request_whose_tier_holds_some_of_its_missed_keys_promotes_each_under_"
             "its_own_key",

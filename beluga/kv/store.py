@@ -1,25 +1,38 @@
 """KVStore: the client API, shaped after Mooncake Store's, and the one data path.
 
-Every caller that moves values (the serving engine, the vLLM worker, SGLang,
-LMCache, the Mooncake drop-in, the chaos roles) goes through two calls:
-``save(keys, source)`` and ``load(refs, sink)``, with the source or sink a
-:class:`beluga.transfer.Values` that says where the caller's bytes are.  The
-store runs the protocol inside, and nobody else repeats its steps.
+Every write goes through ``save(keys, source)`` (``put`` and
+``batch_put_from`` are saves that replace), with the source a
+:class:`beluga.transfer.Values` that says where the caller's bytes are.
+Reads come two ways, both validated the same way in C:
 
+- ``locate(keys)`` then ``load(refs, sink)``, for callers that move values
+  into places of their own (the serving engine's, the vLLM worker's, SGLang's
+  and LMCache's KV blocks, the Mooncake drop-in's ranges): the refs say where
+  each value lies, the sink where it goes;
+- ``get``, ``get_batch``, ``get_into`` and ``batch_get_into`` read by key.
+  They are their own C path (``_core.Index``, index.c) because a read by key
+  needs nothing of Python between the lookup and the copy: one call digests
+  the keys, probes the pool-resident index with loads, confirms each entry
+  against its block header, copies the payload with its checksum fused into
+  the copy, and checks the header again, for the whole batch, with no ref
+  made per value.
+
+The store runs the protocol inside, and nobody else repeats its steps.
 Writes go allocate (one RPC per batch) -> copy into the pool and seal the
 headers (no server involved) -> commit (one RPC per batch).  Reads need no
-server at all: each is one call into the C core (``_core.Index``, index.c)
-that digests the key, probes the pool-resident index with loads, confirms
-the entry against the block header, copies the payload with its checksum
-fused into the copy, and checks the header again.  A read that fails
-validation (the key was just replaced or evicted) is retried once with a
-fresh probe, then reported as a miss: never as data.  Reads keep working
-while the metadata server is down or restarting.
+server at all.  A read by key that fails validation (the key was just
+replaced or evicted) is retried once with a fresh probe, then reported as a
+miss; a load reports it as a miss: never as data.  Reads keep working while
+the metadata server is down or restarting.
 
 Values are any buffer: bytes, bytearray, memoryview, numpy arrays, CPU torch
 tensors (any dtype, contiguous), or a raw ``(address, size)`` pair.  Keys are
-``str`` or ``bytes`` of at most 256 bytes; the pool stores their 16-byte
-BLAKE2b digests.
+``str`` or ``bytes`` of at most 256 bytes; the pool stores the first 16 bytes
+of their BLAKE3 digests (layout 4 on; :func:`beluga.coherence.digest`).
+
+A store given a tier, or with ``BELUGA_TIER`` set, holds a
+:class:`~beluga.kv.tiered.StoreTier` that its reads hand their pool misses to
+(:meth:`KVStore.__init__`).
 """
 
 from __future__ import annotations
@@ -38,7 +51,8 @@ from beluga._native import _core
 from beluga.coherence import Miss, digest
 from beluga.errors import RpcError, WriteLeaseLost
 from beluga.kv import protocol as p
-from beluga.kv.tier import MooncakeTier, TierConfig, tier_configured
+from beluga.kv.tier import MooncakeTier, TierConfig
+from beluga.kv.tiered import StoreTier
 from beluga.pool import Pool
 from beluga.rpc import RpcClient
 from beluga.transfer.buffers import Buffers, Values, as_buffer
@@ -135,21 +149,36 @@ class KVStore:
         connect_timeout: float = 10.0,
         tier: MooncakeTier | TierConfig | str | None = None,
     ) -> None:
-        """``tier``: the cross-pod tier (:mod:`beluga.kv.tier`); default ``BELUGA_TIER``.
-        With one, the store is a :class:`beluga.kv.tiered.TieredStore`."""
+        """Attach to ``pool`` (a Pool, or a spec to attach by) and connect to its server.
+
+        ``tier``: the cross-pod tier (:mod:`beluga.kv.tier`: a MooncakeTier, a
+        TierConfig or a spec string); None: ``BELUGA_TIER``, if set.  With one,
+        the store holds a :class:`~beluga.kv.tiered.StoreTier` (``self.tier``),
+        which its reads hand their pool misses to and its saves their commits
+        (write-through); without one, ``self.tier`` is None and the store is
+        the pool alone.  A tier the store made from a config or spec is closed
+        with it; a MooncakeTier given stays the caller's.
+        """
+        #: the tier beyond this pod, or None (the pool alone)
+        self.tier = StoreTier.make(tier)
         self._owns_pool = not isinstance(pool, Pool)
-        self.pool = Pool.attach(pool, coherence=coherence) if self._owns_pool else pool
         try:
-            self.rpc = RpcClient(
-                self.pool,
-                depth=depth,
-                host_id=host_id,
-                timeout=timeout,
-                connect_timeout=connect_timeout,
-            )
+            self.pool = Pool.attach(pool, coherence=coherence) if self._owns_pool else pool
+            try:
+                self.rpc = RpcClient(
+                    self.pool,
+                    depth=depth,
+                    host_id=host_id,
+                    timeout=timeout,
+                    connect_timeout=connect_timeout,
+                )
+            except BaseException:
+                if self._owns_pool:
+                    self.pool.close()
+                raise
         except BaseException:
-            if self._owns_pool:
-                self.pool.close()
+            if self.tier is not None:
+                self.tier.close()
             raise
         self.mem = self.pool.memory
         self.sb = self.pool.superblock
@@ -166,14 +195,6 @@ class KVStore:
             hint_off=sb.hint_offset(self.rpc.host_id),
             owner=self.rpc.entry.generation,
         )
-
-    def __new__(cls, *args: Any, tier: MooncakeTier | TierConfig | str | None = None, **kw: Any):
-        """A :class:`~beluga.kv.tiered.TieredStore` when a tier is given or configured."""
-        if cls is KVStore and tier_configured(tier):
-            from beluga.kv.tiered import TieredStore
-
-            cls = TieredStore
-        return super().__new__(cls)
 
     # -- plumbing ------------------------------------------------------------
 
@@ -389,11 +410,9 @@ class KVStore:
             todo += self._save_round(out, rest, raw, digests, lengths, source, True)
             if time.monotonic() >= deadline:
                 break
-        self._committed(out.refs)
+        if self.tier is not None:  # write-through, if the tier asks for it
+            self.tier.committed(self, out.refs)
         return Saved(sorted(out.stored), sorted(out.present), sorted(todo), sorted(out.writing))
-
-    def _committed(self, refs: Sequence[BlockRef]) -> None:
-        """What a save committed (nothing to do here; a tiered store queues them)."""
 
     def _save_round(
         self,
@@ -485,7 +504,15 @@ class KVStore:
     def locate(self, keys: Sequence[Key], prefix: bool = True) -> list[BlockRef | None]:
         """Where keys live, from the pool index (no RPC); with ``prefix``, up to and
         including the first miss.  Read them with :meth:`load`, which checks every
-        block again: a block replaced since is a miss, never other bytes."""
+        block again: a block replaced since is a miss, never other bytes.  With a tier,
+        what it holds of the keys missed is promoted into the pool first."""
+        found = self._locate(keys, prefix)
+        tier = self.tier
+        if tier is not None and None in found and tier.promote_missing(self, keys, found, prefix):
+            found = self._locate(keys, prefix)  # look again: the promoted keys are there
+        return found
+
+    def _locate(self, keys: Sequence[Key], prefix: bool) -> list[BlockRef | None]:
         return [None if loc is None else self._ref(*loc) for loc in self.index.locate(keys, prefix)]
 
     def peek(self, refs: Sequence[BlockRef], nbytes: int) -> list[bytes]:
@@ -540,11 +567,17 @@ class KVStore:
 
     def get_batch(self, keys: Sequence[Key]) -> list[bytes | None]:
         """Values of many keys (None for a miss); no RPC."""
-        return self.index.get_many(keys)
+        out = self.index.get_many(keys)
+        if self.tier is not None:
+            self.tier.fill(self, keys, out)
+        return out
 
     def get(self, key: Key) -> bytes | None:
         """A key's value, or None on a miss; no RPC (one call into the C core)."""
-        return self.index.get(key)
+        value = self.index.get(key)
+        if value is None and self.tier is not None:
+            return self.tier.fetch(self, [key])[0]
+        return value
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int]:
         """Read many values into caller buffers; each result is the length, or -1 for a miss.
@@ -554,26 +587,39 @@ class KVStore:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         if all(type(b) in _PLAIN_BUFFERS for b in buffers):  # the C core takes them as they are
-            return self.index.get_many_into(keys, buffers)
-        return self.index.get_many_into(keys, [as_buffer(b, writable=True) for b in buffers])
+            out = self.index.get_many_into(keys, buffers)
+        else:
+            out = self.index.get_many_into(keys, [as_buffer(b, writable=True) for b in buffers])
+        if self.tier is not None:
+            self.tier.fill_into(self, keys, buffers, out)
+        return out
 
     def get_into(self, key: Key, buffer: Any) -> int:
         """Read a value into ``buffer``: its length, or -1 for a miss; no RPC."""
         try:
-            return self.index.get_into(key, buffer)
+            n = self.index.get_into(key, buffer)
         except (TypeError, BufferError):  # a torch tensor, a raw (address, size) pair
-            return self.index.get_into(key, as_buffer(buffer, writable=True))
+            n = self.index.get_into(key, as_buffer(buffer, writable=True))
+        if n < 0 and self.tier is not None:
+            return self.tier.get_into(self, key, buffer)
+        return n
 
     def batch_is_exist(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is stored."""
-        return self.index.exists(keys)
+        out = self.index.exists(keys)
+        if self.tier is not None:
+            self.tier.fill_exists(keys, out)
+        return out
 
     def is_exist(self, key: Key) -> bool:
-        return self.index.exists_one(key)
+        return self.index.exists_one(key) or (self.tier is not None and self.tier.exists(key))
 
     def lookup_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of a chain are stored (one call, no RPC)."""
-        return self.index.prefix(keys)
+        n = self.index.prefix(keys)
+        if self.tier is not None and n < len(keys):
+            n += self.tier.prefix(keys[n:])
+        return n
 
     def retired(self, since: tuple[int, int] | None = None) -> Retired:
         """The keys that left the pool (evicted, removed, dropped as corrupt) since the
@@ -604,11 +650,16 @@ class KVStore:
         This store's hits and misses are stored first, so they are in the answer.
         """
         self.index.flush_hints()
-        return json.loads(self.rpc.call(p.StoreOp.STATS))
+        stats = json.loads(self.rpc.call(p.StoreOp.STATS))
+        if self.tier is not None:
+            stats["client_tier"] = self.tier.stats()
+        return stats
 
     # -- life cycle ----------------------------------------------------------
 
     def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
         if not self.mem.released:
             with contextlib.suppress(Exception):  # closing: hints are only hints
                 self.index.flush_hints()

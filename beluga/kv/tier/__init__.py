@@ -279,8 +279,3 @@ def make_tier(tier: MooncakeTier | TierConfig | str | None) -> MooncakeTier | No
         tier = spec
     config = tier if isinstance(tier, TierConfig) else TierConfig.parse(tier)
     return MooncakeTier(config)
-
-
-def tier_configured(tier: MooncakeTier | TierConfig | str | None) -> bool:
-    """Whether :func:`make_tier` would make a tier of ``tier`` (or of ``BELUGA_TIER``)."""
-    return tier is not None or bool(os.environ.get(TIER_ENV, "").strip())
