@@ -50,7 +50,19 @@ raises :class:`~beluga.errors.CoherenceError`):
 - ``flush(off, n)``, ``writeback(off, n)``, ``invalidate(off, n)``
 - ``sfence()``, ``mfence()``
 - ``publish(hdr_off, payload_off, digest, version, data, key_len=0, writer=0, stamp=0,
-  writer_gen=0)``
+  writer_gen=0)``: a whole value, header last
+- ``begin_write(hdr_off, payload_off, digest, version, length, ...)`` (the header
+  WRITING, fenced, before any payload store) and ``seal(..., crc=None)`` (the
+  same fields: the header PUBLISHED with the payload's CRC32C, taken from the
+  pool or given by the writer), for a payload moved in between
+- ``write_blocks(buffers, table, blocks)`` / ``read_blocks(buffers, table,
+  blocks)``: whole values through one scatter-gather table, each sealed with the
+  CRC32C of what was written, or validated (header, CRC32C of the bytes as
+  copied, header again) into a length or a :class:`Miss` per block: the moves of
+  ``KVStore.save`` / ``load``
+- ``read_bytes(hdr_off, payload_off, block_cap, digest, version)`` → the payload
+  as ``bytes``, validated, or a negative :class:`Miss` code;
+  ``check_header(...)`` → the header's answer alone
 - ``read_validated(hdr_off, payload_off, block_cap, digest, version, out)`` →
   payload length, or a negative :class:`Miss` code
 - ``gather_write(buffers, table)`` / ``scatter_read(buffers, table)``: one call
@@ -60,6 +72,7 @@ raises :class:`~beluga.errors.CoherenceError`):
 - ``invalidate_stale(ranges)``, ``record_state(off)``, ``dma_read(off, buf)``,
   ``dma_write(off, data)``: the read record and a device's view (above)
 - ``discard()``, ``crash_after(lines)``, ``model_stats()``, ``release()``
+- attributes ``mode``, ``size``, ``released``, ``busy``, ``record_granule``
 """
 
 from __future__ import annotations

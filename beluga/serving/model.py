@@ -29,8 +29,8 @@ KV moves between the engine and the pool in the Hugging Face layout
 (``[1, kv_heads, tokens, head_dim]`` per layer, the HND block format):
 
 - :meth:`ModelEngine.kv_layout` describes a prefill's KV (or a prefix) for
-  :func:`beluga.transfer.block_moves`, whose tables the store's block calls
-  (``KVStore.write_blocks`` / ``read_blocks``) move and checksum;
+  :func:`beluga.transfer.block_moves`, whose tables ``KVStore.save`` / ``load``
+  move and checksum (through ``Memory.write_blocks`` / ``read_blocks``);
 - :meth:`ModelEngine.empty_prefix` is a fresh cached prefix of whole engine
   blocks to read pool values into, for :meth:`ModelEngine.prefill`.
 

@@ -10,9 +10,10 @@
   registered KV tensors (vLLM FlashAttention NHD/HND, vLLM CPU_ATTN, Hugging
   Face); needs torch.
 - :mod:`beluga.transfer.datapath`: :func:`block_moves` (the checked table that
-  ``KVStore.read_blocks`` / ``write_blocks`` move and checksum whole blocks
-  with), the raw :func:`gather_write` / :func:`scatter_read`, and
-  :func:`sparse_fetch`, each one C call through a coherence ``Memory``.
+  ``KVStore.save`` / ``load`` hand to ``Memory.write_blocks`` /
+  ``read_blocks``, which move and checksum whole blocks), the raw
+  :func:`gather_write` / :func:`scatter_read`, and :func:`sparse_fetch`, each
+  one C call through a coherence ``Memory``.
 - :mod:`beluga.transfer.gpu`: :class:`GpuPool`, the pool registered with CUDA,
   which moves a GPU cache's blocks with one kernel instead.
 

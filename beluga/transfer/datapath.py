@@ -129,9 +129,10 @@ def block_moves(
     """The buffers and table that move whole engine blocks to (``write``) or from pool blocks.
 
     Everything is checked first (the mover's device, block ids, offsets, sizes,
-    overlaps), so what comes back moves only what was asked.  Hand them to
-    ``KVStore.write_blocks`` / ``KVStore.read_blocks``, which checksum each
-    block as it moves, or to ``gather_write`` / ``scatter_read`` below.
+    overlaps), so what comes back moves only what was asked.  ``KVStore.save`` /
+    ``load`` hand them to ``Memory.write_blocks`` / ``Memory.read_blocks``, which
+    checksum each block as it moves; ``gather_write`` / ``scatter_read`` below
+    move them unchecked.
     """
     _check_mover(mem, layout)
     ids = layout.check_blocks(block_ids)
@@ -211,7 +212,7 @@ def gather_write(
 ) -> int:
     """Copy engine blocks into pool blocks (non-temporal, fenced), unsealed; bytes moved.
 
-    The raw move: a value is written and sealed with ``KVStore.write_blocks``.
+    The raw move: a value is written and sealed by ``KVStore.save`` (``Memory.write_blocks``).
     """
     moves = block_moves(mem, layout, block_ids, pool_offsets, block_bytes=block_bytes, write=True)
     return mem.gather_write(*moves)
@@ -227,7 +228,7 @@ def scatter_read(
 ) -> int:
     """Copy pool blocks into engine blocks (invalidating first), unchecked; bytes moved.
 
-    The raw move: a value is read, validated, with ``KVStore.read_blocks``.
+    The raw move: a value is read, validated, by ``KVStore.load`` (``Memory.read_blocks``).
     """
     moves = block_moves(mem, layout, block_ids, pool_offsets, block_bytes=block_bytes, write=False)
     return mem.scatter_read(*moves)
