@@ -11,7 +11,13 @@ import sys
 import pytest
 
 from beluga.cli import main
-from beluga.cli.common import add_pool_args, pool_spec
+from beluga.cli.common import (
+    ConfigFlag,
+    add_config_flags,
+    add_pool_args,
+    config_from_args,
+    pool_spec,
+)
 from beluga.errors import PoolNotNamedError
 
 
@@ -133,3 +139,27 @@ def test_a_missing_pool_names_the_command_that_creates_it(shm_path: str) -> None
     assert run("pool", "info", "--path", shm_path).returncode == 0
     assert run("pool", "destroy", "--path", shm_path).returncode == 0
     assert not os.path.exists(shm_path)
+
+
+def test_a_config_flag_defaults_to_its_field_and_fills_it() -> None:
+    from beluga.chaos.driver import ChaosConfig
+    from beluga.cli.chaos import ROUND_FLAGS, SETUP_FLAGS
+
+    flags = ROUND_FLAGS + SETUP_FLAGS
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, ChaosConfig, flags)
+    config = config_from_args(ChaosConfig, parser.parse_args([]), flags)
+    assert config == ChaosConfig(faults=1000)  # the config's own defaults, --faults aside
+    args = parser.parse_args(
+        ["--write-lease", "2.5", "--pool-size", "32M", "--standby", "2", "--emulated-hosts"]
+    )
+    config = config_from_args(ChaosConfig, args, flags, writer_client="mooncake")
+    assert (config.write_lease_s, config.pool_bytes, config.standbys) == (2.5, 32 << 20, 2)
+    assert config.emulated_hosts and config.writer_client == "mooncake"
+
+
+def test_a_config_flag_names_a_field_the_config_has() -> None:
+    from beluga.bench.vllm import Trace
+
+    with pytest.raises(ValueError, match="Trace has no field 'prefix'"):
+        add_config_flags(argparse.ArgumentParser(), Trace, [ConfigFlag("prefix", "")])

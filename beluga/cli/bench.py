@@ -7,7 +7,6 @@ import dataclasses
 import os
 import sys
 import uuid
-from dataclasses import fields
 from typing import Any
 
 from beluga.bench import memops
@@ -16,7 +15,14 @@ from beluga.bench import scale as scale_bench
 from beluga.bench import store as store_bench
 from beluga.bench import vllm as vllm_bench
 from beluga.bench.stats import format_table, machine, write_json
-from beluga.cli.common import add_json_arg, add_pool_args, pool_spec
+from beluga.cli.common import (
+    ConfigFlag,
+    add_config_flags,
+    add_json_arg,
+    add_pool_args,
+    config_from_args,
+    pool_spec,
+)
 from beluga.cli.demo import add_e2e_args, e2e_settings, run_with_progress, summary
 from beluga.errors import PoolNotNamedError
 from beluga.pool import Geometry, Pool
@@ -151,6 +157,21 @@ def _add_e2e(cmds: argparse._SubParsersAction) -> None:
     e.set_defaults(handler=run_e2e)
 
 
+#: the flags that set the fields of ``beluga bench vllm``'s trace
+TRACE_FLAGS = (
+    ConfigFlag("prefixes", "distinct prefixes; default {default}"),
+    ConfigFlag("per_prefix", "requests per prefix; default {default}"),
+    ConfigFlag("prefix_tokens", "tokens per prefix; default {default}"),
+    ConfigFlag("suffix_tokens", "tokens after the prefix; default {default}"),
+    ConfigFlag(
+        "max_tokens", "tokens generated per request (1: the first alone); default {default}"
+    ),
+    ConfigFlag(
+        "concurrency", "requests in flight in each engine (1: each served alone); default {default}"
+    ),
+)
+
+
 def _add_vllm(cmds: argparse._SubParsersAction) -> None:
     v = cmds.add_parser(
         "vllm",
@@ -165,19 +186,7 @@ def _add_vllm(cmds: argparse._SubParsersAction) -> None:
         "~/.cache/beluga/framework-venvs/vllm-cpu by default)",
     )
     v.add_argument("--model", choices=["tiny", "small"], default="small", help="model shape")
-    default = vllm_bench.Trace()
-    for flag, text in (
-        ("--prefixes", "distinct prefixes"),
-        ("--per-prefix", "requests per prefix"),
-        ("--prefix-tokens", "tokens per prefix"),
-        ("--suffix-tokens", "tokens after the prefix"),
-        ("--max-tokens", "tokens generated per request (1: the first alone)"),
-        ("--concurrency", "requests in flight in each engine (1: each served alone)"),
-    ):
-        field = flag[2:].replace("-", "_")  # a field of Trace
-        v.add_argument(
-            flag, type=int, default=getattr(default, field), help=f"{text}; default %(default)s"
-        )
+    add_config_flags(v, vllm_bench.Trace, TRACE_FLAGS)
     v.add_argument(
         "--server-spin",
         type=float,
@@ -433,7 +442,7 @@ def run_e2e_pd(args: argparse.Namespace) -> int:
 
 
 def run_vllm(args: argparse.Namespace) -> int:
-    trace = vllm_bench.Trace(**{f.name: getattr(args, f.name) for f in fields(vllm_bench.Trace)})
+    trace = config_from_args(vllm_bench.Trace, args, TRACE_FLAGS)
     result = vllm_bench.run(args.venv, trace, model=args.model, idle_after_s=args.server_spin)
     status = report(args, "vllm", result, vllm_bench.COLUMNS)
     if not args.json:

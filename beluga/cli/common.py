@@ -1,8 +1,13 @@
-"""Options shared by command groups: which pool, how big, JSON output."""
+"""Options shared by command groups: which pool, how big, JSON output, and the one way
+a config dataclass's fields become flags (:class:`ConfigFlag`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from beluga.pool import DEFAULT_POOL, POOL_ENV, resolve_pool
 from beluga.units import parse_size
@@ -86,3 +91,83 @@ def add_json_arg(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="print (or write to FILE) a JSON document of named figures",
     )
+
+
+_Config = TypeVar("_Config")
+#: a ConfigFlag's default when the field's own is meant
+FIELD_DEFAULT: Any = type("FieldDefault", (), {"__repr__": lambda self: "FIELD_DEFAULT"})()
+
+
+@dataclass(frozen=True)
+class ConfigFlag:
+    """One field of a config dataclass as a command-line flag.
+
+    The flag's default is the field's own (one home for every default) unless
+    ``default`` overrides it; its type is the default's type unless ``type``
+    says otherwise; a ``bool`` field is a switch.  ``help`` may name the default
+    as ``{default}`` (``str.format``, so ``{default:g}`` works).
+
+    Frozen: thread-safe and fork-safe.
+    """
+
+    field: str
+    help: str
+    #: the flag's name; default: ``--`` and the field's name with dashes
+    flag: str | None = None
+    type: Callable[[str], Any] | None = None
+    default: Any = FIELD_DEFAULT
+    choices: Sequence[str] | None = None
+    metavar: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.flag or "--" + self.field.replace("_", "-")
+
+
+def _field_default(config: type, name: str) -> Any:
+    for f in dataclasses.fields(config):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise ValueError(f"{config.__name__}.{name} has no default to give its flag")
+    raise ValueError(f"{config.__name__} has no field {name!r}")
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    config: type,
+    flags: Sequence[ConfigFlag],
+) -> None:
+    """Add a flag per ``flags`` entry, each storing into its field's name (see
+    :func:`config_from_args`)."""
+    for flag in flags:
+        default = (
+            _field_default(config, flag.field) if flag.default is FIELD_DEFAULT else flag.default
+        )
+        text = flag.help.format(default=default)
+        if isinstance(default, bool):
+            if default:
+                raise ValueError(f"{flag.name}: a switch's field must default to False")
+            parser.add_argument(flag.name, dest=flag.field, action="store_true", help=text)
+            continue
+        kind = flag.type or (None if default is None else type(default))
+        parser.add_argument(
+            flag.name,
+            dest=flag.field,
+            type=kind,
+            default=default,
+            choices=flag.choices,
+            # argparse's own metavar for the flag's name, whatever the field is called
+            metavar=flag.metavar
+            or (None if flag.choices else flag.name[2:].upper().replace("-", "_")),
+            help=text,
+        )
+
+
+def config_from_args(
+    config: type[_Config], args: argparse.Namespace, flags: Sequence[ConfigFlag], **fixed: Any
+) -> _Config:
+    """The config the flags of :func:`add_config_flags` name, with ``fixed`` fields besides."""
+    return config(**{flag.field: getattr(args, flag.field) for flag in flags}, **fixed)
