@@ -234,7 +234,7 @@ def test_without_matplotlib_the_report_says_why_there_are_no_charts(
     def missing() -> None:
         raise ImportError("No module named 'matplotlib'")
 
-    monkeypatch.setattr(report, "_pyplot", missing)
+    monkeypatch.setattr(report, "pyplot", missing)
     args = ["certify", "--backend", "shm", "--quick", "--sections", "latency"]
     assert main([*args, "--out", str(tmp_path)]) == 0
     doc = read_report(tmp_path)

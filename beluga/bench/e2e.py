@@ -791,9 +791,9 @@ def step_bars(ax: Any, rows: Sequence[dict[str, Any]], labels: Sequence[str]) ->
 def chart(doc: dict[str, Any], path: str) -> None:
     """Mean (with its range over repetitions) and p99 TTFT per pass and scheduler, and the
     mean time of each step per pass and scheduler, as a PNG."""
-    from beluga.bench.report import _pyplot
+    from beluga.bench.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     rows = doc["rows"]
     schedulers = list(dict.fromkeys(r["scheduler"] for r in rows))
     fig, (ax, steps) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)

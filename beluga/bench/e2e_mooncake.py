@@ -517,9 +517,9 @@ def times(value: float | None) -> str:
 
 def chart(doc: dict[str, Any], path: str) -> None:
     """TTFT per pass, pass-2 time split per step, and QPS per pass: both systems side by side."""
-    from beluga.bench.report import _pyplot
+    from beluga.bench.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     by = {(r["system"], r["pass"]): r for r in doc["rows"]}
     systems = list(SYSTEMS)
     x = np.arange(len(systems))

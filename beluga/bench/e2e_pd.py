@@ -301,9 +301,9 @@ def _ms(value: float | None) -> str:
 
 def chart(doc: dict[str, Any], path: str) -> None:
     """TTFT and handoff, TTFT by step, and QPS per system, with ranges over repetitions."""
-    from beluga.bench.report import _pyplot
+    from beluga.bench.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     rows = doc["rows"]
     systems = [r["system"] for r in rows]
     x = np.arange(len(systems))

@@ -344,9 +344,9 @@ def run(
 
 def chart(doc: dict[str, Any], path: str) -> None:
     """GB/s at p50 of each row beside its floors (pinned, pool, per-piece loop), as a PNG."""
-    from beluga.bench.report import _pyplot
+    from beluga.bench.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     rows = [r for r in doc["rows"] if "pinned_p50_us" in r]
     labels = [f"{r['row']}\n{r['direction']} {r['check']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 5), dpi=100)

@@ -141,7 +141,12 @@ def comparisons(doc: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 # -- charts ---------------------------------------------------------------------------
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend: every bench chart draws with it.
+
+    Raises ImportError when matplotlib is not installed (a caller says so and skips
+    its charts).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,7 +250,7 @@ def draw_charts(doc: dict[str, Any], out_dir: str) -> list[str]:
     wanted = [(name, draw) for name, (sec, draw) in CHARTS.items() if _ok(doc, sec)]
     if not wanted:
         return []
-    plt = _pyplot()
+    plt = pyplot()
     written = []
     for name, draw in wanted:
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
