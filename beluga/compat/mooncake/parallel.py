@@ -28,6 +28,8 @@ class ParallelTensors(TensorStore):
     core's.
     """
 
+    # -- publishing shards: a tensor-parallel put with a replica config ---------
+
     def pub_tensor_with_tp(
         self,
         key: str,
