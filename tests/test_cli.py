@@ -142,7 +142,7 @@ def test_a_missing_pool_names_the_command_that_creates_it(shm_path: str) -> None
 
 
 def test_a_config_flag_defaults_to_its_field_and_fills_it() -> None:
-    from beluga.chaos.driver import ChaosConfig
+    from beluga.chaos.config import ChaosConfig
     from beluga.cli.chaos import ROUND_FLAGS, SETUP_FLAGS
 
     flags = ROUND_FLAGS + SETUP_FLAGS

@@ -18,7 +18,8 @@ bounded round in CI.
 
 from __future__ import annotations
 
-from beluga.chaos.driver import KINDS, ChaosConfig, ChaosDriver, ChaosError, run_chaos
+from beluga.chaos.config import KINDS, ChaosConfig, ChaosError
+from beluga.chaos.driver import ChaosDriver, run_chaos
 from beluga.chaos.report import ChaosReport
 
 __all__ = ["KINDS", "ChaosConfig", "ChaosDriver", "ChaosError", "ChaosReport", "run_chaos"]

@@ -6,12 +6,10 @@ import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from beluga.chaos.config import ChaosConfig, replay_command
 from beluga.chaos.verifier import Findings
-
-if TYPE_CHECKING:
-    from beluga.chaos.driver import ChaosConfig
 
 
 @dataclass
@@ -226,12 +224,3 @@ class ChaosReport:
             for item in items[:5]:
                 lines.append(f"  {kind}: {item}")
         return "\n".join(lines)
-
-
-def replay_command(seed: int, c: Any) -> str:
-    """The ``beluga chaos`` command line that replays a run's faults (``c``: its ChaosConfig)."""
-    extra = "" if c.coherence == "native" else f" --coherence {c.coherence}"
-    extra += f" --standby {c.standbys}" if c.standbys else ""
-    extra += f" --takeover-after {c.takeover_after_s:g}" if c.takeover_after_s != 1.0 else ""
-    extra += " --emulated-hosts" if c.emulated_hosts else ""
-    return f"beluga chaos --seed {seed} --faults {c.faults}{extra}"

@@ -36,7 +36,7 @@ Messages to the driver (``t`` is the sender's monotonic clock):
 
 Commands from the driver: ``"stop"`` (finish the current step and exit),
 ``"pause-mid"`` (stop yourself halfway through the next in-place payload; see
-:class:`~beluga.chaos.driver.ChaosDriver` for who resumes it and when) and
+:class:`~beluga.chaos.injector.FaultInjector` for who resumes it and when) and
 ``"no-pause"`` (forget a pause asked for and not yet taken).
 
 A writer's serials are ``incarnation << 32 | counter``: a key belongs to one

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from beluga.chaos.driver import ChaosConfig
+from beluga.chaos.config import ChaosConfig
 from beluga.cli.common import ConfigFlag, add_config_flags, config_from_args
 from beluga.signals import interrupt_on_signals
 from beluga.units import parse_size
@@ -100,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_chaos_command(args: argparse.Namespace) -> int:
     import beluga.compat.mooncake.chaos  # noqa: F401  (registers the Mooncake drop-in as a writer client)
     from beluga.chaos import KINDS, ChaosConfig, run_chaos
-    from beluga.chaos.driver import WEIGHTS
+    from beluga.chaos.config import WEIGHTS
 
     weights = dict(WEIGHTS)
     if args.only:

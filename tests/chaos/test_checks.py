@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 from beluga import KVStore, chaos
-from beluga.chaos import ChaosDriver, faults
+from beluga.chaos import ChaosDriver, driver, faults
+from beluga.chaos.injector import FaultInjector
 from beluga.chaos.roles import Midway, _report_failure, diagnose, read_in_place
 from beluga.chaos.values import HEADER_BYTES, make_value, verify
 from beluga.chaos.verifier import History
@@ -404,13 +405,13 @@ def test_a_refused_write_is_never_served_not_even_after_a_restart(chaos_pool: Po
 # -- hangs and the command ---------------------------------------------------
 
 
-class _ForgetfulDriver(ChaosDriver):
+class _ForgetfulInjector(FaultInjector):
     """Stops a reader and forgets it did: to the hang check, a reader that hangs."""
 
     def _fault_stop_reader(self) -> bool:
-        victim = self._alive(("reader",))[0]
+        victim = self.roles.alive(("reader",))[0]
         os.kill(victim.pid, signal.SIGSTOP)
-        self._record("stop_reader", victim.name)
+        self.record("stop_reader", victim.name)
         return True
 
 
@@ -418,9 +419,10 @@ class _ForgetfulDriver(ChaosDriver):
 def test_a_role_without_progress_is_reported_as_a_hang_and_fails_the_command(
     shm_path: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The forgetful driver makes a hang by construction, so the command must exit 1."""
+    """The forgetful injector makes a hang by construction, so the command must exit 1."""
+    monkeypatch.setattr(driver, "FaultInjector", _ForgetfulInjector)
     monkeypatch.setattr(
-        chaos, "run_chaos", lambda config: _ForgetfulDriver(replace(config, settle_s=4.0)).run()
+        chaos, "run_chaos", lambda config: ChaosDriver(replace(config, settle_s=4.0)).run()
     )
     out = tmp_path / "chaos.json"
     args = ["chaos", "--faults", "1", "--seed", "1", "--writers", "1", "--inplace-writers", "0"]
