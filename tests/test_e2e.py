@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from beluga.bench import e2e, e2e_pd
+from beluga.bench import e2e, e2e_figures, e2e_pd, e2e_report, e2e_settings
 from beluga.cli import main
 from beluga.server.service import HIGH_WATERMARK
 from beluga.serving.cluster import Handoff, Record
@@ -30,7 +30,7 @@ def record(engine: int, start: float, busy: float, cached: int = 0, tokens: int 
 
 def test_a_summary_row_counts_hits_ttft_and_imbalance() -> None:
     records = [record(0, 0.0, 1.0, 50), record(0, 1.0, 2.0, 0), record(1, 0.0, 0.5, 100)]
-    row = e2e.summarize(records, engines=2)
+    row = e2e_figures.summarize(records, engines=2)
     assert row["requests"] == 3
     assert row["hit_ratio"] == pytest.approx(150 / 300)
     assert row["ttft_mean_s"] == pytest.approx((1.0 + 3.0 + 0.5) / 3)
@@ -49,13 +49,15 @@ def test_targets_compare_pass_two_with_pass_one() -> None:
         {"scheduler": "b", "pass": 1, "ttft_mean_s": 10.0},
         {"scheduler": "b", "pass": 2, "ttft_mean_s": 3.0},
     ]
-    verdicts = {t["scheduler"]: (t["pass2_over_pass1_ttft"], t["met"]) for t in e2e.targets(rows)}
+    verdicts = {
+        t["scheduler"]: (t["pass2_over_pass1_ttft"], t["met"]) for t in e2e_figures.targets(rows)
+    }
     assert verdicts == {"a": (pytest.approx(0.1), True), "b": (pytest.approx(0.3), False)}
 
 
 @pytest.mark.leaves("keys")
 def test_the_experiment_runs_both_schedulers_twice_and_cleans_up(shm_path: str) -> None:
-    settings = e2e.Settings(model="tiny", trace=TOY, start_method="fork")
+    settings = e2e_settings.Settings(model="tiny", trace=TOY, start_method="fork")
     phases: list[str] = []
     seen: list[tuple[str, int]] = []
     result = e2e.run(
@@ -86,7 +88,7 @@ def test_the_experiment_runs_both_schedulers_twice_and_cleans_up(shm_path: str) 
 
 
 def test_the_chart_is_a_png(tmp_path: Path) -> None:
-    steps = {key: 0.25 for key, _, _ in e2e.STEPS}  # every row charts its steps
+    steps = {key: 0.25 for key, _, _ in e2e_report.STEPS}  # every row charts its steps
     rows = [
         {"scheduler": s, "pass": p, "ttft_mean_s": 1.0 / p, "ttft_p99_s": 2.0 / p, **steps}
         for s in ("locality-free", "locality-aware")
@@ -96,7 +98,7 @@ def test_the_chart_is_a_png(tmp_path: Path) -> None:
         "rows": rows,
         "settings": {"model": "tiny", "engines": 2, "trace": {"context_tokens": 64}},
     }
-    e2e.chart(doc, str(tmp_path / "ttft.png"))
+    e2e_report.chart(doc, str(tmp_path / "ttft.png"))
     assert_valid_png(tmp_path / "ttft.png")
 
 
@@ -111,7 +113,7 @@ def test_the_chart_is_a_png(tmp_path: Path) -> None:
 )
 def test_settings_are_checked(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        e2e.Settings(**changes)
+        e2e_settings.Settings(**changes)
 
 
 def test_the_demo_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,7 +162,7 @@ def test_a_disaggregated_round_decodes_what_a_single_engine_would(shm_path: str)
     """CI's PD round of our own engines: one prefill and one decode engine over one pool;
     every decode loads the whole prompt's full blocks and generates a single engine's
     greedy tokens."""
-    settings = e2e.Settings(
+    settings = e2e_settings.Settings(
         model="tiny", trace=TOY, engines=2, pd=(1, 1), max_tokens=4, start_method="fork"
     )
     decoded: list[Record] = []
@@ -199,7 +201,7 @@ def test_duplicate_prefills_are_costed_by_their_share_of_compute() -> None:
         Record(1, 1, 0.0, 0.0, served(0, 80, 1.0, saved=1, duplicate_blocks=4)),
         Record(2, 0, 0.0, 1.0, served(64, 80, 0.25, load=0.04, saved=1)),
     ]
-    cost = e2e.duplicate_cost(records, documents=[7, 7, 7], block_tokens=16)
+    cost = e2e_figures.duplicate_cost(records, documents=[7, 7, 7], block_tokens=16)
     assert cost["duplicate_requests"] == 1
     assert cost["duplicate_compute_s"] == pytest.approx(1.0 * 64 / 80)
     # loading costs 0.01 s a block (request 2's 4 blocks in 0.04 s)
@@ -208,16 +210,16 @@ def test_duplicate_prefills_are_costed_by_their_share_of_compute() -> None:
     assert cost["wait_ttft_mean_s"] == pytest.approx(1.0 + 0.04 + 0.2)
     assert cost["duplicate_ttft_mean_s"] == pytest.approx(1.0)
     assert cost["duplicate_share_of_busy"] == pytest.approx(0.8 / 2.29)
-    alone = e2e.duplicate_cost(records[:1], [7], 16)
+    alone = e2e_figures.duplicate_cost(records[:1], [7], 16)
     assert alone["duplicate_requests"] == 0 and alone["wait_would_save_engine_s"] is None
 
 
 def test_a_hit_ratio_below_the_best_says_why() -> None:
     row = {"hit_ratio": 0.5, "best_hit_ratio": 0.9, "evictions": 3, "duplicate_blocks": 0}
-    assert e2e.hit_shortfall(row) == "hit ratio 0.500 is below 0.900: 3 evictions"
-    assert e2e.hit_shortfall({**row, "hit_ratio": 0.9}) is None
-    assert e2e.hit_shortfall(row, 0.4) is None  # not below the baseline's
-    unknown = e2e.hit_shortfall({**row, "evictions": None, "refused_blocks": 2})
+    assert e2e_report.hit_shortfall(row) == "hit ratio 0.500 is below 0.900: 3 evictions"
+    assert e2e_report.hit_shortfall({**row, "hit_ratio": 0.9}) is None
+    assert e2e_report.hit_shortfall(row, 0.4) is None  # not below the baseline's
+    unknown = e2e_report.hit_shortfall({**row, "evictions": None, "refused_blocks": 2})
     assert unknown is not None and "2 blocks the store refused" in unknown
     assert "evictions not reported" in unknown
 
@@ -228,14 +230,14 @@ def test_repetitions_give_medians_and_ranges() -> None:
         [{"system": "a", "n": 4, "t": 3.0, "busy": [3.0, 4.0], "x": 0.5}],
         [{"system": "a", "n": 3, "t": 2.0, "busy": [2.0, 9.0], "x": None}],
     ]
-    (row,) = e2e.median_rows(runs)
+    (row,) = e2e_figures.median_rows(runs)
     assert row["system"] == "a" and row["n"] == 3 and isinstance(row["n"], int)
     assert row["t"] == 2.0 and row["busy"] == [2.0, 4.0] and row["x"] == 0.5
     assert row["ranges"] == {"n": [2, 4], "t": [1.0, 3.0], "x": [0.5, 0.5]}
-    assert e2e.ranged(row, "t", 100) == "200 (100-300)"
-    assert e2e.error_bars([row], "t").tolist() == [[1.0], [1.0]]
-    assert e2e.spread([None, None]) is None
-    targets = e2e.median_targets(
+    assert e2e_report.ranged(row, "t", 100) == "200 (100-300)"
+    assert e2e_report.error_bars([row], "t").tolist() == [[1.0], [1.0]]
+    assert e2e_figures.spread([None, None]) is None
+    targets = e2e_figures.median_targets(
         [
             [{"scheduler": "a", "pass2_over_pass1_ttft": r, "target": 0.2, "met": r <= 0.2}]
             for r in (0.1, 0.3, 0.15)
@@ -253,16 +255,19 @@ def test_repetitions_give_medians_and_ranges() -> None:
 
 
 def test_the_capacity_budget_is_what_the_pool_may_hold_below_its_watermark() -> None:
-    settings = e2e.Settings(model="tiny", trace=TOY)
+    settings = e2e_settings.Settings(model="tiny", trace=TOY)
     fmt = settings.format
-    need = e2e.blocks_needed(settings.requests(), TOY, 16) * 2 + 2 * e2e.WARMUP_TOKENS // 16
+    need = (
+        e2e_figures.blocks_needed(settings.requests(), TOY, 16) * 2
+        + 2 * e2e_settings.WARMUP_TOKENS // 16
+    )
     budget = e2e.capacity_budget(settings, namespaces=2)
     assert budget == int(need * fmt.nbytes * e2e.HEADROOM)
     for capacity in (budget, 40 << 20):
         _, data = e2e.pool_for(settings, capacity)
         assert data * HIGH_WATERMARK >= capacity  # it holds the budget before it evicts
         assert (data - 2 * (2 << 20)) * HIGH_WATERMARK < capacity  # and not much more
-    given = e2e.Settings(model="tiny", trace=TOY, capacity=1 << 20)
+    given = e2e_settings.Settings(model="tiny", trace=TOY, capacity=1 << 20)
     assert e2e.capacity_budget(given, 2) == 1 << 20
     assert e2e.capacity_note(given, 1 << 20)["from"] == "--capacity"
 
@@ -325,7 +330,7 @@ def test_repeated_runs_and_bursts_report_ranges_and_count_duplicates_alike(
 ) -> None:
     """Two runs from scratch of a bursty trace: the rows are the runs' medians, and the
     blocks engines report computing twice are exactly the writes the server skipped."""
-    settings = e2e.Settings(
+    settings = e2e_settings.Settings(
         model="tiny",
         trace=TOY,
         schedulers=("locality-free",),

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from beluga.bench import e2e, e2e_mooncake, e2e_pd
+from beluga.bench import e2e, e2e_mooncake, e2e_pd, e2e_settings
 from beluga.errors import BackendUnavailableError
 from beluga.kv.tier.mooncake import check_available
 from beluga.serving.cluster import Record
@@ -53,7 +53,7 @@ def mooncake_installed() -> None:
 def test_both_systems_hit_with_recomputed_logits_and_report(
     mooncake_installed: None, shm_path: str, tmp_path: Path
 ) -> None:
-    settings = e2e.Settings(model="tiny", trace=TOY, start_method="fork")
+    settings = e2e_settings.Settings(model="tiny", trace=TOY, start_method="fork")
     seen: dict[tuple[str, int], list[Record]] = {}
     doc = e2e_mooncake.run(
         settings,
@@ -135,7 +135,7 @@ def test_the_headline_and_the_paper_scale_come_from_the_per_block_costs() -> Non
 def test_both_systems_hand_off_over_their_store_and_decode_a_single_engines_tokens(
     mooncake_installed: None, shm_path: str, tmp_path: Path
 ) -> None:
-    settings = e2e.Settings(
+    settings = e2e_settings.Settings(
         model="tiny", trace=TOY, engines=2, pd=(1, 1), max_tokens=3, start_method="fork"
     )
     decoded: dict[str, list[Record]] = {}
@@ -167,16 +167,18 @@ def test_both_systems_hand_off_over_their_store_and_decode_a_single_engines_toke
 
 
 def test_both_stores_get_one_budget_never_below_mooncakes_smallest_segment() -> None:
-    toy = e2e.Settings(model="tiny", trace=TOY)
+    toy = e2e_settings.Settings(model="tiny", trace=TOY)
     least = int(e2e_mooncake.MOONCAKE_LEAST_SEGMENT * e2e_mooncake.MOONCAKE_HIGH_WATERMARK)
     assert e2e.capacity_budget(toy, 1) < least
     assert e2e_mooncake.capacity_budget(toy) == least  # raised for both stores alike
-    big = e2e.Settings(model="tiny", trace=TOY, capacity=100 << 20)
+    big = e2e_settings.Settings(model="tiny", trace=TOY, capacity=100 << 20)
     assert e2e_mooncake.capacity_budget(big) == 100 << 20
     segment = e2e_mooncake.segment_bytes(100 << 20)
     assert segment % (1 << 20) == 0 and segment * 0.9 >= 100 << 20 > (segment - (1 << 20)) * 0.9
     with pytest.raises(ValueError, match="--capacity must be at least"):
-        e2e_mooncake.capacity_budget(e2e.Settings(model="tiny", trace=TOY, capacity=1 << 20))
+        e2e_mooncake.capacity_budget(
+            e2e_settings.Settings(model="tiny", trace=TOY, capacity=1 << 20)
+        )
 
 
 def test_the_masters_counters_are_read_from_its_prometheus_page(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import pytest
 import torch
 import transformers
 
-from beluga.bench import e2e, e2e_pd
+from beluga.bench import e2e, e2e_pd, e2e_report, e2e_settings
 from beluga.bench.mooncake import MooncakeBaseline
 from beluga.bench.mooncake_engine import MooncakeServingEngine
 from beluga.cli import demo
@@ -379,7 +379,7 @@ def test_mooncake_engines_stage_bfloat16_blocks_exactly(
 def test_four_7b_engines_of_the_ci_run_fit_on_the_lent_h200() -> None:
     """gpu-check's serving step runs two systems of two 7B engines over 15K-token prompts at
     once; the budgets the settings give them must fit, and a fifth pair must not."""
-    settings = e2e.Settings(model="7b", device="cuda", trace=LV_EVAL_15K, rate=None)
+    settings = e2e_settings.Settings(model="7b", device="cuda", trace=LV_EVAL_15K, rate=None)
     budget = settings.memory_bytes
     assert budget is not None
     weights = QWEN2_7B.num_params * 2
@@ -388,8 +388,8 @@ def test_four_7b_engines_of_the_ci_run_fit_on_the_lent_h200() -> None:
     check_gpu_budget(budget, 4, H200_BYTES, "cuda:0")
     with pytest.raises(ServingError, match=r"7 engines of .* GiB each need .* cuda:0 has"):
         check_gpu_budget(budget, 7, H200_BYTES, "cuda:0")
-    assert e2e.Settings(model="tiny").memory_bytes is None  # no budget on the CPU
-    generated = e2e.Settings(model="7b", device="cuda", pd=(1, 1), engines=2, rate=None)
+    assert e2e_settings.Settings(model="tiny").memory_bytes is None  # no budget on the CPU
+    generated = e2e_settings.Settings(model="7b", device="cuda", pd=(1, 1), engines=2, rate=None)
     assert generated.memory_bytes == engine_memory_bytes(
         QWEN2_7B, "bfloat16", generated.trace.max_prompt_tokens + generated.max_tokens
     )
@@ -408,10 +408,10 @@ def test_a_cluster_over_its_gpus_memory_is_refused_before_anything_starts(
 
 def test_7b_runs_on_a_gpu_and_is_refused_on_the_cpu() -> None:
     with pytest.raises(ValueError, match="model '7b' runs on a GPU"):
-        e2e.Settings(model="7b", trace=LV_EVAL_15K)
-    settings = e2e.Settings(model="7b", device="cuda", trace=LV_EVAL_15K)
+        e2e_settings.Settings(model="7b", trace=LV_EVAL_15K)
+    settings = e2e_settings.Settings(model="7b", device="cuda", trace=LV_EVAL_15K)
     assert settings.kv_dtype == "bfloat16" and settings.format.nbytes == 896 << 10
-    assert e2e.Settings(model="tiny").kv_dtype == "float32"
+    assert e2e_settings.Settings(model="tiny").kv_dtype == "float32"
 
 
 # -- the trace and the rate --------------------------------------------------------------
@@ -447,7 +447,7 @@ def test_the_command_line_rate_is_automatic_on_a_gpu_only() -> None:
 
 @pytest.mark.leaves("keys")  # the run's blocks stay in its scratch pool until it goes
 def test_an_automatic_rate_is_measured_once_and_spaces_the_arrivals(shm_path: str) -> None:
-    settings = e2e.Settings(
+    settings = e2e_settings.Settings(
         model="tiny",
         trace=TOY,
         rate=None,
@@ -471,14 +471,14 @@ def test_an_automatic_rate_is_measured_once_and_spaces_the_arrivals(shm_path: st
     requests = len(settings.requests())
     assert len(arrivals) == 2 * 2 * requests
     assert max(arrivals) > 0  # Poisson arrivals, not the whole trace at once
-    assert "automatic: 50% of what 2 engines served" in e2e.arrivals_note(doc["settings"])
+    assert "automatic: 50% of what 2 engines served" in e2e_report.arrivals_note(doc["settings"])
     with pytest.raises(ValueError, match="the rate is automatic"):
         settings.arrivals(0)
 
 
 @pytest.mark.leaves("keys")  # the run's blocks stay in its scratch pool until it goes
 def test_a_disaggregated_rate_is_measured_on_its_prefill_engines(shm_path: str) -> None:
-    settings = e2e.Settings(
+    settings = e2e_settings.Settings(
         model="tiny", trace=TOY, engines=2, pd=(1, 1), max_tokens=2, rate=None, start_method="fork"
     )
     doc = e2e_pd.run(settings, shm_path)

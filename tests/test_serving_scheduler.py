@@ -65,7 +65,7 @@ def test_the_trace_shares_each_document_among_its_questions() -> None:
 
 
 def test_the_trace_stores_the_blocks_its_sizing_expects() -> None:
-    from beluga.bench.e2e import blocks_needed
+    from beluga.bench.e2e_figures import blocks_needed
 
     shape = TraceShape(documents=3, context_tokens=100, min_question_tokens=1)
     trace = lv_eval_trace(shape, vocab_size=50, seed=1)

@@ -24,7 +24,7 @@ mooncake
     to the paper's block sizes rather than claiming its network.
 
 Each replays the trace twice (pass 1 fills its store, pass 2 hits it).  Per
-system and pass the report gives what :func:`beluga.bench.e2e.pass_row`
+system and pass the report gives what :func:`beluga.bench.e2e_figures.pass_row`
 does plus the cost per block of each step and the share of TTFT spent loading
 KV; the headline is the paper's table: pass-2 mean TTFT of Beluga as a
 fraction of Mooncake's, and the pass-2 QPS ratio.  :func:`paper_scale` then
@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from beluga.bench import e2e
+from beluga.bench import e2e, e2e_figures, e2e_report, e2e_settings
 from beluga.bench.mooncake import MooncakeBaseline
 from beluga.bench.mooncake_engine import TRANSPORT, MooncakeEngines
 from beluga.serving.cluster import Cluster, Record
@@ -108,10 +108,10 @@ def system_row(
     pass_no: int,
     records: Sequence[Record],
     trace: Sequence[TraceRequest],
-    settings: e2e.Settings,
+    settings: e2e_settings.Settings,
     counters: dict[str, int | None],
 ) -> dict[str, Any]:
-    """One row: :func:`e2e.pass_row`, plus per-block costs and the share of TTFT loading KV.
+    """One row: :func:`e2e_figures.pass_row`, plus per-block costs and the share of TTFT loading KV.
 
     Per-block figures are None where no block moved (pass 2 saves nothing;
     pass 1 loads only what earlier requests of the same pass stored).
@@ -133,7 +133,7 @@ def system_row(
         "system": system,
         "scheduler": SYSTEMS[system],
         "pass": pass_no,
-        **e2e.pass_row(records, trace, settings, counters),
+        **e2e_figures.pass_row(records, trace, settings, counters),
         "block_bytes": nbytes,
         "loaded_blocks": loaded_blocks,
         "lookup_ms_per_key": 1e3 * lookup / keys if keys else None,
@@ -225,7 +225,7 @@ def paper_scale(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def capacity_budget(settings: e2e.Settings) -> int:
+def capacity_budget(settings: e2e_settings.Settings) -> int:
     """One budget for both stores: :func:`e2e.capacity_budget` of one cache namespace (each
     system has a store of its own), never below what Mooncake's smallest segment holds."""
     least = int(MOONCAKE_LEAST_SEGMENT * MOONCAKE_HIGH_WATERMARK)
@@ -244,7 +244,7 @@ def segment_bytes(capacity: int) -> int:
     return math.ceil(capacity / MOONCAKE_HIGH_WATERMARK / MiB) * MiB
 
 
-def capacity_note(settings: e2e.Settings, capacity: int) -> dict[str, Any]:
+def capacity_note(settings: e2e_settings.Settings, capacity: int) -> dict[str, Any]:
     """:func:`e2e.capacity_note` and Mooncake's side of the same budget."""
     return {
         **e2e.capacity_note(settings, capacity),
@@ -274,7 +274,7 @@ def master_counters(url: str) -> dict[str, int | None]:
 
 @contextlib.contextmanager
 def mooncake_cluster(
-    settings: e2e.Settings, say: Callable[[str], None] = lambda _: None, capacity: int = 0
+    settings: e2e_settings.Settings, say: Callable[[str], None] = lambda _: None, capacity: int = 0
 ) -> Iterator[e2e.Started]:
     """Mooncake Store on loopback holding ``capacity`` bytes of KV (default:
     :func:`capacity_budget`), and engines in their roles that keep their KV there, warmed up.
@@ -309,7 +309,7 @@ def mooncake_cluster(
 
 
 def run(
-    settings: e2e.Settings,
+    settings: e2e_settings.Settings,
     pool: str | None = None,
     on_record: Progress | None = None,
     on_phase: Callable[[str], None] | None = None,
@@ -367,7 +367,7 @@ def run(
         ]
         startup = {system: started.startup_s for system, started in systems.items()}
         runs.append({"startup_s": startup, "rows": rows, "headline": headline(rows)})
-    rows = e2e.median_rows([r["rows"] for r in runs])
+    rows = e2e_figures.median_rows([r["rows"] for r in runs])
     fmt = settings.format
     return {
         "settings": {
@@ -386,15 +386,15 @@ def run(
         },
         "model_params": settings.shape.num_params,
         "requests_per_pass": len(prompts),
-        "startup_s": e2e.median_fields([r["startup_s"] for r in runs]),
+        "startup_s": e2e_figures.median_fields([r["startup_s"] for r in runs]),
         "rows": rows,
-        "headline": e2e.median_fields([r["headline"] for r in runs]),
+        "headline": e2e_figures.median_fields([r["headline"] for r in runs]),
         "paper_scale": paper_scale(rows),
         "runs": runs,
     }
 
 
-def staging_note(settings: e2e.Settings) -> str:
+def staging_note(settings: e2e_settings.Settings) -> str:
     """Where Mooncake's engines stage blocks, in words."""
     if settings.on_gpu:
         return "pinned host memory registered with CUDA (one DMA per batch each way)"
@@ -408,7 +408,7 @@ def transport_line(doc: dict[str, Any], scaled: bool = True) -> str:
     line = (
         f"Mooncake's transport here: {s.get('mooncake_transport', TRANSPORT)} (its transfer "
         "engine's TCP on loopback; the paper's Mooncake ran over RDMA), staging in "
-        f"{s.get('mooncake_staging', staging_note(e2e.Settings()))}"
+        f"{s.get('mooncake_staging', staging_note(e2e_settings.Settings()))}"
     )
     if scaled:
         line += "; the paper-scale figures below scale the per-byte costs measured here"
@@ -436,10 +436,10 @@ def store_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         evictions = "n/a" if row["evictions"] is None else f"{row['evictions']:g}"
         lines.append(
             f"  {row['system']} pass {row['pass']}: {evictions} evictions, "
-            f"{row['refused_blocks']:g} blocks refused, {e2e.duplicate_note(row)}"
+            f"{row['refused_blocks']:g} blocks refused, {e2e_report.duplicate_note(row)}"
         )
         others = [hit for system, hit in hits.items() if system != row["system"]]
-        why = e2e.hit_shortfall(row, max(others)) if row["pass"] == 2 and others else None
+        why = e2e_report.hit_shortfall(row, max(others)) if row["pass"] == 2 and others else None
         if why:
             lines.append(f"    {row['system']}'s pass 2: {why}")
     return lines
@@ -452,18 +452,19 @@ def summary(doc: dict[str, Any]) -> str:
     by = {(r["system"], r["pass"]): r for r in doc["rows"]}
     runs = len(doc.get("runs", [])) or 1
     lines = [
-        f"{doc['requests_per_pass']} requests a pass ({e2e.arrivals_note(doc['settings'])})",
+        f"{doc['requests_per_pass']} requests a pass ({e2e_report.arrivals_note(doc['settings'])})",
         f"pass 2 (median, range over {runs} runs): Beluga's mean TTFT is "
-        f"{e2e.ranged(h, 'pass2_ttft_fraction', 100)}% of Mooncake's "
-        f"(paper {100 * PAPER['ttft_fraction']:.1f}%); QPS {e2e.ranged(h, 'pass2_qps_ratio')}x "
+        f"{e2e_report.ranged(h, 'pass2_ttft_fraction', 100)}% of Mooncake's "
+        f"(paper {100 * PAPER['ttft_fraction']:.1f}%); "
+        f"QPS {e2e_report.ranged(h, 'pass2_qps_ratio')}x "
         f"(paper {PAPER['qps_ratio']:.2f}x); without queueing, per-request service "
-        f"{e2e.ranged(h, 'pass2_service_fraction', 100)}%",
+        f"{e2e_report.ranged(h, 'pass2_service_fraction', 100)}%",
         "  pass-2 hit ratio: "
-        + ", ".join(f"{s} {e2e.ranged(by[(s, 2)], 'hit_ratio')}" for s in SYSTEMS)
+        + ", ".join(f"{s} {e2e_report.ranged(by[(s, 2)], 'hit_ratio')}" for s in SYSTEMS)
         + f" (best possible {by[('beluga', 2)]['best_hit_ratio']:.3f}); pass-2 TTFT over "
         "pass 1's: "
         + ", ".join(
-            f"{s} {e2e.ranged(h, f'pass2_over_pass1_ttft_{s}', 100)}%"
+            f"{s} {e2e_report.ranged(h, f'pass2_over_pass1_ttft_{s}', 100)}%"
             for s in SYSTEMS
             if h.get(f"pass2_over_pass1_ttft_{s}") is not None
         ),
@@ -533,7 +534,7 @@ def chart(doc: dict[str, Any], path: str) -> None:
                 at,
                 [r["ttft_mean_s"] for r in rows],
                 width,
-                yerr=e2e.error_bars(rows, "ttft_mean_s"),
+                yerr=e2e_report.error_bars(rows, "ttft_mean_s"),
                 capsize=3,
                 label=f"pass {pass_no} mean",
             )
@@ -542,7 +543,7 @@ def chart(doc: dict[str, Any], path: str) -> None:
                 at,
                 [r["qps"] for r in rows],
                 width,
-                yerr=e2e.error_bars(rows, "qps"),
+                yerr=e2e_report.error_bars(rows, "qps"),
                 capsize=3,
                 label=f"pass {pass_no}",
             )
@@ -553,7 +554,7 @@ def chart(doc: dict[str, Any], path: str) -> None:
         qps.scatter([], [], marker="D", s=20, color="black", label="sustainable (busy time)")
         ttft.scatter([], [], marker="_", s=100, color="black", label="p99")
         steps = [by[(s, p)] for p in (1, 2) for s in systems]
-        e2e.step_bars(split, steps, [f"{r['system']}\npass {r['pass']}" for r in steps])
+        e2e_report.step_bars(split, steps, [f"{r['system']}\npass {r['pass']}" for r in steps])
         labels = [f"{s}\n({SYSTEMS[s]})" for s in systems]
         h = doc["headline"]
         for ax, title, ylabel in (

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from beluga.bench import e2e, e2e_mooncake
+from beluga.bench import e2e, e2e_figures, e2e_mooncake, e2e_report, e2e_settings
 from beluga.bench.mooncake_engine import TRANSPORT
 from beluga.bench.stats import percentile
 from beluga.serving.cluster import Handoff, Record
@@ -132,7 +132,7 @@ def system_row(
     system: str,
     handoffs: Sequence[Handoff],
     documents: Sequence[int],
-    settings: e2e.Settings,
+    settings: e2e_settings.Settings,
     counters: dict[str, int | None],
 ) -> dict[str, Any]:
     """:func:`summarize`, what duplicate prefills cost, and the store's counts."""
@@ -143,7 +143,7 @@ def system_row(
         "system": system,
         "pd": f"{settings.pd[0]}:{settings.pd[1]}",
         **summarize(handoffs, bs),
-        **e2e.duplicate_cost(prefill, documents, bs),
+        **e2e_figures.duplicate_cost(prefill, documents, bs),
         "evictions": counters.get("evictions"),
         "store_duplicate_writes_skipped": counters.get("duplicate_writes_skipped"),
     }
@@ -165,7 +165,7 @@ def headline(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(
-    settings: e2e.Settings,
+    settings: e2e_settings.Settings,
     pool: str | None = None,
     baseline: str | None = None,
     on_record: Callable[[str, Record], None] | None = None,
@@ -241,11 +241,11 @@ def run(
         },
         "model_params": settings.shape.num_params,
         "requests_per_run": len(prompts),
-        "rows": e2e.median_rows([r["rows"] for r in runs]),
+        "rows": e2e_figures.median_rows([r["rows"] for r in runs]),
         "runs": runs,
     }
     if baseline:
-        doc["headline"] = e2e.median_fields([r["headline"] for r in runs])
+        doc["headline"] = e2e_figures.median_fields([r["headline"] for r in runs])
     return doc
 
 
@@ -257,27 +257,29 @@ def summary(doc: dict[str, Any]) -> str:
     lines = [
         f"disaggregated {s['pd'][0]}:{s['pd'][1]}, model {s['model']} "
         f"({s['block_bytes'] >> 10} KiB blocks), {doc['requests_per_run']} requests "
-        f"({e2e.arrivals_note(s)}), "
+        f"({e2e_report.arrivals_note(s)}), "
         f"{s['max_tokens']} output tokens each; medians (range) over {runs} runs",
     ]
     for row in doc["rows"]:
         lines.append(
-            f"  {row['system']}: TTFT {e2e.ranged(row, 'ttft_mean_s')} s, handoff "
-            f"{e2e.ranged(row, 'handoff_mean_ms')} ms (wait {row['decode_wait_mean_ms']:.1f} + "
+            f"  {row['system']}: TTFT {e2e_report.ranged(row, 'ttft_mean_s')} s, handoff "
+            f"{e2e_report.ranged(row, 'handoff_mean_ms')} ms "
+            f"(wait {row['decode_wait_mean_ms']:.1f} + "
             f"lookup {row['decode_lookup_mean_ms']:.1f} + load {row['decode_load_mean_ms']:.1f} + "
             f"compute {row['decode_compute_mean_ms']:.1f}), KV moves "
-            f"{e2e.ranged(row, 'kv_share_of_ttft', 100)}% of TTFT (save "
+            f"{e2e_report.ranged(row, 'kv_share_of_ttft', 100)}% of TTFT (save "
             f"{row['prefill_save_mean_ms']:.1f} ms + load {row['decode_load_mean_ms']:.1f} ms), "
-            f"TPOT {_ms(row['tpot_mean_ms'])} ms, QPS {e2e.ranged(row, 'qps')}; "
+            f"TPOT {_ms(row['tpot_mean_ms'])} ms, QPS {e2e_report.ranged(row, 'qps')}; "
             f"{row['recomputed_blocks']:g} blocks recomputed at decode"
         )
     if "headline" in doc:
         h = doc["headline"]
         low, high = PAPER_QPS_RATIO
         lines.append(
-            f"Beluga over Mooncake: QPS {e2e.ranged(h, 'qps_ratio')}x (paper {low}-{high}x), "
-            f"mean TTFT {e2e.ranged(h, 'ttft_fraction', 100)}%, handoff "
-            f"{e2e.ranged(h, 'handoff_fraction', 100)}% of Mooncake's"
+            f"Beluga over Mooncake: QPS {e2e_report.ranged(h, 'qps_ratio')}x "
+            f"(paper {low}-{high}x), "
+            f"mean TTFT {e2e_report.ranged(h, 'ttft_fraction', 100)}%, handoff "
+            f"{e2e_report.ranged(h, 'handoff_fraction', 100)}% of Mooncake's"
         )
         lines.append(
             f"  throughput the engines could sustain (requests per second of the busier side's "
@@ -286,11 +288,11 @@ def summary(doc: dict[str, Any]) -> str:
         lines.append(e2e_mooncake.capacity_line(doc))
         lines.append(e2e_mooncake.transport_line(doc, scaled=False))
     else:
-        lines.append(e2e.capacity_line(s["capacity"]))
+        lines.append(e2e_report.capacity_line(s["capacity"]))
     for row in doc["rows"]:
         evictions = "n/a" if row["evictions"] is None else f"{row['evictions']:g}"
         lines.append(
-            f"  {row['system']}: {evictions} evictions; prefill: {e2e.duplicate_note(row)}"
+            f"  {row['system']}: {evictions} evictions; prefill: {e2e_report.duplicate_note(row)}"
         )
     return "\n".join(lines)
 
@@ -318,7 +320,7 @@ def chart(doc: dict[str, Any], path: str) -> None:
                 x + (k - 0.5) * width,
                 bars,
                 width,
-                yerr=e2e.error_bars(rows, key) * scale,
+                yerr=e2e_report.error_bars(rows, key) * scale,
                 capsize=3,
                 label=f"{name} mean",
             )
@@ -340,7 +342,7 @@ def chart(doc: dict[str, Any], path: str) -> None:
             x,
             [r["qps"] for r in rows],
             0.5,
-            yerr=e2e.error_bars(rows, "qps"),
+            yerr=e2e_report.error_bars(rows, "qps"),
             capsize=3,
             label="served",
         )

@@ -348,7 +348,7 @@ def _e2e_settings(args: argparse.Namespace) -> Any:
 
 
 def run_e2e(args: argparse.Namespace) -> int:
-    from beluga.bench import e2e
+    from beluga.bench import e2e_report
 
     if args.pd:
         return run_e2e_pd(args)
@@ -356,10 +356,10 @@ def run_e2e(args: argparse.Namespace) -> int:
         return run_e2e_mooncake(args)
     result = run_with_progress(_e2e_settings(args), args.pool)
     if args.chart:
-        e2e.chart(result, args.chart)
+        e2e_report.chart(result, args.chart)
         result["chart"] = os.path.abspath(args.chart)
     if args.json:
-        return report(args, "e2e", result, e2e.COLUMNS)
+        return report(args, "e2e", result, e2e_report.COLUMNS)
     print(summary(result))
     if args.chart:
         print(f"chart: {result['chart']}")

@@ -146,7 +146,7 @@ def e2e_settings(args: argparse.Namespace) -> Any:
             ) from e
     import torch
 
-    from beluga.bench.e2e import CONTEXT_TOKENS, DEFAULT_CONTEXT_TOKENS, Settings
+    from beluga.bench.e2e_settings import CONTEXT_TOKENS, DEFAULT_CONTEXT_TOKENS, Settings
     from beluga.serving.trace import TraceShape
 
     device = args.device
@@ -201,7 +201,7 @@ def run_with_progress(settings: Any, pool: str | None) -> dict[str, Any]:
 def summary(result: dict[str, Any]) -> str:
     """The table, then each scheduler's pass-2 / pass-1 TTFT against the target, capacity,
     evictions and blocks computed twice."""
-    from beluga.bench.e2e import (
+    from beluga.bench.e2e_report import (
         COLUMNS,
         arrivals_note,
         capacity_line,
