@@ -1,0 +1,197 @@
+"""One pool of a size, filled: the server's recovery, takeover, fill, full GC and tick.
+
+(:func:`measure`; the package's doc says what each figure is.)"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from beluga.bench.scale.pools import BATCH, GEOMETRY, WRITER, fill, request
+from beluga.coherence import digest
+from beluga.kv import protocol as p
+from beluga.pool import Pool
+from beluga.server.service import MetadataService
+
+
+def _write_one(pool: Pool, svc: MetadataService, key: bytes) -> None:
+    """ALLOC, publish and COMMIT of one one-block value: the first write of a takeover."""
+    sb, d = pool.superblock, digest(key)
+    (g,) = p.decode_grants(svc.op_alloc(request(p.StoreOp.ALLOC, p.encode_alloc([(d, 64, 1)]))))
+    pool.memory.publish(
+        sb.block_header_offset(g.block),
+        sb.block_payload_offset(g.block),
+        d,
+        g.version,
+        d * 4,
+        writer=WRITER[0],
+        writer_gen=WRITER[1],
+    )
+    answer = svc.op_commit(request(p.StoreOp.COMMIT, p.encode_commit([(d, g.block, g.version)])))
+    if p.decode_flags(answer) != [True]:
+        raise AssertionError("the first write after a takeover was refused")
+
+
+def _remove(svc: MetadataService, keys: Sequence[bytes]) -> None:
+    svc.op_remove(request(p.StoreOp.REMOVE, p.encode_digests([digest(k) for k in keys])))
+
+
+def first_writes(pool: Pool, repeats: int) -> dict[str, list[float]]:
+    """Takeover to the first acknowledged write, recovering at once (before) and while
+    serving (after), alternated; each write removed again by a finished server."""
+    before, after = [], []
+    for r in range(repeats):
+        for mode, times in ((True, before), (False, after)):
+            key = f"first-{r}-{mode}".encode()
+            t = time.perf_counter()
+            svc = MetadataService(pool, writer_alive=lambda host, gen: True, recover_now=mode)
+            _write_one(pool, svc, key)
+            times.append(time.perf_counter() - t)
+            svc.recover()
+            _remove(svc, [key])
+            del svc
+    return {"before": before, "after": after}
+
+
+def write_rate(
+    pool: Pool, names: Sequence[bytes], window_s: float = 0.25, after_s: float = 2.0
+) -> dict[str, Any]:
+    """Writers overwriting stored keys from a takeover on (the module doc, "takeover")."""
+    sb, mem = pool.superblock, pool.memory
+    rng = np.random.default_rng(36)
+    t0 = time.perf_counter()
+    svc = MetadataService(pool, writer_alive=lambda host, gen: True, recover_now=False)
+    marks: list[tuple[float, int]] = []
+    done_at = None
+    next_tick = 0.0
+    while True:
+        now = time.perf_counter() - t0
+        if done_at is None and not svc.recovering:
+            done_at = now
+        if done_at is not None and now > done_at + after_s:
+            break
+        keys = [names[i] for i in rng.choice(len(names), min(BATCH, len(names)), replace=False)]
+        digests = [digest(k) for k in keys]
+        payload = p.encode_alloc([(d, 64, 1) for d in digests])
+        grants = p.decode_grants(svc.op_alloc(request(p.StoreOp.ALLOC, payload)))
+        for d, g in zip(digests, grants, strict=True):
+            mem.publish(
+                sb.block_header_offset(g.block),
+                sb.block_payload_offset(g.block),
+                d,
+                g.version,
+                d * 4,
+                writer=WRITER[0],
+                writer_gen=WRITER[1],
+            )
+        payload = p.encode_commit(
+            [(d, g.block, g.version) for d, g in zip(digests, grants, strict=True)]
+        )
+        if not all(p.decode_flags(svc.op_commit(request(p.StoreOp.COMMIT, payload)))):
+            raise AssertionError("an overwrite was refused during recovery")
+        marks.append((time.perf_counter() - t0, len(keys)))
+        if now >= next_tick:  # the server's loop ticks every refresh (0.1 s)
+            svc.tick()
+            next_tick = now + 0.1
+        svc.recover_some(served=1)
+    assert done_at is not None
+    return _rates(marks, done_at, window_s)
+
+
+def _rates(marks: Sequence[tuple[float, int]], done_at: float, window_s: float) -> dict[str, Any]:
+    """Keys per second in whole windows of ``window_s``; the steady rate is the median of
+    the windows after recovery ended; full throughput from the end of the last window
+    below 90% of it."""
+    ends = np.array([t for t, _ in marks])
+    keys = np.array([n for _, n in marks])
+    whole = max(1, int(ends[-1] // window_s))
+    edges = np.arange(whole + 1) * window_s
+    per = np.histogram(ends, bins=edges, weights=keys)[0] / window_s
+    after_windows = per[edges[:-1] >= done_at]
+    after = (
+        float(np.median(after_windows))
+        if after_windows.size
+        else float(keys[ends > done_at].sum() / max(ends[-1] - done_at, 1e-9))
+    )
+    during = keys[ends <= done_at].sum() / max(done_at, 1e-9)
+    low = np.flatnonzero(per < 0.9 * after)
+    return {
+        "first_write_s": float(ends[0]),
+        "recovery_done_s": done_at,
+        "full_throughput_s": float(edges[low[-1] + 1]) if low.size else 0.0,
+        "keys_per_s_recovering": float(during),
+        "keys_per_s_after": after,
+        "rate_windows": per.round(1).tolist(),
+        "window_s": window_s,
+    }
+
+
+def measure(size: int, fraction: float, repeats: int = 3, after_s: float = 2.0) -> dict[str, Any]:
+    """One pool of ``size`` bytes filled to ``fraction`` of its blocks: every figure."""
+    path = f"/dev/shm/beluga-scale-{uuid.uuid4().hex[:8]}"
+    pool = Pool.create(path, size, geometry=GEOMETRY, coherence="native")
+    try:
+        svc = MetadataService(pool, writer_alive=lambda host, gen: True)
+        keys = int(pool.superblock.nblocks * fraction)
+        prefix = uuid.uuid4().hex[:8]
+        filled = fill(pool, svc, keys, prefix)
+        recovery = []
+        for _ in range(repeats):
+            del svc  # the last server's teardown is not the next one's recovery
+            t = time.perf_counter()
+            svc = MetadataService(pool, writer_alive=lambda host, gen: True)
+            recovery.append(time.perf_counter() - t)
+        if len(svc.index) != keys:
+            raise AssertionError(f"recovery found {len(svc.index)} keys of the {keys} stored")
+        del svc
+        first = first_writes(pool, repeats)
+        names = [f"{prefix}-{i}".encode() for i in range(keys)]
+        rate = write_rate(pool, names, after_s=after_s)
+        svc = MetadataService(pool, writer_alive=lambda host, gen: True)
+        collections, frozen = [], []
+        for _ in range(repeats):  # a full collection scans every object the server holds
+            t = time.perf_counter()
+            gc.collect()
+            collections.append(time.perf_counter() - t)
+        gc.freeze()  # what `beluga serve` does after recovery (collector.keep_collections_short)
+        try:
+            for _ in range(repeats):
+                t = time.perf_counter()
+                gc.collect()
+                frozen.append(time.perf_counter() - t)
+        finally:
+            gc.unfreeze()
+        ticks, scrubs = [], []
+        for _ in range(50):
+            t = time.perf_counter_ns()
+            svc.tick()
+            ticks.append(time.perf_counter_ns() - t)
+            t = time.perf_counter_ns()
+            svc.ix.scrub()
+            scrubs.append(time.perf_counter_ns() - t)
+        return {
+            "pool_bytes": size,
+            "blocks": pool.superblock.nblocks,
+            "keys": keys,
+            "index_buckets": svc.ix.nbuckets,
+            "recovery_s": statistics.median(recovery),
+            "recovery_us_per_block": 1e6 * statistics.median(recovery) / pool.superblock.nblocks,
+            "first_write_before_s": statistics.median(first["before"]),
+            "first_write_after_s": statistics.median(first["after"]),
+            "takeover": rate,
+            "alloc_us_per_key": 1e6 * filled["alloc_s"] / max(keys, 1),
+            "commit_us_per_key": 1e6 * filled["commit_s"] / max(keys, 1),
+            "full_gc_ms": 1e3 * statistics.median(collections),
+            "full_gc_frozen_ms": 1e3 * statistics.median(frozen),
+            "tick_us": statistics.median(ticks) / 1e3,
+            "scrub_us": statistics.median(scrubs) / 1e3,
+        }
+    finally:
+        pool.close()
+        Pool.destroy(path)
