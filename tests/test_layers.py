@@ -9,7 +9,9 @@ mapping: everything above loads and stores through its ``Memory``
 layer picture is rendered from the same table (:func:`render_layers`).
 
 Read from the source with ``ast`` (nothing is imported), so an import hidden
-inside a function to dodge a cycle is caught as well as one at the top.
+inside a function to dodge a cycle is caught as well as one at the top.  No
+module imports another in a loop, directly or through others, even within one
+layer: :func:`import_cycles` finds every loop of the import graph.
 """
 
 from __future__ import annotations
@@ -121,8 +123,8 @@ LAYERS: tuple[Layer, ...] = (
         ("_native/",),
         (
             "the C core, no Python in it (cpu.c, crc32c.c, blake3.c, memops.c,",
-            "model.c, sabotage.c, block.c, blockio.c, sg.c, index.c, rpc.c; each",
-            "opens with its design), and its bindings (*_py.c, helpers_py.c)",
+            "model.c, sabotage.c, block.c, blockio.c, sg.c, record.c, index.c, rpc.c;",
+            "each opens with its design), and its bindings (*_py.c, helpers_py.c)",
         ),
     ),
     Layer(
@@ -237,6 +239,73 @@ def import_problems(source: str, imports: list[tuple[int, str]]) -> list[str]:
     return out
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Each source under beluga/ -> the sources it imports (anywhere in it, lazily or not).
+
+    An import names one module: importing ``beluga.x.y`` runs
+    ``beluga/x/__init__.py`` first, but what that one imports are its own edges.
+    """
+    graph: dict[str, set[str]] = {}
+    for s in sources():
+        targets = {source_of(name) for _, name in first_party_imports(ROOT / s)}
+        graph[s] = {t for t in targets if t is not None and t != s}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One loop of each strongly connected group of the graph (Tarjan's), as the sources
+    in import order, the first repeated at the end; empty: no loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_loop_in(graph, group) for group in groups]
+
+
+def _loop_in(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """A loop through the first source of a strongly connected group (a shortest one)."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & group):
+                if w == start:
+                    return [*paths[v], start]
+                if w not in paths:
+                    paths[w] = [*paths[v], w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{sorted(group)} is no strongly connected group")
+
+
 def render_layers() -> str:
     """The README's layer picture, from LAYERS."""
     width = max(len(layer.name) for layer in LAYERS) + 2
@@ -304,6 +373,13 @@ def test_only_the_pool_reaches_the_raw_mapping() -> None:
     assert not wrong, "the raw mapping outside the pool:\n" + "\n".join(wrong)
 
 
+def test_no_modules_import_each_other_in_a_loop() -> None:
+    loops = import_cycles(import_graph())
+    assert not loops, "import loops (each module imports the next):\n" + "\n".join(
+        " -> ".join(f"beluga/{s}" for s in loop) for loop in loops
+    )
+
+
 def test_the_readme_picture_is_the_table() -> None:
     assert readme_picture(README.read_text()) == render_layers(), (
         "README.md's layer picture differs from tests/test_layers.py's LAYERS; "
@@ -342,6 +418,20 @@ def test_an_unknown_module_and_a_raw_mapping_are_seen(tmp_path: Path) -> None:
         "beluga/kv/store.py:1: imports beluga.nowhere, which is no module of beluga"
     ]
     assert mapping_reaches(source) == [3]
+
+
+def test_a_loop_is_found_and_named_through_other_modules() -> None:
+    graph = {
+        "a.py": {"b.py"},
+        "b.py": {"c.py"},
+        "c.py": {"a.py", "d.py"},
+        "d.py": set(),
+        "e.py": {"f.py"},
+        "f.py": {"e.py"},
+        "g.py": {"a.py"},
+    }
+    assert import_cycles(graph) == [["a.py", "b.py", "c.py", "a.py"], ["e.py", "f.py", "e.py"]]
+    assert import_cycles({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": set()}) == []
 
 
 def test_the_picture_is_read_from_its_marker() -> None:

@@ -39,7 +39,7 @@ def keep_collections_short() -> None:
 
     A full (oldest-generation) collection scans every object the process holds,
     and the service holds a few per key: 28 s extrapolated to the pod's 67 M
-    keys (docs/alignment.md), every RPC waiting.  The objects alive now (what
+    keys (docs/notes/alignment.md), every RPC waiting.  The objects alive now (what
     recovery built) are frozen out of the collector (``gc.freeze``), and so are
     the survivors of every later full collection, so each scans only what was
     made since the one before.  Frozen objects are still freed by their

@@ -42,7 +42,7 @@ from beluga.coherence import LINE, Memory, crc32c
 from beluga.pool.layout import Superblock
 
 #: blocks a recovery step scans for keys, or buckets it reconciles: a few milliseconds of
-#: the server's thread at a time (docs/alignment.md has the figures)
+#: the server's thread at a time (docs/notes/alignment.md has the figures)
 RECOVERY_REGION = 1 << 12
 #: a census step covers this many regions (it does a tenth of the work a block)
 CENSUS_REGIONS = 4
