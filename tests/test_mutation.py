@@ -5,7 +5,7 @@ fence, flush, invalidate and ordering step the protocols need on real CXL
 hardware.  This test builds the sabotage core (the same sources with
 ``-DBL_SABOTAGE``) into a temporary directory, then for each point spawns a
 process that loads it with that point armed and runs the point's catchers
-(``tests/sabotage_checks.CATCHERS``).  A point counts as caught only when a
+(``tests.sabotage_checks.CATCHERS``).  A point counts as caught only when a
 catcher saw a promise broken (a ``Violation``, not any error) *and* the point
 really skipped its step in some process.  Every check must also pass on the
 production core (eviction off and on) and on the sabotage core with nothing

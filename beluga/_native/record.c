@@ -85,7 +85,7 @@
  * purpose to show the record itself is right).
  *
  * Sabotage points DEVICE_READ_INVALIDATE and DEVICE_READ_MFENCE remove the
- * two steps; tests/sabotage_checks.py catches each under the model.
+ * two steps; tests/sabotage_checks/blocks.py catches each under the model.
  */
 #include <stdlib.h>
 

@@ -34,7 +34,7 @@ block's CRC32C on the GPU and reads a failing block once more with all its
 ranges invalidated, so what the record cannot see on real hardware (other
 processes of the same machine share its caches) costs a second read, not
 bytes.  ``dma_read`` / ``dma_write`` let a CPU stand-in of a GPU see what a
-device sees, so the model proves the rule (tests/sabotage_checks.py).
+device sees, so the model proves the rule (tests/sabotage_checks/blocks.py).
 
 The chicken bit ``BELUGA_COHERENCE=native|model`` forces the mode for every
 attach that does not name one; ``BELUGA_MODEL_SEED``, ``BELUGA_MODEL_LINES``,
