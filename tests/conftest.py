@@ -26,6 +26,9 @@ from beluga.errors import BelugaError
 from beluga.pool import Backend, Geometry, Pool
 from beluga.rpc import RpcServer
 
+# helper modules whose asserts pytest explains, as in a test file
+pytest.register_assert_rewrite("tests.proxy_rig")
+
 SHM = "/dev/shm"
 # one prefix per test session, so that concurrent sessions never see each other's files
 PREFIX = f"beluga-test-{os.getpid()}-"
