@@ -3,7 +3,7 @@
 The README is what a newcomer reads first, so it stays short (at most 200
 lines) and its counts are read from the code they count: the sabotage points
 from ``BL_SABOTAGE_POINTS`` in ``beluga_native.h``, the logic mutants, their
-cheap subset and the equivalents from ``tests/logic_mutants.py``.  Every
+cheap subset and the equivalents from ``tests/logic_mutants/``.  Every
 relative link and every repository path in backticks, in the README and in
 ``docs/``, names something that exists.  (The layer picture is checked by
 ``tests/test_layers.py``.)

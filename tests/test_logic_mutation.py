@@ -1,4 +1,4 @@
-"""Logic mutation score: every named logic mutant (tests/logic_mutants.py) is caught.
+"""Logic mutation score: every named logic mutant (tests/logic_mutants/) is caught.
 
 Beside the sabotage points of tests/test_mutation.py (a fence, flush or
 invalidate removed), these mutants are plausible one-line mistakes of logic:

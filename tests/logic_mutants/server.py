@@ -1,0 +1,387 @@
+"""Logic mutants of the metadata server: the version floor, the service, the allocator,
+the grants of a batch that skips keys, and recovery (of a write in flight at a restart,
+and while serving after a takeover).
+"""
+
+from __future__ import annotations
+
+from tests.logic_mutants.base import BLOCKS, REC, SVC, SX, Mutant
+
+# -- version floor
+FLOOR: list[Mutant] = [
+    Mutant(
+        "floor-persists-the-version-not-the-floor",
+        "version floor",
+        "beluga/server/extents.py",
+        'self.mem.nt_store(self.sb.service_offset, self.floor.to_bytes(8, "little"))',
+        'self.mem.nt_store(self.sb.service_offset, self.version.to_bytes(8, "little"))',
+        (SX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
+        "versions handed out after the floor's write, then removed or refused, repeat",
+        cheap=True,
+    ),
+    Mutant(
+        "recover-ignores-the-floor",
+        "version floor",
+        "beluga/server/recovery.py",
+        'stored = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")',
+        "stored = 0",
+        (SX + "test_a_restart_after_removes_and_refused_writes_reuses_no_version",),
+        "a restarted server counts from the headers alone: removed writes' versions repeat",
+    ),
+]
+
+
+# -- service
+SERVICE: list[Mutant] = [
+    Mutant(
+        "late-commit-accepted",
+        "service",
+        "beluga/server/service.py",
+        "            if pend.cancelled:  # too late",
+        "            if False:  # too late",
+        (SVC + "test_an_expired_lease_cancels_the_write_but_quarantines_its_extent",),
+        "a write whose lease ran out would be committed although its extent may be reused",
+        cheap=True,
+    ),
+    Mutant(
+        "dead-writer-waits-for-its-lease",
+        "service",
+        "beluga/server/service.py",
+        "                gone = not alive[who]",
+        "                gone = pend.cancelled and not alive[who]",
+        (SVC + "test_a_dead_writer_within_its_lease_is_reclaimed_at_once",),
+        "a dead writer's extent would stay reserved until its lease ran out",
+    ),
+    Mutant(
+        "client-gone-frees-the-others",
+        "service",
+        "beluga/server/service.py",
+        "            if pend.host == host_id:",
+        "            if pend.host != host_id:",
+        (SVC + "test_a_client_gone_frees_its_writes_only",),
+        "a host leaving would free the writes of every other host",
+    ),
+    Mutant(
+        "recover-trusts-a-sealed-header",
+        "service",
+        "beluga/server/recovery.py",
+        "committed[rel] == headers.version",
+        "headers.version == headers.version",
+        (SVC + "test_a_late_seal_is_not_a_committed_value_after_a_restart",),
+        "a value sealed after its lease ran out would come back as committed after a restart",
+    ),
+    Mutant(
+        "retire-frees-leased-extents",
+        "service",
+        "beluga/server/extents.py",
+        "        if e.lease_until > self.clock():",
+        "        if e.lease_until < self.clock():",
+        (SVC + "test_retired_extents_wait_out_their_read_leases",),
+        "a removed value's extent would be reused while a read lease still covers it",
+    ),
+    Mutant(
+        "evict-ignores-read-leases",
+        "service",
+        "beluga/server/extents.py",
+        "            if e.lease_until <= now:\n                del self.index[digest]",
+        "            if True:\n                del self.index[digest]",
+        (SVC + "test_eviction_is_lru_and_waits_for_read_leases",),
+        "eviction would take a leased value first",
+    ),
+    Mutant(
+        "drop-ignores-the-version",
+        "service",
+        "beluga/server/service.py",
+        "hit = e is not None and e.block == block and e.version == version",
+        "hit = e is not None and e.block == block",
+        (
+            BLOCKS + "test_a_value_replaced_meanwhile_is_a_miss_and_is_not_dropped",
+            SX + "test_a_drop_of_an_old_version_at_a_reused_block_keeps_the_new_value",
+        ),
+        "a reader's DROP of a corrupt old version would remove the good value replacing it",
+    ),
+    Mutant(
+        "skip-present-ignores-writes-in-flight",
+        "service",
+        "beluga/server/service.py",
+        "if skip and (digest in self.index or digest in writing):",
+        "if skip and digest in self.index:",
+        (BLOCKS + "test_a_key_another_writer_is_writing_is_in_flight_when_not_waited_for",),
+        "a key another host is writing would be granted and written twice",
+    ),
+]
+
+
+# -- allocator at the pool's last block
+ALLOCATOR: list[Mutant] = [
+    Mutant(
+        "reserve-refuses-the-last-block",
+        "allocator",
+        "beluga/server/allocator.py",
+        "(firsts <= self.nblocks - counts)",
+        "(firsts < self.nblocks - counts)",
+        (SX + "test_an_extent_ending_at_the_last_block_survives_a_restart",),
+        "recovery would refuse an extent ending at the last block: a committed value is lost",
+    ),
+    Mutant(
+        "reserve-many-ignores-overlaps",
+        "allocator",
+        "beluga/server/allocator.py",
+        "tangled[ok] = overlapping(firsts[ok], counts[ok])",
+        "tangled[ok] = False",
+        (SVC + "test_reserve_many_decides_as_reserve_one_at_a_time",),
+        "two recovered extents sharing a block would both be reserved: two values, one block",
+        cheap=True,
+    ),
+    Mutant(
+        "recover-ignores-copies-of-a-key",
+        "service",
+        "beluga/server/recovery.py",
+        "if len(set(keys)) == len(keys):",
+        "if True:",
+        (SVC + "test_recovery_decides_as_one_header_at_a_time",),
+        "after a crash during an overwrite both copies of a key would be kept, the older "
+        "one's extent never freed",
+    ),
+    Mutant(
+        "find-misses-a-run-at-the-end",
+        "allocator",
+        "beluga/server/allocator.py",
+        "elif window.size >= count:",
+        "elif window.size > count:",
+        (SX + "test_a_run_as_long_as_the_pool_is_found",),
+        "a free run exactly as long as the search window (the whole pool) is never found",
+    ),
+    Mutant(
+        "allocate-refuses-the-last-free-blocks",
+        "allocator",
+        "beluga/server/allocator.py",
+        "        if count > self.nfree:\n            return None",
+        "        if count >= self.nfree:\n            return None",
+        (SX + "test_an_extent_ending_at_the_last_block_survives_a_restart",),
+        "an allocation of exactly the free blocks left would be refused",
+    ),
+]
+
+
+# -- grants of an ALLOC batch that skips keys (committed, or in flight elsewhere)
+SKIP_PRESENT: list[Mutant] = [
+    Mutant(
+        "announce-stops-at-the-first-skipped-key",
+        "skip-present grants",
+        "beluga/server/service.py",
+        "                continue\n            self.mem.begin_write(",
+        "                break\n            self.mem.begin_write(",
+        (SX + "test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer",),
+        "the grants after a skipped key get no WRITING header: a server restarted before "
+        "their writers' first store loses them and grants their blocks again",
+        cheap=True,
+    ),
+    Mutant(
+        "announce-without-the-writers-generation",
+        "skip-present grants",
+        "beluga/server/service.py",
+        "                writer_gen=req.generation,",
+        "                writer_gen=0,",
+        (SX + "test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer",),
+        "a recovered grant of a stalled writer names no generation, so its lease alone "
+        "decides: its blocks are freed (and reused) while the writer lives",
+    ),
+    Mutant(
+        "skip-present-waits-for-cancelled-writes",
+        "skip-present grants",
+        "beluga/server/service.py",
+        "return {pend.digest for pend in self.pending.values() if not pend.cancelled}",
+        "return {pend.digest for pend in self.pending.values()}",
+        (SX + "test_every_grant_of_a_batch_that_skips_keys_is_written_before_the_answer",),
+        "a key whose write lost its lease (it never commits) is reported in flight to "
+        "every save, until its stalled writer is seen gone",
+    ),
+    Mutant(
+        "alloc-rollback-frees-skipped-grants",
+        "skip-present grants",
+        "beluga/server/service.py",
+        "if g.block != p.NO_BLOCK:",
+        "if True:",
+        (SX + "test_a_batch_that_skips_keys_then_fails_gives_every_grant_back_and_says_why",),
+        "a batch that skipped a key and then failed raises KeyError, not its own error, "
+        "and keeps the grants after the skipped key",
+    ),
+]
+
+
+# -- recovery of a write in flight at a restart: its writer's id, generation and lease
+IN_FLIGHT: list[Mutant] = [
+    Mutant(
+        "recover-swaps-writer-and-generation",
+        "recovery of a write in flight",
+        "beluga/server/recovery.py",
+        "                int(headers.writer[i]),\n                int(headers.writer_gen[i]),",
+        "                int(headers.writer_gen[i]),\n                int(headers.writer[i]),",
+        (
+            SX + "test_a_write_in_flight_at_a_restart_is_still_its_writers_after_the_new_servers_"
+            "tick",
+        ),
+        "a recovered write is judged by a writer that does not exist: freed at the new "
+        "server's first tick, its live writer's COMMIT refused (an acknowledged-looking write "
+        "lost; before, only process restarts and chaos rounds saw it, in tens of seconds)",
+        cheap=True,
+    ),
+    Mutant(
+        "recover-forgets-the-writers-generation",
+        "recovery of a write in flight",
+        "beluga/server/recovery.py",
+        "                int(headers.writer_gen[i]),",
+        "                0,",
+        (
+            SX + "test_a_write_in_flight_at_a_restart_is_still_its_writers_after_the_new_servers_"
+            "tick",
+        ),
+        "a recovered write whose writer's generation is gone stays held for a whole lease "
+        "(writer unknown), and one whose writer lives is freed once its lease runs out",
+    ),
+    Mutant(
+        "recover-gives-no-write-lease",
+        "recovery of a write in flight",
+        "beluga/server/recovery.py",
+        "expires=self.clock() + self.write_lease_s,",
+        "expires=self.clock(),",
+        (
+            SX + "test_a_write_in_flight_at_a_restart_is_still_its_writers_after_the_new_servers_"
+            "tick",
+        ),
+        "every recovered write is cancelled at the new server's first tick: a writer that "
+        "sealed before the restart has its COMMIT refused",
+    ),
+]
+
+
+# -- recovery while serving: writes resume at once after a takeover (issue 36)
+RECOVERY: list[Mutant] = [
+    Mutant(
+        "settle-ignores-the-slot-readers-see",
+        "recovery while serving",
+        "beluga/server/settling.py",
+        "named = self.ix.find(digest)",
+        "named = None",
+        (REC + "test_an_overwrite_retires_the_old_copy_wherever_the_scan_is",),
+        "an overwrite before the scan leaves the key's old copy readable by its block, and "
+        "in the pool for a successor's recovery",
+    ),
+    Mutant(
+        "graves-kept-only-in-memory",
+        "recovery while serving",
+        "beluga/server/settling.py",
+        "self.graves.append(digest, rec.first, keep)",
+        "rec.graves.get(digest)",
+        (REC + "test_a_remove_survives_a_second_takeover_in_the_middle_of_recovery",),
+        "a server taken over before its scan reached a removed key's copy dies with the "
+        "grave: the next one brings the key back",
+        cheap=True,
+    ),
+    Mutant(
+        "grave-spares-no-copy",
+        "recovery while serving",
+        "beluga/server/recovery_state.py",
+        "version < grave[0] and version != grave[1]",
+        "version < grave[0]",
+        (REC + "test_a_write_committed_during_recovery_outlives_a_second_takeover",),
+        "a write committed during a recovery is dropped by the next server as one of the "
+        "key's older copies",
+    ),
+    Mutant(
+        "allocation-reaches-past-the-frontier",
+        "recovery while serving",
+        "beluga/server/allocator.py",
+        "end = self.origin + (self.frontier if frontier is None else frontier)",
+        "end = self.origin + (self.nblocks if frontier is None else frontier)",
+        (REC + "test_the_allocator_allocates_below_its_frontier_and_reserves_beyond",),
+        "a run is taken in blocks no scan has seen: they may hold a value or a write",
+    ),
+    Mutant(
+        "commit-before-the-scan-refused",
+        "recovery while serving",
+        "beluga/server/service.py",
+        "            if pend is None and scanning:  # granted before the takeover, not scanned "
+        "yet?\n                pend = self._adopt_write(digest, block, version)",
+        "            if pend is None and scanning:  # granted before the takeover, not scanned "
+        "yet?\n                pend = None",
+        (REC + "test_writes_in_flight_at_the_takeover_are_their_writers_before_the_scan",),
+        "a write granted before the takeover is refused until the scan reaches its block",
+    ),
+    Mutant(
+        "remove-of-an-unnamed-key-buries-nothing",
+        "recovery while serving",
+        "beluga/server/service.py",
+        "            elif scanning:  # a copy the scan has not reached must not come back either",
+        "            elif False:  # a copy the scan has not reached must not come back either",
+        (REC + "test_a_remove_of_a_key_no_slot_names_keeps_its_copy_gone",),
+        "a key whose only copy no slot names comes back once the scan finds it, after its "
+        "REMOVE was answered",
+    ),
+    Mutant(
+        "scan-keeps-the-older-copy",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "e.version > version):\n            self._drop_copy(block, n)\n",
+        "e.version < version):\n            self._drop_copy(block, n)\n",
+        (REC + "test_copies_of_a_key_found_apart_leave_the_newest",),
+        "copies of a key found regions apart: the newer one (its commit landed) is dropped",
+    ),
+    Mutant(
+        "census-frees-writes-in-flight",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])",
+        "held = np.zeros(unfinished.size, dtype=bool)",
+        (REC + "test_a_write_in_flight_the_scan_passed_is_still_its_writers",),
+        "a write in flight at the takeover loses its extent to the census: its writer's "
+        "stores land on whatever is granted there next",
+    ),
+    Mutant(
+        "recovery-names-nothing-missing",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "            if e is None or d in self.ix.where:",
+        "            if True:",
+        (REC + "test_copies_of_a_key_found_apart_leave_the_newest",),
+        "a value no slot named (its commit's slot never landed) stays unreadable for good",
+    ),
+    Mutant(
+        "pool-index-writes-a-bucket-it-never-read",
+        "recovery while serving",
+        "beluga/server/index.py",
+        "        self._load((b1, b2))\n        at = self.where.get(digest)",
+        "        at = self.where.get(digest)",
+        (REC + "test_the_pool_index_loads_a_bucket_only_when_touched_and_keeps_its_other_slots",),
+        "a new server's first put rewrites its buckets from an empty mirror: the other keys "
+        "there go unreadable",
+    ),
+    Mutant(
+        "claim-trusts-blocks-past-the-census",
+        "recovery while serving",
+        "beluga/server/settling.py",
+        "return rec.censused(block) or self.alloc.reserve(block, n)",
+        "return True",
+        (REC + "test_writes_in_flight_at_the_takeover_are_their_writers_before_the_scan",),
+        "a write adopted ahead of the census holds no blocks: they are free once it passes",
+    ),
+    Mutant(
+        "census-does-not-look-back",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "        if rec.census == 0 and rec.origin:\n            self._look_back()",
+        "        if False:\n            self._look_back()",
+        (REC + "test_the_census_starts_where_allocation_was_and_holds_what_reaches_into_it",),
+        "a value begun before the census's first block loses its last blocks to new writes",
+    ),
+    Mutant(
+        "unanswered-grant-above-the-floor-kept",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "before = headers.version < rec.first",
+        "before = headers.version >= 0",
+        (REC + "test_a_header_at_or_above_the_floor_is_a_grant_never_answered",),
+        "a grant nobody learned of (announced as the floor's raise was lost) is held forever",
+    ),
+]
