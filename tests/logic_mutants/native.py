@@ -57,6 +57,7 @@ READER: list[Mutant] = [
         "h->state == BL_PUBLISHED &&",
         (IX + "test_a_slot_whose_version_disagrees_with_the_header_is_a_miss",),
         "a stale slot over a sealed, uncommitted rewrite of the key would be a batched hit",
+        cheap=True,
     ),
     Mutant(
         "reader-batch-skips-digest-confirm",
