@@ -61,7 +61,7 @@ from tests.test_transfer_gpu import StandInCuda
 SHAPE = ModelShape(num_layers=2)
 BS = SHAPE.block_tokens
 TOLERANCE = 1e-4  # float32 logits, a prefix reused against recomputed
-H200_BYTES = 143_771 << 20  # what the lent H200 reports (../shared/gpu/README.md)
+H200_BYTES = 143_771 << 20  # the total memory the lent H200 reported (2026-12-04)
 TOY = TraceShape(documents=2, min_questions=2, max_questions=2, context_tokens=64)
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(
