@@ -101,7 +101,7 @@ class FaultInjector:
                 FAULT_RETRY_S if pending else run.rng.expovariate(1 / cfg.fault_interval_s)
             )
             if pending is None or waited >= MAX_FAULT_WAITS:
-                pending, waited = run.rng.choices(kinds, weights)[0], 0
+                pending, waited = self._draw(kinds, weights), 0
             if self.inject(pending):
                 pending = None
             else:
@@ -113,6 +113,16 @@ class FaultInjector:
                     f"{sum(self.faults.values())} faults, {len(run.history.reads)} reads, "
                     f"{run.history.live_wrong} wrong, {len(run.hangs)} hangs"
                 )
+
+    def _draw(self, kinds: list[str], weights: list[int]) -> str:
+        """The next kind to inject: by weight, except that once the faults left are no more
+        than the kinds not injected yet, one of those, so a round of at least as many faults
+        as kinds injects every kind (a rare kind is not left to the seed's luck)."""
+        cfg, rng = self.run.cfg, self.run.rng
+        missing = [k for k in kinds if not self.faults[k]]
+        if missing and cfg.faults - sum(self.faults.values()) <= len(missing):
+            return rng.choice(missing)
+        return rng.choices(kinds, weights)[0]
 
     def record(self, kind: str, target: str, **extra: Any) -> None:
         """Count a fault injected and log it."""

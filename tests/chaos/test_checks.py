@@ -248,6 +248,33 @@ def chaos_pool(shm_path: str) -> Iterator[Pool]:
 
 
 @pytest.mark.leaves("keys")
+def test_a_round_of_as_many_faults_as_kinds_injects_every_kind_whatever_the_weights() -> None:
+    """The draw favours the kinds not injected yet once the faults left are no more than
+    they are: a rare kind (weight 1 of 1,000) still comes, in every seed's round."""
+    from collections import Counter
+    from random import Random
+    from types import SimpleNamespace
+
+    kinds = ["common", "rare", "other"]
+    weights = [998, 1, 1]
+    for seed in range(50):
+        for n in (3, 10):
+            stub = SimpleNamespace(
+                run=SimpleNamespace(cfg=SimpleNamespace(faults=n), rng=Random(seed)),
+                faults=Counter(),
+            )
+            for _ in range(n):
+                stub.faults[FaultInjector._draw(stub, kinds, weights)] += 1  # type: ignore[arg-type]
+            assert set(stub.faults) == set(kinds), (seed, n, stub.faults)
+    # by weight while there is room: a long round is mostly the common kind
+    stub = SimpleNamespace(
+        run=SimpleNamespace(cfg=SimpleNamespace(faults=1000), rng=Random(1)), faults=Counter()
+    )
+    for _ in range(1000):
+        stub.faults[FaultInjector._draw(stub, kinds, weights)] += 1  # type: ignore[arg-type]
+    assert stub.faults["common"] > 950 and set(stub.faults) == set(kinds)
+
+
 def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -> None:
     import random
 
