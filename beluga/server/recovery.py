@@ -57,7 +57,12 @@ Recovering while serving (issue 36)
   operation sees what a finished recovery would have shown of that key.  A
   COMMIT or ABORT naming a block not scanned yet adopts the write there
   (``_adopt_write``: its header, under its writer, or a committed copy when
-  the COMMIT was sent again).  Adopted blocks are skipped by the scan.
+  the COMMIT was sent again).  Adopted blocks are skipped by the scan.  A
+  block the census passed is held only if the census held a write there
+  (``RecoveryState.held``), not because the census passed it: a header it
+  read torn (a seal racing its read) was freed with its blocks, which may
+  have been handed out since, so such a COMMIT is acknowledged only once
+  its blocks are reserved again, still free, and refused otherwise.
 
   What the promises need:
   - a read is the committed bytes of the key or a miss: readers use the pool
@@ -321,6 +326,8 @@ class Recovery(ExtentKeeping):
         won = self._reserve_values(headers, published, extents)
         unfinished = self._newest_first(headers, np.flatnonzero(live & ~done))
         held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])
+        rec.held[headers.block[published[won]]] = True
+        rec.held[headers.block[unfinished[held]]] = True
         lost = np.concatenate((published[~won], unfinished[~held], np.flatnonzero(stray)))
         for block in headers.block[lost].tolist():
             self._drop_copy(block)
@@ -357,9 +364,9 @@ class Recovery(ExtentKeeping):
             headers, committed, lo, count = read
         live, done, _ = self._classify(headers, committed, lo)
         extents = self._extents(headers)
-        # what the census held: a write it did not see (it read the table stale) never joins
-        held = np.zeros(len(headers), dtype=bool)
-        held[live] = self.alloc.held(headers.block[live], extents[live])
+        # what the census held: a write it did not see (it read the table stale or torn, and
+        # may have handed its blocks out since) never joins
+        held = rec.held[headers.block] & live
         for block in headers.block[live & ~held].tolist():
             self._drop_copy(block)
         live &= held

@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from beluga.coherence import LINE, Memory, crc32c
 from beluga.pool.layout import Superblock
 
@@ -77,10 +79,17 @@ class RecoveryState:
     naming: list[bytes] | None = None  # keys to check that the index names them (last phase)
     graves: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # digest -> below, keep
     adopted: set[int] = field(default_factory=set)  # first blocks decided ahead of the scan
+    #: the first blocks of the extents the census held (its read of their headers said a
+    #: write of before the takeover): what a block it passed holds, not the bitmap, which
+    #: says only that something has the blocks now
+    held: np.ndarray = field(init=False)
     #: writers whose rings were adopted meanwhile: which of their requests went unanswered
     unanswered: dict[tuple[int, int], Callable[[int], bool]] = field(default_factory=dict)
     since: float = field(default_factory=time.perf_counter)  # when it started
     spent: float = 0.0  # seconds of steps so far
+
+    def __post_init__(self) -> None:
+        self.held = np.zeros(self.nblocks, dtype=bool)
 
     def censused(self, block: int) -> bool:
         """Whether the census has passed a block (its extent, if any, is held)."""

@@ -23,11 +23,14 @@ class Settling(ExtentKeeping):
     thread-safe, not fork-safe: the service's."""
 
     def _claim(self, block: int, n: int) -> bool:
-        """Hold an extent the scan has not reached: the census holds it already below its
-        frontier (a live header there kept its extent), else it is reserved now."""
+        """Hold an extent the scan has not reached: the census holds it already if it held
+        the write there (``RecoveryState.held``), else it is reserved now, if its blocks are
+        free.  A block the census passed without holding a write there (it read the header
+        torn or stale: a writer's seal raced its read) was freed, and may have been handed
+        out since: the frontier alone says nothing of it."""
         rec = self.rec
         assert rec is not None
-        return rec.censused(block) or self.alloc.reserve(block, n)
+        return bool(rec.censused(block) and rec.held[block]) or self.alloc.reserve(block, n)
 
     def _read_copy(self, block: int) -> tuple[BlockHeader | None, int]:
         """A block's header and commit word, read fresh."""
@@ -78,7 +81,7 @@ class Settling(ExtentKeeping):
         n = self.extent(length)
         e = self.index.get(digest)
         if rec.dead(digest, version) or (e is not None and e.version > version):
-            self._drop_copy(block, n if rec.censused(block) else 0)
+            self._drop_copy(block, n if rec.censused(block) and rec.held[block] else 0)
         elif self._claim(block, n):
             rec.adopted.add(block)
             if e is not None:

@@ -259,6 +259,16 @@ IN_FLIGHT: list[Mutant] = [
 # -- recovery while serving: writes resume at once after a takeover (issue 36)
 RECOVERY: list[Mutant] = [
     Mutant(
+        "claim-trusts-the-census-frontier",
+        "recovery while serving",
+        "beluga/server/settling.py",
+        "return bool(rec.censused(block) and rec.held[block])",
+        "return bool(rec.censused(block))",
+        (REC + "test_a_write_the_census_read_torn_is_held_when_committed_or_refused",),
+        "a commit of a write whose header the census read torn is acknowledged with its "
+        "blocks free, and the next grant overwrites it",
+    ),
+    Mutant(
         "settle-ignores-the-slot-readers-see",
         "recovery while serving",
         "beluga/server/settling.py",
