@@ -246,8 +246,10 @@ class ServerFleet:
         fenced = s.stalled and code == -signal.SIGKILL
         self._gone(s)
         if fenced:
-            self.run.history.server_killed(time.monotonic())
             stall = next(k for k in reversed(self.takeovers) if k.get("stalled") == s.pid)
+            # the server answered nothing from its stall on, and a standby may have served
+            # before its death was seen here: the history's restart is the stall's start
+            self.run.history.server_killed(stall["t"])
             stall["fenced_s"] = round(time.monotonic() - stall["t"], 4)
         else:
             self.run.error("ServerExited", f"the server exited with code {code}")
@@ -261,7 +263,7 @@ class ServerFleet:
         send_signal(s.pid, signal.SIGKILL)
         s.proc.join(10)
         self._gone(s)
-        self.run.history.server_killed(time.monotonic())
+        self.run.history.server_killed(t)  # it answered nothing after t
         self.takeovers.append(
             {
                 "t": t,
