@@ -236,17 +236,20 @@ def test_the_census_starts_where_allocation_was_and_holds_what_reaches_into_it(
 def test_stats_while_recovering_say_how_far_it_is(w: World) -> None:
     stored = fill(w, 100)
     svc = w.take_over()
+    w.put("during", value_of("during"))  # acknowledged while the keys are being scanned
     left = []
     while svc.recovering:
         s = svc.stats()
-        assert s["recovering"] == 1
+        assert s["recovering"] == 1 and s["puts_while_recovering"] == 1
         left.append(s["recovery_blocks_left"])
         w.step()
     s = svc.stats()
     assert s["recovering"] == 0 and s["recovery_blocks_left"] == 0 and s["recovery_graves"] == 0
     assert left[0] == w.pool.superblock.nblocks and left == sorted(left, reverse=True)
-    assert s["keys"] == s["recovered_keys"] == 100 and s["blocks_used"] == 100
-    clean_up(w, set(stored))
+    assert s["keys"] == s["recovered_keys"] == 101 and s["blocks_used"] == 101
+    w.put("after", value_of("after"))
+    assert svc.stats()["puts_while_recovering"] == 1
+    clean_up(w, {*stored, "during", "after"})
 
 
 # -- a key's old copy in a region not scanned yet ------------------------------------

@@ -84,6 +84,7 @@ _COUNTERS = (
     "retiring_extents",
     "corrupt_dropped",
     "duplicate_writes_skipped",
+    "puts_while_recovering",
 )
 _MAX_REPORT = 8  # read results per message: keeps a message below PIPE_BUF (4 KiB)
 _LOOKUP_TIMEOUT_S = 0.5  # a miss asks the server for its view; a server away is noted

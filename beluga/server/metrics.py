@@ -86,6 +86,10 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
         "Grants a gone server made and never answered, freed as their writer's ring was adopted",
     ),
     "recovered_keys": ("gauge", "Keys rebuilt from the pool since this server started"),
+    "puts_while_recovering": (
+        "counter",
+        "Commits acknowledged while this server's recovery had keys left to scan",
+    ),
     "recovering": ("gauge", "1 while the server still scans the pool it took over, else 0"),
     "recovery_blocks_left": ("gauge", "Blocks whose keys the recovering server has not scanned"),
     "recovery_graves": (

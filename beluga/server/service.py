@@ -265,6 +265,7 @@ class MetadataService(Recovery, Settling):
             if old is not None:  # the index points at the new value: the old one goes
                 self._retire(old, None)
             self.counters["puts"] += 1
+            self.counters["puts_while_recovering"] += scanning
             done.append(True)
         _commit_fence(self.mem)  # every commit word is in the pool before the answer goes out
         return p.encode_flags(done)
@@ -469,6 +470,7 @@ class MetadataService(Recovery, Settling):
             "dead_writer_reclaims": self.counters["dead_writer_reclaims"],
             "unanswered_grants_freed": self.counters["unanswered_grants_freed"],
             "recovered_keys": self.counters["recovered_keys"],
+            "puts_while_recovering": self.counters["puts_while_recovering"],
             "recovering": int(self.rec is not None),
             "recovery_blocks_left": self._blocks_left(),
             "recovery_graves": len(self.rec.graves) if self.rec is not None else 0,

@@ -88,11 +88,19 @@ def _check(report: ChaosReport) -> None:
 @pytest.mark.leaves("keys", "writes")  # writers are killed and stalled mid-write on purpose
 @pytest.mark.parametrize(("coherence", "standbys"), ROUNDS, ids=str)
 def test_a_chaos_round_breaks_no_promise(
-    shm_path: str, coherence: str, standbys: int, capsys: pytest.CaptureFixture[str]
+    shm_path: str,
+    coherence: str,
+    standbys: int,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``mixed``: every odd-numbered writer, in-place writer and reader runs under the
     non-coherent model (``coherence="model"``), the others natively.  With standbys, every
-    killed server is replaced by a standby's takeover, and a stopped one must keep its seat."""
+    killed server is replaced by a standby's takeover, and a stopped one must keep its seat;
+    their servers recover while they serve (recovery regions of 64 blocks, so the round's
+    pool is some fifty regions: at the default, it would be one, recovered at once)."""
+    if standbys:
+        monkeypatch.setenv("BELUGA_RECOVERY_REGION", "64")  # inherited by every server
     config = ChaosConfig(
         faults=FAULTS, seed=SEED, coherence=coherence, pool_path=shm_path, standbys=standbys,
         writer_client="mooncake",
@@ -104,6 +112,9 @@ def test_a_chaos_round_breaks_no_promise(
         kills = [k for k in report.takeovers if k["kind"] == "kill" and k["during"] == "run"]
         assert kills and all("by" in k for k in kills), f"a kill was not taken over{why}"
         assert report.outage()["n"] >= 1, f"no write followed a takeover{why}"
+        assert report.server_peaks.get("puts_while_recovering", 0) > 0, (
+            f"no server acknowledged a write while it recovered{why}"
+        )
         fenced = [k for k in report.takeovers if "fenced_s" in k]
         assert all("by" in k for k in fenced), f"a fenced server's seat was not taken{why}"
 
