@@ -371,7 +371,7 @@ RECOVERY: list[Mutant] = [
         "claim-trusts-blocks-past-the-census",
         "recovery while serving",
         "beluga/server/settling.py",
-        "return rec.censused(block) or self.alloc.reserve(block, n)",
+        "return bool(rec.censused(block) and rec.held[block]) or self.alloc.reserve(block, n)",
         "return True",
         (REC + "test_writes_in_flight_at_the_takeover_are_their_writers_before_the_scan",),
         "a write adopted ahead of the census holds no blocks: they are free once it passes",
