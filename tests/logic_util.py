@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import random
 
-from beluga._native import _core
 from beluga.coherence import digest
 from beluga.kv import protocol as p
 from beluga.pool import Pool
@@ -31,13 +30,4 @@ def remove_key(h: Harness, key: str) -> None:
 
 def reader(pool: Pool) -> object:
     """A one-sided reader with no hint lines."""
-    sb = pool.superblock
-    return _core.Index(
-        pool.memory,
-        sb.index.offset,
-        sb.nbuckets,
-        sb.headers.offset,
-        sb.payloads.offset,
-        sb.block_size,
-        sb.nblocks,
-    )
+    return pool.index_reader()

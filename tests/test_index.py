@@ -52,16 +52,7 @@ def pool(shm_path: str) -> Iterator[Pool]:
 
 def reader(pool: Pool) -> object:
     """A one-sided reader with no hint lines."""
-    sb = pool.superblock
-    return _core.Index(
-        pool.memory,
-        sb.index.offset,
-        sb.nbuckets,
-        sb.headers.offset,
-        sb.payloads.offset,
-        sb.block_size,
-        sb.nblocks,
-    )
+    return pool.index_reader()
 
 
 # -- format ------------------------------------------------------------------------

@@ -68,16 +68,7 @@ class World:
         self.pool, self.clock, self.options = pool, Clock(), options
         self.alive = {WRITER}
         self.writer = writer or pool
-        sb = pool.superblock
-        self.reader = _core.Index(
-            (reader or pool).memory,
-            sb.index.offset,
-            sb.nbuckets,
-            sb.headers.offset,
-            sb.payloads.offset,
-            sb.block_size,
-            sb.nblocks,
-        )
+        self.reader = pool.index_reader((reader or pool).memory)
         self.svc = self.take_over(at_once=True)
 
     def take_over(self, at_once: bool = False) -> MetadataService:

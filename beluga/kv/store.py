@@ -184,16 +184,8 @@ class KVStore:
         self.sb = self.pool.superblock
         sb = self.sb
         #: one-sided reads through the pool index; hits are recorded in this host's hint lines
-        self.index = _core.Index(
-            self.mem,
-            sb.index.offset,
-            sb.nbuckets,
-            sb.headers.offset,
-            sb.payloads.offset,
-            sb.block_size,
-            sb.nblocks,
-            hint_off=sb.hint_offset(self.rpc.host_id),
-            owner=self.rpc.entry.generation,
+        self.index = self.pool.index_reader(
+            self.mem, hint_off=sb.hint_offset(self.rpc.host_id), owner=self.rpc.entry.generation
         )
 
     # -- plumbing ------------------------------------------------------------

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from beluga._native import step
+from beluga._native import _core, step
 from beluga.coherence import LINE, Memory, ModelConfig, attach, resolve_mode
 from beluga.errors import PoolChangedError, PoolError
 from beluga.pool.backends import Backend, Mapping, parse_spec
@@ -236,6 +236,22 @@ class Pool:
     @property
     def spec(self) -> str:
         return self.backend.spec
+
+    def index_reader(self, memory: Memory | None = None, **hints: int) -> Any:
+        """A one-sided reader of the pool index (the C core's ``Index``: probes, confirms
+        and reads by key with loads alone) through ``memory``, this host's view unless
+        another is given; ``hints`` (``hint_off``, ``owner``) give it this host's hint lines."""
+        sb = self.superblock
+        return _core.Index(
+            memory if memory is not None else self.memory,
+            sb.index.offset,
+            sb.nbuckets,
+            sb.headers.offset,
+            sb.payloads.offset,
+            sb.block_size,
+            sb.nblocks,
+            **hints,
+        )
 
     def claim_host(self, host_id: int | None = None, timeout: float = 10.0) -> HostEntry:
         """Ask the pool's server for a host id for this process (see HostTable.claim)."""

@@ -94,16 +94,7 @@ def service_answers_durable(model: ModelConfig) -> None:
 
 def _reader_index(pool: Pool) -> object:
     """A one-sided reader over a pool (no hints)."""
-    sb = pool.superblock
-    return _core.Index(
-        pool.memory,
-        sb.index.offset,
-        sb.nbuckets,
-        sb.headers.offset,
-        sb.payloads.offset,
-        sb.block_size,
-        sb.nblocks,
-    )
+    return pool.index_reader()
 
 
 def index_probe_on_a_caching_host(model: ModelConfig) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from beluga._native import _core
 from beluga.bench.scale.pools import BATCH, RPC_GEOMETRY, fill, scratch_pool
 from beluga.bench.store import serve_in_child
 from beluga.child import server_process
@@ -221,15 +220,7 @@ def reads(
         fill(pool, svc, min(values, sb.nblocks), prefix)
         real = [f"{prefix}-{i}".encode() for i in range(min(values, sb.nblocks))]
         absent = [f"absent-{i}".encode() for i in range(len(real))]
-        index = _core.Index(
-            pool.memory,
-            sb.index.offset,
-            sb.nbuckets,
-            sb.headers.offset,
-            sb.payloads.offset,
-            sb.block_size,
-            sb.nblocks,
-        )
+        index = pool.index_reader()
         ix, slots = svc.ix, sb.nbuckets * SLOTS
         rng = np.random.default_rng(22)
         buf = bytearray(sb.block_size)
