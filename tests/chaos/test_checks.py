@@ -247,7 +247,6 @@ def chaos_pool(shm_path: str) -> Iterator[Pool]:
     Pool.destroy(shm_path)
 
 
-@pytest.mark.leaves("keys")
 def test_a_round_of_as_many_faults_as_kinds_injects_every_kind_whatever_the_weights() -> None:
     """The draw favours the kinds not injected yet once the faults left are no more than
     they are: a rare kind (weight 1 of 1,000) still comes, in every seed's round."""
@@ -275,6 +274,7 @@ def test_a_round_of_as_many_faults_as_kinds_injects_every_kind_whatever_the_weig
     assert stub.faults["common"] > 950 and set(stub.faults) == set(kinds)
 
 
+@pytest.mark.leaves("keys")
 def test_a_corrupted_block_reads_as_a_miss_through_the_store(chaos_pool: Pool) -> None:
     import random
 
