@@ -559,7 +559,7 @@ def test_a_server_answers_writes_while_it_recovers_between_polls(pool: Pool) -> 
     client at once and recovers between polls (``RpcServer.background``) to the end."""
     w = World(pool)
     stored = fill(w, 300)
-    server = MetadataServer(pool, recovery_region=8)  # 63 regions: recovers in steps
+    server = MetadataServer(pool, recovery_region=8, recover_now=False)  # 63 regions, in steps
     try:
         assert server.service.recovering
         server.start_thread()
@@ -681,3 +681,28 @@ def test_a_write_the_census_read_torn_is_held_when_committed_or_refused(w: World
     assert w.read("late") == (value_of("late") if acked else None)
     assert all(w.read(k) == value_of(k) for k in [*stored, *more])
     clean_up(w, {*stored, *more, *(["late"] if acked else [])})
+
+
+def test_a_server_recovers_at_once_unless_told_to_recover_while_serving(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recovery while serving is opt-in (``BELUGA_RECOVER_WHILE_SERVING=1``): by default a
+    server of a pool of many regions has recovered everything before its first answer."""
+    w = World(pool)
+    stored = fill(w, 30)
+    server = MetadataServer(pool, recovery_region=8)
+    try:
+        assert not server.service.recovering and len(server.service.index) == 30
+    finally:
+        server.close()
+    monkeypatch.setenv("BELUGA_RECOVER_WHILE_SERVING", "1")
+    server = MetadataServer(pool, recovery_region=8)
+    try:
+        assert server.service.recovering
+        server.start_thread()
+        with KVStore(pool) as store:
+            wait_until(lambda: not store.stats()["recovering"], "the end of recovery")
+            for key in stored:
+                store.remove(key)
+    finally:
+        server.close()

@@ -92,15 +92,10 @@ def test_a_chaos_round_breaks_no_promise(
     coherence: str,
     standbys: int,
     capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``mixed``: every odd-numbered writer, in-place writer and reader runs under the
     non-coherent model (``coherence="model"``), the others natively.  With standbys, every
-    killed server is replaced by a standby's takeover, and a stopped one must keep its seat;
-    their servers recover while they serve (recovery regions of 64 blocks, so the round's
-    pool is some fifty regions: at the default, it would be one, recovered at once)."""
-    if standbys:
-        monkeypatch.setenv("BELUGA_RECOVERY_REGION", "64")  # inherited by every server
+    killed server is replaced by a standby's takeover, and a stopped one must keep its seat."""
     config = ChaosConfig(
         faults=FAULTS, seed=SEED, coherence=coherence, pool_path=shm_path, standbys=standbys,
         writer_client="mooncake",
@@ -112,11 +107,35 @@ def test_a_chaos_round_breaks_no_promise(
         kills = [k for k in report.takeovers if k["kind"] == "kill" and k["during"] == "run"]
         assert kills and all("by" in k for k in kills), f"a kill was not taken over{why}"
         assert report.outage()["n"] >= 1, f"no write followed a takeover{why}"
-        assert report.server_peaks.get("puts_while_recovering", 0) > 0, (
-            f"no server acknowledged a write while it recovered{why}"
-        )
         fenced = [k for k in report.takeovers if "fenced_s" in k]
         assert all("by" in k for k in fenced), f"a fenced server's seat was not taken{why}"
+
+
+@pytest.mark.leaves("keys", "writes")
+@pytest.mark.skipif(
+    os.environ.get("BELUGA_STRESS") != "full",
+    reason="recovery while serving is opt-in and known to lose a write now and then: "
+    "BELUGA_STRESS=full runs its round",
+)
+def test_a_round_recovering_while_serving_breaks_no_promise(
+    shm_path: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The standby round with every server recovering while it serves
+    (``BELUGA_RECOVER_WHILE_SERVING=1``, recovery regions of 64 blocks: the round's pool is
+    some fifty regions).  It must see writes acknowledged during a recovery.  Known to fail:
+    on 2026-12-05 it lost acknowledged writes in 2 rounds of about 20 (a key read as "no
+    entry" in the pool index shortly after a takeover), cause not found; hence the mode is
+    opt-in and this round is not in CI."""
+    monkeypatch.setenv("BELUGA_RECOVER_WHILE_SERVING", "1")  # inherited by every server
+    monkeypatch.setenv("BELUGA_RECOVERY_REGION", "64")
+    config = ChaosConfig(
+        faults=FAULTS, seed=SEED, pool_path=shm_path, standbys=2, writer_client="mooncake",
+    )  # fmt: skip
+    report, why = _round("round recovering while serving (2 standbys)", config, capsys)
+    _check(report)
+    assert report.server_peaks.get("puts_while_recovering", 0) > 0, (
+        f"no server acknowledged a write while it recovered{why}"
+    )
 
 
 @pytest.mark.leaves("keys", "writes")
