@@ -376,7 +376,10 @@ class History:
             return
         f.values_verified += 1
         f.bytes_verified += nbytes
-        if floor is not None and serial < floor.serial:
+        # stale: the write read had ended (acknowledged) before the newer acknowledged one
+        # began; two writes of a key that overlap in time may take effect in either order
+        # (both acknowledged, the one committed last is what reads return)
+        if floor is not None and serial < floor.serial and op.t_done < floor.t_try:
             what = "an acknowledged remove was undone" if floor.kind == "remove" else "older"
             f.add(
                 "lost",

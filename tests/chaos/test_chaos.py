@@ -123,7 +123,7 @@ def test_a_round_recovering_while_serving_breaks_no_promise(
     """The standby round with every server recovering while it serves
     (``BELUGA_RECOVER_WHILE_SERVING=1``, recovery regions of 64 blocks: the round's pool is
     some fifty regions).  It must see writes acknowledged during a recovery.  Known to fail:
-    on 2026-12-05 it lost acknowledged writes in 2 rounds of about 20 (a key read as "no
+    on 2026-12-05 it lost an acknowledged write in one round of about 20 (a key read as "no
     entry" in the pool index shortly after a takeover), cause not found; hence the mode is
     opt-in and this round is not in CI."""
     monkeypatch.setenv("BELUGA_RECOVER_WHILE_SERVING", "1")  # inherited by every server

@@ -147,6 +147,18 @@ def test_stale_phantom_future_and_uncommitted_values_are_caught() -> None:
     assert f.uncommitted_count == 1 and f.values_verified == 3
 
 
+def test_of_two_overlapping_writes_either_may_be_the_one_read_after_both() -> None:
+    """Saves of one key that overlap in time (both waiting on a takeover, say) may commit
+    in either order: serial 1 acknowledged after serial 2 is what later reads return."""
+    h = history()
+    put(h, 0, 1, 1.0, 2.5)
+    put(h, 0, 2, 1.1, 2.0)
+    h.read("r", 3.0, 3.1, "get", [(0, (0, 1, 100))])
+    h.read("r", 3.0, 3.1, "get", [(0, (0, 2, 100))])
+    f = h.check()
+    assert not f.lost and not f.wrong and f.values_verified == 2
+
+
 def test_a_refused_commit_replayed_across_a_restart_is_not_called_uncommitted() -> None:
     h = history()
     put(h, 0, 1, 1.0, 2.0, outcome="lease")
