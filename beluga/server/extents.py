@@ -184,16 +184,22 @@ class ExtentKeeping:
             self.counters["demotions_unreadable"] += 1
 
     def _allocate(self, nblocks: int) -> int:
+        """Free blocks for a grant: found by the census first, else by evicting the least
+        recently used value, scanning more keys for one if none is known yet."""
         while (first := self.alloc.allocate(nblocks)) is None:
             if self.rec is not None and self.rec.census < self.sb.nblocks:
                 self._census_step(self.rec.region)  # room is known after each, before evicting
                 continue
-            if nblocks > self.alloc.nblocks or not self._evict_one():
-                raise CapacityError(
-                    f"no room for {nblocks} contiguous blocks: {self.alloc.used} of "
-                    f"{self.alloc.nblocks} are in use and nothing can be evicted (all leased "
-                    "or being written); retry later, remove keys, or use a bigger pool"
-                )
+            if nblocks <= self.alloc.nblocks and self._evict_one():
+                continue
+            if self.rec is not None and self.rec.keys < self.sb.nblocks:
+                self._keys_step()  # values not known yet are what eviction can take
+                continue
+            raise CapacityError(
+                f"no room for {nblocks} contiguous blocks: {self.alloc.used} of "
+                f"{self.alloc.nblocks} are in use and nothing can be evicted (all leased "
+                "or being written); retry later, remove keys, or use a bigger pool"
+            )
         return first
 
     def _allocate_known(self, nblocks: int) -> int:

@@ -161,6 +161,41 @@ class Recovery(ExtentKeeping):
                 won[i] = True
         return won
 
+    def _buried(self, headers: HeaderTable, rows: np.ndarray) -> np.ndarray:
+        """Which committed values (rows) a grave says are dead: a grave's kept copy must
+        not lose to a newer copy the grave buried (a COMMIT landed without its answer,
+        older than the grave)."""
+        rec = self.rec
+        assert rec is not None
+        if not rec.graves:
+            return np.zeros(rows.size, dtype=bool)
+        keys = headers.digest[rows].tolist()
+        versions = headers.version[rows].tolist()
+        return np.fromiter(
+            (k in rec.graves and rec.dead(k, v) for k, v in zip(keys, versions, strict=True)),
+            dtype=bool,
+            count=rows.size,
+        )
+
+    def _name_winners(self, headers: HeaderTable, rows: np.ndarray, won: np.ndarray) -> None:
+        """Before the census clears a committed copy that a newer copy of its key beat (the
+        newer one's COMMIT landed without its answer): if the pool index names the beaten
+        copy, it names the winner first, fenced, so readers never miss the key."""
+        if won.all():
+            return
+        winner: dict[bytes, int] = {}
+        for i in rows[won].tolist():
+            winner.setdefault(headers.digest[i].tobytes(), i)
+        renamed = False
+        for i in rows[~won].tolist():
+            key = headers.digest[i].tobytes()
+            j = winner.get(key)
+            if j is None or self.ix.find(key) != (int(headers.block[i]), int(headers.version[i])):
+                continue
+            renamed |= self.ix.put(key, int(headers.block[j]), int(headers.version[j]))
+        if renamed:
+            self.mem.sfence()
+
     def _scanning(self) -> bool:
         """Whether some blocks' keys are still unknown (graves and settling apply)."""
         return self.rec is not None and self.rec.keys < self.sb.nblocks
@@ -323,7 +358,10 @@ class Recovery(ExtentKeeping):
         extents = self._extents(headers)
         # newest first (ties: lower block first), as the one-at-a-time rule reads them
         published = self._newest_first(headers, np.flatnonzero(done))
-        won = self._reserve_values(headers, published, extents)
+        dead = self._buried(headers, published)
+        won = np.zeros(published.size, dtype=bool)
+        won[~dead] = self._reserve_values(headers, published[~dead], extents)
+        self._name_winners(headers, published, won)
         unfinished = self._newest_first(headers, np.flatnonzero(live & ~done))
         held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])
         rec.held[headers.block[published[won]]] = True
@@ -408,20 +446,36 @@ class Recovery(ExtentKeeping):
 
     def _recover_copy(self, digest: bytes, block: int, version: int, length: int, n: int) -> None:
         """A committed copy of a key the index or a grave knows, found by the scan (its
-        extent reserved by the census): kept if it is the newest alive, else dropped."""
+        extent reserved by the census): kept if it is the newest alive, else dropped.
+
+        Readers keep getting the key throughout: the copy the pool index names (maybe
+        newer, not scanned yet: an acknowledged COMMIT of the server before) is settled
+        first, and the pool index names the copy kept before the other is cleared.  (It
+        may name the older, acknowledged copy when the newer one's COMMIT landed without
+        its answer; ``ix.find`` reads the key's two buckets.)
+        """
         rec = self.rec
         assert rec is not None
+        named = self.ix.find(digest)
+        self._settle(digest)  # the copy readers get (maybe newer, not scanned yet) is known
+        if named == (block, version):
+            return  # this copy, decided by the settling (kept, or dropped for a newer one)
         e = self.index.get(digest)
         if rec.dead(digest, version) or (e is not None and e.version > version):
+            if self.ix.find(digest) == (block, version):
+                self._name(digest)  # readers get this copy: the kept one (or none) first
+                self.mem.sfence()
             self._drop_copy(block, n)
             return
-        named = digest in self.ix.where
+        named = self.ix.find(digest) is not None
         if e is not None:  # an older copy found before (the newer one's commit was in flight)
             del self.index[digest]
-            self._retire(e, None)
         self._index_copy(digest, Entry(block, n, version, length))
         if named:
-            self.ix.put(digest, block, version)
+            self._name(digest)
+            self.mem.sfence()
+        if e is not None:
+            self._retire(e, None)
 
     def _index_copy(self, digest: bytes, e: Entry) -> None:
         """A value of before the takeover joins the index, at the LRU order's start."""

@@ -85,6 +85,8 @@ class RecoveryState:
     held: np.ndarray = field(init=False)
     #: writers whose rings were adopted meanwhile: which of their requests went unanswered
     unanswered: dict[tuple[int, int], Callable[[int], bool]] = field(default_factory=dict)
+    #: the scan of keys is being finished at once (a grave found no room in a full pool)
+    finishing: bool = False
     since: float = field(default_factory=time.perf_counter)  # when it started
     spent: float = 0.0  # seconds of steps so far
 

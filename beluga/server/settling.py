@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from beluga.coherence import LINE, BlockHeader, BlockState, parse_header
+from beluga.errors import CapacityError
 from beluga.server.extents import Entry, ExtentKeeping, Pending
 from beluga.server.recovery import _recover_invalidate, _recover_mfence
 
@@ -86,10 +87,12 @@ class Settling(ExtentKeeping):
             rec.adopted.add(block)
             if e is not None:
                 del self.index[digest]
-                self._retire(e, None)
             self._index_copy(digest, Entry(block, n, version, length))
             if self.ix.find(digest) != (block, version):
                 self.ix.put(digest, block, version)
+                self.mem.sfence()  # readers get this copy before the older one is cleared
+            if e is not None:
+                self._retire(e, None)
             return True
         else:  # its extent overlaps one held already: not a value
             self._drop_copy(block)
@@ -166,7 +169,10 @@ class Settling(ExtentKeeping):
             if header is None:
                 continue
             if done[i]:
-                self._adopt_copy(header.digest, block, header.version, header.length)
+                self._settle(header.digest)  # the copy readers get first: maybe a newer one
+                e = self.index.get(header.digest)
+                if e is None or e.block != block:
+                    self._adopt_copy(header.digest, block, header.version, header.length)
             elif self._adopt_pending(block, header) is None:
                 self._drop_copy(block)
 
@@ -176,5 +182,29 @@ class Settling(ExtentKeeping):
         rec = self.rec
         assert rec is not None
         rec.graves[digest] = (rec.first, keep)
-        self.graves.append(digest, rec.first, keep)
+        if rec.finishing:
+            return  # the scan under way meets every copy left before any answer
+        try:
+            self.graves.append(digest, rec.first, keep)
+        except CapacityError:
+            self._finish_keys()  # a full pool has no room for the log: no copy left to bury
+            return
         self.mem.sfence()  # no sabotage point yet: in the pool before the answer relying on it
+
+    def _finish_keys(self) -> None:
+        """Scan every key left now (the census first where it is behind), fenced: a grave
+        that found no room in the log is applied to every copy before its answer, and
+        none is needed after.  Rare (a full pool while recovering) and as slow as a
+        recovery at once of what is left."""
+        rec = self.rec
+        assert rec is not None
+        rec.finishing = True
+        try:
+            while self._scanning():
+                if rec.keys == rec.census:
+                    self._census_step()
+                else:
+                    self._keys_step()
+        finally:
+            rec.finishing = False
+        self.mem.sfence()

@@ -5,7 +5,7 @@ and while serving after a takeover).
 
 from __future__ import annotations
 
-from tests.logic_mutants.base import BLOCKS, REC, SVC, SX, Mutant
+from tests.logic_mutants.base import BLOCKS, REC, RECI, SVC, SX, Mutant
 
 # -- version floor
 FLOOR: list[Mutant] = [
@@ -333,8 +333,8 @@ RECOVERY: list[Mutant] = [
         "scan-keeps-the-older-copy",
         "recovery while serving",
         "beluga/server/recovery.py",
-        "e.version > version):\n            self._drop_copy(block, n)\n",
-        "e.version < version):\n            self._drop_copy(block, n)\n",
+        "e.version > version):\n            if self.ix.find(digest) == (block, version):",
+        "e.version < version):\n            if self.ix.find(digest) == (block, version):",
         (REC + "test_copies_of_a_key_found_apart_leave_the_newest",),
         "copies of a key found regions apart: the newer one (its commit landed) is dropped",
     ),
@@ -393,5 +393,66 @@ RECOVERY: list[Mutant] = [
         "before = headers.version >= 0",
         (REC + "test_a_header_at_or_above_the_floor_is_a_grant_never_answered",),
         "a grant nobody learned of (announced as the floor's raise was lost) is held forever",
+    ),
+    Mutant(
+        "census-lets-a-buried-copy-win",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "dead = self._buried(headers, published)",
+        "dead = np.zeros(published.size, dtype=bool)",
+        (RECI + "test_a_graves_kept_copy_beats_a_newer_copy_the_grave_buried",),
+        "a grave's kept copy (a COMMIT acknowledged during a recovery) loses to a newer "
+        "copy whose COMMIT landed unanswered: the acknowledged write is gone",
+    ),
+    Mutant(
+        "census-clears-the-copy-readers-get",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "        self._name_winners(headers, published, won)\n",
+        "",
+        (RECI + "test_a_landed_commit_beside_its_acknowledged_copy_never_hides_the_key",),
+        "the census clears the acknowledged copy the pool index names before naming the "
+        "newer one: readers miss the key until recovery ends",
+    ),
+    Mutant(
+        "scan-names-an-older-copy-over-a-newer-one",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "        self._settle(digest)  # the copy readers get (maybe newer, not scanned yet)",
+        "        pass  # the copy readers get (maybe newer, not scanned yet)",
+        (RECI + "test_random_histories_across_takeovers_read_the_last_acknowledged_value",),
+        "the scan puts a key's older copy into the slot of a newer one it has not reached: "
+        "readers get the older value after the newer write was acknowledged",
+    ),
+    Mutant(
+        "look-back-drops-the-slot-readers-use",
+        "recovery while serving",
+        "beluga/server/settling.py",
+        "                self._settle(header.digest)  # the copy readers get first",
+        "                pass  # the copy readers get first",
+        (RECI + "test_random_histories_across_takeovers_read_the_last_acknowledged_value[481]",),
+        "the census's look-back decides a copy without the one the pool index names and "
+        "drops the key's slot: an acknowledged value goes unreadable",
+    ),
+    Mutant(
+        "a-full-pool-refuses-before-scanning-keys",
+        "recovery while serving",
+        "beluga/server/extents.py",
+        "            if self.rec is not None and self.rec.keys < self.sb.nblocks:\n"
+        "                self._keys_step()",
+        "            if False:\n                self._keys_step()",
+        (RECI + "test_random_histories_in_a_full_pool_evict_and_remove_while_recovering",),
+        "a full pool refuses grants while recovering although values it has not scanned "
+        "yet could be evicted",
+    ),
+    Mutant(
+        "a-grave-without-room-fails-the-remove",
+        "recovery while serving",
+        "beluga/server/settling.py",
+        "            self._finish_keys()  # a full pool has no room for the log",
+        "            raise  # a full pool has no room for the log",
+        (RECI + "test_random_histories_in_a_full_pool_evict_and_remove_while_recovering",),
+        "a REMOVE in a full pool while recovering fails after taking the key out of the "
+        "index, its grave nowhere a successor would read it",
     ),
 ]
