@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from beluga.coherence import digest
+from beluga.coherence import ModelConfig, digest
 from beluga.errors import CapacityError
 from beluga.kv import protocol as p
 from beluga.pool import Pool
@@ -45,6 +45,7 @@ FULL = os.environ.get("BELUGA_STRESS") == "full"
 #: 481 (of the first 600) is the one history that met the look-back's bug (the module doc)
 SEEDS = range(400) if FULL else [*range(10), 481]
 FULL_POOL_SEEDS = range(60) if FULL else range(3)
+MODEL_SEEDS = range(300) if FULL else range(5)
 
 
 @pytest.fixture
@@ -104,7 +105,7 @@ class History:
 
     def publish(self, x: Write) -> None:
         sb = self.w.pool.superblock
-        self.w.pool.memory.publish(
+        self.w.writer.memory.publish(
             sb.block_header_offset(x.grant.block),
             sb.block_payload_offset(x.grant.block),
             digest(x.key.encode()),
@@ -231,6 +232,25 @@ def test_random_histories_across_takeovers_read_the_last_acknowledged_value(
     pool: Pool, seed: int
 ) -> None:
     History(World(pool), random.Random(seed), [f"r{i}" for i in range(60)]).run(300)
+
+
+@pytest.mark.parametrize("seed", MODEL_SEEDS)
+def test_random_histories_on_non_coherent_hosts_read_the_last_acknowledged_value(
+    shm_path: str, seed: int
+) -> None:
+    """The same under the model: the server, the writer and the reader each a host with
+    its own cache, stores reaching memory in any order until a fence."""
+    pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model")
+    writer = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 1))
+    reader = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 2))
+    try:
+        w = World(pool, writer, reader)
+        History(w, random.Random(seed), [f"m{i}" for i in range(40)]).run(300)
+    finally:
+        writer.close()
+        reader.close()
+        pool.close()
+        Pool.destroy(shm_path)
 
 
 @pytest.mark.parametrize("seed", FULL_POOL_SEEDS)
