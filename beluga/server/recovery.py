@@ -73,6 +73,16 @@ Recovering while serving (issue 36)
     (its COMMIT's slot was fenced before the answer) and its older copies were
     cleared, so the scan finds it newest, or a COMMIT during recovery makes it
     the newest decided (below);
+  - a reader never misses a key while the scan decides between its copies:
+    every decision of a copy first settles the copy the pool index names (it
+    may be newer and not scanned yet: ``_recover_copy``, ``_look_back``), and
+    the copy kept is named, fenced, before the other is cleared (the census's
+    ``_name_winners``, ``_recover_copy``, ``_adopt_copy``); the census lets no
+    copy a grave buried beat the grave's kept one (``_buried``);
+  - a full pool while recovering: an ALLOC that finds no room after the
+    census scans keys until it can evict one; a grave that finds no room for
+    the log finishes the scan of keys instead (``_finish_keys``), so no answer
+    relies on a grave a successor could not read;
   - a key this server changed while copies of it lie unscanned (a REMOVE or
     DROP, an eviction, a commit of a write granted before the takeover) gets
     a grave: every copy of before the takeover but the one kept is dead when
