@@ -150,7 +150,7 @@ class ChaosDriver:
         firsts = self.state.history.first_acks_after([k["t"] for k in takeovers])
         out = []
         for k, first in zip(takeovers, firsts, strict=True):
-            item = {key: v for key, v in k.items() if key != "t"}
+            item = {key: v for key, v in k.items() if key not in ("t", "sent")}
             item["at_s"] = round(k["t"] - start, 3)
             item["outage_s"] = None if first is None else round(first - k["t"], 4)
             out.append(item)

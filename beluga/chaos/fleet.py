@@ -249,7 +249,7 @@ class ServerFleet:
             stall = next(k for k in reversed(self.takeovers) if k.get("stalled") == s.pid)
             # the server answered nothing from its stall on, and a standby may have served
             # before its death was seen here: the history's restart is the stall's start
-            self.run.history.server_killed(stall["t"])
+            self.run.history.server_killed(stall["sent"], stall["t"])
             stall["fenced_s"] = round(time.monotonic() - stall["t"], 4)
         else:
             self.run.error("ServerExited", f"the server exited with code {code}")
@@ -263,7 +263,8 @@ class ServerFleet:
         send_signal(s.pid, signal.SIGKILL)
         s.proc.join(10)
         self._gone(s)
-        self.run.history.server_killed(t)  # it answered nothing after t
+        # it may have answered until the signal landed, after t; nothing once it was reaped
+        self.run.history.server_killed(t, time.monotonic())
         self.takeovers.append(
             {
                 "t": t,
@@ -273,11 +274,18 @@ class ServerFleet:
             }
         )
 
-    def stall_began(self, s: ServerProcess) -> None:
-        """The serving server is stopped past the standbys' takeover_after: one must fence it."""
+    def stall_began(self, s: ServerProcess, sent: float) -> None:
+        """The serving server is stopped past the standbys' takeover_after: one must fence it.
+        ``sent``: when its SIGSTOP was sent (it may have answered until it landed)."""
         s.stalled = True
         self.takeovers.append(
-            {"t": time.monotonic(), "kind": "stall", "stalled": s.pid, "during": "run"}
+            {
+                "t": time.monotonic(),
+                "sent": sent,
+                "kind": "stall",
+                "stalled": s.pid,
+                "during": "run",
+            }
         )
 
     def _end(self, s: ServerProcess) -> None:

@@ -150,13 +150,15 @@ class FaultInjector:
         if s is None or s.held:
             return False
         hold = run.rng.uniform(0.3, 2 * cfg.write_lease_s)
+        sent = time.monotonic()
         send_signal(s.pid, signal.SIGSTOP)
         s.held = True
         self.record("stop_server", f"server pid {s.pid}", hold_s=round(hold, 3))
         # past the standbys' takeover_after a stop is a stall (across hosts any stop is: the
         # standby cannot see the process): a standby fences it and takes the seat
         if self.fleet.standbys and (cfg.emulated_hosts or hold > cfg.takeover_after_s):
-            self.fleet.stall_began(s)
+            wait_stopped(s.pid, 1.0)
+            self.fleet.stall_began(s, sent)
 
         def resume() -> None:
             if not s.gone:
@@ -173,10 +175,12 @@ class FaultInjector:
         if s is None or s.held or not self.fleet.standbys:
             return False
         hold = run.cfg.takeover_after_s + run.rng.uniform(1.0, 2.0)
+        sent = time.monotonic()
         send_signal(s.pid, signal.SIGSTOP)
         s.held = True
         self.record("stall_server", f"server pid {s.pid}", hold_s=round(hold, 3))
-        self.fleet.stall_began(s)
+        wait_stopped(s.pid, 1.0)
+        self.fleet.stall_began(s, sent)
 
         def resume() -> None:
             if not s.gone:  # no standby fenced it in time: it serves on

@@ -153,7 +153,8 @@ class History:
         self.reads: list[Read] = []
         self.retirements: list[RetiredAnswer] = []
         self.corruptions: dict[int, list[float]] = defaultdict(list)
-        self.server_kills: list[float] = []
+        #: each server death: (before its signal was sent, after it surely answered no more)
+        self.server_kills: list[tuple[float, float]] = []
         self.evictions: dict[int, int] = {}
         self.peaks: dict[str, int] = {}  # the highest of each server counter seen
         self.live_wrong = 0
@@ -201,8 +202,12 @@ class History:
     def corrupted(self, key: int, t: float) -> None:
         self.corruptions[key].append(t)
 
-    def server_killed(self, t: float) -> None:
-        self.server_kills.append(t)
+    def server_killed(self, t: float, dead: float | None = None) -> None:
+        """The serving server died (or stopped for good): it may have answered until ``t``
+        (taken before the signal was sent) and answered nothing after ``dead`` (default
+        ``t``).  A signal lands some time after it is sent: on 2026-12-05 a RETIRED answer
+        0.2 ms after a kill's ``t`` still came from the killed server (its epoch)."""
+        self.server_kills.append((t, t if dead is None else dead))
 
     def stats(self, epoch: int, counters: dict[str, int]) -> None:
         """A server's counters as a writer saw them (they restart with every server)."""
@@ -268,21 +273,21 @@ class History:
         """Each RETIRED answer names only keys that had a way out, and says when a server
         restart since the follower's last answer may have hidden some (a gap)."""
         last: dict[str, RetiredAnswer] = {}
+        unreported = self._unreported_gaps()
         for a in sorted(self.retirements, key=lambda a: (a.role, a.t0)):
             prev = last.get(a.role)
             last[a.role] = a
             f.reads_by_path["retired"] += 1
-            since = prev.t1 if prev is not None else -math.inf
-            restarted = [t for t in self.server_kills if since < t < a.t0]
-            if prev is not None and restarted and not a.gap:
+            if id(a) in unreported:
+                killed, ended = unreported[id(a)]
                 f.add(
                     "wrong",
                     self._retired_item(
                         a,
                         -1,
                         "unreported gap",
-                        f"the server restarted at {self._at(restarted[0])}, after the last "
-                        f"answer (ended {self._at(since)}), and the answer has no gap",
+                        f"the server restarted at {self._at(killed)}, after an answer that "
+                        f"ended {self._at(ended)}, and no answer since says there is a gap",
                     ),
                 )
             # a key left between the server's last answer and this one (from its oldest kept,
@@ -312,6 +317,25 @@ class History:
                             else "a digest of no key of this run",
                         ),
                     )
+
+    def _unreported_gaps(self) -> dict[int, tuple[float, float]]:
+        """The answers (by ``id``) that a follower got with no gap said across a server death:
+        of its answers from the last one surely the dead server's (ended before the signal
+        was sent) to the first one surely another's (begun once it was dead), none says
+        there is a gap.  Answers in between may have been either server's."""
+        by_role: dict[str, list[RetiredAnswer]] = defaultdict(list)
+        for a in sorted(self.retirements, key=lambda a: a.t0):
+            by_role[a.role].append(a)
+        found: dict[int, tuple[float, float]] = {}
+        for answers in by_role.values():
+            for killed, dead in self.server_kills:
+                before = [i for i, a in enumerate(answers) if a.t1 < killed]
+                after = next((i for i, a in enumerate(answers) if a.t0 > dead), None)
+                if not before or after is None:
+                    continue
+                if not any(a.gap for a in answers[before[-1] + 1 : after + 1]):
+                    found.setdefault(id(answers[after]), (killed, answers[before[-1]].t1))
+        return found
 
     def _retired_item(self, a: RetiredAnswer, key: int, reason: str, detail: str) -> dict[str, Any]:
         return {
@@ -427,7 +451,7 @@ class History:
                 reader=r.result[1] if r.result is not None else None,
                 history=self._history(ops, r),
                 corrupted_at=[self._at(t) for t in self.corruptions.get(r.key, [])],
-                server_killed_at=[self._at(t) for t in self.server_kills if t <= r.t1],
+                server_killed_at=[self._at(t) for t, _ in self.server_kills if t <= r.t1],
             ),
         )
 
@@ -446,4 +470,4 @@ class History:
         return [o for (k, _), o in self.ops.items() if k == key]
 
     def _restart_during(self, op: WriteOp) -> bool:
-        return any(op.t_try <= t <= op.t_done for t in self.server_kills)
+        return any(op.t_try <= dead and t <= op.t_done for t, dead in self.server_kills)
