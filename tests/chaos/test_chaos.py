@@ -125,8 +125,9 @@ def test_a_round_recovering_while_serving_breaks_no_promise(
     some fifty regions).  It must see writes acknowledged during a recovery.  Known to fail:
     on 2026-12-05 it lost an acknowledged write in one round of about 20 (a key read as "no
     entry" in the pool index shortly after a takeover), cause not found, and again in one
-    of 22 rounds after the fixes tests/test_recovery_interleavings.py drove; hence the
-    mode is opt-in and this round is not in CI."""
+    of 103 rounds after the fixes tests/test_recovery_interleavings.py drove (the last 51
+    clean, run with ``-s`` to keep a loss's details); hence the mode is opt-in and this
+    round is not in CI."""
     monkeypatch.setenv("BELUGA_RECOVER_WHILE_SERVING", "1")  # inherited by every server
     monkeypatch.setenv("BELUGA_RECOVERY_REGION", "64")
     config = ChaosConfig(
