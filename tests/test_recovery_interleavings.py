@@ -23,6 +23,15 @@ each); an older copy put over the slot of a newer one not scanned yet (most
 histories); the look-back dropping the slot of a copy it had not settled
 (seed 481).  And in a full pool: grants refused while unscanned values could
 be evicted, and a REMOVE failing half done when the log of graves had no room.
+
+The rich histories (``RichHistory``) add what the chaos tier does and these
+did not: batches of keys per ALLOC and COMMIT, DROP, write leases running out
+under live writers, grants nobody learned of (``forget_unanswered``), RPC
+lookups read back, and hostile bytes in headers and index buckets.  They found
+two more on 2026-12-05, a test each: hostile bytes in the header of a write
+acknowledged while recovering let a successor bring back the older copy it
+had replaced (a stale read; seed 5), and an extent the census held stayed in
+use when hostile bytes took its header before the scan of keys (seed 90).
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from beluga.coherence import ModelConfig, digest
+from beluga._native import _core
+from beluga.coherence import LINE, BlockState, ModelConfig, digest, parse_header
 from beluga.errors import CapacityError
 from beluga.kv import protocol as p
 from beluga.pool import Pool
@@ -46,6 +56,7 @@ FULL = os.environ.get("BELUGA_STRESS") == "full"
 SEEDS = range(400) if FULL else [*range(10), 481]
 FULL_POOL_SEEDS = range(60) if FULL else range(3)
 MODEL_SEEDS = range(300) if FULL else range(5)
+RICH_SEEDS = range(400) if FULL else range(12)
 
 
 @pytest.fixture
@@ -79,6 +90,9 @@ class History:
     landed_values: dict[str, set[bytes | None]] = field(default_factory=dict)
     inflight: list[Write] = field(default_factory=list)
     refused: int = 0  # grants refused for want of room (a full pool)
+    #: keys whose copy or bucket took hostile bytes since their last acknowledged write:
+    #: a miss stays allowed until that write (RichHistory)
+    hostile: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.w.alive = set(self.writers)
@@ -151,6 +165,11 @@ class History:
             self.publish(x)
         return x
 
+    def remove(self, key: str) -> None:
+        self.w.remove(key)
+        self.allowed.pop(key, None)
+        self.landed_values.pop(key, None)
+
     def writer_dies(self) -> None:
         """A writer's host id goes (its writes in flight with it) and comes back anew."""
         dead = self.rng.choice(self.writers)
@@ -189,9 +208,7 @@ class History:
                 self.publish(x)
             self.landed(x)
         elif a < 0.70:
-            self.w.remove(key)
-            self.allowed.pop(key, None)
-            self.landed_values.pop(key, None)
+            self.remove(key)
         elif a < 0.76:
             self.take_over()
         elif a < 0.78:
@@ -211,7 +228,12 @@ class History:
                 f"{where}: {key} read {got[:24] if got else None!r}, the last acknowledged "
                 f"value is one of {[a[:24] if a else None for a in allowed]}"
             )
-            if len(allowed) > 1 and got is not None and not self.w.svc.recovering:
+            if (
+                len(allowed) > 1
+                and got is not None
+                and not self.w.svc.recovering
+                and key not in self.hostile
+            ):
                 self.allowed[key] = {got}  # a landed commit is decided once recovered
                 self.landed_values.pop(key, None)
 
@@ -223,7 +245,11 @@ class History:
             self.abort(x)
         self.w.finish()
         self.check("recovered")
-        assert self.w.svc.alloc.used == self.w.used_blocks(), "blocks leaked or held twice"
+        retiring = sum(n for _, _, n in self.w.svc.retiring)  # under read leases
+        assert self.w.svc.alloc.used == self.w.used_blocks() + retiring, (
+            "blocks leaked or held twice"
+        )
+        self.w.clock.now += 3  # past every read lease: clean_up frees every extent
         clean_up(self.w, set(self.keys))
 
 
@@ -264,6 +290,213 @@ def test_random_histories_in_a_full_pool_evict_and_remove_while_recovering(
     h.run(1500)
     assert h.evicted, "the pool never filled: nothing tested"
     assert h.refused == 0, f"{h.refused} grants refused while values could be evicted"
+
+
+@dataclass
+class RichHistory(History):
+    """A :class:`History` with what the chaos tier does and the plain one does not:
+    batches of keys in one ALLOC (``ALLOC_SKIP_PRESENT`` or not) and one COMMIT, DROP of
+    an acknowledged value, write leases running out under live writers (their COMMIT
+    refused), grants whose answer never reached their writer (``forget_unanswered`` at
+    every takeover, as an adopted ring asks), RPC lookups (with read leases) read back,
+    and hostile bytes in a value's header or in an index bucket.
+
+    A corrupted header or bucket lets a key read as a miss until its next acknowledged
+    write, never as other bytes; that write must read back.  At the end no write is
+    left in flight: a grant nobody learned of was freed, not quarantined.
+    """
+
+    acked: dict[str, Write] = field(default_factory=dict)  # the write each key reads
+    unanswered: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    seq: int = 0
+    corrupted: int = 0  # hostile stores made
+    late_refused: int = 0  # commits refused for a lease that ran out
+
+    def take_over(self) -> None:
+        super().take_over()
+        for (host, gen), seqs in self.unanswered.items():
+            self.w.svc.forget_unanswered(host, gen, lambda s, seqs=seqs: s in seqs)
+
+    def commit(self, x: Write) -> bool:
+        ok = super().commit(x)
+        if ok:
+            self.acked[x.key] = x
+            self.hostile.discard(x.key)
+        return ok
+
+    def _acknowledged(self, x: Write) -> None:
+        self.allowed[x.key] = {x.data}
+        self.landed_values.pop(x.key, None)
+        self.evicted.discard(digest(x.key.encode()))
+        self.hostile.discard(x.key)
+        self.acked[x.key] = x
+
+    def batch_put(self, i: int) -> None:
+        """Two or three keys granted in one ALLOC and committed in one COMMIT."""
+        rng = self.rng
+        keys = rng.sample(self.keys, rng.randint(2, 3))
+        who = rng.choice(self.writers)
+        datas = [value_of(f"{k}-{i}", rng.randint(1, 2 * GEOMETRY.block_size)) for k in keys]
+        flags = p.ALLOC_SKIP_PRESENT if rng.random() < 0.5 else 0
+        items = [(digest(k.encode()), len(d), 1) for k, d in zip(keys, datas, strict=True)]
+        req = self._request(p.StoreOp.ALLOC, p.encode_alloc(items, flags), who)
+        try:
+            grants = p.decode_grants(self.w.svc.op_alloc(req))
+        except CapacityError:
+            self.refused += 1
+            return
+        writes = [
+            Write(k, g, d, who, False)
+            for k, g, d in zip(keys, grants, datas, strict=True)
+            if g.block != p.NO_BLOCK
+        ]
+        for x in writes:
+            self.publish(x)
+        if not writes:
+            return
+        payload = p.encode_commit(
+            [(digest(x.key.encode()), x.grant.block, x.grant.version) for x in writes]
+        )
+        flags_back = p.decode_flags(
+            self.w.svc.op_commit(self._request(p.StoreOp.COMMIT, payload, who))
+        )
+        for x, ok in zip(writes, flags_back, strict=True):
+            if ok:
+                self._acknowledged(x)
+
+    def drop(self, key: str) -> None:
+        """A reader drops the key's acknowledged value as corrupt: gone if it is still the
+        one the index holds (a miss from then on), else nothing changes."""
+        x = self.acked.get(key)
+        if x is None:
+            return
+        payload = p.encode_commit([(digest(key.encode()), x.grant.block, x.grant.version)])
+        (ok,) = p.decode_flags(self.w.svc.op_drop(self._request(p.StoreOp.DROP, payload, WRITER)))
+        if ok:
+            self.allowed[key] = {None}
+            self.landed_values.pop(key, None)
+            del self.acked[key]
+
+    def time_passes(self) -> None:
+        """Past the write lease: writes in flight under live writers are cancelled (their
+        COMMIT is refused, unless a takeover granted a fresh lease first)."""
+        self.w.clock.now += 31
+        self.w.svc.tick()
+
+    def grant_nobody_learned(self, key: str) -> None:
+        """An ALLOC granted and announced, its server dead before the answer went out: the
+        writer never learns of it, and every later server is told so as it adopts the
+        writer's ring (the ring keeps the request)."""
+        who = self.rng.choice(self.writers)
+        self.seq += 1
+        items = [(digest(key.encode()), self.rng.randint(1, 3 * GEOMETRY.block_size), 1)]
+        req = Request(who[0], int(p.StoreOp.ALLOC), p.encode_alloc(items), who[1], self.seq)
+        try:
+            self.w.svc.op_alloc(req)
+        except CapacityError:
+            self.refused += 1
+            return
+        self.unanswered.setdefault(who, set()).add(self.seq)
+        self.take_over()
+
+    def lookup(self, key: str) -> None:
+        """An RPC LOOKUP (a read lease half the time), its location read back."""
+        d = digest(key.encode())
+        flags = p.LOOKUP_LEASE if self.rng.random() < 0.5 else 0
+        req = self._request(p.StoreOp.LOOKUP, p.encode_digests([d], flags), WRITER)
+        (loc,) = p.decode_locations(self.w.svc.op_lookup(req))
+        got = None
+        if loc is not None:
+            sb, mem = self.w.pool.superblock, self.w.pool.memory
+            got = mem.read_bytes(
+                sb.block_header_offset(loc.block),
+                sb.block_payload_offset(loc.block),
+                self.w.svc.extent(loc.length) * sb.block_size,
+                d,
+                loc.version,
+            )
+            got = got if isinstance(got, bytes) else None
+        allowed = self.allowed.get(key, {None})
+        if got is None and d in self.evicted:
+            return
+        assert got in allowed, f"lookup of {key} read {got[:24] if got else None!r}"
+
+    def _garbage(self, offset: int) -> None:
+        at = self.rng.randrange(LINE)
+        data = self.rng.randbytes(self.rng.randint(1, LINE - at))
+        mem = self.w.writer.memory
+        mem.nt_store(offset + at, data)
+        mem.sfence()
+        self.corrupted += 1
+
+    def corrupt_header(self, key: str) -> None:
+        """Hostile bytes in the header of the key's acknowledged copy (if it is still
+        there): a miss from then on is no loss, other bytes would be."""
+        x = self.acked.get(key)
+        if x is None:
+            return
+        sb = self.w.pool.superblock
+        off = sb.block_header_offset(x.grant.block)
+        h = parse_header(self.w.pool.memory.load(off, LINE))
+        if (
+            h is None
+            or h.state != BlockState.PUBLISHED
+            or h.digest != digest(key.encode())
+            or h.version != x.grant.version
+        ):
+            return
+        self._garbage(off)
+        self._may_miss(key)
+
+    def _may_miss(self, key: str) -> None:
+        self.allowed[key] = self.allowed.get(key, {None}) | {None}
+        self.hostile.add(key)
+
+    def corrupt_bucket(self, key: str) -> None:
+        """Hostile bytes in one of the key's index buckets: every key placed there may miss
+        until its next acknowledged write."""
+        sb = self.w.pool.superblock
+        bucket = self.rng.choice(_core.ix_hash(digest(key.encode()), sb.nbuckets)[1:])
+        self._garbage(sb.index.offset + bucket * LINE)
+        for k in self.keys:
+            if bucket in _core.ix_hash(digest(k.encode()), sb.nbuckets)[1:]:
+                self._may_miss(k)
+
+    def step(self, i: int) -> None:
+        rng, key = self.rng, self.rng.choice(self.keys)
+        a = rng.random()
+        if a < 0.07:
+            self.batch_put(i)
+        elif a < 0.10:
+            self.drop(key)
+        elif a < 0.13:
+            self.time_passes()
+        elif a < 0.16:
+            self.grant_nobody_learned(key)
+        elif a < 0.22:
+            self.lookup(key)
+        elif a < 0.25:
+            self.corrupt_header(key)
+        elif a < 0.27:
+            self.corrupt_bucket(key)
+        else:
+            super().step(i)
+
+
+@pytest.mark.parametrize("seed", RICH_SEEDS)
+def test_rich_histories_with_batches_drops_expiries_lost_grants_and_hostile_bytes(
+    pool: Pool, seed: int
+) -> None:
+    h = RichHistory(World(pool), random.Random(seed), [f"x{i}" for i in range(60)])
+    h.run(400)
+    assert h.corrupted and h.acked, "no hostile bytes or no acknowledged write: nothing tested"
+
+
+@pytest.mark.parametrize("seed", RICH_SEEDS[: len(RICH_SEEDS) // 4 or 1])
+def test_rich_histories_in_a_full_pool(pool: Pool, seed: int) -> None:
+    h = RichHistory(World(pool), random.Random(seed), [f"y{i}" for i in range(700)])
+    h.run(1500)
+    assert h.evicted, "the pool never filled: nothing tested"
 
 
 @pytest.fixture
@@ -308,3 +541,91 @@ def test_a_graves_kept_copy_beats_a_newer_copy_the_grave_buried(w: World) -> Non
     assert w.read("k") == older.data
     assert w.svc.alloc.used == w.used_blocks()
     clean_up(w, {"k"})
+
+
+def test_hostile_bytes_in_a_new_copys_header_bring_back_no_older_copy(w: World) -> None:
+    """A key's older write lands unanswered (its commit word, not its slot) far from where
+    the next server's census starts; that server, recovering, acknowledges a new write of
+    the key (a version above every copy of before it).  Hostile bytes then hit the new
+    copy's header and a successor takes over before any scan met the older copy: the key
+    must read as a miss, never as the value the acknowledged write replaced.  Without a
+    grave for the new write the successor's scan found the older copy the newest and
+    brought it back (the hostile-header histories above)."""
+    sb, mem = w.pool.superblock, w.pool.memory
+    w.put("k", value_of("k-0"), at=0)
+    older = w.alloc("k", 100, at=300)
+    w.publish("k", older, value_of("k-1"))
+    w.put("z", value_of("z"), at=100)  # the last grant before the takeover: the census starts here
+    mem.nt_store(sb.block_commit_offset(older.block), older.version.to_bytes(8, "little"))
+    mem.sfence()  # the older write's COMMIT lands, and its server dies
+    svc = w.take_over()
+    new = w.put("k", value_of("k-2"))
+    assert svc.rec is not None and new.version >= svc.rec.first
+    assert not svc.rec.scanned(older.block), "the census reached the older copy: nothing tested"
+    assert w.read("k") == value_of("k-2")
+    mem.nt_store(sb.block_header_offset(new.block) + 8, b"hostile bytes")
+    mem.sfence()
+    assert w.read("k") is None
+    w.take_over()
+    while w.svc.recovering:
+        assert w.read("k") is None, "an overwritten value came back"
+        w.step()
+    assert w.read("k") is None, "an overwritten value came back"
+    assert w.svc.alloc.used == w.used_blocks()
+    clean_up(w, {"k", "z"})
+
+
+def test_an_extent_the_census_held_is_freed_when_hostile_bytes_take_its_header(
+    w: World,
+) -> None:
+    """The census holds a value's extent; hostile bytes hit its header before the scan of
+    keys reaches it.  The key reads as a miss, and the scan of keys frees the extent
+    (before, its blocks stayed in use until the next takeover; the rich histories'
+    seed 90)."""
+    sb, mem = w.pool.superblock, w.pool.memory
+    w.put("big", b"B" * 3 * GEOMETRY.block_size, at=300)
+    w.put("z", value_of("z"), at=100)  # the census starts here
+    svc = w.take_over()
+    assert svc.rec is not None
+    while not svc.rec.censused(300):
+        svc._census_step()
+    assert not svc.rec.scanned(300) and svc.alloc.used_map[300:303].all()
+    mem.nt_store(sb.block_header_offset(300) + 8, b"hostile bytes")
+    mem.sfence()
+    w.finish()
+    assert w.read("big") is None
+    assert not svc.alloc.used_map[300:303].any(), "the held extent leaked"
+    assert svc.counters["held_extents_lost"] == 1
+    assert svc.alloc.used == w.used_blocks()
+    clean_up(w, {"big", "z"})
+
+
+def test_a_held_copy_dropped_ahead_of_the_scan_is_not_freed_twice(w: World) -> None:
+    """A key's acknowledged copy and a copy whose COMMIT landed unanswered; the next
+    server's census holds the landed one, the key is removed (a grave), and the landed
+    copy's COMMIT, sent again, makes the server drop it ahead of the scan, freeing its
+    extent.  A new value then takes those blocks: the scan of keys, reaching them, must
+    not free them again under it (the extent was the census's, and is no longer)."""
+    sb, mem = w.pool.superblock, w.pool.memory
+    w.put("k", value_of("k-0"), at=0)
+    landed = w.alloc("k", 100, at=300)
+    w.publish("k", landed, value_of("k-1"))
+    w.put("z", value_of("z"), at=100)  # the census starts here
+    mem.nt_store(sb.block_commit_offset(landed.block), landed.version.to_bytes(8, "little"))
+    mem.sfence()
+    svc = w.take_over()
+    assert svc.rec is not None
+    while not svc.rec.censused(300):
+        svc._census_step()
+    assert svc.rec.held[300] and not svc.rec.scanned(300)
+    assert w.remove("k")
+    assert not w.commit("k", landed)  # sent again: the copy is dead (the grave), dropped
+    assert not svc.alloc.used_map[300]
+    new = w.put("n", value_of("n"), at=300)
+    assert new.block == 300
+    w.finish()
+    assert w.read("n") == value_of("n") and w.read("k") is None
+    assert svc.alloc.used_map[300] and svc.alloc.used == w.used_blocks(), (
+        "the new value's blocks were freed under it"
+    )
+    clean_up(w, {"k", "z", "n"})

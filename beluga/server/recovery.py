@@ -84,10 +84,15 @@ Recovering while serving (issue 36)
     the log finishes the scan of keys instead (``_finish_keys``), so no answer
     relies on a grave a successor could not read;
   - a key this server changed while copies of it lie unscanned (a REMOVE or
-    DROP, an eviction, a commit of a write granted before the takeover) gets
-    a grave: every copy of before the takeover but the one kept is dead when
-    the scan meets it.  A commit of a new write needs none: its version is
-    above every such copy.  Graves are written to the pool (the log of
+    DROP, an eviction, any COMMIT) gets a grave: every copy of before the
+    takeover but the one kept is dead when the scan meets it.  A commit of a
+    new write needs one too, though its version is above every such copy:
+    hostile bytes in its header would otherwise let a successor's scan bring
+    back an older copy nobody had cleared yet (one whose COMMIT landed
+    unanswered), a stale read of an overwritten key (the hostile-header
+    histories of tests/test_recovery_interleavings.py, 2026-12-05).  A key
+    gets one grave per recovery however often it is written (``_bury`` keeps
+    no second copy of a grave it holds).  Graves are written to the pool (the log of
     graves, recovery_state.py) before the answer that relies on them, so a second
     takeover in the middle of a recovery applies them too; the log goes once
     every region's keys are scanned (every grave applied, the clears fenced);
@@ -374,8 +379,8 @@ class Recovery(ExtentKeeping):
         self._name_winners(headers, published, won)
         unfinished = self._newest_first(headers, np.flatnonzero(live & ~done))
         held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])
-        rec.held[headers.block[published[won]]] = True
-        rec.held[headers.block[unfinished[held]]] = True
+        rec.hold(headers.block[published[won]], extents[published[won]])
+        rec.hold(headers.block[unfinished[held]], extents[unfinished[held]])
         lost = np.concatenate((published[~won], unfinished[~held], np.flatnonzero(stray)))
         for block in headers.block[lost].tolist():
             self._drop_copy(block)
@@ -414,9 +419,10 @@ class Recovery(ExtentKeeping):
         extents = self._extents(headers)
         # what the census held: a write it did not see (it read the table stale or torn, and
         # may have handed its blocks out since) never joins
-        held = rec.held[headers.block] & live
+        held = (rec.held[headers.block] != 0) & live
         for block in headers.block[live & ~held].tolist():
             self._drop_copy(block)
+        self._release_lost(lo, count, headers.block[held])
         live &= held
         done &= held
         values = self._newest_first(headers, np.flatnonzero(done))
@@ -436,6 +442,22 @@ class Recovery(ExtentKeeping):
         rec.keys += count
         self.counters["recovered_keys"] = len(self.index)
         self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
+
+    def _release_lost(self, lo: int, count: int, live: np.ndarray) -> None:
+        """Free the extents the census held in blocks [lo, lo + count) whose header is no
+        write now (``live``: the first blocks that are) and that nothing adopted: hostile
+        bytes hit the header since (a valid header changes only by a write's seal, which
+        keeps it live, or by a decision ahead of the scan, which adopts or unholds it).
+        Without this their blocks stayed in use until the next takeover."""
+        rec = self.rec
+        assert rec is not None
+        firsts = np.flatnonzero(rec.held[lo : lo + count]) + lo
+        lost = firsts[~np.isin(firsts, live)]
+        for block in lost.tolist():
+            if block not in rec.adopted:
+                self.alloc.release(block, rec.held_extent(block))
+                rec.unhold(block)
+                self.counters["held_extents_lost"] += 1
 
     def _index_recovered(self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray) -> None:
         """Index values of keys met for the first time, as older than everything indexed

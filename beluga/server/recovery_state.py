@@ -79,10 +79,12 @@ class RecoveryState:
     naming: list[bytes] | None = None  # keys to check that the index names them (last phase)
     graves: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # digest -> below, keep
     adopted: set[int] = field(default_factory=set)  # first blocks decided ahead of the scan
-    #: the first blocks of the extents the census held (its read of their headers said a
-    #: write of before the takeover): what a block it passed holds, not the bitmap, which
-    #: says only that something has the blocks now
+    #: at the first block of each extent the census held (its read of their headers said
+    #: a write of before the takeover), the extent's blocks (255: more, in ``held_long``);
+    #: 0 elsewhere: what a block it passed holds, not the bitmap, which says only that
+    #: something has the blocks now
     held: np.ndarray = field(init=False)
+    held_long: dict[int, int] = field(default_factory=dict)
     #: writers whose rings were adopted meanwhile: which of their requests went unanswered
     unanswered: dict[tuple[int, int], Callable[[int], bool]] = field(default_factory=dict)
     #: the scan of keys is being finished at once (a grave found no room in a full pool)
@@ -91,7 +93,23 @@ class RecoveryState:
     spent: float = 0.0  # seconds of steps so far
 
     def __post_init__(self) -> None:
-        self.held = np.zeros(self.nblocks, dtype=bool)
+        self.held = np.zeros(self.nblocks, dtype=np.uint8)
+
+    def hold(self, firsts: np.ndarray, extents: np.ndarray) -> None:
+        """The census holds these extents (first blocks, blocks each)."""
+        self.held[firsts] = np.minimum(extents, 255)
+        long = extents >= 255
+        self.held_long.update(zip(firsts[long].tolist(), extents[long].tolist(), strict=True))
+
+    def held_extent(self, first: int) -> int:
+        """The blocks of the extent the census held at ``first`` (0: none)."""
+        n = int(self.held[first])
+        return self.held_long.get(first, n) if n == 255 else n
+
+    def unhold(self, first: int) -> None:
+        """The extent the census held at ``first`` was freed ahead of the scan of keys."""
+        self.held[first] = 0
+        self.held_long.pop(first, None)
 
     def censused(self, block: int) -> bool:
         """Whether the census has passed a block (its extent, if any, is held)."""

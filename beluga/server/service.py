@@ -252,9 +252,8 @@ class MetadataService(Recovery, Settling):
             del self.pending[block]
             self._set_commit(block, version)
             if scanning:  # its key's copies not scanned yet lose to this one, now and later
-                self._settle(digest)
-                if version < self.rec.first:  # type: ignore[union-attr]
-                    self._bury(digest, version)
+                self._settle(digest)  # (a grave even for a new version: recovery.py's doc)
+                self._bury(digest, version if version < self.rec.first else 0)  # type: ignore[union-attr]
             new = Entry(block, pend.nblocks, version, pend.length)
             old = self.index.pop(digest, None)
             if not self._index(digest, new):  # only a new key (no slot yet) can fail

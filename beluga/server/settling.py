@@ -82,7 +82,10 @@ class Settling(ExtentKeeping):
         n = self.extent(length)
         e = self.index.get(digest)
         if rec.dead(digest, version) or (e is not None and e.version > version):
-            self._drop_copy(block, n if rec.censused(block) and rec.held[block] else 0)
+            held = rec.censused(block) and rec.held[block]
+            self._drop_copy(block, n if held else 0)
+            if held:
+                rec.unhold(block)  # freed now: the scan of keys must not free it again
         elif self._claim(block, n):
             rec.adopted.add(block)
             if e is not None:
@@ -181,6 +184,8 @@ class Settling(ExtentKeeping):
         scan's rules now and, through the log of graves, a successor's (recovery_state.py)."""
         rec = self.rec
         assert rec is not None
+        if rec.graves.get(digest) == (rec.first, keep):
+            return  # this very grave is in the log already (or the scan is finishing)
         rec.graves[digest] = (rec.first, keep)
         if rec.finishing:
             return  # the scan under way meets every copy left before any answer

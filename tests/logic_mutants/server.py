@@ -455,4 +455,34 @@ RECOVERY: list[Mutant] = [
         "a REMOVE in a full pool while recovering fails after taking the key out of the "
         "index, its grave nowhere a successor would read it",
     ),
+    Mutant(
+        "a-new-write-gets-no-grave",
+        "recovery while serving",
+        "beluga/server/service.py",
+        "self._bury(digest, version if version < self.rec.first else 0)",
+        "version < self.rec.first and self._bury(digest, version)",
+        (RECI + "test_hostile_bytes_in_a_new_copys_header_bring_back_no_older_copy",),
+        "hostile bytes in the header of a write acknowledged while recovering let a "
+        "successor bring back the older copy it replaced: a stale read",
+    ),
+    Mutant(
+        "a-held-extent-whose-header-is-lost-stays-held",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "        self._release_lost(lo, count, headers.block[held])\n",
+        "",
+        (RECI + "test_an_extent_the_census_held_is_freed_when_hostile_bytes_take_its_header",),
+        "an extent the census held keeps its blocks after hostile bytes took its header: "
+        "capacity leaks until the next takeover",
+    ),
+    Mutant(
+        "a-copy-freed-ahead-of-the-scan-is-freed-again",
+        "recovery while serving",
+        "beluga/server/settling.py",
+        "                rec.unhold(block)  # freed now",
+        "                pass  # freed now",
+        (RECI + "test_a_held_copy_dropped_ahead_of_the_scan_is_not_freed_twice",),
+        "a copy freed ahead of the scan is freed again by the scan of keys: blocks "
+        "handed out since are freed under their new value",
+    ),
 ]
