@@ -28,10 +28,12 @@ The rich histories (``RichHistory``) add what the chaos tier does and these
 did not: batches of keys per ALLOC and COMMIT, DROP, write leases running out
 under live writers, grants nobody learned of (``forget_unanswered``), RPC
 lookups read back, and hostile bytes in headers and index buckets.  They found
-two more on 2026-12-05, a test each: hostile bytes in the header of a write
+three more on 2026-12-05, a test each: hostile bytes in the header of a write
 acknowledged while recovering let a successor bring back the older copy it
-had replaced (a stale read; seed 5), and an extent the census held stayed in
-use when hostile bytes took its header before the scan of keys (seed 90).
+had replaced (a stale read; seed 5), an extent the census held stayed in use
+when hostile bytes took its header before the scan of keys (seed 90), and a
+grant nobody learned of that the census's look-back met stayed pending after
+its writer's ring was adopted (seed 150).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from beluga.errors import CapacityError
 from beluga.kv import protocol as p
 from beluga.pool import Pool
 from beluga.rpc import Request
-from tests.test_recovery import GEOMETRY, WRITER, World, clean_up, value_of
+from tests.test_recovery import GEOMETRY, REGION, WRITER, World, clean_up, value_of
 
 FULL = os.environ.get("BELUGA_STRESS") == "full"
 #: 481 (of the first 600) is the one history that met the look-back's bug (the module doc)
@@ -492,6 +494,23 @@ def test_rich_histories_with_batches_drops_expiries_lost_grants_and_hostile_byte
     assert h.corrupted and h.acked, "no hostile bytes or no acknowledged write: nothing tested"
 
 
+@pytest.mark.parametrize("seed", MODEL_SEEDS)
+def test_rich_histories_on_non_coherent_hosts(shm_path: str, seed: int) -> None:
+    """The rich histories under the model: hostile bytes, like every store, reach the
+    others' view only through their fences and flushes."""
+    pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model")
+    writer = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 11))
+    reader = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 12))
+    try:
+        w = World(pool, writer, reader)
+        RichHistory(w, random.Random(1000 + seed), [f"m{i}" for i in range(40)]).run(300)
+    finally:
+        writer.close()
+        reader.close()
+        pool.close()
+        Pool.destroy(shm_path)
+
+
 @pytest.mark.parametrize("seed", RICH_SEEDS[: len(RICH_SEEDS) // 4 or 1])
 def test_rich_histories_in_a_full_pool(pool: Pool, seed: int) -> None:
     h = RichHistory(World(pool), random.Random(seed), [f"y{i}" for i in range(700)])
@@ -629,3 +648,26 @@ def test_a_held_copy_dropped_ahead_of_the_scan_is_not_freed_twice(w: World) -> N
         "the new value's blocks were freed under it"
     )
     clean_up(w, {"k", "z", "n"})
+
+
+def test_a_grant_nobody_learned_of_is_freed_when_the_look_back_meets_it(w: World) -> None:
+    """A grant whose answer never went out reaches across the region where the next
+    server's census starts; that server adopts the writer's ring (``forget_unanswered``)
+    before its census, whose look-back then meets the grant ahead of the scan: freed,
+    not pending until its writer leaves (the rich histories' seed 150)."""
+    n = 3
+    w.svc.alloc._cursor = REGION * 8 - 2  # the extent's last block opens the next region
+    seq = 7
+    payload = p.encode_alloc([(digest(b"g"), n * GEOMETRY.block_size, 1)])
+    (grant,) = p.decode_grants(
+        w.svc.op_alloc(Request(WRITER[0], int(p.StoreOp.ALLOC), payload, WRITER[1], seq))
+    )
+    assert grant.block == REGION * 8 - 2
+    svc = w.take_over()  # its server died before the answer
+    assert svc.rec is not None and svc.rec.origin == REGION * 8
+    svc.forget_unanswered(*WRITER, lambda s: s == seq)  # the ring is adopted
+    w.step()  # the census's first step looks back
+    assert grant.block not in svc.pending, "a grant nobody learned of is pending"
+    w.finish()
+    assert not svc.pending and svc.alloc.used == 0
+    assert svc.counters["unanswered_grants_freed"] == 1

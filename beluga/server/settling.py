@@ -135,7 +135,8 @@ class Settling(ExtentKeeping):
 
     def _adopt_pending(self, block: int, header: BlockHeader) -> Pending | None:
         """A write in flight met ahead of the scan, pending again under its writer (None if
-        its extent overlaps one held already)."""
+        its extent overlaps one held already, or if it is a grant nobody learned of: a ring
+        adopted before said so, ``forget_unanswered``, and it is freed)."""
         rec = self.rec
         assert rec is not None
         n = self.extent(header.length)
@@ -152,6 +153,11 @@ class Settling(ExtentKeeping):
             rec.expires,
         )
         self.pending[block] = pend
+        ask = rec.unanswered.get((pend.host, pend.generation))
+        if ask is not None:  # its writer's ring was adopted before: did anyone learn of it?
+            self.forget_unanswered(pend.host, pend.generation, ask)
+            if block not in self.pending:
+                return None
         return pend
 
     def _look_back(self) -> None:

@@ -485,4 +485,14 @@ RECOVERY: list[Mutant] = [
         "a copy freed ahead of the scan is freed again by the scan of keys: blocks "
         "handed out since are freed under their new value",
     ),
+    Mutant(
+        "the-look-back-keeps-a-grant-nobody-learned-of",
+        "recovery while serving",
+        "beluga/server/settling.py",
+        "            self.forget_unanswered(pend.host, pend.generation, ask)",
+        "            pass",
+        (RECI + "test_a_grant_nobody_learned_of_is_freed_when_the_look_back_meets_it",),
+        "a grant whose answer never went out, met by the look-back after its writer's ring "
+        "was adopted, stays pending (its blocks quarantined) until its writer leaves",
+    ),
 ]
