@@ -464,6 +464,7 @@ RECOVERY: list[Mutant] = [
         (RECI + "test_hostile_bytes_in_a_new_copys_header_bring_back_no_older_copy",),
         "hostile bytes in the header of a write acknowledged while recovering let a "
         "successor bring back the older copy it replaced: a stale read",
+        cheap=True,
     ),
     Mutant(
         "a-held-extent-whose-header-is-lost-stays-held",
@@ -474,6 +475,7 @@ RECOVERY: list[Mutant] = [
         (RECI + "test_an_extent_the_census_held_is_freed_when_hostile_bytes_take_its_header",),
         "an extent the census held keeps its blocks after hostile bytes took its header: "
         "capacity leaks until the next takeover",
+        cheap=True,
     ),
     Mutant(
         "a-copy-freed-ahead-of-the-scan-is-freed-again",
@@ -484,6 +486,7 @@ RECOVERY: list[Mutant] = [
         (RECI + "test_a_held_copy_dropped_ahead_of_the_scan_is_not_freed_twice",),
         "a copy freed ahead of the scan is freed again by the scan of keys: blocks "
         "handed out since are freed under their new value",
+        cheap=True,
     ),
     Mutant(
         "the-look-back-keeps-a-grant-nobody-learned-of",
@@ -494,5 +497,6 @@ RECOVERY: list[Mutant] = [
         (RECI + "test_a_grant_nobody_learned_of_is_freed_when_the_look_back_meets_it",),
         "a grant whose answer never went out, met by the look-back after its writer's ring "
         "was adopted, stays pending (its blocks quarantined) until its writer leaves",
+        cheap=True,
     ),
 ]
