@@ -139,10 +139,14 @@ class History:
         req = self._request(p.StoreOp.COMMIT, self._commit_payload(x), x.writer)
         (ok,) = p.decode_flags(self.w.svc.op_commit(req))
         if ok:
-            self.allowed[x.key] = {x.data}
-            self.landed_values.pop(x.key, None)
-            self.evicted.discard(digest(x.key.encode()))
+            self._acknowledged(x)
         return ok
+
+    def _acknowledged(self, x: Write) -> None:
+        """A COMMIT of ``x`` was acknowledged: the key reads its value from now on."""
+        self.allowed[x.key] = {x.data}
+        self.landed_values.pop(x.key, None)
+        self.evicted.discard(digest(x.key.encode()))
 
     def abort(self, x: Write) -> None:
         self.w.svc.op_abort(self._request(p.StoreOp.ABORT, self._commit_payload(x), x.writer))
@@ -312,24 +316,14 @@ class RichHistory(History):
     unanswered: dict[tuple[int, int], set[int]] = field(default_factory=dict)
     seq: int = 0
     corrupted: int = 0  # hostile stores made
-    late_refused: int = 0  # commits refused for a lease that ran out
 
     def take_over(self) -> None:
         super().take_over()
         for (host, gen), seqs in self.unanswered.items():
             self.w.svc.forget_unanswered(host, gen, lambda s, seqs=seqs: s in seqs)
 
-    def commit(self, x: Write) -> bool:
-        ok = super().commit(x)
-        if ok:
-            self.acked[x.key] = x
-            self.hostile.discard(x.key)
-        return ok
-
     def _acknowledged(self, x: Write) -> None:
-        self.allowed[x.key] = {x.data}
-        self.landed_values.pop(x.key, None)
-        self.evicted.discard(digest(x.key.encode()))
+        super()._acknowledged(x)
         self.hostile.discard(x.key)
         self.acked[x.key] = x
 
