@@ -76,6 +76,7 @@ class Write:
     data: bytes
     writer: tuple[int, int]
     published: bool
+    damaged: bool = False  # hostile bytes hit its header after it was sealed
 
 
 @dataclass
@@ -255,6 +256,9 @@ class History:
         assert self.w.svc.alloc.used == self.w.used_blocks() + retiring, (
             "blocks leaked or held twice"
         )
+        if self.w.svc.unreadable:  # held while a writer of before may still store there
+            self.w.writers_leave()
+            assert not self.w.svc.unreadable, "held after every writer of before left"
         self.w.clock.now += 3  # past every read lease: clean_up frees every extent
         clean_up(self.w, set(self.keys))
 
@@ -326,6 +330,8 @@ class RichHistory(History):
         super()._acknowledged(x)
         self.hostile.discard(x.key)
         self.acked[x.key] = x
+        if x.damaged:  # acknowledged with a header nobody can read: a miss, never other bytes
+            self._may_miss(x.key)
 
     def batch_put(self, i: int) -> None:
         """Two or three keys granted in one ALLOC and committed in one COMMIT."""
@@ -444,6 +450,16 @@ class RichHistory(History):
         self._garbage(off)
         self._may_miss(key)
 
+    def corrupt_write_in_flight(self) -> None:
+        """Hostile bytes in the header of a write in flight (its writer lives on and may
+        still store there, seal it and COMMIT): no later grant may take its blocks while
+        that writer can, whatever takes over meanwhile."""
+        if not self.inflight:
+            return
+        x = self.rng.choice(self.inflight)
+        self._garbage(self.w.pool.superblock.block_header_offset(x.grant.block))
+        x.damaged = x.published  # else its seal, still to come, writes the header anew
+
     def _may_miss(self, key: str) -> None:
         self.allowed[key] = self.allowed.get(key, {None}) | {None}
         self.hostile.add(key)
@@ -475,6 +491,8 @@ class RichHistory(History):
             self.corrupt_header(key)
         elif a < 0.27:
             self.corrupt_bucket(key)
+        elif a < 0.30:
+            self.corrupt_write_in_flight()
         else:
             super().step(i)
 
@@ -588,13 +606,14 @@ def test_hostile_bytes_in_a_new_copys_header_bring_back_no_older_copy(w: World) 
     clean_up(w, {"k", "z"})
 
 
-def test_an_extent_the_census_held_is_freed_when_hostile_bytes_take_its_header(
+def test_hostile_bytes_in_a_held_extents_header_hold_it_until_its_writers_are_gone(
     w: World,
 ) -> None:
     """The census holds a value's extent; hostile bytes hit its header before the scan of
-    keys reaches it.  The key reads as a miss, and the scan of keys frees the extent
-    (before, its blocks stayed in use until the next takeover; the rich histories'
-    seed 90)."""
+    keys reaches it.  The key reads as a miss, and the extent stays held while a writer
+    of before the takeover may still store there (the header nobody can read may have
+    been a write's), then is freed (before 2026-12-05 its blocks stayed in use until the
+    next takeover, the rich histories' seed 90; until 2026-12-06 they were freed at once)."""
     sb, mem = w.pool.superblock, w.pool.memory
     w.put("big", b"B" * 3 * GEOMETRY.block_size, at=300)
     w.put("z", value_of("z"), at=100)  # the census starts here
@@ -607,10 +626,54 @@ def test_an_extent_the_census_held_is_freed_when_hostile_bytes_take_its_header(
     mem.sfence()
     w.finish()
     assert w.read("big") is None
-    assert not svc.alloc.used_map[300:303].any(), "the held extent leaked"
     assert svc.counters["held_extents_lost"] == 1
+    assert svc.unreadable == {300: 3} and svc.alloc.used_map[300:303].all()
+    assert svc.alloc.used == w.used_blocks()
+    w.writers_leave()
+    assert not svc.alloc.used_map[300:303].any(), "the held extent leaked"
     assert svc.alloc.used == w.used_blocks()
     clean_up(w, {"big", "z"})
+
+
+@pytest.mark.parametrize("at_once", [True, False], ids=["recovering-at-once", "while-serving"])
+@pytest.mark.parametrize("sealed", [False, True], ids=["writing", "sealed"])
+def test_hostile_bytes_in_a_writes_header_keep_its_blocks_from_a_new_grant(
+    w: World, at_once: bool, sealed: bool
+) -> None:
+    """A write in flight (its WRITING header announced, or its own seal stored) takes
+    hostile bytes in its header, and its server dies.  Its writer lives on: the next
+    server must not grant its blocks to anyone, or the writer's late stores overwrite an
+    acknowledged value (docs/protocol.md, a hole until 2026-12-06).  The blocks stay
+    held until that writer is gone; a COMMIT after its seal reads the header again and is
+    acknowledged; a COMMIT of a header still unreadable is refused."""
+    sb, mem = w.pool.superblock, w.pool.memory
+    w.put("z", value_of("z"), at=100)
+    x = w.alloc("x", 3 * GEOMETRY.block_size, at=300)
+    if sealed:
+        w.publish("x", x, b"X" * 3 * GEOMETRY.block_size)
+    mem.nt_store(sb.block_header_offset(x.block) + 8, b"hostile bytes")
+    mem.sfence()
+    svc = w.take_over(at_once=at_once)
+    w.finish()
+    assert svc.unreadable.get(x.block, 0) >= 3
+    assert svc.alloc.used_map[x.block : x.block + 3].all()
+    n = w.put("n", value_of("n"), at=x.block)  # the allocator looks there first
+    assert not x.block <= n.block < x.block + 3, "the blocks of a write in flight granted again"
+    if not sealed:  # the writer stores its payload and seals: the header reads again
+        w.publish("x", x, b"X" * 3 * GEOMETRY.block_size)
+        assert w.commit("x", x)
+        assert w.read("x") == b"X" * 3 * GEOMETRY.block_size
+        assert not svc.unreadable
+    else:  # the seal came before the hostile bytes: nobody can tell the write is whole
+        assert not w.commit("x", x)
+        assert w.read("x") is None
+        assert svc.unreadable
+        w.writers_leave()
+        assert not svc.unreadable and not svc.alloc.used_map[x.block : x.block + 3].any()
+        assert w.header(x.block) is None
+    assert w.read("n") == value_of("n") and w.read("z") == value_of("z")
+    assert svc.alloc.used == w.used_blocks()
+    clean_up(w, {"x", "n", "z"})
 
 
 def test_a_held_copy_dropped_ahead_of_the_scan_is_not_freed_twice(w: World) -> None:
@@ -642,6 +705,34 @@ def test_a_held_copy_dropped_ahead_of_the_scan_is_not_freed_twice(w: World) -> N
         "the new value's blocks were freed under it"
     )
     clean_up(w, {"k", "z", "n"})
+
+
+def test_an_unreadable_write_reaching_past_the_census_start_is_held(
+    w: World,
+) -> None:
+    """A write in flight begins just before the region where the next server's census
+    starts and reaches into it; hostile bytes hit its header.  The look-back, which
+    decides the extents reaching into the census's start, cannot read it: the blocks
+    from the start on are held all the same, before the census's first region is
+    allocated from (the rest when the census comes round)."""
+    n = 3
+    w.svc.alloc._cursor = REGION * 8 - 1  # the extent's last blocks open the next region
+    x = w.alloc("x", n * GEOMETRY.block_size)
+    assert x.block == REGION * 8 - 1
+    sb, mem = w.pool.superblock, w.pool.memory
+    mem.nt_store(sb.block_header_offset(x.block) + 8, b"hostile bytes")
+    mem.sfence()
+    svc = w.take_over()
+    assert svc.rec is not None and svc.rec.origin == REGION * 8
+    new = w.put("n", value_of("n"), at=REGION * 8)  # from the census's first region
+    assert not x.block <= new.block < x.block + n, "a block of a write in flight granted again"
+    w.finish()
+    assert svc.alloc.used_map[x.block : x.block + n].all()
+    w.publish("x", x, b"X" * n * GEOMETRY.block_size)  # the writer goes on
+    assert w.commit("x", x) and w.read("x") == b"X" * n * GEOMETRY.block_size
+    assert w.read("n") == value_of("n")
+    assert svc.alloc.used == w.used_blocks()
+    clean_up(w, {"x", "n"})
 
 
 def test_a_grant_nobody_learned_of_is_freed_when_the_look_back_meets_it(w: World) -> None:

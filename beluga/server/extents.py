@@ -18,6 +18,19 @@ Reuse of an extent (the one rule readers and writers rely on)
     on nothing but its own dead extent.  Until then the extent is quarantined.
     On one kernel "alive" is exact (pid and start time); across hosts it is a
     heartbeat seen moving within the host table's stale_s.
+  - an extent under a header nobody can read (hostile bytes in it, or a
+    seal a recovery read torn) that a recovery meets is held, writer
+    unknown: the header may have been the WRITING header of a grant whose
+    writer still lives and will store into it.  It is held from its first
+    block up to the longest extent ever granted (the service line's word),
+    stopping short of a block held already or a block with a header of its
+    own, and freed once every writer that held a host id when the server
+    first looked is gone (``writers_now``, then ``writer_alive``); a new
+    writer cannot have been granted it.  A COMMIT or ABORT naming it once
+    its header reads again (its writer sealed it) makes it that writer's
+    write in progress again.  Before 2026-12-06 such blocks were taken for
+    free, granted again, and the first writer's late stores overwrote an
+    acknowledged value (docs/protocol.md, "Headers nobody can read").
   - a committed value that is removed, replaced or evicted leaves the pool
     index, and its header and commit word are cleared (fenced) before its
     extent can be handed out again.  Readers hold no lease: versions never
@@ -38,16 +51,22 @@ Eviction
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from beluga._native import step
-from beluga.coherence import LINE, Memory
+from beluga.coherence import LINE, BlockHeader, BlockState, Memory, parse_header
 from beluga.errors import CapacityError
 
 _CLEAR = bytes(LINE)
 FLOOR_STEP = 1 << 16  # versions handed out per write of the floor
-# a named sabotage point (beluga_native.h)
+# named sabotage points (beluga_native.h)
 _clear_fence = step("SERVICE_CLEAR_FENCE", Memory.sfence)
+# recovery's fresh reads of what a gone server (or another host) stored
+_recover_invalidate = step("SERVICE_RECOVER_INVALIDATE", Memory.invalidate)
+_recover_mfence = step("SERVICE_RECOVER_MFENCE", Memory.mfence)
 
 
 @dataclass(slots=True)
@@ -114,6 +133,105 @@ class ExtentKeeping:
         self._clear_header(block)
         self.alloc.release(block, pend.nblocks)
         return pend
+
+    def _hold_unreadable(
+        self, block: int, ahead: Callable[[int, int], np.ndarray], start: int | None = None
+    ) -> int:
+        """Hold the blocks from ``block``, whose header nobody can read, as an extent of an
+        unknown writer (the module doc): up to the longest extent, short of a used block
+        or of one whose header line ``ahead(first, end)`` says is not all zero; only from
+        ``start`` on if given (the census's look-back).  Blocks held (0: none free)."""
+        first = block if start is None else start
+        if self.alloc.used_map[first] or first in self.unreadable:
+            return 0
+        end = min(self.sb.nblocks, block + max(1, self.max_extent))
+        stop = np.flatnonzero(self.alloc.used_map[first + 1 : end]) + first + 1
+        if stop.size:
+            end = int(stop[0])
+        after = first if start is not None else first + 1  # block's own line is marked
+        if end > after:
+            marked = np.flatnonzero(ahead(after, end)) + after
+            if marked.size:
+                end = int(marked[0])
+        n = end - first
+        if n < 1:
+            return 0
+        if not self.alloc.reserve(first, n):
+            raise AssertionError(f"blocks {first}..{end} were free a moment ago")
+        self.unreadable[first] = n
+        self.counters["unreadable_headers_held"] += 1
+        return n
+
+    def _readable_again(self, block: int, header: BlockHeader) -> Pending | None:
+        """A header held unreadable reads as a write of before the takeover again (its
+        writer sealed it): that writer's write in progress, under a fresh lease, if its
+        extent fits where it lies (else it stays held; None)."""
+        if header.version >= self.takeover_floor or header.state not in (
+            BlockState.WRITING,
+            BlockState.PUBLISHED,
+        ):
+            return None
+        n = self.extent(header.length)
+        # the holds within its extent (the look-back's part of it is one of its own)
+        parts = {b: m for b, m in self.unreadable.items() if block <= b < block + n}
+        for b, m in parts.items():
+            del self.unreadable[b]
+            self.alloc.release(b, m)
+        if not self.alloc.reserve(block, n):
+            for b, m in parts.items():  # free a moment ago: it cannot fail
+                self.alloc.reserve(b, m)
+            self.unreadable.update(parts)
+            return None
+        pend = Pending(
+            header.digest,
+            header.version,
+            header.length,
+            n,
+            header.writer,
+            header.writer_gen,
+            self.clock() + self.write_lease_s,
+        )
+        self.pending[block] = pend
+        if self.rec is not None:
+            self.rec.adopted.add(block)  # the scan of keys leaves it be
+        self.counters["unreadable_headers_read_again"] += 1
+        return pend
+
+    def _unreadable_write(self, digest: bytes, block: int, version: int) -> Pending | None:
+        """A COMMIT or ABORT naming a block held under an unreadable header: the write it
+        names, if the header now reads as that write of before the takeover."""
+        off = self.sb.block_header_offset(block)
+        _recover_invalidate(self.mem, off, LINE)  # its writer's store
+        _recover_mfence(self.mem)
+        header = parse_header(self.mem.load(off, LINE))
+        if header is None or header.digest != digest or header.version != version:
+            return None
+        return self._readable_again(block, header)
+
+    def _release_unreadable(self) -> None:
+        """Free the extents held under unreadable headers once every writer that held a
+        host id when this server first looked (``writers_now``) is gone."""
+        if not self.unreadable:
+            return
+        if self._writers_before is None:
+            self._writers_before = frozenset(self.writers_now())
+        if any(self.writer_alive(host, gen) for host, gen in self._writers_before):
+            return
+        for block, n in self.unreadable.items():
+            self._set_commit(block, 0)
+            self._clear_header(block)
+            self.alloc.release(block, n)
+            self.counters["unreadable_extents_freed"] += 1
+        self.unreadable.clear()
+
+    def _granted_writers(self) -> set[tuple[int, int]]:
+        """Every (host id, generation) the pool's host table has a grant line for."""
+        hosts = self.pool.hosts
+        return {
+            (g.host_id, g.generation)
+            for i in range(hosts.max_hosts)
+            if (g := hosts.grant(i)) is not None
+        }
 
     def _index(self, digest: bytes, e: Entry) -> bool:
         """Make ``digest`` a committed entry, in memory and in the pool index.

@@ -85,6 +85,14 @@ STATS_METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Grants a gone server made and never answered, freed as their writer's ring was adopted",
     ),
+    "unreadable_extents": (
+        "gauge",
+        "Extents held under a header nobody can read until every writer of before is gone",
+    ),
+    "unreadable_headers_held": (
+        "counter",
+        "Headers nobody could read (hostile bytes) whose blocks were held, writer unknown",
+    ),
     "recovered_keys": ("gauge", "Keys rebuilt from the pool since this server started"),
     "puts_while_recovering": (
         "counter",

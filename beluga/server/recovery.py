@@ -39,9 +39,10 @@ Recovering while serving (issue 36)
   census     region by region from where the last server allocated (wrapping
              at the pool's end), it holds the extent of every write of
              before the takeover as the rule above decides within the
-             region, and frees the rest: allocation takes only blocks the
-             census has passed, so no extent is handed out twice, and an
-             ALLOC that finds no room runs census steps before it evicts
+             region, holds the blocks under a header nobody can read
+             (extents.py's rule), and frees the rest: allocation takes only
+             blocks the census has passed, so no extent is handed out
+             twice, and an ALLOC that finds no room runs census steps before it evicts
              anything.  Its first region first decides the extents that
              begin before it and reach into it (``_look_back``, at most the
              longest extent back), ahead of their own region.
@@ -124,11 +125,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from beluga._native import step
-from beluga.coherence import LINE, BlockState, HeaderTable, Memory, parse_header_table
+from beluga.coherence import LINE, BlockState, HeaderTable, parse_header_table
 from beluga.server.allocator import BlockAllocator, overlapping
 from beluga.server.collector import gc_paused
-from beluga.server.extents import Entry, ExtentKeeping, Pending
+from beluga.server.extents import (
+    Entry,
+    ExtentKeeping,
+    Pending,
+    _recover_invalidate,
+    _recover_mfence,
+)
 from beluga.server.recovery_state import (
     CENSUS_REGIONS,
     CURSOR_WORD,
@@ -139,9 +145,6 @@ from beluga.server.recovery_state import (
 )
 
 _COLUMNS = ("block", "state", "version", "digest", "length", "writer", "writer_gen")
-# named sabotage points (beluga_native.h): recovery's fresh reads of what a gone server stored
-_recover_invalidate = step("SERVICE_RECOVER_INVALIDATE", Memory.invalidate)
-_recover_mfence = step("SERVICE_RECOVER_MFENCE", Memory.mfence)
 
 
 class Recovery(ExtentKeeping):
@@ -233,7 +236,7 @@ class Recovery(ExtentKeeping):
         stored = int.from_bytes(self.mem.load(sb.service_offset, 8), "little")
         # every version any answer named is below the floor stored (_next_version); a
         # header at or above it is a grant never answered, cleared as the scan meets it
-        self.version = self.floor = stored
+        self.version = self.floor = self.takeover_floor = stored
         n = sb.nblocks
         self.max_extent = self._service_word(EXTENT_WORD)
         self._extent_known = self.max_extent > 0
@@ -320,16 +323,34 @@ class Recovery(ExtentKeeping):
             rec.graves.clear()
             rec.unanswered.clear()
 
-    def _read_region(self, lo: int, hi: int) -> tuple[HeaderTable, np.ndarray]:
-        """The valid headers of blocks [lo, hi) (absolute block numbers) and their commit
-        words, read fresh."""
+    def _read_region(self, lo: int, hi: int) -> tuple[HeaderTable, np.ndarray, np.ndarray]:
+        """The valid headers of blocks [lo, hi) (absolute block numbers), their commit
+        words, and which blocks' header lines are not all zero, read fresh."""
         sb = self.sb
         _recover_invalidate(self.mem, sb.block_header_offset(lo), (hi - lo) * LINE)
         _recover_invalidate(self.mem, sb.block_commit_offset(lo), (hi - lo) * 8)
         _recover_mfence(self.mem)
-        headers = parse_header_table(self.mem.load(sb.block_header_offset(lo), (hi - lo) * LINE))
+        table = self.mem.load(sb.block_header_offset(lo), (hi - lo) * LINE)
+        headers = parse_header_table(table)
+        marked = np.frombuffer(table, "<u8").reshape(-1, LINE // 8).any(axis=1)
         committed = np.frombuffer(self.mem.load(sb.block_commit_offset(lo), (hi - lo) * 8), "<u8")
-        return replace(headers, block=headers.block + lo), committed
+        return replace(headers, block=headers.block + lo), committed, marked
+
+    def _marked(self, lo: int, hi: int) -> np.ndarray:
+        """Which of blocks [lo, hi) have a header line not all zero, read fresh."""
+        off = self.sb.block_header_offset(lo)
+        _recover_invalidate(self.mem, off, (hi - lo) * LINE)
+        _recover_mfence(self.mem)
+        table = self.mem.load(off, (hi - lo) * LINE)
+        return np.frombuffer(table, "<u8").reshape(-1, LINE // 8).any(axis=1)
+
+    def _hold_unreadables(self, headers: HeaderTable, marked: np.ndarray, lo: int) -> None:
+        """Hold every extent of blocks [lo, ...) whose header line is marked but no header
+        (hostile bytes, or a seal read torn): extents.py's rule, after the census decided
+        the readable ones."""
+        firsts = np.setdiff1d(np.flatnonzero(marked) + lo, headers.block, assume_unique=True)
+        for block in firsts.tolist():
+            self._hold_unreadable(block, self._marked)
 
     def _classify(
         self, headers: HeaderTable, committed: np.ndarray, lo: int
@@ -368,7 +389,7 @@ class Recovery(ExtentKeeping):
             self._look_back()
         lo, count = rec.span(rec.census, most or CENSUS_REGIONS * rec.region)
         hi = lo + count
-        headers, committed = self._read_region(lo, hi)
+        headers, committed, marked = self._read_region(lo, hi)
         live, done, stray = self._classify(headers, committed, lo)
         extents = self._extents(headers)
         # newest first (ties: lower block first), as the one-at-a-time rule reads them
@@ -381,6 +402,8 @@ class Recovery(ExtentKeeping):
         held = self.alloc.reserve_many(headers.block[unfinished], extents[unfinished])
         rec.hold(headers.block[published[won]], extents[published[won]])
         rec.hold(headers.block[unfinished[held]], extents[unfinished[held]])
+        if len(headers) < np.count_nonzero(marked):
+            self._hold_unreadables(headers, marked, lo)
         lost = np.concatenate((published[~won], unfinished[~held], np.flatnonzero(stray)))
         for block in headers.block[lost].tolist():
             self._drop_copy(block)
@@ -412,7 +435,7 @@ class Recovery(ExtentKeeping):
         assert rec is not None
         if read is None:
             lo, count = rec.span(rec.keys, min(rec.region, rec.census - rec.keys))
-            headers, committed = self._read_region(lo, lo + count)
+            headers, committed, _ = self._read_region(lo, lo + count)
         else:  # the census's read of the region, just now
             headers, committed, lo, count = read
         live, done, _ = self._classify(headers, committed, lo)
@@ -421,7 +444,12 @@ class Recovery(ExtentKeeping):
         # may have handed its blocks out since) never joins
         held = (rec.held[headers.block] != 0) & live
         for block in headers.block[live & ~held].tolist():
-            self._drop_copy(block)
+            if block not in self.unreadable:
+                self._drop_copy(block)
+                continue
+            header, _ = self._read_copy(block)  # sealed since the census read it unreadable
+            if header is not None:
+                self._readable_again(block, header)
         self._release_lost(lo, count, headers.block[held])
         live &= held
         done &= held
@@ -444,18 +472,21 @@ class Recovery(ExtentKeeping):
         self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
 
     def _release_lost(self, lo: int, count: int, live: np.ndarray) -> None:
-        """Free the extents the census held in blocks [lo, lo + count) whose header is no
-        write now (``live``: the first blocks that are) and that nothing adopted: hostile
-        bytes hit the header since (a valid header changes only by a write's seal, which
-        keeps it live, or by a decision ahead of the scan, which adopts or unholds it).
-        Without this their blocks stayed in use until the next takeover."""
+        """Hand the extents the census held in blocks [lo, lo + count) whose header is no
+        write now (``live``: the first blocks that are) and that nothing adopted to the
+        rule for unreadable headers (extents.py): hostile bytes hit the header since (a
+        valid header changes only by a write's seal, which keeps it live, or by a
+        decision ahead of the scan, which adopts or unholds it).  The header may have
+        been a write's, whose writer still stores: the extent is freed once the writers
+        of before are gone.  (Before 2026-12-05 it stayed held until the next takeover;
+        then, until 2026-12-06, it was freed at once, under that writer.)"""
         rec = self.rec
         assert rec is not None
         firsts = np.flatnonzero(rec.held[lo : lo + count]) + lo
         lost = firsts[~np.isin(firsts, live)]
         for block in lost.tolist():
             if block not in rec.adopted:
-                self.alloc.release(block, rec.held_extent(block))
+                self.unreadable[block] = rec.held_extent(block)
                 rec.unhold(block)
                 self.counters["held_extents_lost"] += 1
 

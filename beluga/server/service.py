@@ -52,7 +52,7 @@ import json
 import secrets
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from beluga._native import step
 from beluga.coherence import LINE, BlockState, Memory, parse_header
@@ -60,9 +60,9 @@ from beluga.kv import protocol as p
 from beluga.pool import Pool
 from beluga.rpc import BatchHandler, Request, per_request
 from beluga.server.allocator import BlockAllocator
-from beluga.server.extents import Entry, Pending
+from beluga.server.extents import Entry, Pending, _recover_invalidate, _recover_mfence
 from beluga.server.index import PoolIndex
-from beluga.server.recovery import Recovery, _recover_invalidate, _recover_mfence
+from beluga.server.recovery import Recovery
 from beluga.server.recovery_state import RECOVERY_REGION, GraveLog, RecoveryState
 from beluga.server.settling import Settling
 
@@ -120,6 +120,12 @@ class MetadataService(Recovery, Settling):
         self.ix = PoolIndex(self.mem, self.sb)
         self.by_block: dict[int, tuple[bytes, int]] = {}  # first block -> (digest, version)
         self.pending: dict[int, Pending] = {}
+        #: first block -> blocks held under a header nobody can read (extents.py's rule)
+        self.unreadable: dict[int, int] = {}
+        #: who may hold a host id, as (id, generation): the host table's grant lines
+        #: (tests wire in their own); read once, when the first unreadable header is held
+        self.writers_now: Callable[[], Iterable[tuple[int, int]]] = self._granted_writers
+        self._writers_before: frozenset[tuple[int, int]] | None = None
         self.retiring: list[tuple[float, int, int]] = []
         self.version = 0
         self.floor = 0
@@ -235,6 +241,8 @@ class MetadataService(Recovery, Settling):
         scanning = self._scanning()
         for digest, block, version in p.decode_commit(req.payload):
             pend = self.pending.get(block)
+            if pend is None and block in self.unreadable:  # its header reads again?
+                pend = self._unreadable_write(digest, block, version)
             if pend is None and scanning:  # granted before the takeover, not scanned yet?
                 pend = self._adopt_write(digest, block, version)
             if pend is None or pend.digest != digest or pend.version != version:
@@ -273,6 +281,8 @@ class MetadataService(Recovery, Settling):
         scanning = self._scanning()
         for digest, block, version in p.decode_commit(req.payload):
             pend = self.pending.get(block)
+            if pend is None and block in self.unreadable:
+                pend = self._unreadable_write(digest, block, version)
             if pend is None and scanning:
                 pend = self._adopt_write(digest, block, version)
             if pend and pend.digest == digest and pend.version == version:
@@ -399,6 +409,7 @@ class MetadataService(Recovery, Settling):
                 self.counters["dead_writer_reclaims"] += gone
             if gone:
                 self._free_pending(block)
+        self._release_unreadable()
         while self.retiring and self.retiring[0][0] <= now:
             _, block, n = heapq.heappop(self.retiring)
             self.alloc.release(block, n)
@@ -468,6 +479,8 @@ class MetadataService(Recovery, Settling):
             "late_commits_refused": self.counters["late_commits_refused"],
             "dead_writer_reclaims": self.counters["dead_writer_reclaims"],
             "unanswered_grants_freed": self.counters["unanswered_grants_freed"],
+            "unreadable_extents": len(self.unreadable),
+            "unreadable_headers_held": self.counters["unreadable_headers_held"],
             "recovered_keys": self.counters["recovered_keys"],
             "puts_while_recovering": self.counters["puts_while_recovering"],
             "recovering": int(self.rec is not None),

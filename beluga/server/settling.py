@@ -15,8 +15,13 @@ import numpy as np
 
 from beluga.coherence import LINE, BlockHeader, BlockState, parse_header
 from beluga.errors import CapacityError
-from beluga.server.extents import Entry, ExtentKeeping, Pending
-from beluga.server.recovery import _recover_invalidate, _recover_mfence
+from beluga.server.extents import (
+    Entry,
+    ExtentKeeping,
+    Pending,
+    _recover_invalidate,
+    _recover_mfence,
+)
 
 
 class Settling(ExtentKeeping):
@@ -169,7 +174,7 @@ class Settling(ExtentKeeping):
         start = max(0, rec.origin - max(0, self.max_extent - 1))
         if start == rec.origin:
             return
-        headers, committed = self._read_region(start, rec.origin)
+        headers, committed, marked = self._read_region(start, rec.origin)
         live, done, _ = self._classify(headers, committed, start)
         reach = headers.block + self._extents(headers) > rec.origin
         for i in np.flatnonzero(live & reach).tolist():
@@ -184,6 +189,11 @@ class Settling(ExtentKeeping):
                     self._adopt_copy(header.digest, block, header.version, header.length)
             elif self._adopt_pending(block, header) is None:
                 self._drop_copy(block)
+        lines = np.flatnonzero(marked)
+        if lines.size:  # the last header before the start, if nobody can read it, may reach in
+            last = start + int(lines[-1])
+            if last not in headers.block and last + max(1, self.max_extent) > rec.origin:
+                self._hold_unreadable(last, self._marked, start=rec.origin)
 
     def _bury(self, digest: bytes, keep: int) -> None:
         """Every copy of ``digest`` of before the takeover but ``keep`` is gone: in the

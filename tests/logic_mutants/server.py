@@ -472,9 +472,64 @@ RECOVERY: list[Mutant] = [
         "beluga/server/recovery.py",
         "        self._release_lost(lo, count, headers.block[held])\n",
         "",
-        (RECI + "test_an_extent_the_census_held_is_freed_when_hostile_bytes_take_its_header",),
+        (RECI + "test_hostile_bytes_in_a_held_extents_header_hold_it_until_its_writers_are_gone",),
         "an extent the census held keeps its blocks after hostile bytes took its header: "
         "capacity leaks until the next takeover",
+        cheap=True,
+    ),
+    Mutant(
+        "a-held-extent-whose-header-is-lost-is-freed-at-once",
+        "recovery while serving",
+        "beluga/server/recovery.py",
+        "                self.unreadable[block] = rec.held_extent(block)",
+        "                self.alloc.release(block, rec.held_extent(block))",
+        (RECI + "test_hostile_bytes_in_a_held_extents_header_hold_it_until_its_writers_are_gone",),
+        "an extent the census held is freed when hostile bytes take its header, though the "
+        "header may have been a live writer's, whose late stores then hit a new value",
+        cheap=True,
+    ),
+    Mutant(
+        "an-unreadable-header-is-taken-for-free",
+        "recovery",
+        "beluga/server/recovery.py",
+        "            self._hold_unreadables(headers, marked, lo)",
+        "            pass",
+        (RECI + "test_hostile_bytes_in_a_writes_header_keep_its_blocks_from_a_new_grant",),
+        "the census frees the blocks under a header nobody can read: a write in flight whose "
+        "header took hostile bytes is granted again, and its writer overwrites the new value",
+        cheap=True,
+    ),
+    Mutant(
+        "the-look-back-takes-an-unreadable-header-for-free",
+        "recovery while serving",
+        "beluga/server/settling.py",
+        "                self._hold_unreadable(last, self._marked, start=rec.origin)",
+        "                pass",
+        (RECI + "test_an_unreadable_write_reaching_past_the_census_start_is_held",),
+        "a write in flight reaching into the census's start, its header unreadable, is not "
+        "held by the look-back: its blocks there are granted again before the census wraps",
+        cheap=True,
+    ),
+    Mutant(
+        "unreadable-extents-freed-while-their-writers-may-live",
+        "recovery",
+        "beluga/server/extents.py",
+        "        if any(self.writer_alive(host, gen) for host, gen in self._writers_before):",
+        "        if False:",
+        (RECI + "test_hostile_bytes_in_a_writes_header_keep_its_blocks_from_a_new_grant",),
+        "blocks under an unreadable header are freed at the next tick, while the writer "
+        "whose header it was may still store there",
+        cheap=True,
+    ),
+    Mutant(
+        "a-sealed-write-under-an-unreadable-header-is-refused",
+        "recovery",
+        "beluga/server/service.py",
+        "            if pend is None and block in self.unreadable:  # its header reads again?",
+        "            if False:  # its header reads again?",
+        (RECI + "test_hostile_bytes_in_a_writes_header_keep_its_blocks_from_a_new_grant",),
+        "a write whose WRITING header took hostile bytes before its writer sealed it is "
+        "refused at COMMIT, though the seal made the header whole again",
         cheap=True,
     ),
     Mutant(
