@@ -147,6 +147,15 @@ from beluga.server.recovery_state import (
 _COLUMNS = ("block", "state", "version", "digest", "length", "writer", "writer_gen")
 
 
+def _nonzero_lines(table: bytes) -> np.ndarray:
+    """Which 64-byte lines of ``table`` are not all zero (a cleared header is)."""
+    words = np.frombuffer(table, "<u8").reshape(-1, LINE // 8)
+    acc = words[:, 0].copy()
+    for i in range(1, LINE // 8):
+        acc |= words[:, i]
+    return acc != 0
+
+
 class Recovery(ExtentKeeping):
     """The metadata service's recovery steps (the module doc): takeover, census, keys,
     buckets, naming.  Not thread-safe, not fork-safe: the service's."""
@@ -332,7 +341,7 @@ class Recovery(ExtentKeeping):
         _recover_mfence(self.mem)
         table = self.mem.load(sb.block_header_offset(lo), (hi - lo) * LINE)
         headers = parse_header_table(table)
-        marked = np.frombuffer(table, "<u8").reshape(-1, LINE // 8).any(axis=1)
+        marked = _nonzero_lines(table)
         committed = np.frombuffer(self.mem.load(sb.block_commit_offset(lo), (hi - lo) * 8), "<u8")
         return replace(headers, block=headers.block + lo), committed, marked
 
@@ -341,8 +350,7 @@ class Recovery(ExtentKeeping):
         off = self.sb.block_header_offset(lo)
         _recover_invalidate(self.mem, off, (hi - lo) * LINE)
         _recover_mfence(self.mem)
-        table = self.mem.load(off, (hi - lo) * LINE)
-        return np.frombuffer(table, "<u8").reshape(-1, LINE // 8).any(axis=1)
+        return _nonzero_lines(self.mem.load(off, (hi - lo) * LINE))
 
     def _hold_unreadables(self, headers: HeaderTable, marked: np.ndarray, lo: int) -> None:
         """Hold every extent of blocks [lo, ...) whose header line is marked but no header
