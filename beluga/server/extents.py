@@ -89,6 +89,19 @@ class Pending:
     expires: float
     cancelled: bool = False  # its lease ran out: COMMIT is refused; freed once the writer is done
 
+    @classmethod
+    def of(cls, header: BlockHeader, nblocks: int, expires: float) -> Pending:
+        """The write a header in the pool names, under the writer it names."""
+        return cls(
+            header.digest,
+            header.version,
+            header.length,
+            nblocks,
+            header.writer,
+            header.writer_gen,
+            expires,
+        )
+
 
 class ExtentKeeping:
     """The metadata service's extents (the module doc); recovery's steps, on the same
@@ -182,16 +195,7 @@ class ExtentKeeping:
                 self.alloc.reserve(b, m)
             self.unreadable.update(parts)
             return None
-        pend = Pending(
-            header.digest,
-            header.version,
-            header.length,
-            n,
-            header.writer,
-            header.writer_gen,
-            self.clock() + self.write_lease_s,
-        )
-        self.pending[block] = pend
+        pend = self.pending[block] = Pending.of(header, n, self.clock() + self.write_lease_s)
         if self.rec is not None:
             self.rec.adopted.add(block)  # the scan of keys leaves it be
         self.counters["unreadable_headers_read_again"] += 1

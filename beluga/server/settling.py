@@ -148,16 +148,7 @@ class Settling(ExtentKeeping):
         if not self._claim(block, n):
             return None
         rec.adopted.add(block)
-        pend = Pending(
-            header.digest,
-            header.version,
-            header.length,
-            n,
-            header.writer,
-            header.writer_gen,
-            rec.expires,
-        )
-        self.pending[block] = pend
+        pend = self.pending[block] = Pending.of(header, n, rec.expires)
         ask = rec.unanswered.get((pend.host, pend.generation))
         if ask is not None:  # its writer's ring was adopted before: did anyone learn of it?
             self.forget_unanswered(pend.host, pend.generation, ask)
