@@ -215,12 +215,20 @@ def test_stats_watch_prints_each_period(pool: Pool, capsys: pytest.CaptureFixtur
         assert len(docs) == 3 and all(d["keys"] == 0 for d in docs)
 
 
+def _sigint_as_on_a_terminal() -> None:
+    """In the child: SIGINT's default action, as a foreground command on a terminal has.  A
+    shell without job control starts a background job (``cmd &``, as CI runners and nohup
+    launches do) with SIGINT ignored, and a child would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_stats_watch_stops_on_ctrl_c(pool: Pool) -> None:
     with threaded_server(pool):
         proc = subprocess.Popen(
             [*BELUGA, "stats", "--pool", pool.spec, "--watch", "0.05"],
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=_sigint_as_on_a_terminal,
         )
         try:
             assert proc.stdout is not None
