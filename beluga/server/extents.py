@@ -57,16 +57,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from beluga._native import step
-from beluga.coherence import LINE, BlockHeader, BlockState, Memory, parse_header
+from beluga.coherence import LINE, BlockHeader, BlockState, Memory
 from beluga.errors import CapacityError
 
 _CLEAR = bytes(LINE)
 FLOOR_STEP = 1 << 16  # versions handed out per write of the floor
-# named sabotage points (beluga_native.h)
+# a named sabotage point (beluga_native.h)
 _clear_fence = step("SERVICE_CLEAR_FENCE", Memory.sfence)
-# recovery's fresh reads of what a gone server (or another host) stored
-_recover_invalidate = step("SERVICE_RECOVER_INVALIDATE", Memory.invalidate)
-_recover_mfence = step("SERVICE_RECOVER_MFENCE", Memory.mfence)
 
 
 @dataclass(slots=True)
@@ -200,17 +197,6 @@ class ExtentKeeping:
             self.rec.adopted.add(block)  # the scan of keys leaves it be
         self.counters["unreadable_headers_read_again"] += 1
         return pend
-
-    def _unreadable_write(self, digest: bytes, block: int, version: int) -> Pending | None:
-        """A COMMIT or ABORT naming a block held under an unreadable header: the write it
-        names, if the header now reads as that write of before the takeover."""
-        off = self.sb.block_header_offset(block)
-        _recover_invalidate(self.mem, off, LINE)  # its writer's store
-        _recover_mfence(self.mem)
-        header = parse_header(self.mem.load(off, LINE))
-        if header is None or header.digest != digest or header.version != version:
-            return None
-        return self._readable_again(block, header)
 
     def _release_unreadable(self) -> None:
         """Free the extents held under unreadable headers once every writer that held a

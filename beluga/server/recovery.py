@@ -42,8 +42,8 @@ Recovering while serving (issue 36)
              region, holds the blocks under a header nobody can read
              (extents.py's rule), and frees the rest: allocation takes only
              blocks the census has passed, so no extent is handed out
-             twice, and an ALLOC that finds no room runs census steps before it evicts
-             anything.  Its first region first decides the extents that
+             twice, and an ALLOC that finds no room runs census steps
+             before it evicts anything.  Its first region first decides the extents that
              begin before it and reach into it (``_look_back``, at most the
              longest extent back), ahead of their own region.
   keys       behind the census, each region's values join the index (a key
@@ -125,16 +125,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from beluga.coherence import LINE, BlockState, HeaderTable, parse_header_table
+from beluga._native import step
+from beluga.coherence import LINE, BlockState, HeaderTable, Memory, parse_header_table
 from beluga.server.allocator import BlockAllocator, overlapping
 from beluga.server.collector import gc_paused
-from beluga.server.extents import (
-    Entry,
-    ExtentKeeping,
-    Pending,
-    _recover_invalidate,
-    _recover_mfence,
-)
+from beluga.server.extents import Entry, ExtentKeeping, Pending
 from beluga.server.recovery_state import (
     CENSUS_REGIONS,
     CURSOR_WORD,
@@ -145,6 +140,9 @@ from beluga.server.recovery_state import (
 )
 
 _COLUMNS = ("block", "state", "version", "digest", "length", "writer", "writer_gen")
+# named sabotage points (beluga_native.h): recovery's fresh reads of what a gone server stored
+_recover_invalidate = step("SERVICE_RECOVER_INVALIDATE", Memory.invalidate)
+_recover_mfence = step("SERVICE_RECOVER_MFENCE", Memory.mfence)
 
 
 def _nonzero_lines(table: bytes) -> np.ndarray:

@@ -60,9 +60,9 @@ from beluga.kv import protocol as p
 from beluga.pool import Pool
 from beluga.rpc import BatchHandler, Request, per_request
 from beluga.server.allocator import BlockAllocator
-from beluga.server.extents import Entry, Pending, _recover_invalidate, _recover_mfence
+from beluga.server.extents import Entry, Pending
 from beluga.server.index import PoolIndex
-from beluga.server.recovery import Recovery
+from beluga.server.recovery import Recovery, _recover_invalidate, _recover_mfence
 from beluga.server.recovery_state import RECOVERY_REGION, GraveLog, RecoveryState
 from beluga.server.settling import Settling
 

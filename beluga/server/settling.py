@@ -15,13 +15,8 @@ import numpy as np
 
 from beluga.coherence import LINE, BlockHeader, BlockState, parse_header
 from beluga.errors import CapacityError
-from beluga.server.extents import (
-    Entry,
-    ExtentKeeping,
-    Pending,
-    _recover_invalidate,
-    _recover_mfence,
-)
+from beluga.server.extents import Entry, ExtentKeeping, Pending
+from beluga.server.recovery import _recover_invalidate, _recover_mfence
 
 
 class Settling(ExtentKeeping):
@@ -137,6 +132,15 @@ class Settling(ExtentKeeping):
         if header.state not in (BlockState.WRITING, BlockState.PUBLISHED):
             return None
         return self._adopt_pending(block, header)
+
+    def _unreadable_write(self, digest: bytes, block: int, version: int) -> Pending | None:
+        """A COMMIT or ABORT naming a block held under an unreadable header: the write it
+        names, if the header now reads as that write of before the takeover (its writer
+        sealed it since)."""
+        header, _ = self._read_copy(block)
+        if header is None or header.digest != digest or header.version != version:
+            return None
+        return self._readable_again(block, header)
 
     def _adopt_pending(self, block: int, header: BlockHeader) -> Pending | None:
         """A write in flight met ahead of the scan, pending again under its writer (None if
