@@ -38,6 +38,7 @@ its writer's ring was adopted (seed 150).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Iterator
@@ -59,6 +60,7 @@ SEEDS = range(400) if FULL else [*range(10), 481]
 FULL_POOL_SEEDS = range(60) if FULL else range(3)
 MODEL_SEEDS = range(300) if FULL else range(5)
 RICH_SEEDS = range(400) if FULL else range(12)
+CRASH_SEEDS = range(300) if FULL else range(int(os.environ.get("CRASH_N", 8)))
 
 
 @pytest.fixture
@@ -77,6 +79,9 @@ class Write:
     writer: tuple[int, int]
     published: bool
     damaged: bool = False  # hostile bytes hit its header after it was sealed
+    #: a COMMIT of it had no answer: it may be the key's value already, and its writer
+    #: only sends the COMMIT again or an ABORT (it stores nothing more)
+    maybe: bool = False
 
 
 @dataclass
@@ -154,6 +159,9 @@ class History:
 
     def landed(self, x: Write) -> None:
         """The COMMIT's commit word lands and its server dies before anything else."""
+        if x.maybe:  # sent before, maybe committed (its block maybe freed since): again
+            self.commit(x)
+            return
         sb, mem = self.w.pool.superblock, self.w.pool.memory
         mem.nt_store(sb.block_commit_offset(x.grant.block), x.grant.version.to_bytes(8, "little"))
         mem.sfence()
@@ -454,9 +462,10 @@ class RichHistory(History):
         """Hostile bytes in the header of a write in flight (its writer lives on and may
         still store there, seal it and COMMIT): no later grant may take its blocks while
         that writer can, whatever takes over meanwhile."""
-        if not self.inflight:
+        storing = [x for x in self.inflight if not x.maybe]
+        if not storing:
             return
-        x = self.rng.choice(self.inflight)
+        x = self.rng.choice(storing)
         self._garbage(self.w.pool.superblock.block_header_offset(x.grant.block))
         x.damaged = x.published  # else its seal, still to come, writes the header anew
 
@@ -528,6 +537,126 @@ def test_rich_histories_in_a_full_pool(pool: Pool, seed: int) -> None:
     h = RichHistory(World(pool), random.Random(seed), [f"y{i}" for i in range(700)])
     h.run(1500)
     assert h.evicted, "the pool never filled: nothing tested"
+
+
+@dataclass
+class CrashingHistory(RichHistory):
+    """A :class:`RichHistory` on non-coherent hosts whose server's host also dies inside
+    an operation: after any number of the lines it stores (the model's ``crash_after``),
+    and with every line it had not fenced lost.  The next server runs on a new host.
+
+    Whatever the dead server was doing had no answer: a COMMIT may have landed or not
+    (either value reads, until the commit is sent again to the next server), a REMOVE
+    or DROP too (the value or a miss), a grant reached nobody (its writer's ring says
+    so to every later server), and a recovery step or a tick is simply redone.  The
+    takeovers of :class:`History` still happen between operations as well.
+    """
+
+    shm_path: str = ""
+    hosts: list[Pool] = field(default_factory=list)  # every server host of the history
+    crashes: int = 0
+    #: crashes that fell inside the operation (not after its last store)
+    inside: int = 0
+
+    def _die_within(self, i: int) -> None:
+        """Arm the server's host to die once a few more of its lines land (none, late in a
+        history where no host has died inside an operation yet)."""
+        late = self.inside == 0 and i >= 150
+        self.w.pool.memory.crash_after(0 if late else self.rng.randint(0, 10))
+
+    def _next_server(self) -> None:
+        """The server's host is dead (if the operation stored fewer lines than it was
+        armed for, it dies now, its lines not fenced yet lost): a new server takes over
+        on a new host."""
+        self.crashes += 1
+        self.inside += bool(self.w.pool.memory.model_stats()["crashed"])
+        host = Pool.attach(
+            self.shm_path, coherence="model", model=ModelConfig(seed=self.rng.randrange(1 << 30))
+        )
+        self.hosts.append(host)
+        self.w.pool = host
+        self.take_over()
+
+    def _maybe(self, x: Write) -> None:
+        """A COMMIT of ``x`` got no answer: it may have landed."""
+        self.allowed[x.key] = self.allowed.get(x.key, {None}) | {x.data}
+        self.landed_values.setdefault(x.key, set()).add(x.data)
+
+    def crash(self, i: int) -> None:
+        rng, key = self.rng, self.rng.choice(self.keys)
+        a = rng.random()
+        if a < 0.35:  # inside a COMMIT (of a put, or of a write in flight)
+            x = self.start(key, i, publish=True)
+            if x is None:
+                return
+            self._die_within(i)
+            req = self._request(p.StoreOp.COMMIT, self._commit_payload(x), x.writer)
+            self.w.svc.op_commit(req)
+            self._maybe(x)
+            self._next_server()
+            if rng.random() < 0.5:  # its RPC ring sends it again to the new server
+                self.commit(x)
+            else:  # later (or its writer aborts it, or dies)
+                x.maybe = True
+                self.inflight.append(x)
+        elif a < 0.50:  # inside a REMOVE
+            self._die_within(i)
+            self.w.remove(key)
+            self.allowed[key] = self.allowed.get(key, {None}) | {None}
+            self._next_server()
+        elif a < 0.60:  # inside a DROP of the acknowledged value
+            x = self.acked.get(key)
+            self._die_within(i)
+            if x is not None:
+                payload = p.encode_commit([(digest(key.encode()), x.grant.block, x.grant.version)])
+                self.w.svc.op_drop(self._request(p.StoreOp.DROP, payload, WRITER))
+                self.allowed[key] = self.allowed.get(key, {None}) | {None}
+            self._next_server()
+        elif a < 0.70:  # inside an ALLOC: the grant reaches nobody
+            who = rng.choice(self.writers)
+            self.seq += 1
+            items = [(digest(key.encode()), rng.randint(1, 3 * GEOMETRY.block_size), 1)]
+            req = Request(who[0], int(p.StoreOp.ALLOC), p.encode_alloc(items), who[1], self.seq)
+            self._die_within(i)
+            with contextlib.suppress(CapacityError):
+                self.w.svc.op_alloc(req)
+            self.unanswered.setdefault(who, set()).add(self.seq)
+            self._next_server()
+        else:  # inside recovery's steps or a tick
+            self._die_within(i)
+            self.w.step(rng.randint(1, 4))
+            self._next_server()
+
+    def step(self, i: int) -> None:
+        if self.rng.random() < 0.08:
+            self.crash(i)
+        else:
+            super().step(i)
+
+
+@pytest.mark.parametrize("seed", CRASH_SEEDS)
+def test_rich_histories_with_server_hosts_dying_inside_operations(shm_path: str, seed: int) -> None:
+    """A server's host dies after any of the lines an operation stores (its unfenced
+    stores lost), then a new one takes over: readers still get the last acknowledged
+    value of every key, or a value whose COMMIT had no answer."""
+    pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model")
+    writer = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 21))
+    reader = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 22))
+    h = None
+    try:
+        w = World(pool, writer, reader)
+        h = CrashingHistory(
+            w, random.Random(5000 + seed), [f"c{i}" for i in range(40)], shm_path=shm_path
+        )
+        h.run(300)
+        assert h.inside, "no host died inside an operation: nothing tested"
+    finally:
+        for host in h.hosts if h is not None else []:
+            host.close()
+        writer.close()
+        reader.close()
+        pool.close()
+        Pool.destroy(shm_path)
 
 
 @pytest.fixture

@@ -178,8 +178,12 @@
       "MFENCE between invalidating those tables and loading them",                                \
       "the loads can pass the invalidations and hit old lines")                                   \
     X(SERVICE_COMMIT_FENCE, "server/service.py op_commit",                                        \
-      "SFENCE after the commit words, before the answer",                                         \
-      "the answer can land before a commit word: a crash then loses an acknowledged value")       \
+      "SFENCE after the pool index's slots and the clears, before the answer",                    \
+      "the answer can land before a slot: a reader told of the commit misses the value")          \
+    X(SERVICE_COMMIT_WORD_FENCE, "server/service.py op_commit",                                   \
+      "SFENCE after the commit words, before the pool index names their copies",                 \
+      "a slot can land before its commit word: a server's host that dies between them leaves "    \
+      "readers a copy a successor frees as a write in flight, the value it replaced unnamed")     \
     X(INDEX_BUCKET_INVALIDATE, "index.c load_buckets",                                            \
       "invalidate a key's bucket lines before each probe",                                        \
       "a cached bucket stays stale: a reader never sees a committed key, or follows an entry "    \

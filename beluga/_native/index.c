@@ -12,9 +12,14 @@
  * before the old one: at every instant a key sits in at least one bucket.
  *
  *   probe   invalidate both bucket lines ; MFENCE ; load them ; a line whose
- *           CRC fails is torn (a rewrite in flight, or hostile bytes): load
- *           again, a bounded number of times, then count it as empty.  Every
- *           slot with the key's tag is a candidate.  With no candidate, the
+ *           CRC fails is torn (a rewrite in flight, a server killed in the
+ *           middle of one, or hostile bytes): load again, a bounded number of
+ *           times, then use it as it is.  Every slot with the key's tag is a
+ *           candidate.  A slot of a torn line is still a hint: its bytes are
+ *           the old line's or the new one's (a server that died there left
+ *           every slot it did not change whole; it changes a key's slot only
+ *           with the key placed elsewhere first), or hostile, or torn itself,
+ *           and the confirm below is what a reader trusts.  With no candidate, the
  *           first bucket is loaded again: a changed sequence means a move
  *           raced the probe (its new bucket was read before the entry
  *           arrived, its old one after it left), so the probe is redone.
@@ -115,19 +120,14 @@ static void load_buckets(bl_mem *m, const bl_ix *ix, uint64_t b1, uint64_t b2, b
     m->ops->load(m, o2, &out[1], BL_LINE);
 }
 
-/* Load both buckets until each is whole (a torn one, after TORN_RETRIES, reads as empty). */
+/* Load both buckets until each is whole, or TORN_RETRIES times: a line torn still is used as
+ * it is (its slots are hints like any; a slot torn itself confirms nothing). */
 static void load_whole(bl_mem *m, const bl_ix *ix, uint64_t b1, uint64_t b2, bl_ix_bucket out[2])
 {
-    for (int i = 0;; i++) {
+    for (int i = 0; i <= TORN_RETRIES; i++) {
         load_buckets(m, ix, b1, b2, out);
-        int ok0 = bl_ix_bucket_ok(&out[0]), ok1 = bl_ix_bucket_ok(&out[1]);
-        if ((ok0 && ok1) || i == TORN_RETRIES) {
-            if (!ok0)
-                memset(&out[0], 0, sizeof(out[0]));
-            if (!ok1)
-                memset(&out[1], 0, sizeof(out[1]));
+        if (bl_ix_bucket_ok(&out[0]) && bl_ix_bucket_ok(&out[1]))
             return;
-        }
     }
 }
 

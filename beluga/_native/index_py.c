@@ -688,7 +688,8 @@ static PyObject *mod_ix_hash_many(PyObject *mod, PyObject *args)
 /* ix_columns(table) -> (whole, seqs, tags, blocks, versions): a table of bucket lines unpacked
  * (as ix_unpack) into packed native-endian columns for numpy: whole one byte a bucket (1: sealed
  * and whole), seqs uint64 a bucket, tags and blocks uint32 and versions uint64, BL_IX_SLOTS a
- * bucket; a bucket that is not whole reads as seq 0 with empty slots */
+ * bucket; a bucket that is not whole (torn, or hostile bytes) keeps the fields as read: its
+ * slots are hints like any (index.c's probe), for the caller to confirm or drop */
 static PyObject *mod_ix_columns(PyObject *mod, PyObject *args)
 {
     Py_buffer v;
@@ -715,8 +716,6 @@ static PyObject *mod_ix_columns(PyObject *mod, PyObject *args)
             bl_ix_bucket b;
             memcpy(&b, (const char *)v.buf + i * BL_LINE, sizeof(b));
             whole[i] = (uint8_t)bl_ix_bucket_ok(&b);
-            if (!whole[i])
-                memset(&b, 0, sizeof(b));
             seqs[i] = b.seq;
             for (int j = 0; j < BL_IX_SLOTS; j++) {
                 tags[i * BL_IX_SLOTS + j] = b.slot[j].tag;

@@ -148,13 +148,15 @@ class ExtentKeeping:
         self, block: int, ahead: Callable[[int, int], np.ndarray], start: int | None = None
     ) -> int:
         """Hold the blocks from ``block``, whose header nobody can read, as an extent of an
-        unknown writer (the module doc): up to the longest extent, short of a used block
-        or of one whose header line ``ahead(first, end)`` says is not all zero; only from
-        ``start`` on if given (the census's look-back).  Blocks held (0: none free)."""
+        unknown writer (the module doc): up to the longest extent (to the pool's end while
+        no server has known it: ``_extent_known``), short of a used block or of one whose
+        header line ``ahead(first, end)`` says is not all zero; only from ``start`` on if
+        given (the census's look-back).  Blocks held (0: none free)."""
         first = block if start is None else start
         if self.alloc.used_map[first] or first in self.unreadable:
             return 0
-        end = min(self.sb.nblocks, block + max(1, self.max_extent))
+        longest = max(1, self.max_extent) if self._extent_known else self.sb.nblocks
+        end = min(self.sb.nblocks, block + longest)
         stop = np.flatnonzero(self.alloc.used_map[first + 1 : end]) + first + 1
         if stop.size:
             end = int(stop[0])

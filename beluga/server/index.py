@@ -72,6 +72,15 @@ _IX_COLUMNS = ("u1", "=u8", "=u4", "=u4", "=u8")
 _HASH_COLUMNS = ("=u4", "=u8", "=u8")
 
 
+def _salvage(line: bytes) -> tuple[int, list[tuple[int, int, int]]]:
+    """A bucket line that is not whole, field by field as read (``ix_columns``): its
+    sequence and what each slot holds."""
+    _, seq, tags, blocks, versions = (
+        np.frombuffer(c, t) for c, t in zip(_core.ix_columns(line), _IX_COLUMNS, strict=True)
+    )
+    return int(seq[0]), list(zip(tags.tolist(), blocks.tolist(), versions.tolist(), strict=True))
+
+
 class PoolIndex:
     """The mirror of the index region and the only code that writes it."""
 
@@ -111,8 +120,11 @@ class PoolIndex:
         self.mem.nt_store(self.base + bucket * LINE, line)
 
     def _load(self, buckets: Iterable[int]) -> None:
-        """Bring buckets into the mirror as the pool holds them, their slots unresolved; a
-        torn or hostile line is rewritten empty (unfenced)."""
+        """Bring buckets into the mirror as the pool holds them, their slots unresolved.  A
+        line that is not whole (a server killed while it rewrote it, or hostile bytes) is
+        salvaged: its slots are hints like any, kept unresolved, and the line is rewritten
+        whole with them (unfenced).  Rewriting it empty would hide every key it names from
+        readers until recovery's last step."""
         loaded = self.loaded
         if loaded is None:
             return
@@ -124,27 +136,39 @@ class PoolIndex:
         self.mem.mfence()
         for b in todo:
             loaded[b] = True
-            got = _core.ix_unpack(self.mem.load(self.base + b * LINE, LINE))
-            if got is None:
-                self._write(b)
-                continue
-            seq, held = got
+            line = self.mem.load(self.base + b * LINE, LINE)
+            got = _core.ix_unpack(line)
+            seq, held = _salvage(line) if got is None else got
             self.seq[b] = seq
             for i, (tag, block, version) in enumerate(held):
                 if tag:
                     self.slots[b * SLOTS + i] = (None, tag, block, version)
+            if got is None:
+                self._write(b)
 
     def _resolve(self, at: int) -> bytes | None:
-        """The key of an unresolved slot, by the header of its block; a slot that header does
-        not confirm (or a second slot of a key) is dropped and None returned."""
+        """The key of an unresolved slot, by the header of its block and its commit word; a
+        slot they do not confirm (or a second slot of a key) is dropped and None returned.
+
+        The commit word matters where a reader's confirm does not look: a server whose host
+        died in the middle of a COMMIT may have left the new copy's slot in the pool
+        without its commit word (unfenced stores land in any order), beside the slot of the
+        copy it replaces.  That copy is a write in flight, not the key's value."""
         _, tag, block, version = self.slots[at]
         key = None
         if block < self.sb.nblocks:
-            off = self.sb.block_header_offset(block)
+            off, word = self.sb.block_header_offset(block), self.sb.block_commit_offset(block)
             self.mem.invalidate(off, LINE)
+            self.mem.invalidate(word, 8)
             self.mem.mfence()
             h = parse_header(self.mem.load(off, LINE))
-            if h is not None and h.state == BlockState.PUBLISHED and h.version == version:
+            committed = int.from_bytes(self.mem.load(word, 8), "little") == version
+            if (
+                h is not None
+                and h.state == BlockState.PUBLISHED
+                and h.version == version
+                and committed
+            ):
                 t, b1, b2 = self._buckets(h.digest)
                 if t == tag and at // SLOTS in (b1, b2) and h.digest not in self.where:
                     key = h.digest
@@ -174,18 +198,19 @@ class PoolIndex:
         return s[2], s[3]
 
     def _find(self, digest: bytes) -> int | None:
-        """The slot number of ``digest``, its buckets loaded first."""
+        """The slot number of ``digest``, its buckets loaded first.  Every unresolved slot
+        with its tag is resolved: a second slot of the key (a server died between the two
+        writes of a replacement) is dropped before anything changes the key, or readers
+        would find it once the slot kept is replaced."""
         tag, b1, b2 = self._buckets(digest)
         self._load((b1, b2))
-        at = self.where.get(digest)
-        if at is not None or self.loaded is None:
-            return at
-        for b in (b1, b2):
-            for i in range(b * SLOTS, (b + 1) * SLOTS):
-                s = self.slots.get(i)
-                if s is not None and s[0] is None and s[1] == tag and self._resolve(i) == digest:
-                    return i
-        return None
+        if self.loaded is not None:
+            for b in (b1, b2):
+                for i in range(b * SLOTS, (b + 1) * SLOTS):
+                    s = self.slots.get(i)
+                    if s is not None and s[0] is None and s[1] == tag:
+                        self._resolve(i)
+        return self.where.get(digest)
 
     # -- writing -------------------------------------------------------------
 
@@ -231,13 +256,19 @@ class PoolIndex:
         return None
 
     def put(self, digest: bytes, block: int, version: int) -> bool:
-        """Point ``digest`` at (block, version); False when no slot could be made free."""
+        """Point ``digest`` at (block, version); False when no slot could be made free.
+
+        A key already placed gets a new slot in one of its buckets if one is free: the new
+        slot is fenced in the pool before the old one is cleared (``_replace``), as a move
+        is, so a server killed in the middle of the rewrite leaves one of them whole.
+        Only when both buckets are full is the slot rewritten in place.
+        """
         tag, b1, b2 = self._buckets(digest)
         entry = (digest, tag, block, version)
         at = self._find(digest)
         if at is not None:
-            self.slots[at] = entry
-            self._write(at // SLOTS)
+            if self.slots[at] != entry:
+                self._replace(at, entry, (b1, b2))
             return True
         path = self._path((b1, b2))
         if path is None:
@@ -256,6 +287,22 @@ class PoolIndex:
         self.where[digest] = path[0]
         self._write(path[0] // SLOTS)
         return True
+
+    def _replace(self, at: int, entry: Slot, buckets: tuple[int, int]) -> None:
+        """Point a placed key's entry (slot ``at``) at a new block and version."""
+        free = next((f for b in buckets if (f := self._free_slot(b)) is not None), None)
+        if free is None:  # both buckets full (rare at a third full): in place, fenced
+            self.slots[at] = entry  # before the caller clears the old copy
+            self._write(at // SLOTS)
+            _move_fence(self.mem)
+            return
+        assert entry[0] is not None
+        self.slots[free] = entry
+        self.where[entry[0]] = free
+        self._write(free // SLOTS)
+        _move_fence(self.mem)  # the new slot is in the pool before the old one goes
+        del self.slots[at]
+        self._write(at // SLOTS)
 
     def crowd(self, digest: bytes) -> list[bytes]:
         """The keys in ``digest``'s two buckets (to evict from when it cannot be placed)."""

@@ -425,6 +425,8 @@ class Recovery(ExtentKeeping):
         rec.census += count
         self.alloc.advance(rec.census)
         if rec.census == self.sb.nblocks and not self._extent_known:  # every extent seen
+            # (a hold under an unreadable header is at least as long as its write)
+            self.max_extent = max(self.max_extent, *self.unreadable.values(), 0)
             self._extent_known = True
             self._write_extent()
         self.mem.sfence()  # no sabotage point: a clear lost in a crash is redone by the next scan
@@ -554,7 +556,9 @@ class Recovery(ExtentKeeping):
 
     def _recover_writes(self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray) -> None:
         """Writes found in flight: pending again under their writers (the census holds
-        their extents); a slot of the pool index naming one goes."""
+        their extents); a slot of the pool index naming one names the key's value instead,
+        or goes (a server's host died between a COMMIT's stores, which land in any order
+        until its fence)."""
         rec = self.rec
         assert rec is not None
         writers = set()
@@ -571,8 +575,8 @@ class Recovery(ExtentKeeping):
             )
             writers.add((int(headers.writer[i]), int(headers.writer_gen[i])))
             key, version = headers.digest[i].tobytes(), int(headers.version[i])
-            if self.ix.find(key) == (block, version):
-                self.ix.drop(key)
+            if self.ix.find(key) == (block, version):  # its slot landed, its commit word not:
+                self._name(key)  # the copy the index holds, if any, as _settle does
         for who in writers & rec.unanswered.keys():  # rings adopted before the scan came
             self.forget_unanswered(*who, rec.unanswered[who])
         self.counters["recovered_writes"] = len(self.pending)

@@ -75,6 +75,7 @@ LOW_WATERMARK = 0.90
 RETIRED_KEEP = 65536
 # a named sabotage point (beluga_native.h)
 _commit_fence = step("SERVICE_COMMIT_FENCE", Memory.sfence)
+_commit_word_fence = step("SERVICE_COMMIT_WORD_FENCE", Memory.sfence)
 
 
 class MetadataService(Recovery, Settling):
@@ -237,8 +238,17 @@ class MetadataService(Recovery, Settling):
         return {pend.digest for pend in self.pending.values() if not pend.cancelled}
 
     def op_commit(self, req: Request) -> bytes:
-        done = []
+        """Commit writes: each commit word first, fenced, then the pool index names each
+        new copy and the copy it replaces is cleared, a grave while recovering, and one
+        fence before the answer.
+
+        The first fence keeps the pool index from naming a copy whose commit word is not
+        in the pool: a server whose host dies between the two would leave readers a slot
+        of a write a successor takes for one in flight (and frees if its writer aborts),
+        the copy it replaced named nowhere.  Stores land in any order until a fence
+        (tests/test_recovery_interleavings.py, CrashingHistory, 2026-12-06)."""
         scanning = self._scanning()
+        items: list[tuple[bytes, int, int, Pending | bool | None]] = []
         for digest, block, version in p.decode_commit(req.payload):
             pend = self.pending.get(block)
             if pend is None and block in self.unreadable:  # its header reads again?
@@ -246,22 +256,36 @@ class MetadataService(Recovery, Settling):
             if pend is None and scanning:  # granted before the takeover, not scanned yet?
                 pend = self._adopt_write(digest, block, version)
             if pend is None or pend.digest != digest or pend.version != version:
-                # already committed (the request was sent again to a restarted server)?
-                if scanning:
-                    self._settle(digest)
-                e = self.index.get(digest)
-                done.append(e is not None and e.block == block and e.version == version)
-                continue
-            if pend.cancelled:  # too late: its writer has finished storing, so free it now
+                items.append((digest, block, version, None))  # committed before? (below)
+            elif pend.cancelled:  # too late: its writer has finished storing, so free it now
                 self._free_pending(block)
                 self.counters["late_commits_refused"] += 1
+                items.append((digest, block, version, False))
+            else:
+                del self.pending[block]
+                self._set_commit(block, version)
+                items.append((digest, block, version, pend))
+        if any(isinstance(it[3], Pending) for it in items):
+            _commit_word_fence(self.mem)  # commit words before any slot names their copies
+        done = []
+        for digest, block, version, pend in items:
+            if pend is None:  # already committed (the request was sent again to a restarted
+                if scanning:  # server)?
+                    self._settle(digest)
+                e = self.index.get(digest)
+                ok = e is not None and e.block == block and e.version == version
+                if ok:  # acknowledged now: named, and a grave, as for any COMMIT (below);
+                    self._name(digest)  # a scan may have indexed it where no slot named it
+                    if scanning:
+                        self._bury_commit(digest, version)
+                done.append(ok)
+                continue
+            if pend is False:
                 done.append(False)
                 continue
-            del self.pending[block]
-            self._set_commit(block, version)
-            if scanning:  # its key's copies not scanned yet lose to this one, now and later
-                self._settle(digest)  # (a grave even for a new version: recovery.py's doc)
-                self._bury(digest, version if version < self.rec.first else 0)  # type: ignore[union-attr]
+            assert isinstance(pend, Pending)
+            if scanning:
+                self._settle(digest)
             new = Entry(block, pend.nblocks, version, pend.length)
             old = self.index.pop(digest, None)
             if not self._index(digest, new):  # only a new key (no slot yet) can fail
@@ -271,10 +295,15 @@ class MetadataService(Recovery, Settling):
                 continue
             if old is not None:  # the index points at the new value: the old one goes
                 self._retire(old, None)
+            if scanning:  # its key's copies not scanned yet lose to this one, now and later,
+                # once the pool index names it: a grave that landed before the slot, its
+                # server killed between them, made a successor clear the copy readers got
+                # while the winner was named nowhere (CrashingHistory, 2026-12-06)
+                self._bury_commit(digest, version)
             self.counters["puts"] += 1
             self.counters["puts_while_recovering"] += scanning
             done.append(True)
-        _commit_fence(self.mem)  # every commit word is in the pool before the answer goes out
+        _commit_fence(self.mem)  # every slot and clear is in the pool before the answer goes out
         return p.encode_flags(done)
 
     def op_abort(self, req: Request) -> bytes:

@@ -207,6 +207,14 @@ class Settling(ExtentKeeping):
             return
         self.mem.sfence()  # no sabotage point yet: in the pool before the answer relying on it
 
+    def _bury_commit(self, digest: bytes, version: int) -> None:
+        """A COMMIT acknowledged while the scan runs (or sent again and acknowledged):
+        every copy of ``digest`` of before the takeover but this one, if it is one, is
+        dead (a grave even for a new version: recovery.py's doc)."""
+        rec = self.rec
+        assert rec is not None
+        self._bury(digest, version if version < rec.first else 0)
+
     def _finish_keys(self) -> None:
         """Scan every key left now (the census first where it is behind), fenced: a grave
         that found no room in the log is applied to every copy before its answer, and

@@ -458,9 +458,9 @@ RECOVERY: list[Mutant] = [
     Mutant(
         "a-new-write-gets-no-grave",
         "recovery while serving",
-        "beluga/server/service.py",
-        "self._bury(digest, version if version < self.rec.first else 0)",
-        "version < self.rec.first and self._bury(digest, version)",
+        "beluga/server/settling.py",
+        "self._bury(digest, version if version < rec.first else 0)",
+        "version < rec.first and self._bury(digest, version)",
         (RECI + "test_hostile_bytes_in_a_new_copys_header_bring_back_no_older_copy",),
         "hostile bytes in the header of a write acknowledged while recovering let a "
         "successor bring back the older copy it replaced: a stale read",

@@ -70,6 +70,7 @@ from tests.sabotage_checks.server import (
     index_move_sweep,
     index_probe_on_a_caching_host,
     service_answers_durable,
+    service_commit_sweep,
     service_restart_on_a_caching_host,
 )
 
@@ -97,6 +98,7 @@ CHECKS: dict[str, Callable[[ModelConfig], None]] = {
         format_visible_at_return,
         service_restart_on_a_caching_host,
         service_answers_durable,
+        service_commit_sweep,
         index_probe_on_a_caching_host,
         index_batch_probe_on_a_caching_host,
         index_move_sweep,
@@ -153,6 +155,7 @@ CATCHERS: dict[str, list[str]] = {
     "SERVICE_RECOVER_INVALIDATE": ["service_restart_on_a_caching_host"],
     "SERVICE_RECOVER_MFENCE": ["service_restart_on_a_caching_host"],
     "SERVICE_COMMIT_FENCE": ["service_answers_durable"],
+    "SERVICE_COMMIT_WORD_FENCE": ["service_commit_sweep"],
     "SERVICE_CLEAR_FENCE": ["service_answers_durable"],
     "INDEX_BUCKET_INVALIDATE": [
         "index_probe_on_a_caching_host",

@@ -65,7 +65,8 @@ def service_restart_on_a_caching_host(model: ModelConfig) -> None:
 
 
 def service_answers_durable(model: ModelConfig) -> None:
-    """At the moment each answer leaves, a server restarted on another host agrees with it."""
+    """At the moment each answer leaves, a server restarted on another host agrees with it,
+    and a reader on another host gets what it committed."""
     with _pool_file(model) as host:
         svc, writer = MetadataService(host(1, drain_rate=0.0)), host(2)
         seed = iter(range(10, 1000))
@@ -80,13 +81,58 @@ def service_answers_durable(model: ModelConfig) -> None:
             if restarted().version < max(granted):
                 raise Violation(f"a restarted server would hand out version {g.version} again")
             _publish(writer, key, g, key * 3000)
-            if not _commit(svc, key, g) or digest(key) not in restarted().index:
+            if not _commit(svc, key, g):
+                raise Violation(f"commit {i} was refused")
+            # the reader first: a restarted server names what it recovers itself
+            if host(next(seed)).index_reader().get(key) != key * 3000:
+                raise Violation(f"commit {i} was answered before the pool index named it")
+            if digest(key) not in restarted().index:
                 raise Violation(f"commit {i} was answered before it was in the pool")
         removed = svc.op_remove(
             Request(1, int(p.StoreOp.REMOVE), p.encode_digests([digest(b"b")]), 1)
         )
         if p.decode_flags(removed) != [True] or digest(b"b") in restarted().index:
             raise Violation("a REMOVE was answered while the key could still come back")
+
+
+def service_commit_sweep(model: ModelConfig) -> None:
+    """Every state inside a COMMIT: the pool index never names a copy whose commit word is
+    not in the pool (a successor would take it for a write in flight)."""
+    key = b"commit sweep"
+
+    def attempt(k: int | None, seed: int) -> tuple[Seen, int]:
+        with _pool_file(model) as host:
+            server, writer = host(seed), host(seed + 100)
+            svc = MetadataService(server)
+            g = _alloc(svc, key, 3000)
+            _publish(writer, key, g, key * 200)
+            before = server.memory.model_stats()["landed"]
+            if k is not None:
+                server.memory.crash_after(k)
+            _commit(svc, key, g)
+            landed = server.memory.model_stats()["landed"] - before
+            other = host(seed + 200)
+            sb, mem = other.superblock, other.memory
+            tag, b1, b2 = _core.ix_hash(digest(key), sb.nbuckets)
+            named = False
+            for b in (b1, b2):
+                mem.invalidate(sb.index.offset + b * LINE, LINE)
+                mem.invalidate(sb.block_commit_offset(g.block), 8)
+                mem.mfence()
+                got = _core.ix_unpack(mem.load(sb.index.offset + b * LINE, LINE))
+                named |= got is not None and (tag, g.block, g.version) in got[1]
+            word = int.from_bytes(mem.load(sb.block_commit_offset(g.block), 8), "little")
+            if named and word != g.version:
+                return Seen.WRONG, landed
+            return (Seen.RIGHT if named else Seen.NOTHING), landed
+
+    for seed in SEEDS:
+        r = litmus.sweep_crashes(lambda k, s=seed: attempt(k, s), name="commit")
+        if r.caught:
+            raise Violation(
+                f"a slot named a copy whose commit word was not in the pool (seed {seed})"
+            )
+        _window_seen(r)
 
 
 # -- the pool index (index.c, server/index.py) -----------------------------------------------
