@@ -49,6 +49,8 @@ MUTANTS: list[Mutant] = [
     *server.IN_FLIGHT,
     *hosts.RESTARTS,
     *server.RECOVERY,
+    *server.DYING_SERVER,
+    *native.TORN,
 ]
 
 #: mutants tried and removed: no test can tell them from the code (name: why)

@@ -7,7 +7,7 @@ block past the pool's last.
 
 from __future__ import annotations
 
-from tests.logic_mutants.base import GPU, IX, Mutant
+from tests.logic_mutants.base import DYING, GPU, IX, Mutant
 
 # -- the read record (C): what a GPU load invalidates (beluga/_native/record.c)
 RECORD: list[Mutant] = [
@@ -128,5 +128,23 @@ FORGED_SLOTS: list[Mutant] = [
         (IX + "test_a_slot_naming_a_block_past_the_pools_last_is_a_miss_on_every_read_path",),
         "a batched probe would take the forged block as its candidate and touch its header "
         "line past the mapping: the reading process dies",
+    ),
+]
+
+
+# -- a bucket line a dying server tore (2026-12-06)
+TORN: list[Mutant] = [
+    Mutant(
+        "reader-counts-a-torn-bucket-as-empty",
+        "index reader",
+        "beluga/_native/index.c",
+        "        if (bl_ix_bucket_ok(&out[0]) && bl_ix_bucket_ok(&out[1]))\n            return;\n"
+        "    }\n",
+        "        if (bl_ix_bucket_ok(&out[0]) && bl_ix_bucket_ok(&out[1]))\n            return;\n"
+        "    }\n    if (!bl_ix_bucket_ok(&out[0]))\n        memset(&out[0], 0, sizeof(out[0]));\n"
+        "    if (!bl_ix_bucket_ok(&out[1]))\n        memset(&out[1], 0, sizeof(out[1]));\n",
+        (DYING + "test_a_bucket_line_a_dying_server_tore_still_names_its_keys",),
+        "a bucket line a dying server tore reads as empty: every key it names is a miss "
+        "until a server rewrites the line",
     ),
 ]

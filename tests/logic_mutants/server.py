@@ -5,7 +5,7 @@ and while serving after a takeover).
 
 from __future__ import annotations
 
-from tests.logic_mutants.base import BLOCKS, REC, RECI, SVC, SX, Mutant
+from tests.logic_mutants.base import BLOCKS, DYING, REC, RECI, SVC, SX, Mutant
 
 # -- version floor
 FLOOR: list[Mutant] = [
@@ -37,8 +37,8 @@ SERVICE: list[Mutant] = [
         "late-commit-accepted",
         "service",
         "beluga/server/service.py",
-        "            if pend.cancelled:  # too late",
-        "            if False:  # too late",
+        "            elif pend.cancelled:  # too late",
+        "            elif False:  # too late",
         (SVC + "test_an_expired_lease_cancels_the_write_but_quarantines_its_extent",),
         "a write whose lease ran out would be committed although its extent may be reused",
         cheap=True,
@@ -361,8 +361,8 @@ RECOVERY: list[Mutant] = [
         "pool-index-writes-a-bucket-it-never-read",
         "recovery while serving",
         "beluga/server/index.py",
-        "        self._load((b1, b2))\n        at = self.where.get(digest)",
-        "        at = self.where.get(digest)",
+        "        self._load((b1, b2))\n        if self.loaded is not None:",
+        "        if self.loaded is not None:",
         (REC + "test_the_pool_index_loads_a_bucket_only_when_touched_and_keeps_its_other_slots",),
         "a new server's first put rewrites its buckets from an empty mirror: the other keys "
         "there go unreadable",
@@ -552,6 +552,105 @@ RECOVERY: list[Mutant] = [
         (RECI + "test_a_grant_nobody_learned_of_is_freed_when_the_look_back_meets_it",),
         "a grant whose answer never went out, met by the look-back after its writer's ring "
         "was adopted, stays pending (its blocks quarantined) until its writer leaves",
+        cheap=True,
+    ),
+]
+
+
+# -- a server whose host dies inside an operation (tests/test_dying_servers.py, 2026-12-06)
+_SWEEP = DYING + "test_a_server_dying_inside_an_overwrite_while_recovering_keeps_the_key_readable"
+DYING_SERVER: list[Mutant] = [
+    Mutant(
+        "a-torn-bucket-is-rewritten-empty",
+        "a dying server",
+        "beluga/server/index.py",
+        "seq, held = _salvage(line) if got is None else got",
+        "seq, held = (0, []) if got is None else got",
+        (DYING + "test_a_bucket_line_a_dying_server_tore_still_names_its_keys",),
+        "the next server to touch a bucket a dying server tore rewrites it empty: every key "
+        "it named is a miss until recovery's last step",
+        cheap=True,
+    ),
+    Mutant(
+        "a-placed-key-is-rewritten-in-place",
+        "a dying server",
+        "beluga/server/index.py",
+        "free = next((f for b in buckets if (f := self._free_slot(b)) is not None), None)",
+        "free = None",
+        (_SWEEP + "[0]", _SWEEP + "[1]", _SWEEP + "[2]", _SWEEP + "[3]"),
+        "a server that dies while it rewrites a key's slot in place can leave it torn: the "
+        "slot names neither value, and the key is a miss",
+    ),
+    Mutant(
+        "the-grave-lands-before-the-slot",
+        "a dying server",
+        "beluga/server/service.py",
+        "            if scanning:\n                self._settle(digest)\n            new = Entry(",
+        "            if scanning:\n                self._settle(digest)\n"
+        "                self._bury_commit(digest, version)\n            new = Entry(",
+        (_SWEEP + "[0]", _SWEEP + "[1]", _SWEEP + "[2]", _SWEEP + "[3]"),
+        "a COMMIT's grave lands before its slot: a successor's census clears the copy "
+        "readers get (dead by the grave) while the new one is named nowhere",
+    ),
+    Mutant(
+        "a-key-is-found-at-its-first-slot",
+        "a dying server",
+        "beluga/server/index.py",
+        "                    if s is not None and s[0] is None and s[1] == tag:\n"
+        "                        self._resolve(i)",
+        "                    if s is not None and s[0] is None and s[1] == tag:\n"
+        "                        digest in self.where or self._resolve(i)",
+        (DYING + "test_a_second_slot_a_dying_replacement_left_neither_hides_nor_outlives_the_key",),
+        "a second slot of a key, left by a replacement that died half done, outlives the "
+        "key's next acknowledged write: readers get the value before it",
+        cheap=True,
+    ),
+    Mutant(
+        "a-slot-is-confirmed-without-its-commit-word",
+        "a dying server",
+        "beluga/server/index.py",
+        "                and committed\n",
+        "",
+        (DYING + "test_a_second_slot_a_dying_replacement_left_neither_hides_nor_outlives_the_key",),
+        "a slot naming a write whose commit word never landed is taken for the key's value; "
+        "the slot of the committed copy goes, and a LOOKUP leaves the key named nowhere",
+        cheap=True,
+    ),
+    Mutant(
+        "a-commit-sent-again-is-not-named",
+        "a dying server",
+        "beluga/server/service.py",
+        "                    self._name(digest)  # a scan may have indexed it",
+        "                    pass  # a scan may have indexed it",
+        (DYING + "test_a_commit_sent_again_names_the_copy_a_scan_indexed_unnamed",),
+        "a COMMIT sent again is acknowledged while its copy, indexed by the scan, is named "
+        "nowhere: readers miss an acknowledged value until recovery's last step",
+        cheap=True,
+    ),
+    Mutant(
+        "a-commit-sent-again-leaves-no-grave",
+        "a dying server",
+        "beluga/server/service.py",
+        "                    if scanning:\n"
+        "                        self._bury_commit(digest, version)",
+        "                    if False:\n                        self._bury_commit(digest, version)",
+        (DYING + "test_a_commit_sent_again_while_recovering_buries_the_older_copies",),
+        "a COMMIT sent again and acknowledged while recovering leaves no grave: hostile bytes "
+        "in its header then let a successor bring back the value it replaced",
+        cheap=True,
+    ),
+    Mutant(
+        "an-unknown-longest-extent-holds-one-block",
+        "a dying server",
+        "beluga/server/extents.py",
+        "longest = max(1, self.max_extent) if self._extent_known else self.sb.nblocks",
+        "longest = max(1, self.max_extent)",
+        (
+            DYING + "test_a_write_hostile_bytes_hit_keeps_its_blocks_while_no_server_knows_"
+            "the_longest_extent",
+        ),
+        "while no server knew the longest extent, a hold under an unreadable header is one "
+        "block: a grant takes the rest of a live write's blocks",
         cheap=True,
     ),
 ]
