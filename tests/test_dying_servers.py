@@ -19,6 +19,8 @@ fails on the code before:
   commit word, made the key's value unnamed;
 - a COMMIT sent again to the successor and acknowledged there neither named the
   copy a scan had indexed nor left a grave for older copies;
+- a scan that dropped a named copy for a newer one it had indexed cleared the
+  copy before it named the newer one;
 - a hold under a header hostile bytes took was one block long while no server
   knew the longest extent, and a grant took the rest of a live write's blocks.
 """
@@ -199,6 +201,71 @@ def test_a_server_dying_inside_an_overwrite_while_recovering_keeps_the_key_reada
             pool.close()
             Pool.destroy(shm_path)
     assert total and died == total, "the sweep did not die inside the COMMIT at every line"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_server_dying_as_its_scan_drops_a_named_copy_keeps_the_key_readable(
+    shm_path: str, seed: int
+) -> None:
+    """A key's newer copy landed unanswered (its commit word, not its slot), so the pool
+    index still names the older one.  A recovering server's scan indexes the newer copy
+    first, then meets the older, named one and drops it, and its host dies after any
+    number of the lines that step stores.  Readers must get one of the two copies through
+    the successor's whole recovery.  The step cleared the older copy before it named the
+    newer one: a death between them left the key named nowhere."""
+    total: int | None = None
+    k, died = 0, 0
+    while total is None or k < total:
+        model = ModelConfig(seed=seed, drain_rate=0.9)
+        pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model", model=model)
+        hosts = [
+            Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=100 + seed + i))
+            for i in range(3)
+        ]
+        try:
+            w = World(pool, hosts[0], hosts[1])
+            w.put("k", value_of("k-1", 3000), at=40)
+            w.take_over(at_once=True)  # its first grant is where the next census starts
+            newer = w.alloc("k", 6000, at=300)
+            w.publish("k", newer, value_of("k-2", 6000))
+            _land_commit_word(w, newer)  # its server dies before the slot
+            svc = w.take_over()
+            while svc.rec is not None and not svc.rec.scanned(newer.block):
+                w.step()
+            assert svc.rec is not None and not svc.rec.scanned(40)
+            assert w.read("k") == value_of("k-1", 3000)
+            while svc.rec is not None and not svc.rec.scanned(31):
+                w.step()  # up to the step that meets the older copy
+            assert svc.rec is not None and not svc.rec.scanned(40)
+            before = pool.memory.model_stats()["landed"]
+            if total is not None:
+                pool.memory.crash_after(k)
+            w.step()
+            assert svc.rec is not None and svc.rec.scanned(40)
+            landed = pool.memory.model_stats()["landed"] - before
+            allowed = (value_of("k-1", 3000), value_of("k-2", 6000))
+            if total is None:
+                total = landed
+                w.finish()
+                assert w.read("k") == value_of("k-2", 6000)
+                clean_up(w, {"k"})
+                continue
+            died += bool(pool.memory.model_stats()["crashed"])
+            w.pool = hosts[2]
+            w.take_over()
+            while w.svc.recovering:
+                assert w.read("k") in allowed, f"a miss after {k} of {total} lines landed"
+                w.step()
+            assert w.read("k") in allowed, f"a miss after {k} of {total} lines landed"
+            w.writers_leave()
+            clean_up(w, {"k"})
+            k += 1
+        finally:
+            for h in hosts:
+                h.close()
+            pool.close()
+            Pool.destroy(shm_path)
+    assert total and died == total, "the sweep did not die inside the step at every line"
 
 
 def test_a_commit_sent_again_names_the_copy_a_scan_indexed_unnamed(w: World) -> None:

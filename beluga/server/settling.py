@@ -82,11 +82,13 @@ class Settling(ExtentKeeping):
         n = self.extent(length)
         e = self.index.get(digest)
         if rec.dead(digest, version) or (e is not None and e.version > version):
+            self._name_first(digest)
             held = rec.censused(block) and rec.held[block]
             self._drop_copy(block, n if held else 0)
             if held:
                 rec.unhold(block)  # freed now: the scan of keys must not free it again
-        elif self._claim(block, n):
+            return False
+        if self._claim(block, n):
             rec.adopted.add(block)
             if e is not None:
                 del self.index[digest]
@@ -97,10 +99,17 @@ class Settling(ExtentKeeping):
             if e is not None:
                 self._retire(e, None)
             return True
-        else:  # its extent overlaps one held already: not a value
-            self._drop_copy(block)
-        self._name(digest)
+        self._name_first(digest)  # its extent overlaps one held already: not a value
+        self._drop_copy(block)
         return False
+
+    def _name_first(self, digest: bytes) -> None:
+        """Before a copy readers may get is cleared: the pool index names what the index
+        holds of its key (or nothing), fenced.  Cleared first, a server killed between
+        the two left the key named nowhere, its value unnamed until recovery's end
+        (tests/test_dying_servers.py, 2026-12-06)."""
+        self._name(digest)
+        self.mem.sfence()  # no sabotage point: the crash fuzz and its test catch the order
 
     def _name(self, digest: bytes) -> None:
         """Make the pool index name what the index holds of a key (or nothing)."""

@@ -640,6 +640,25 @@ DYING_SERVER: list[Mutant] = [
         cheap=True,
     ),
     Mutant(
+        "a-named-copy-is-dropped-before-the-newer-is-named",
+        "a dying server",
+        "beluga/server/settling.py",
+        "            self._name_first(digest)\n"
+        "            held = rec.censused(block) and rec.held[block]\n"
+        "            self._drop_copy(block, n if held else 0)\n",
+        "            held = rec.censused(block) and rec.held[block]\n"
+        "            self._drop_copy(block, n if held else 0)\n"
+        "            self._name_first(digest)\n",
+        (
+            DYING + "test_a_server_dying_as_its_scan_drops_a_named_copy_keeps_the_key_readable[0]",
+            DYING + "test_a_server_dying_as_its_scan_drops_a_named_copy_keeps_the_key_readable[1]",
+            DYING + "test_a_server_dying_as_its_scan_drops_a_named_copy_keeps_the_key_readable[2]",
+        ),
+        "a scan drops the copy readers get before it names the newer one it indexed: a "
+        "server that dies between them leaves the key named nowhere",
+        cheap=True,
+    ),
+    Mutant(
         "an-unknown-longest-extent-holds-one-block",
         "a dying server",
         "beluga/server/extents.py",
