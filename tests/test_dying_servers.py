@@ -21,6 +21,9 @@ fails on the code before:
   copy a scan had indexed nor left a grave for older copies;
 - a scan that dropped a named copy for a newer one it had indexed cleared the
   copy before it named the newer one;
+- a grave that found no room for the log in a full pool finished the scan but
+  left the log, whose older grave of the key a successor then applied over
+  the acknowledged copy (an acknowledged write lost);
 - a hold under a header hostile bytes took was one block long while no server
   knew the longest extent, and a grant took the rest of a live write's blocks.
 """
@@ -312,6 +315,38 @@ def test_a_commit_sent_again_while_recovering_buries_the_older_copies(w: World) 
         w.step()
     assert w.read("k") is None, "an overwritten value came back"
     clean_up(w, {"k", "z"})
+
+
+def test_a_grave_with_no_room_closes_the_log_so_no_older_grave_outlives_it(
+    w: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recovering server acknowledges a new write of a key (a grave: every copy of before
+    it is dead), then a write of the key granted before the takeover (a grave keeping that
+    copy).  The second grave finds no room for the log in a full pool, so the server
+    scans every key at once instead.  The log must go then: it still held the first
+    grave, and a successor applied it over the acknowledged copy (a full pool's crash
+    histories, seeds 53, 138 and 142: an acknowledged write lost)."""
+    from beluga.errors import CapacityError
+
+    w.put("k", value_of("k-1"))
+    old = w.alloc("k", 100)  # granted before the takeover, committed after it
+    w.publish("k", old, value_of("k-2"))
+    svc = w.take_over()
+    w.put("k", value_of("k-3"))  # its grave: every copy of before the takeover is dead
+    assert svc.graves.nblocks, "no log of graves: nothing tested"
+
+    def full(*_: object) -> None:
+        raise CapacityError("no room for the log (a full pool)")
+
+    monkeypatch.setattr(svc.graves, "append", full)
+    assert w.commit("k", old)  # its grave (keeping it) finds no room: the scan finishes
+    assert not svc._scanning()
+    assert w.read("k") == value_of("k-2")
+    monkeypatch.undo()
+    w.take_over()
+    w.finish()
+    assert w.read("k") == value_of("k-2"), "an acknowledged write was lost"
+    clean_up(w, {"k"})
 
 
 def test_a_write_hostile_bytes_hit_keeps_its_blocks_while_no_server_knows_the_longest_extent(

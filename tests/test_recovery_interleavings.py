@@ -66,7 +66,7 @@ SEEDS = range(400) if FULL else [*range(10), 481]
 FULL_POOL_SEEDS = range(60) if FULL else range(3)
 MODEL_SEEDS = range(300) if FULL else range(5)
 RICH_SEEDS = range(400) if FULL else range(12)
-CRASH_SEEDS = range(300) if FULL else range(int(os.environ.get("CRASH_N", 8)))
+CRASH_SEEDS = range(300) if FULL else range(8)
 
 
 @pytest.fixture

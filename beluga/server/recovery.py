@@ -325,8 +325,14 @@ class Recovery(ExtentKeeping):
             self._reconcile_step()
         else:
             self._naming_step()
-        if rec.keys == n and (rec.graves or rec.unanswered or self.graves.nblocks):
-            self.graves.close()  # every grave applied, the clears fenced: the log can go
+        self._close_graves(rec)
+
+    def _close_graves(self, rec: RecoveryState) -> None:
+        """Once every region's keys are scanned (every grave applied, the clears fenced):
+        the log of graves goes, so no successor applies a grave this server's later
+        decisions outdate."""
+        if rec.keys == self.sb.nblocks and (rec.graves or rec.unanswered or self.graves.nblocks):
+            self.graves.close()
             rec.graves.clear()
             rec.unanswered.clear()
 

@@ -204,6 +204,8 @@ class Settling(ExtentKeeping):
         scan's rules now and, through the log of graves, a successor's (recovery_state.py)."""
         rec = self.rec
         assert rec is not None
+        if rec.keys == self.sb.nblocks:
+            return  # every copy scanned and decided (the log is closed or about to be)
         if rec.graves.get(digest) == (rec.first, keep):
             return  # this very grave is in the log already (or the scan is finishing)
         rec.graves[digest] = (rec.first, keep)
@@ -211,9 +213,9 @@ class Settling(ExtentKeeping):
             return  # the scan under way meets every copy left before any answer
         try:
             self.graves.append(digest, rec.first, keep)
-        except CapacityError:
-            self._finish_keys()  # a full pool has no room for the log: no copy left to bury
-            return
+        except CapacityError:  # a full pool has no room for the log: no copy left to bury,
+            self._finish_keys()  # and the log goes: an older grave of this key in it would
+            return  # outlive this decision (tests/test_dying_servers.py, 2026-12-06)
         self.mem.sfence()  # no sabotage point yet: in the pool before the answer relying on it
 
     def _bury_commit(self, digest: bytes, version: int) -> None:
@@ -227,8 +229,9 @@ class Settling(ExtentKeeping):
     def _finish_keys(self) -> None:
         """Scan every key left now (the census first where it is behind), fenced: a grave
         that found no room in the log is applied to every copy before its answer, and
-        none is needed after.  Rare (a full pool while recovering) and as slow as a
-        recovery at once of what is left."""
+        none is needed after, so the log goes now (a successor must not apply its older
+        graves over this server's decisions).  Rare (a full pool while recovering) and
+        as slow as a recovery at once of what is left."""
         rec = self.rec
         assert rec is not None
         rec.finishing = True
@@ -241,3 +244,4 @@ class Settling(ExtentKeeping):
         finally:
             rec.finishing = False
         self.mem.sfence()
+        self._close_graves(rec)

@@ -449,8 +449,8 @@ RECOVERY: list[Mutant] = [
         "a-grave-without-room-fails-the-remove",
         "recovery while serving",
         "beluga/server/settling.py",
-        "            self._finish_keys()  # a full pool has no room for the log",
-        "            raise  # a full pool has no room for the log",
+        "            self._finish_keys()  # and the log goes",
+        "            raise  # and the log goes",
         (RECI + "test_random_histories_in_a_full_pool_evict_and_remove_while_recovering",),
         "a REMOVE in a full pool while recovering fails after taking the key out of the "
         "index, its grave nowhere a successor would read it",
@@ -656,6 +656,17 @@ DYING_SERVER: list[Mutant] = [
         ),
         "a scan drops the copy readers get before it names the newer one it indexed: a "
         "server that dies between them leaves the key named nowhere",
+        cheap=True,
+    ),
+    Mutant(
+        "a-grave-with-no-room-leaves-the-log",
+        "a dying server",
+        "beluga/server/settling.py",
+        "        self.mem.sfence()\n        self._close_graves(rec)",
+        "        self.mem.sfence()",
+        (DYING + "test_a_grave_with_no_room_closes_the_log_so_no_older_grave_outlives_it",),
+        "a grave that found no room for the log finishes the scan but leaves the log: a "
+        "successor applies the key's older grave over an acknowledged copy",
         cheap=True,
     ),
     Mutant(
