@@ -117,20 +117,19 @@ class MetadataServer:
         """Take the service over from the pool, wire it into the RPC server, and serve:
         refresh once.
 
-        By default the service recovers the whole pool before its first answer.
-        With ``BELUGA_RECOVER_WHILE_SERVING=1`` (or ``recover_now=False``) it recovers
-        in steps between polls (``RpcServer.background``) and answers writes at once,
-        whatever the pool's size (beluga.server.recovery); a pool of one recovery region
-        (``BELUGA_RECOVERY_REGION`` blocks, default
-        :data:`~beluga.server.recovery.RECOVERY_REGION`) is still recovered first.  That
-        mode is opt-in because the chaos tier still finds it losing an acknowledged
-        write now and then (``tests/chaos/test_chaos.py``,
-        ``test_a_round_recovering_while_serving_breaks_no_promise``).
+        The service recovers in steps between polls (``RpcServer.background``) and
+        answers writes at once, whatever the pool's size (beluga.server.recovery); a
+        pool of one recovery region (``BELUGA_RECOVERY_REGION`` blocks, default
+        :data:`~beluga.server.recovery.RECOVERY_REGION`) is recovered first.
+        ``BELUGA_RECOVER_WHILE_SERVING=0`` (or ``recover_now=True``) recovers the whole
+        pool before the first answer, as before 2026-12-07 (minutes at the pod's size).
+        The default changed once the chaos tier's loss in this mode was explained and
+        fixed (docs/protocol.md, "Recovery").
         """
         started = time.perf_counter()
         region = int(os.environ.get("BELUGA_RECOVERY_REGION", RECOVERY_REGION))
         service_options.setdefault("recovery_region", region)
-        while_serving = os.environ.get("BELUGA_RECOVER_WHILE_SERVING") == "1"
+        while_serving = os.environ.get("BELUGA_RECOVER_WHILE_SERVING", "1") != "0"
         service_options.setdefault(
             "recover_now",
             not while_serving or self.pool.superblock.nblocks <= service_options["recovery_region"],
