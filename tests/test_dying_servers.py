@@ -31,6 +31,7 @@ fails on the code before:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -75,6 +76,26 @@ def _lookup(w: World, key: str) -> None:
 def _abort(w: World, key: str, g: p.Grant) -> None:
     payload = p.encode_commit([(digest(key.encode()), g.block, g.version)])
     w.svc.op_abort(w.request(p.StoreOp.ABORT, payload))
+
+
+@contextmanager
+def _model_pool(shm_path: str, seed: int) -> Iterator[tuple[Pool, list[Pool]]]:
+    """A new pool on model hosts whose lines drain early and in pieces often (so a line
+    rewritten in place tears at some crash point), and three more hosts (a writer, a
+    reader, a successor); all closed and the pool destroyed after."""
+    model = ModelConfig(seed=seed, drain_rate=0.9)
+    pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model", model=model)
+    hosts = [
+        Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=100 + seed + i))
+        for i in range(3)
+    ]
+    try:
+        yield pool, hosts
+    finally:
+        for h in hosts:
+            h.close()
+        pool.close()
+        Pool.destroy(shm_path)
 
 
 def _land_commit_word(w: World, g: p.Grant) -> None:
@@ -159,14 +180,7 @@ def test_a_server_dying_inside_an_overwrite_while_recovering_keeps_the_key_reada
     total: int | None = None
     k, died = 0, 0
     while total is None or k < total:
-        # lines drain early and in pieces often: a slot rewritten in place tears at some line
-        model = ModelConfig(seed=seed, drain_rate=0.9)
-        pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model", model=model)
-        hosts = [
-            Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=100 + seed + i))
-            for i in range(3)
-        ]
-        try:
+        with _model_pool(shm_path, seed) as (pool, hosts):
             w = World(pool, hosts[0], hosts[1])
             w.put("k", value_of("k-1", 3000), at=0)
             w.put("z", value_of("z"), at=200)
@@ -198,11 +212,6 @@ def test_a_server_dying_inside_an_overwrite_while_recovering_keeps_the_key_reada
             w.writers_leave()  # a retired copy half cleared is a write in flight under its writer
             clean_up(w, {"k", "z"})
             k += 1
-        finally:
-            for h in hosts:
-                h.close()
-            pool.close()
-            Pool.destroy(shm_path)
     assert total and died == total, "the sweep did not die inside the COMMIT at every line"
 
 
@@ -219,13 +228,7 @@ def test_a_server_dying_as_its_scan_drops_a_named_copy_keeps_the_key_readable(
     total: int | None = None
     k, died = 0, 0
     while total is None or k < total:
-        model = ModelConfig(seed=seed, drain_rate=0.9)
-        pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model", model=model)
-        hosts = [
-            Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=100 + seed + i))
-            for i in range(3)
-        ]
-        try:
+        with _model_pool(shm_path, seed) as (pool, hosts):
             w = World(pool, hosts[0], hosts[1])
             w.put("k", value_of("k-1", 3000), at=40)
             w.take_over(at_once=True)  # its first grant is where the next census starts
@@ -263,11 +266,6 @@ def test_a_server_dying_as_its_scan_drops_a_named_copy_keeps_the_key_readable(
             w.writers_leave()
             clean_up(w, {"k"})
             k += 1
-        finally:
-            for h in hosts:
-                h.close()
-            pool.close()
-            Pool.destroy(shm_path)
     assert total and died == total, "the sweep did not die inside the step at every line"
 
 

@@ -660,53 +660,45 @@ class CrashingHistory(RichHistory):
             super().step(i)
 
 
+def _run_crashing(shm_path: str, seed: int, keys: list[str], steps: int) -> CrashingHistory:
+    """A seeded :class:`CrashingHistory` on model hosts over a new pool, run to its end
+    (every host closed and the pool destroyed after, whatever happened)."""
+    pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model")
+    writer = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 21))
+    reader = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 22))
+    h = None
+    try:
+        h = CrashingHistory(
+            World(pool, writer, reader), random.Random(seed), keys, shm_path=shm_path
+        )
+        h.run(steps)
+        return h
+    finally:
+        for host in h.hosts if h is not None else []:
+            host.close()
+        writer.close()
+        reader.close()
+        pool.close()
+        Pool.destroy(shm_path)
+
+
 @pytest.mark.parametrize("seed", CRASH_SEEDS)
 def test_rich_histories_with_server_hosts_dying_inside_operations(shm_path: str, seed: int) -> None:
     """A server's host dies after any of the lines an operation stores (its unfenced
     stores lost), then a new one takes over: readers still get the last acknowledged
     value of every key, or a value whose COMMIT had no answer."""
-    pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model")
-    writer = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 21))
-    reader = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 22))
-    h = None
-    try:
-        w = World(pool, writer, reader)
-        h = CrashingHistory(
-            w, random.Random(5000 + seed), [f"c{i}" for i in range(40)], shm_path=shm_path
-        )
-        h.run(300)
-        assert h.inside, "no host died inside an operation: nothing tested"
-    finally:
-        for host in h.hosts if h is not None else []:
-            host.close()
-        writer.close()
-        reader.close()
-        pool.close()
-        Pool.destroy(shm_path)
+    h = _run_crashing(shm_path, 5000 + seed, [f"c{i}" for i in range(40)], 300)
+    assert h.inside, "no host died inside an operation: nothing tested"
 
 
 @pytest.mark.parametrize("seed", range(40) if FULL else range(1))
 def test_server_hosts_dying_inside_operations_in_a_full_pool(shm_path: str, seed: int) -> None:
     """The same with keys enough to fill the pool: evictions inside operations that die
-    (their clears may not land: the value may read again), and a scan that drops named
-    copies for newer ones it indexed (it cleared the copy first: seed 23 of these)."""
-    pool = Pool.create(shm_path, 12 << 20, geometry=GEOMETRY, coherence="model")
-    writer = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 21))
-    reader = Pool.attach(shm_path, coherence="model", model=ModelConfig(seed=2 * seed + 22))
-    h = None
-    try:
-        w = World(pool, writer, reader)
-        keys = [f"f{i}" for i in range(700)]
-        h = CrashingHistory(w, random.Random(9000 + seed), keys, shm_path=shm_path)
-        h.run(1200)
-        assert h.inside and h.evicted, "no death inside an operation, or no eviction"
-    finally:
-        for host in h.hosts if h is not None else []:
-            host.close()
-        writer.close()
-        reader.close()
-        pool.close()
-        Pool.destroy(shm_path)
+    (their clears may not land: the value may read again), a scan that drops named
+    copies for newer ones it indexed (it cleared the copy first: seed 23 of these), and
+    a grave with no room for the log (seeds 53, 138 and 142)."""
+    h = _run_crashing(shm_path, 9000 + seed, [f"f{i}" for i in range(700)], 1200)
+    assert h.inside and h.evicted, "no death inside an operation, or no eviction"
 
 
 @pytest.fixture
