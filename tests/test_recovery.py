@@ -695,19 +695,21 @@ def test_a_write_the_census_read_torn_is_held_when_committed_or_refused(w: World
     clean_up(w, {*stored, *more, *(["late"] if acked else [])})
 
 
-def test_a_server_recovers_at_once_unless_told_to_recover_while_serving(
+def test_a_server_recovers_while_serving_unless_told_to_recover_at_once(
     pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Recovery while serving is opt-in (``BELUGA_RECOVER_WHILE_SERVING=1``): by default a
-    server of a pool of many regions has recovered everything before its first answer."""
+    """Recovery while serving is the default (since 2026-12-07): a server of a pool of many
+    regions answers before it has recovered; ``BELUGA_RECOVER_WHILE_SERVING=0`` makes it
+    recover everything before its first answer, as before."""
     w = World(pool)
     stored = fill(w, 30)
+    monkeypatch.setenv("BELUGA_RECOVER_WHILE_SERVING", "0")
     server = MetadataServer(pool, recovery_region=8)
     try:
         assert not server.service.recovering and len(server.service.index) == 30
     finally:
         server.close()
-    monkeypatch.setenv("BELUGA_RECOVER_WHILE_SERVING", "1")
+    monkeypatch.delenv("BELUGA_RECOVER_WHILE_SERVING")
     server = MetadataServer(pool, recovery_region=8)
     try:
         assert server.service.recovering
