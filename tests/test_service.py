@@ -302,6 +302,23 @@ def test_eviction_is_lru_and_waits_for_read_leases(small: Pool) -> None:
 
 
 @pytest.mark.leaves("keys")
+def test_readers_hints_reorder_the_lru_and_hints_naming_nothing_are_ignored(h: Harness) -> None:
+    """A hint (block, low half of the version) moves the key whose entry begins at that
+    block with that version to the LRU end; a hint ring is anyone's bytes, so a block
+    outside the pool or a version not the entry's moves nothing, and breaks nothing."""
+    a, _ = h.put("a", b"1"), h.put("b", b"2")
+    low, n = 0xFFFFFFFF, h.pool.superblock.nblocks
+    hostile = [(2**32 - 1, 1), (n, a.version & low), (a.block, (a.version + 1) & low)]
+    hints = list(hostile)
+    h.svc.ix.fold_hints = lambda hosts=None: hints  # type: ignore[method-assign]
+    h.svc.fold_hints()
+    assert list(h.svc.index) == [digest(b"a"), digest(b"b")]  # nothing moved
+    hints[:] = [*hostile, (a.block, a.version & low)]
+    h.svc.fold_hints()
+    assert list(h.svc.index) == [digest(b"b"), digest(b"a")]  # "a" was hit last
+
+
+@pytest.mark.leaves("keys")
 def test_retired_extents_wait_out_their_read_leases(h: Harness) -> None:
     h.put("a", b"1")
     h.svc.op_lookup(h.request(p.StoreOp.LOOKUP, p.encode_digests([digest(b"a")], p.LOOKUP_LEASE)))

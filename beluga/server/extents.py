@@ -75,6 +75,51 @@ class Entry:
     lease_until: float = 0.0
 
 
+class BlockKeys:
+    """Which key's committed entry begins at each block, and its version: the service's
+    map from a block back to its key (a reader's hint names a block; the pool index's
+    slots name blocks).  Numpy columns a block long, not a Python object a key: recovery
+    fills them a region at a time (``set_many``) and reconciles the pool index against
+    them an array at a time (``lookup``).  Not thread-safe, not fork-safe: the service's."""
+
+    def __init__(self, nblocks: int) -> None:
+        self.nblocks = nblocks
+        self.has = np.zeros(nblocks, dtype=bool)
+        self.version = np.zeros(nblocks, dtype=np.uint64)
+        self.digest = np.zeros(nblocks, dtype="V16")
+
+    def get(self, block: int) -> tuple[bytes, int] | None:
+        """(digest, version) of the entry beginning at ``block``, or None (also for a
+        block outside the pool: hints are bytes anyone could have stored)."""
+        if not 0 <= block < self.nblocks or not self.has[block]:
+            return None
+        return self.digest[block].tobytes(), int(self.version[block])
+
+    def set(self, block: int, digest: bytes, version: int) -> None:
+        self.has[block] = True
+        self.version[block] = version
+        self.digest[block] = digest
+
+    def discard(self, block: int, version: int) -> None:
+        """Forget the entry at ``block`` if it is still the one of ``version``."""
+        if self.has[block] and int(self.version[block]) == version:
+            self.has[block] = False
+
+    def set_many(self, blocks: np.ndarray, digests: np.ndarray, versions: np.ndarray) -> None:
+        """Entries begin at ``blocks`` (distinct), with 16-byte ``digests`` and ``versions``."""
+        self.has[blocks] = True
+        self.version[blocks] = versions
+        self.digest[blocks] = digests
+
+    def lookup(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For blocks inside the pool: whether an entry begins at each, and its digest
+        (16-byte void items) and version (meaningless where it does not)."""
+        return self.has[blocks], self.digest[blocks], self.version[blocks]
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.has))
+
+
 @dataclass
 class Pending:
     digest: bytes
@@ -240,7 +285,7 @@ class ExtentKeeping:
             self._retire(self.index.pop(crowd[0]), crowd[0])
             self.counters["index_evictions"] += 1
         self.index[digest] = e
-        self.by_block[e.block] = (digest, e.version)
+        self.by_block.set(e.block, digest, e.version)
         return True
 
     def _retire(self, e: Entry, digest: bytes | None) -> None:
@@ -255,8 +300,7 @@ class ExtentKeeping:
             self.ix.drop(digest)
             self.retired.append(digest)
             self.retired_next += 1
-        if self.by_block.get(e.block, (b"", 0))[1] == e.version:
-            del self.by_block[e.block]
+        self.by_block.discard(e.block, e.version)
         self._set_commit(e.block, 0)
         self._clear_header(e.block)
         if e.lease_until > self.clock():

@@ -65,8 +65,9 @@ _move_fence = step("INDEX_MOVE_FENCE", Memory.sfence)
 
 #: digest (None: not resolved yet, see the module doc), tag, block, version
 Slot = tuple[bytes | None, int, int, int]
-#: for blocks, the (digest, version) of the entry whose first block each is, or None
-Entries = Callable[[list[int]], list[tuple[bytes, int] | None]]
+#: for an array of blocks, whether an entry begins at each, and its digest (16-byte void
+#: items) and version, as arrays (``extents.BlockKeys.lookup``)
+Entries = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 # the numpy types of the packed columns of _core.ix_columns and _core.ix_hash_many
 _IX_COLUMNS = ("u1", "=u8", "=u4", "=u4", "=u8")
 _HASH_COLUMNS = ("=u4", "=u8", "=u8")
@@ -361,14 +362,14 @@ class PoolIndex:
         """Make buckets [lo, hi) hold exactly the slots that name an entry, as the pool's
         lines are now; they are in the mirror after, resolved.
 
-        ``entries(blocks)`` says, for the block each slot names, the (digest, version) of
-        the entry whose first block it is (None: none).  A slot is kept when its entry has
+        ``entries(blocks)`` says, for the block each slot names, whether an entry begins
+        there, and its digest and version (``Entries``).  A slot is kept when its entry has
         its version and tag and the slot lies in a bucket of the entry's digest, and no
         other slot names that digest (the first one kept stays); every other slot is
         dropped.  Returns counts of what was kept and dropped.  Unfenced: the caller fences.
 
-        Array operations over the buckets' lines: no Python object per bucket, one per
-        slot that names a block.
+        Array operations over the buckets' lines and the entries: no Python object per
+        bucket, one per slot kept (the mirror's).
         """
         if not 0 <= lo <= hi <= self.nbuckets:
             raise ValueError(f"a range of buckets lies in [0, {self.nbuckets}]")
@@ -387,14 +388,9 @@ class PoolIndex:
                     del where[s[0]]
         tagged = tags != 0
         cand = np.flatnonzero(tagged & (at_block < self.sb.nblocks))
-        named = entries(at_block[cand].tolist())
-        hit = np.fromiter((e is not None for e in named), dtype=bool, count=len(named))
-        cand = cand[hit]
-        keys = [e[0] for e in named if e is not None]
-        versions = np.fromiter(
-            (e[1] for e in named if e is not None), dtype=np.uint64, count=len(keys)
-        )
-        hashed = _core.ix_hash_many(b"".join(keys), self.nbuckets)
+        hit, digests, versions = entries(at_block[cand])
+        cand, digests, versions = cand[hit], digests[hit], versions[hit]
+        hashed = _core.ix_hash_many(digests.tobytes(), self.nbuckets)
         want_tag, b1, b2 = (np.frombuffer(c, t) for c, t in zip(hashed, _HASH_COLUMNS, strict=True))
         bucket = cand // SLOTS + lo
         confirms = (
@@ -405,7 +401,7 @@ class PoolIndex:
         ok = np.flatnonzero(confirms)
         at = cand[ok]
         dropped = tagged.copy()
-        named_keys = [keys[j] for j in ok.tolist()]
+        named_keys = digests[ok].tolist()
         pos = (at + lo * SLOTS).tolist()
         found = zip(
             named_keys,
@@ -459,12 +455,21 @@ class PoolIndex:
             raise ValueError("repair takes a block and a version for each digest")
         if blocks.size and not 0 <= int(blocks.min()) <= int(blocks.max()) < self.sb.nblocks:
             raise ValueError(f"repair's blocks lie in [0, {self.sb.nblocks})")
-        pairs = zip(digests, versions.tolist(), strict=True)
-        by_block = dict(zip(blocks.tolist(), pairs, strict=True))
+        if any(len(d) != 16 for d in digests):
+            raise ValueError("repair takes 16-byte digests")
+        at = np.zeros(self.sb.nblocks, dtype=np.int64)  # block -> its entry's row (0: none)
+        at[blocks] = np.arange(1, blocks.size + 1)
+        keys = np.frombuffer(bytes(16) + b"".join(digests), dtype="V16")
+        known = np.concatenate(([0], versions)).astype(np.uint64)
+
+        def entries(named: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            rows = at[named]
+            return rows > 0, keys[rows], known[rows]
+
         self.slots.clear()
         self.where.clear()
         self.loaded = np.zeros(self.nbuckets, dtype=bool)
-        got = self.reconcile(0, self.nbuckets, lambda at: [by_block.get(b) for b in at])
+        got = self.reconcile(0, self.nbuckets, entries)
         self.loaded_all()
         inserted = 0
         for i in range(len(digests)):

@@ -519,7 +519,7 @@ class Recovery(ExtentKeeping):
         if before:
             for key in reversed(keys):
                 self.index.move_to_end(key, last=False)
-        self.by_block.update(zip(blocks, zip(keys, versions, strict=True), strict=True))
+        self.by_block.set_many(headers.block[rows], headers.digest[rows], headers.version[rows])
 
     def _recover_copy(self, digest: bytes, block: int, version: int, length: int, n: int) -> None:
         """A committed copy of a key the index or a grave knows, found by the scan (its
@@ -558,7 +558,7 @@ class Recovery(ExtentKeeping):
         """A value of before the takeover joins the index, at the LRU order's start."""
         self.index[digest] = e
         self.index.move_to_end(digest, last=False)
-        self.by_block[e.block] = (digest, e.version)
+        self.by_block.set(e.block, digest, e.version)
 
     def _recover_writes(self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray) -> None:
         """Writes found in flight: pending again under their writers (the census holds
@@ -593,7 +593,7 @@ class Recovery(ExtentKeeping):
         assert rec is not None
         lo = rec.buckets
         hi = min(self.ix.nbuckets, lo + rec.region)
-        got = self.ix.reconcile(lo, hi, lambda blocks: [self.by_block.get(b) for b in blocks])
+        got = self.ix.reconcile(lo, hi, self.by_block.lookup)
         self.counters["index_repaired"] += got["dropped"]
         rec.buckets = hi
         if hi == self.ix.nbuckets:

@@ -54,13 +54,15 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from beluga._native import step
 from beluga.coherence import LINE, BlockState, Memory, parse_header
 from beluga.kv import protocol as p
 from beluga.pool import Pool
 from beluga.rpc import BatchHandler, Request, per_request
 from beluga.server.allocator import BlockAllocator
-from beluga.server.extents import Entry, Pending
+from beluga.server.extents import BlockKeys, Entry, Pending
 from beluga.server.index import PoolIndex
 from beluga.server.recovery import Recovery, _recover_invalidate, _recover_mfence
 from beluga.server.recovery_state import RECOVERY_REGION, GraveLog, RecoveryState
@@ -119,7 +121,7 @@ class MetadataService(Recovery, Settling):
         self.alloc = BlockAllocator(self.sb.nblocks, frontier=0)
         self.index: OrderedDict[bytes, Entry] = OrderedDict()
         self.ix = PoolIndex(self.mem, self.sb)
-        self.by_block: dict[int, tuple[bytes, int]] = {}  # first block -> (digest, version)
+        self.by_block = BlockKeys(self.sb.nblocks)  # first block -> (digest, version)
         self.pending: dict[int, Pending] = {}
         #: first block -> blocks held under a header nobody can read (extents.py's rule)
         self.unreadable: dict[int, int] = {}
@@ -411,10 +413,16 @@ class MetadataService(Recovery, Settling):
 
     def fold_hints(self) -> None:
         """Fold readers' hint lines in: their hits move keys to the LRU end."""
-        for block, vlow in self.ix.fold_hints():
-            hit = self.by_block.get(block)
-            if hit is not None and hit[1] & 0xFFFFFFFF == vlow and hit[0] in self.index:
-                self.index.move_to_end(hit[0])
+        hints = self.ix.fold_hints()
+        if not hints:
+            return
+        blocks, vlows = (np.array(c, dtype=np.uint64) for c in zip(*hints, strict=True))
+        inside = np.flatnonzero(blocks < self.sb.nblocks)  # hints are anyone's bytes
+        has, digests, versions = self.by_block.lookup(blocks[inside])
+        hit = has & ((versions & 0xFFFFFFFF) == vlows[inside])
+        for d in digests[hit].tolist():  # oldest hit first: the last one ends newest
+            if d in self.index:
+                self.index.move_to_end(d)
 
     def tick(self) -> None:
         """Fold hints; cancel writes whose lease ran out, free those whose writer is gone,

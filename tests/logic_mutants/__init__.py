@@ -51,6 +51,7 @@ MUTANTS: list[Mutant] = [
     *server.RECOVERY,
     *server.DYING_SERVER,
     *native.TORN,
+    *server.BLOCK_KEYS,
 ]
 
 #: mutants tried and removed: no test can tell them from the code (name: why)

@@ -684,3 +684,30 @@ DYING_SERVER: list[Mutant] = [
         cheap=True,
     ),
 ]
+
+# -- the block -> key map as columns (BlockKeys, 2026-12-07): readers' hints fold through it
+_HINTS = SVC + "test_readers_hints_reorder_the_lru_and_hints_naming_nothing_are_ignored"
+BLOCK_KEYS: list[Mutant] = [
+    Mutant(
+        "a-hint-outside-the-pool-is-looked-up",
+        "block keys",
+        "beluga/server/service.py",
+        "inside = np.flatnonzero(blocks < self.sb.nblocks)",
+        "inside = np.arange(blocks.size)",
+        (_HINTS,),
+        "a hint ring is anyone's bytes: a hint naming a block past the pool's end is looked "
+        "up, and the server's tick dies of an IndexError",
+        cheap=True,
+    ),
+    Mutant(
+        "a-hint-of-another-version-moves-the-key",
+        "block keys",
+        "beluga/server/service.py",
+        "hit = has & ((versions & 0xFFFFFFFF) == vlows[inside])",
+        "hit = has",
+        (_HINTS,),
+        "a hint of an older value at the same block (or stray bytes) makes the key there "
+        "the most recently used, and eviction keeps the wrong keys",
+        cheap=True,
+    ),
+]

@@ -12,7 +12,8 @@ recovery      a restarted server's whole recovery at once (``recover()``): load
 takeover      a server taking over as ``beluga serve`` does now (recovery while
               serving): takeover to its first acknowledged write, with recovery
               at once as the baseline ("before"); then writers overwriting
-              random stored keys in batches, the service's recovery steps
+              stored keys in batches (a shuffled order, each key once a pass,
+              as at the pod), the service's recovery steps
               between them as the server's loop runs them, against time: the
               write rate while recovering and after, how long until the rate
               stays at 90% of its rate after recovery ("full throughput"), and

@@ -31,8 +31,10 @@ ASSUMPTIONS = (
     "once it has read the service line (the version floor and the log of graves) and the "
     "census has found a free extent, so its first write costs a constant, not a scan "
     "(takeover_first_write_s, 'after'), fitted as a + b blocks like the rest",
-    "full throughput: writers overwrite random stored one-block keys in batches of "
-    f"{BATCH} (the fill stays put), the service driven directly by one thread, with "
+    "full throughput: writers overwrite stored one-block keys in batches of "
+    f"{BATCH}, in a shuffled order, each key once a pass (at the pod nearly every key "
+    "written while recovering is one nothing touched since the takeover; the fill stays "
+    "put), the service driven directly by one thread, with "
     "recover_some() between batches as the server's loop calls it (recovery takes at most "
     "its share of a busy loop's time); the steady rate is the rate after recovery is done; "
     "time to full throughput is when every later window of the run is at 90% of it; both "
