@@ -19,6 +19,9 @@ State
              an OrderedDict in LRU order (oldest first); the same entries live
              in the pool's hash index (beluga.server.index), which this service
              alone writes and every host reads with loads, without an RPC
+  by_block   first block -> the digest and version of the entry beginning
+             there (extents.BlockKeys: numpy columns a block long, filled and
+             looked up by the array in recovery; readers' hints name blocks)
   pending    first block -> a write in progress: who writes it (host id and
              that id's generation), under a write lease
   retiring   extents whose key is gone but whose read lease has not expired
