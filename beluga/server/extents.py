@@ -241,7 +241,7 @@ class ExtentKeeping:
             return None
         pend = self.pending[block] = Pending.of(header, n, self.clock() + self.write_lease_s)
         if self.rec is not None:
-            self.rec.adopted.add(block)  # the scan of keys leaves it be
+            self.rec.adopted[block] = True  # the scan of keys leaves it be
         self.counters["unreadable_headers_read_again"] += 1
         return pend
 

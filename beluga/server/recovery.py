@@ -372,9 +372,7 @@ class Recovery(ExtentKeeping):
         floor says was never handed out: no grant's)."""
         rec = self.rec
         assert rec is not None
-        ours = np.ones(len(headers), dtype=bool)
-        if rec.adopted:
-            ours = ~np.isin(headers.block, np.fromiter(rec.adopted, np.int64, len(rec.adopted)))
+        ours = ~rec.adopted[headers.block]
         before = headers.version < rec.first
         live = (
             ours
@@ -421,9 +419,7 @@ class Recovery(ExtentKeeping):
             self._drop_copy(block)
         words = committed != 0  # commit words of nothing kept
         words[headers.block[published[won]] - lo] = False
-        for block in rec.adopted:
-            if lo <= block < hi:
-                words[block - lo] = False
+        words &= ~rec.adopted[lo:hi]
         for block in np.flatnonzero(words).tolist():
             self._set_commit(lo + block, 0)
         if len(headers):
@@ -499,7 +495,7 @@ class Recovery(ExtentKeeping):
         firsts = np.flatnonzero(rec.held[lo : lo + count]) + lo
         lost = firsts[~np.isin(firsts, live)]
         for block in lost.tolist():
-            if block not in rec.adopted:
+            if not rec.adopted[block]:
                 self.unreadable[block] = rec.held_extent(block)
                 rec.unhold(block)
                 self.counters["held_extents_lost"] += 1

@@ -78,7 +78,9 @@ class RecoveryState:
     buckets: int = 0
     naming: list[bytes] | None = None  # keys to check that the index names them (last phase)
     graves: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # digest -> below, keep
-    adopted: set[int] = field(default_factory=set)  # first blocks decided ahead of the scan
+    #: at each block, whether it is the first block of an extent decided ahead of the scan
+    #: (a map, not a set: the scan asks of a whole region at once, each step)
+    adopted: np.ndarray = field(init=False)
     #: at the first block of each extent the census held (its read of their headers said
     #: a write of before the takeover), the extent's blocks (255: more, in ``held_long``);
     #: 0 elsewhere: what a block it passed holds, not the bitmap, which says only that
@@ -94,6 +96,7 @@ class RecoveryState:
 
     def __post_init__(self) -> None:
         self.held = np.zeros(self.nblocks, dtype=np.uint8)
+        self.adopted = np.zeros(self.nblocks, dtype=bool)
 
     def hold(self, firsts: np.ndarray, extents: np.ndarray) -> None:
         """The census holds these extents (first blocks, blocks each)."""

@@ -59,7 +59,7 @@ class Settling(ExtentKeeping):
         e = self.index.get(digest)
         if e is not None and e.block == block and e.version == version:
             return
-        if version >= rec.first or rec.scanned(block) or block in rec.adopted:
+        if version >= rec.first or rec.scanned(block) or rec.adopted[block]:
             self._name(digest)  # the slot names nothing the index holds: stale
             return
         header, word = self._read_copy(block)
@@ -89,7 +89,7 @@ class Settling(ExtentKeeping):
                 rec.unhold(block)  # freed now: the scan of keys must not free it again
             return False
         if self._claim(block, n):
-            rec.adopted.add(block)
+            rec.adopted[block] = True
             if e is not None:
                 del self.index[digest]
             self._index_copy(digest, Entry(block, n, version, length))
@@ -128,7 +128,7 @@ class Settling(ExtentKeeping):
         assert rec is not None
         if not 0 <= block < self.sb.nblocks or rec.scanned(block) or version >= rec.first:
             return None
-        if block in rec.adopted:
+        if rec.adopted[block]:
             return None
         header, word = self._read_copy(block)
         if header is None or header.digest != digest or header.version != version:
@@ -160,7 +160,7 @@ class Settling(ExtentKeeping):
         n = self.extent(header.length)
         if not self._claim(block, n):
             return None
-        rec.adopted.add(block)
+        rec.adopted[block] = True
         pend = self.pending[block] = Pending.of(header, n, rec.expires)
         ask = rec.unanswered.get((pend.host, pend.generation))
         if ask is not None:  # its writer's ring was adopted before: did anyone learn of it?
