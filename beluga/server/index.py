@@ -380,12 +380,12 @@ class PoolIndex:
         whole, seqs, tags, at_block, at_version = (
             np.frombuffer(c, t) for c, t in zip(raw, _IX_COLUMNS, strict=True)
         )
-        held = range(lo, hi) if self.loaded is None else np.flatnonzero(self.loaded[lo:hi]) + lo
-        for b in held:  # the mirror of these buckets starts again
-            for i in range(b * SLOTS, (b + 1) * SLOTS):
-                s = slots.pop(i, None)
-                if s is not None and s[0] is not None and where.get(s[0]) == i:
-                    del where[s[0]]
+        held = np.arange(lo, hi) if self.loaded is None else np.flatnonzero(self.loaded[lo:hi]) + lo
+        numbers = (held[:, None] * SLOTS + np.arange(SLOTS)).ravel().tolist()
+        for i in slots.keys() & numbers:  # the mirror of these buckets starts again
+            s = slots.pop(i)
+            if s[0] is not None and where.get(s[0]) == i:
+                del where[s[0]]
         tagged = tags != 0
         cand = np.flatnonzero(tagged & (at_block < self.sb.nblocks))
         hit, digests, versions = entries(at_block[cand])
