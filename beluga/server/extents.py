@@ -83,17 +83,9 @@ class BlockKeys:
     them an array at a time (``lookup``).  Not thread-safe, not fork-safe: the service's."""
 
     def __init__(self, nblocks: int) -> None:
-        self.nblocks = nblocks
         self.has = np.zeros(nblocks, dtype=bool)
         self.version = np.zeros(nblocks, dtype=np.uint64)
         self.digest = np.zeros(nblocks, dtype="V16")
-
-    def get(self, block: int) -> tuple[bytes, int] | None:
-        """(digest, version) of the entry beginning at ``block``, or None (also for a
-        block outside the pool: hints are bytes anyone could have stored)."""
-        if not 0 <= block < self.nblocks or not self.has[block]:
-            return None
-        return self.digest[block].tobytes(), int(self.version[block])
 
     def set(self, block: int, digest: bytes, version: int) -> None:
         self.has[block] = True
@@ -115,9 +107,6 @@ class BlockKeys:
         """For blocks inside the pool: whether an entry begins at each, and its digest
         (16-byte void items) and version (meaningless where it does not)."""
         return self.has[blocks], self.digest[blocks], self.version[blocks]
-
-    def __len__(self) -> int:
-        return int(np.count_nonzero(self.has))
 
 
 @dataclass

@@ -56,6 +56,7 @@ import numpy as np
 from beluga._native import _core, step
 from beluga.coherence import LINE, BlockState, Memory, parse_header
 from beluga.pool.layout import Superblock
+from beluga.server.extents import BlockKeys
 
 SLOTS = _core.IX_SLOTS
 HINT_RING = _core.IX_HINT_RING
@@ -457,19 +458,12 @@ class PoolIndex:
             raise ValueError(f"repair's blocks lie in [0, {self.sb.nblocks})")
         if any(len(d) != 16 for d in digests):
             raise ValueError("repair takes 16-byte digests")
-        at = np.zeros(self.sb.nblocks, dtype=np.int64)  # block -> its entry's row (0: none)
-        at[blocks] = np.arange(1, blocks.size + 1)
-        keys = np.frombuffer(bytes(16) + b"".join(digests), dtype="V16")
-        known = np.concatenate(([0], versions)).astype(np.uint64)
-
-        def entries(named: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            rows = at[named]
-            return rows > 0, keys[rows], known[rows]
-
+        entries = BlockKeys(self.sb.nblocks)
+        entries.set_many(blocks, np.frombuffer(b"".join(digests), dtype="V16"), versions)
         self.slots.clear()
         self.where.clear()
         self.loaded = np.zeros(self.nbuckets, dtype=bool)
-        got = self.reconcile(0, self.nbuckets, entries)
+        got = self.reconcile(0, self.nbuckets, entries.lookup)
         self.loaded_all()
         inserted = 0
         for i in range(len(digests)):
