@@ -97,6 +97,18 @@ def test_serving_a_file_that_is_not_a_pool_says_so(text_file: str) -> None:
     assert "outside" not in r.stderr
 
 
+@pytest.mark.parametrize("share", ["0", "1", "-0.5", "nan"])
+def test_a_recovery_share_outside_0_1_is_refused_before_the_pool_is_touched(
+    shm_path: str, share: str
+) -> None:
+    Pool.create(shm_path, 32 * MiB, geometry=SMALL).close()
+    before = _bytes_of(shm_path)
+    r = run("serve", "--pool", shm_path, "--recovery-share", share)
+    assert r.returncode != 0 and "--recovery-share" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr  # one line
+    assert _bytes_of(shm_path) == before  # no seat taken, nothing recovered
+
+
 @pytest.mark.leaves("keys")
 def test_a_served_pool_is_neither_destroyed_nor_reformatted(shm_path: str) -> None:
     Pool.create(shm_path, 32 * MiB, geometry=SMALL).close()

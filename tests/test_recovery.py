@@ -11,6 +11,7 @@ non-coherent hosts.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 
@@ -26,13 +27,14 @@ from beluga.rpc import Request
 from beluga.server import MetadataServer
 from beluga.server.allocator import BlockAllocator
 from beluga.server.index import PoolIndex
-from beluga.server.recovery_state import GraveLog
+from beluga.server.recovery_state import RECOVERY_SLICE_S, GraveLog
 from beluga.server.service import MetadataService
 from tests.rpc_util import wait_until
 
 GEOMETRY = Geometry(max_hosts=4, rpc_bytes_per_host=64 << 10, block_size=4096)
 WRITER = (1, 3)
 REGION = 32  # blocks a step scans: 16 regions in a 503-block pool
+STEP = 2**-9  # seconds a step takes on a test's timer (a binary fraction: sums are exact)
 
 
 class Clock:
@@ -586,6 +588,51 @@ def test_a_server_answers_writes_while_it_recovers_between_polls(pool: Pool) -> 
                 store.remove(key)
     finally:
         server.close()
+
+
+def test_a_busy_server_gives_recovery_its_share_and_an_idle_one_everything(pool: Pool) -> None:
+    """``recover_some``'s pace, on a timer the test moves: every step costs ``STEP``, and
+    the time between calls is what the server spent serving.  An idle server takes a
+    step a call; a busy one, at a share of 0.5, earns a second of steps for a second of
+    serving, at most a slice at a time, and pays back a step's overrun; idle time earns
+    nothing.  (Until 2026-12-07 a busy server took at most one step a poll.)"""
+    w = World(pool)
+    stored = fill(w, 200)
+    clock = Clock()
+    w.svc = svc = MetadataService(
+        pool, recovery_region=8, recover_now=False, recovery_share=0.5, timer=clock
+    )
+    steps = 0
+    step = svc._recover_step
+
+    def costly() -> None:
+        nonlocal steps
+        step()
+        steps += 1
+        clock.now += STEP
+
+    svc._recover_step = costly  # type: ignore[method-assign]
+
+    def calls(served: int, serving_s: float) -> int:
+        """Steps in one call after ``serving_s`` of serving."""
+        nonlocal steps
+        clock.now += serving_s
+        steps = 0
+        assert svc.recover_some(served)
+        return steps
+
+    assert [calls(0, 0.0) for _ in range(3)] == [1, 1, 1]  # idle: a step a call
+    assert calls(0, 5.0) == 1  # a long idle spell earns nothing
+    assert calls(4, 3 * STEP) == 3  # 3 steps' time of serving: 3 steps
+    assert calls(4, STEP / 2) == 1  # half a step's: a step, half a step owed
+    assert calls(4, STEP / 4) == 0  # still owed
+    assert calls(4, STEP / 4) == 0  # paid back to 0: nothing owed, nothing earned
+    assert calls(4, 1.0) == math.ceil(RECOVERY_SLICE_S / STEP)  # a long poll: a slice
+    assert calls(4, 0.0) == 0
+    with pytest.raises(ValueError, match="share"):
+        MetadataService(pool, recover_now=False, recovery_share=1.0)
+    svc.recover()
+    clean_up(w, set(stored))
 
 
 # -- the parts ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any
 
 from beluga.cli.common import add_pool_args, pool_spec
 from beluga.server import service
+from beluga.server.recovery_state import RECOVERY_SHARE
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen
 
@@ -46,6 +47,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=service.LOW_WATERMARK,
         help="fraction of blocks in use eviction brings it down to (default %(default)g)",
+    )
+    s.add_argument(
+        "--recovery-share",
+        type=float,
+        default=RECOVERY_SHARE,
+        metavar="SHARE",
+        help="after a takeover, the share of a busy server's time its recovery takes, "
+        "above 0 and below 1 (an idle server recovers flat out; default %(default)g)",
     )
     s.add_argument(
         "--metrics-port",
@@ -137,6 +146,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--metrics-port {args.metrics_port} is not a TCP port (0..65535)")
     if not args.standby and (args.takeover_after is not None or args.fence is not None):
         raise ValueError("--takeover-after and --fence are for a standby: add --standby")
+    if not 0 < args.recovery_share < 1:
+        raise ValueError(f"--recovery-share {args.recovery_share:g}: must be above 0 and below 1")
     takeover_after = TAKEOVER_AFTER_S if args.takeover_after is None else args.takeover_after
     if takeover_after <= 0:
         raise ValueError(f"--takeover-after {takeover_after:g}: must be above 0 seconds")
@@ -148,6 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
         read_lease_s=args.read_lease,
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
+        recovery_share=args.recovery_share,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
         tier=args.tier,

@@ -25,7 +25,8 @@ Recovering while serving (issue 36)
   A scan of the whole pool costs about a microsecond a block: minutes at the
   pod's 134 M blocks, and writers used to wait all that time.  So a server
   that takes over scans in bounded steps (``recover_some``, between polls of
-  its loop: flat out while idle, ``RECOVERY_SHARE`` of a busy loop), and
+  its loop: flat out while idle, ``RECOVERY_SHARE`` of a busy loop's time,
+  at most ``RECOVERY_SLICE_S`` between two polls), and
   answers every operation from the first one:
 
   takeover   reads the service line (the version floor, the log of graves,
@@ -119,7 +120,6 @@ Graves
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import replace
 
@@ -135,7 +135,7 @@ from beluga.server.recovery_state import (
     CURSOR_WORD,
     EXTENT_WORD,
     RECOVERY_REGION,
-    RECOVERY_SHARE,
+    RECOVERY_SLICE_S,
     RecoveryState,
 )
 
@@ -253,6 +253,7 @@ class Recovery(ExtentKeeping):
         origin = hint - hint % region if hint < n else 0
         self.alloc = BlockAllocator(n, frontier=0, origin=origin)
         self.rec = RecoveryState(
+            last=self.timer(),
             first=self.version,
             expires=self.clock() + self.write_lease_s,
             nblocks=n,
@@ -294,21 +295,37 @@ class Recovery(ExtentKeeping):
                 self._recover_step()
 
     def recover_some(self, served: int = 0) -> bool:
-        """One bounded step of recovery (a few ms); whether more remains.
+        """Bounded steps of recovery; whether more remains.
 
-        The server's loop calls it between polls with how many requests its last
-        poll served: an idle server recovers flat out, a busy one gives recovery at
-        most ``RECOVERY_SHARE`` of its time (the module doc).
+        The server's loop calls it between polls with how many requests its last poll
+        served.  An idle server (``served`` 0) takes one step a call: flat out, as the
+        loop calls again at once.  A busy one gives recovery ``recovery_share`` of its
+        time: each second spent serving earns recovery share / (1 - share) seconds of
+        steps, at most ``RECOVERY_SLICE_S`` at a time, and steps run while it has
+        some (a step's overrun is paid back by the next).  Idle time earns nothing, so
+        a server busy again after an idle spell neither owes recovery nor is owed by
+        it.  Until 2026-12-07 a busy loop ran at most one step a poll (the polls, not
+        the share, set the pace), and a share of the time since the takeover.
         """
         rec = self.rec
         if rec is None:
             return False
-        now = time.perf_counter()
-        if served and rec.spent > RECOVERY_SHARE * (now - rec.since):
-            return True
+        now = self.timer()
+        if served:
+            rate = self.recovery_share / (1 - self.recovery_share)
+            rec.credit = min(RECOVERY_SLICE_S, rec.credit + rate * max(0.0, now - rec.last))
+            if rec.credit <= 0:
+                rec.last = now
+                return True
         with gc_paused():
-            self._recover_step()
-        rec.spent += time.perf_counter() - now
+            while True:
+                self._recover_step()
+                then, now = now, self.timer()
+                if served:
+                    rec.credit -= now - then
+                if self.rec is None or not served or rec.credit <= 0:
+                    break
+        rec.last = now
         return self.rec is not None
 
     def _recover_step(self) -> None:

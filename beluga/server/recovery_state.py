@@ -34,7 +34,6 @@ Not thread-safe and not fork-safe: it lives on the server's one thread.
 from __future__ import annotations
 
 import struct
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,8 +47,14 @@ from beluga.pool.layout import Superblock
 RECOVERY_REGION = 1 << 12
 #: a census step covers this many regions (it does a tenth of the work a block)
 CENSUS_REGIONS = 4
-#: the most of a busy server's time recovery takes (an idle server recovers flat out)
-RECOVERY_SHARE = 0.2
+#: the share of a busy server's time recovery takes (an idle server recovers flat out):
+#: writes while recovering cost more than after (each key's first write settles it), so
+#: recovery's end comes first; 0.2 until 2026-12-07, when one step a poll paced it
+#: (docs/benchmarks.md, "Takeover", has both)
+RECOVERY_SHARE = 0.5
+#: the longest recovery holds a busy server's loop between two polls: what a request that
+#: arrives meanwhile waits for it, a step's few milliseconds at most beyond it
+RECOVERY_SLICE_S = 0.02
 _ENTRY = struct.Struct("<16sQQQ")  # digest, below, keep, number (the CRC follows)
 _LOG_WORD = 8  # the log's word: the service line's second u64
 EXTENT_WORD = 16  # the most blocks one extent was granted (raised before the grant)
@@ -91,8 +96,10 @@ class RecoveryState:
     unanswered: dict[tuple[int, int], Callable[[int], bool]] = field(default_factory=dict)
     #: the scan of keys is being finished at once (a grave found no room in a full pool)
     finishing: bool = False
-    since: float = field(default_factory=time.perf_counter)  # when it started
-    spent: float = 0.0  # seconds of steps so far
+    #: the service's timer when recovery last ran or was asked to (recover_some)
+    last: float = 0.0
+    #: seconds of steps a busy server owes recovery (below 0: recovery overran)
+    credit: float = 0.0
 
     def __post_init__(self) -> None:
         self.held = np.zeros(self.nblocks, dtype=np.uint8)

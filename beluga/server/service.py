@@ -68,7 +68,12 @@ from beluga.server.allocator import BlockAllocator
 from beluga.server.extents import BlockKeys, Entry, Pending
 from beluga.server.index import PoolIndex
 from beluga.server.recovery import Recovery, _recover_invalidate, _recover_mfence
-from beluga.server.recovery_state import RECOVERY_REGION, GraveLog, RecoveryState
+from beluga.server.recovery_state import (
+    RECOVERY_REGION,
+    RECOVERY_SHARE,
+    GraveLog,
+    RecoveryState,
+)
 from beluga.server.settling import Settling
 
 # defaults of the service's options (``beluga serve`` reads them from here)
@@ -99,10 +104,14 @@ class MetadataService(Recovery, Settling):
         writer_alive: Callable[[int, int], bool] | None = None,
         recovery_region: int = RECOVERY_REGION,
         recover_now: bool = True,
+        recovery_share: float = RECOVERY_SHARE,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``recover_now``: recover the whole pool before returning (a library's service,
         tests); False leaves it to :meth:`recover_some`, called while serving (a server:
-        beluga.server.recovery).  ``recovery_region``: blocks a recovery step scans."""
+        beluga.server.recovery).  ``recovery_region``: blocks a recovery step scans;
+        ``recovery_share``: of a busy server's time, what recovery takes (0 < share < 1);
+        ``timer``: the clock recovery's pace is kept by (seconds)."""
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
         self.pool = pool
@@ -121,6 +130,13 @@ class MetadataService(Recovery, Settling):
             raise ValueError(
                 f"recovery_region is a number of blocks above 0, not {recovery_region}"
             )
+        if not 0 < recovery_share < 1:
+            raise ValueError(
+                f"recovery_share is a share of a busy server's time, above 0 and below 1, "
+                f"not {recovery_share}"
+            )
+        self.recovery_share = recovery_share
+        self.timer = timer
         self.alloc = BlockAllocator(self.sb.nblocks, frontier=0)
         self.index: OrderedDict[bytes, Entry] = OrderedDict()
         self.ix = PoolIndex(self.mem, self.sb)

@@ -52,6 +52,7 @@ MUTANTS: list[Mutant] = [
     *server.DYING_SERVER,
     *native.TORN,
     *server.BLOCK_KEYS,
+    *server.PACING,
 ]
 
 #: mutants tried and removed: no test can tell them from the code (name: why)

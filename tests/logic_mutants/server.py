@@ -711,3 +711,30 @@ BLOCK_KEYS: list[Mutant] = [
         cheap=True,
     ),
 ]
+
+# -- recovery's pace (2026-12-07): a busy server gives recovery its share, idle time earns none
+_PACE = REC + "test_a_busy_server_gives_recovery_its_share_and_an_idle_one_everything"
+PACING: list[Mutant] = [
+    Mutant(
+        "a-busy-loop-takes-one-recovery-step-a-poll",
+        "recovery pace",
+        "beluga/server/recovery.py",
+        "if self.rec is None or not served or rec.credit <= 0:",
+        "if True:",
+        (_PACE,),
+        "the polls set recovery's pace, not its share: a busy server with long polls gives "
+        "recovery a step each, and writes stay slow for minutes longer at the pod",
+        cheap=True,
+    ),
+    Mutant(
+        "idle-time-earns-recovery-credit",
+        "recovery pace",
+        "beluga/server/recovery.py",
+        "if served:\n            rate = ",
+        "if True:\n            rate = ",
+        (_PACE,),
+        "an idle spell banks a slice of steps that the first busy poll pays out, and a busy "
+        "server's requests wait behind it",
+        cheap=True,
+    ),
+]

@@ -35,8 +35,11 @@ ASSUMPTIONS = (
     f"{BATCH}, in a shuffled order, each key once a pass (at the pod nearly every key "
     "written while recovering is one nothing touched since the takeover; the fill stays "
     "put), the service driven directly by one thread, with "
-    "recover_some() between batches as the server's loop calls it (recovery takes at most "
-    "its share of a busy loop's time); the steady rate is the rate after recovery is done; "
+    "recover_some() between batches as the server's loop calls it (recovery takes its "
+    "share, RECOVERY_SHARE, of a busy loop's time, at most RECOVERY_SLICE_S between two "
+    "polls: one batch of one writer is shorter; 16 hosts' polls can be longer, and then "
+    "recovery gets less), the collector kept short as `beluga serve` keeps it; the steady "
+    "rate is the rate after recovery is done; "
     "time to full throughput is when every later window of the run is at 90% of it; both "
     "times are fitted against blocks and extrapolated, and recovery_done_s grows with the "
     "pool (all of recovery's work at its share)",

@@ -25,6 +25,7 @@ from beluga.bench.scale.pools import BATCH, GEOMETRY, WRITER, fill, request
 from beluga.coherence import digest
 from beluga.kv import protocol as p
 from beluga.pool import Pool
+from beluga.server.collector import keep_collections_short
 from beluga.server.service import MetadataService
 
 
@@ -125,6 +126,7 @@ def first_writes(path: str, repeats: int) -> dict[str, list[float]]:
 
 
 def _takeover_rate(path: str, prefix: str, keys: int, after_s: float) -> dict[str, Any]:
+    keep_collections_short()  # as `beluga serve` does: full collections scan what is new
     pool = Pool.attach(path, coherence="native")
     try:
         names = [f"{prefix}-{i}".encode() for i in range(keys)]
