@@ -187,7 +187,7 @@ def write_rate(
             next_tick = now + 0.1
         svc.recover_some(served=1)
     assert done_at is not None
-    return _rates(marks, done_at, window_s)
+    return {**_rates(marks, done_at, window_s), "recovery_share": svc.recovery_share}
 
 
 def _rates(marks: Sequence[tuple[float, int]], done_at: float, window_s: float) -> dict[str, Any]:
