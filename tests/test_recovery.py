@@ -576,6 +576,7 @@ def test_a_server_answers_writes_while_it_recovers_between_polls(pool: Pool) -> 
     server = MetadataServer(pool, recovery_region=8, recover_now=False)  # 63 regions, in steps
     try:
         assert server.service.recovering
+        assert server.service.heartbeat == server.seat.keep  # operations that recover beat
         server.start_thread()
         with KVStore(pool) as store:
             store.put("after", value_of("after"))
@@ -633,6 +634,41 @@ def test_a_busy_server_gives_recovery_its_share_and_an_idle_one_everything(pool:
         MetadataService(pool, recover_now=False, recovery_share=1.0)
     svc.recover()
     clean_up(w, set(stored))
+
+
+def test_an_operation_that_recovers_heartbeats_before_each_step(
+    w: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ALLOC that finds no room runs census steps itself, and a COMMIT whose grave finds
+    no room for the log scans every key left at once: recovery steps inside one
+    operation, minutes at the pod.  Each is preceded by a heartbeat (a server's is its
+    seat's), so no standby takes the server for a stalled one and fences it."""
+    from beluga.errors import CapacityError
+
+    stored = fill(w, 40)
+    svc = w.take_over()
+    steps: list[str] = []
+    beats: list[int] = []
+    svc.heartbeat = lambda: beats.append(len(steps))
+    for name in ("_census_step", "_keys_step"):
+
+        def counted(*args: object, _f: object = getattr(svc, name), _n: str = name) -> object:
+            steps.append(_n)
+            return _f(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(svc, name, counted)
+
+    def full(*_: object) -> None:
+        raise CapacityError("no room for the log (a full pool)")
+
+    monkeypatch.setattr(svc.graves, "append", full)
+    w.put("new", value_of("new"))  # its ALLOC runs the census; its grave finds no room
+    assert not svc._scanning(), "the scan of keys was not finished: nothing tested"
+    assert {"_census_step", "_keys_step"} <= set(steps)
+    assert beats == list(range(len(steps))), "a step inside an operation had no heartbeat"
+    monkeypatch.undo()
+    assert w.read("new") == value_of("new")
+    clean_up(w, {*stored, "new"})
 
 
 # -- the parts ---------------------------------------------------------------------------

@@ -331,11 +331,13 @@ class ExtentKeeping:
         recently used value, scanning more keys for one if none is known yet."""
         while (first := self.alloc.allocate(nblocks)) is None:
             if self.rec is not None and self.rec.census < self.sb.nblocks:
+                self.heartbeat()  # a full pool's census can take minutes at the pod
                 self._census_step(self.rec.region)  # room is known after each, before evicting
                 continue
             if nblocks <= self.alloc.nblocks and self._evict_one():
                 continue
             if self.rec is not None and self.rec.keys < self.sb.nblocks:
+                self.heartbeat()
                 self._keys_step()  # values not known yet are what eviction can take
                 continue
             raise CapacityError(
@@ -354,5 +356,6 @@ class ExtentKeeping:
                     f"no room for the {nblocks} blocks of the recovery's log of removed keys: "
                     "the pool is full; retry once the server has recovered"
                 )
+            self.heartbeat()
             self._census_step()
         return first

@@ -155,6 +155,7 @@ class MetadataServer:
         self.rpc.on_adopt = self.service.forget_unanswered
         self.rpc.tick = tick
         self.rpc.background = self.service.recover_some
+        self.service.heartbeat = self.seat.keep  # in operations that recover (the service's)
         self.service.writer_alive = self.rpc.holder_alive
         self.service.extra_stats = self._extra_stats
         self.rpc.refresh()

@@ -137,6 +137,11 @@ class MetadataService(Recovery, Settling):
             )
         self.recovery_share = recovery_share
         self.timer = timer
+        #: called before each recovery step an operation runs itself (a full pool's
+        #: census, or the scan of keys finished at once: minutes at the pod): the server
+        #: heartbeats its seat with it, so no standby takes a server inside a long
+        #: operation for a stalled one and fences it (raises if the seat was taken)
+        self.heartbeat: Callable[[], None] = lambda: None
         self.alloc = BlockAllocator(self.sb.nblocks, frontier=0)
         self.index: OrderedDict[bytes, Entry] = OrderedDict()
         self.ix = PoolIndex(self.mem, self.sb)

@@ -237,6 +237,7 @@ class Settling(ExtentKeeping):
         rec.finishing = True
         try:
             while self._scanning():
+                self.heartbeat()  # minutes at the pod, inside one operation
                 if rec.keys == rec.census:
                     self._census_step()
                 else:

@@ -439,8 +439,9 @@ RECOVERY: list[Mutant] = [
         "recovery while serving",
         "beluga/server/extents.py",
         "            if self.rec is not None and self.rec.keys < self.sb.nblocks:\n"
+        "                self.heartbeat()\n"
         "                self._keys_step()",
-        "            if False:\n                self._keys_step()",
+        "            if False:\n                self.heartbeat()\n                self._keys_step()",
         (RECI + "test_random_histories_in_a_full_pool_evict_and_remove_while_recovering",),
         "a full pool refuses grants while recovering although values it has not scanned "
         "yet could be evicted",
@@ -712,7 +713,8 @@ BLOCK_KEYS: list[Mutant] = [
     ),
 ]
 
-# -- recovery's pace (2026-12-07): a busy server gives recovery its share, idle time earns none
+# -- recovery's pace (2026-12-07): a busy server gives recovery its share, idle time earns
+# none, and an operation that recovers keeps the seat's heartbeat
 _PACE = REC + "test_a_busy_server_gives_recovery_its_share_and_an_idle_one_everything"
 PACING: list[Mutant] = [
     Mutant(
@@ -735,6 +737,17 @@ PACING: list[Mutant] = [
         (_PACE,),
         "an idle spell banks a slice of steps that the first busy poll pays out, and a busy "
         "server's requests wait behind it",
+        cheap=True,
+    ),
+    Mutant(
+        "the-scan-finished-inside-a-commit-skips-the-heartbeat",
+        "recovery pace",
+        "beluga/server/settling.py",
+        "self.heartbeat()  # minutes at the pod, inside one operation",
+        "pass",
+        (REC + "test_an_operation_that_recovers_heartbeats_before_each_step",),
+        "a COMMIT that finishes the scan at once keeps no heartbeat for minutes at the pod: "
+        "a standby fences the healthy server, and its successor may do the same again",
         cheap=True,
     ),
 ]
