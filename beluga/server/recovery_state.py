@@ -49,8 +49,8 @@ RECOVERY_REGION = 1 << 12
 CENSUS_REGIONS = 4
 #: the share of a busy server's time recovery takes (an idle server recovers flat out):
 #: writes while recovering cost more than after (each key's first write settles it), so
-#: recovery's end comes first; 0.2 until 2026-12-07, when one step a poll paced it
-#: (docs/benchmarks.md, "Takeover", has both)
+#: writers lose less in all when recovery ends sooner; 0.2 until 2026-12-07, when one
+#: step a poll paced it (docs/benchmarks.md, "Takeover", has both)
 RECOVERY_SHARE = 0.5
 #: the longest recovery holds a busy server's loop between two polls: what a request that
 #: arrives meanwhile waits for it, a step's few milliseconds at most beyond it
