@@ -293,6 +293,20 @@ def test_copies_of_a_key_found_apart_leave_the_newest(w: World) -> None:
     clean_up(w, set(stored))
 
 
+def test_a_value_whose_slot_never_landed_is_named_once_recovery_ends(w: World) -> None:
+    """A first write's commit in flight at the crash: its commit word landed, its slot did
+    not.  Only recovery's last step (naming) can make it readable; until then it misses."""
+    stored = fill(w, 20)
+    lone = w.landed_commit("lone", b"lone" * 25, at=400)
+    w.take_over()
+    assert w.read("lone") is None  # no slot names it
+    w.finish()
+    e = w.svc.index[digest(b"lone")]
+    assert (e.block, e.version) == (lone.block, lone.version)
+    assert w.read("lone") == b"lone" * 25
+    clean_up(w, {*stored, "lone"})
+
+
 def test_a_commit_during_recovery_beats_every_older_copy_found_later(w: World) -> None:
     stored = fill(w, 20)
     w.landed_commit("k3", b"inflight" * 10, at=400)

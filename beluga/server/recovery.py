@@ -483,7 +483,12 @@ class Recovery(ExtentKeeping):
         values = self._newest_first(headers, np.flatnonzero(done))
         keys = headers.digest[values].tolist()
         index, graves = self.index, rec.graves
-        known = np.fromiter((k in index or k in graves for k in keys), bool, len(keys))
+        met = index.keys() & keys | graves.keys() & keys  # one pass each, in C
+        known = (
+            np.fromiter(map(met.__contains__, keys), bool, len(keys))
+            if met
+            else np.zeros(len(keys), bool)
+        )
         self._index_recovered(headers, values[~known], extents)
         for i in values[known].tolist():
             self._recover_copy(
@@ -620,11 +625,15 @@ class Recovery(ExtentKeeping):
         assert rec is not None
         if rec.naming is None:  # the index names a subset of the keys: equal sizes, all named
             rec.naming = [] if len(self.ix) == len(self.index) else list(self.index)
-        todo = rec.naming[-rec.region :]
+        todo = [(d, e) for d in rec.naming[-rec.region :] if (e := self.index.get(d)) is not None]
         del rec.naming[-rec.region :]
-        for d in todo:
-            e = self.index.get(d)
-            if e is None or d in self.ix.where:
+        named = self.ix.named(
+            [d for d, _ in todo],
+            np.array([e.block for _, e in todo], dtype=np.uint64),
+            np.array([e.version for _, e in todo], dtype=np.uint64),
+        )
+        for (d, e), known in zip(todo, named.tolist(), strict=True):
+            if known:
                 continue
             self.counters["index_repaired"] += 1
             if not self.ix.put(d, e.block, e.version):  # could not be placed
