@@ -31,7 +31,6 @@ from beluga.coherence import LINE, digest
 from beluga.errors import RpcError
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import LAYOUT_VERSION
-from beluga.server.extents import BlockKeys
 from beluga.server.index import SLOTS, PoolIndex
 from beluga.server.service import MetadataService
 
@@ -201,126 +200,6 @@ def test_repair_keeps_good_slots_and_drops_the_rest(pool: Pool) -> None:
 
 
 # -- one-sided reads ---------------------------------------------------------------------
-
-
-def _entries(pool: Pool, placed: dict[bytes, tuple[int, int]]) -> BlockKeys:
-    """The block -> key columns of ``placed`` (digest -> block, version), as recovery fills
-    them for reconcile."""
-    keys = BlockKeys(pool.superblock.nblocks)
-    if placed:
-        blocks, versions = zip(*placed.values(), strict=True)
-        keys.set_many(
-            np.array(blocks),
-            np.frombuffer(b"".join(placed), dtype="V16"),
-            np.array(versions, dtype=np.uint64),
-        )
-    return keys
-
-
-def _line(pool: Pool, ix: PoolIndex, bucket: int) -> list[tuple[int, int, int]]:
-    got = _core.ix_unpack(pool.memory.load(ix.base + bucket * LINE, LINE))
-    assert got is not None, f"bucket {bucket} is torn"
-    return list(got[1])
-
-
-def test_reconcile_holds_buckets_as_columns_until_an_operation_touches_them(pool: Pool) -> None:
-    """A new server's reconcile keeps the confirmed slots as columns, not a Python object a
-    slot; a touch brings a bucket into the dicts with its slots resolved; the scrub
-    restores a cold bucket from the columns."""
-    first = PoolIndex(pool.memory, pool.superblock)
-    placed = {os.urandom(16): (b, 1000 + b) for b in range(40)}
-    for d, (block, version) in placed.items():
-        assert first.put(d, block, version)
-    pool.memory.sfence()
-    ix = PoolIndex(pool.memory, pool.superblock)  # the next server
-    got = ix.reconcile(0, ix.nbuckets, _entries(pool, placed).lookup)
-    ix.loaded_all()
-    assert got == {"kept": len(placed), "dropped": 0}
-    assert not ix.slots and not ix.where, "reconcile made a Python object a slot"
-    assert ix.cold is not None and ix.cold.all() and len(ix) == len(placed)
-    assert ix.named(list(placed), *map(np.array, zip(*placed.values(), strict=True))).all()
-    d = next(iter(placed))
-    assert ix.find(d) == placed[d]
-    _, b1, b2 = _core.ix_hash(d, ix.nbuckets)
-    assert ix.cold is not None and not ix.cold[b1] and not ix.cold[b2]
-    neighbours = {k for k in placed if {b1, b2} & set(_core.ix_hash(k, ix.nbuckets)[1:])}
-    held = {s[0] for b in (b1, b2) for s in _line(pool, ix, b) if s[0]}
-    assert len(ix.where) == len(held), "a touched bucket's slots were left unresolved"
-    assert set(ix.where) <= neighbours and len(ix) == len(placed)
-    # hostile bytes on a bucket no operation touched: the scrub rewrites it from the columns
-    cold = next(
-        b for b in range(ix.nbuckets) if ix.cold[b] and any(s[0] for s in _line(pool, ix, b))
-    )
-    before = _line(pool, ix, cold)
-    pool.memory.nt_store(ix.base + cold * LINE, _core.ix_pack(99, [(0, 0, 0)] * SLOTS))
-    pool.memory.sfence()
-    assert sum(ix.scrub(64) for _ in range(-(-ix.nbuckets // 64))) == 1
-    pool.memory.sfence()
-    assert _line(pool, ix, cold) == before
-    # a new key among cold buckets: every key stays where the pool index names it
-    fresh = os.urandom(16)
-    assert ix.put(fresh, 100, 5000)
-    pool.memory.sfence()
-    for k, want in {**placed, fresh: (100, 5000)}.items():
-        _, c1, c2 = _core.ix_hash(k, ix.nbuckets)
-        named = [s[1:] for b in (c1, c2) for s in _line(pool, ix, b) if s[0]]
-        assert want in named, k
-
-
-def test_reconcile_keeps_one_slot_of_a_key_named_in_both_its_buckets(pool: Pool) -> None:
-    """A key two slots name (a server died in the middle of a move): one stays, whether its
-    buckets are reconciled in one range or two, and whether the other bucket is held in
-    the dicts (naming an older entry: that one goes) or as columns."""
-    ix = PoolIndex(pool.memory, pool.superblock)
-    mid = ix.nbuckets // 2
-    keys = []
-    while len(keys) < 3:
-        d = os.urandom(16)
-        tag, b1, b2 = _core.ix_hash(d, ix.nbuckets)
-        if b1 < mid <= b2 and d not in keys:
-            keys.append(d)
-    placed = {d: (10 + i, 500 + i) for i, d in enumerate(keys)}
-
-    def both(d: bytes, lines: tuple[tuple[int, int], ...] = ()) -> None:
-        tag, b1, b2 = _core.ix_hash(d, ix.nbuckets)
-        for b, (block, version) in zip((b1, b2), lines or (placed[d],) * 2, strict=True):
-            pool.memory.nt_store(
-                ix.base + b * LINE, _core.ix_pack(1, [(tag, block, version), (0, 0, 0), (0, 0, 0)])
-            )
-        pool.memory.sfence()
-
-    def slots(d: bytes) -> list[tuple[int, int]]:
-        tag, b1, b2 = _core.ix_hash(d, ix.nbuckets)
-        return [s[1:] for b in (b1, b2) for s in _line(pool, ix, b) if s[0] == tag]
-
-    entries = _entries(pool, placed).lookup
-    for d in keys:
-        both(d)
-    one = PoolIndex(pool.memory, pool.superblock)  # one range
-    assert one.reconcile(0, one.nbuckets, entries) == {"kept": 3, "dropped": 3}
-    pool.memory.sfence()
-    assert all(slots(d) == [placed[d]] for d in keys) and len(one) == 3
-    for d in keys:
-        both(d)
-    two = PoolIndex(pool.memory, pool.superblock)  # two ranges: the first stays cold
-    assert two.reconcile(0, mid, entries)["kept"] == 3
-    assert two.reconcile(mid, two.nbuckets, entries) == {"kept": 0, "dropped": 3}
-    pool.memory.sfence()
-    assert all(slots(d) == [placed[d]] for d in keys) and len(two) == 3
-    # the other bucket in the dicts, naming an older entry of the key: that slot goes
-    d = keys[0]
-    tag, b1, b2 = _core.ix_hash(d, ix.nbuckets)
-    both(d, ((1, 1), placed[d]))  # b1: the older entry, b2: the one the entries name
-    dicts = PoolIndex(pool.memory, pool.superblock)
-    dicts._load((b1,))
-    dicts.slots[b1 * SLOTS] = (d, tag, 1, 1)  # as a put of before had resolved it
-    dicts.where[d] = b1 * SLOTS
-    dicts._unresolved -= 1
-    assert dicts.reconcile(mid, dicts.nbuckets, entries)["kept"] >= 1
-    pool.memory.sfence()
-    assert slots(d) == [placed[d]] and d not in dicts.where and len(dicts) == 1
-    assert dicts.named([d], np.array([placed[d][0]]), np.array([placed[d][1]])).tolist() == [True]
-    assert dicts.named([d], np.array([1]), np.array([1])).tolist() == [False]
 
 
 def test_reads_need_no_rpc(pool: Pool) -> None:

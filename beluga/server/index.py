@@ -31,21 +31,14 @@ Recovery (``reconcile``, a range of buckets at a time, and ``repair``, all
 of them) keeps every slot that a recovered entry confirms (same block,
 version, tag and a bucket of its digest), drops the rest, and inserts what
 is missing, rewriting only buckets that change: readers keep hitting while
-a new server starts.  A reconciled bucket is held as columns (``cold``: tag,
-block and version a slot, as the line holds them, no Python object a slot):
-recovery's work stays array operations at the pod's size (2026-12-07:
-~1.6 us a key kept in the dicts before, the largest part of recovery under
-writers).  A cold bucket joins the dicts when the server first touches it,
-its slots unresolved, as a bucket read from the pool does; the columns, not
-the pool, are what it held.  Once every bucket is reconciled nothing is read
-back from the pool again.
+a new server starts.  Once every bucket is reconciled the mirror holds them
+all (``loaded`` is None) and nothing is read back again.
 
 Scrub: the pool's lines can be hit by a stray host or hostile bytes; the
-server compares a few buckets per tick with its mirror, dicts or columns
-(``scrub``), and rewrites any that differ, so a damaged bucket costs misses
-for a bounded time, never other bytes (readers confirm every entry anyway).
-Buckets the mirror does not hold yet are skipped: the pool is all there is
-of them.
+server compares a few buckets per tick with its mirror (``scrub``) and
+rewrites any that differ, so a damaged bucket costs misses for a bounded
+time, never other bytes (readers confirm every entry anyway).  Buckets the
+mirror does not hold yet are skipped: the pool is all there is of them.
 
 Hints: each host id owns a counts line and a ring of hints (the blocks it
 hit); ``fold_hints`` reads them back for the LRU order and the statistics.
@@ -90,20 +83,6 @@ def _salvage(line: bytes) -> tuple[int, list[tuple[int, int, int]]]:
     return int(seq[0]), list(zip(tags.tolist(), blocks.tolist(), versions.tolist(), strict=True))
 
 
-def _first_of_each(digests: np.ndarray) -> np.ndarray:
-    """Which of 16-byte digests are the first of their value (sorted by their first 8
-    bytes; whole digests compared only where those meet, which is rare)."""
-    if digests.size < 2:
-        return np.ones(digests.size, dtype=bool)
-    head = np.ascontiguousarray(digests).view("<u8")[::2]
-    order = np.argsort(head, kind="stable")
-    if not (head[order[1:]] == head[order[:-1]]).any():
-        return np.ones(digests.size, dtype=bool)
-    keep = np.zeros(digests.size, dtype=bool)
-    keep[np.unique(digests, return_index=True)[1]] = True
-    return keep
-
-
 class PoolIndex:
     """The mirror of the index region and the only code that writes it."""
 
@@ -114,16 +93,9 @@ class PoolIndex:
         self.base = sb.index.offset
         self.slots: dict[int, Slot] = {}  # slot number (bucket * SLOTS + slot) -> what it holds
         self.seq = np.zeros(self.nbuckets, dtype=np.uint64)
-        #: which buckets the dicts hold; None once they hold them all
+        #: which buckets the mirror holds; None once it holds them all
         self.loaded: np.ndarray | None = np.zeros(self.nbuckets, dtype=bool)
         self.where: dict[bytes, int] = {}  # digest -> slot number, of resolved slots
-        #: which buckets the columns hold (reconciled, not touched since); None before the
-        #: first reconcile.  Never a bucket the dicts hold too.
-        self.cold: np.ndarray | None = None
-        self._ctag = self._cblock = self._cver = np.zeros(0, dtype=np.uint32)
-        self._cold_slots = 0  # slots held in the columns
-        self._entries: Entries | None = None  # what the columns were confirmed against
-        self._unresolved = 0  # slots held in the dicts without their key
         self.moves = 0
         self.failed = 0
         self.scrubbed = 0  # buckets found damaged and rewritten
@@ -138,27 +110,16 @@ class PoolIndex:
 
     # -- the mirror ----------------------------------------------------------
 
-    def _held(self, bucket: int) -> list[tuple[int, int, int]]:
-        """What the mirror holds of a bucket, dicts or columns: (tag, block, version) a
-        slot, zeros for an empty one."""
-        at = bucket * SLOTS
-        if self.cold is not None and self.cold[bucket]:
-            return list(
-                zip(
-                    self._ctag[at : at + SLOTS].tolist(),
-                    self._cblock[at : at + SLOTS].tolist(),
-                    self._cver[at : at + SLOTS].tolist(),
-                    strict=True,
-                )
-            )
-        get = self.slots.get
-        return [(s[1], s[2], s[3]) if (s := get(i)) else (0, 0, 0) for i in range(at, at + SLOTS)]
-
     def _write(self, bucket: int) -> None:
         """Rewrite one bucket line from the mirror (unfenced: callers fence)."""
         seq = int(self.seq[bucket]) + 1
         self.seq[bucket] = seq
-        self.mem.nt_store(self.base + bucket * LINE, _core.ix_pack(seq, self._held(bucket)))
+        get, at = self.slots.get, bucket * SLOTS
+        line = _core.ix_pack(
+            seq,
+            [(s[1], s[2], s[3]) if (s := get(i)) else (0, 0, 0) for i in range(at, at + SLOTS)],
+        )
+        self.mem.nt_store(self.base + bucket * LINE, line)
 
     def _load(self, buckets: Iterable[int]) -> None:
         """Bring buckets into the mirror as the pool holds them, their slots unresolved.  A
@@ -172,13 +133,6 @@ class PoolIndex:
         todo = [b for b in buckets if not loaded[b]]
         if not todo:
             return
-        cold = self.cold
-        if cold is not None:
-            for b in [b for b in todo if cold[b]]:
-                self._warm(b)
-            todo = [b for b in todo if not loaded[b]]
-            if not todo:
-                return
         for b in todo:
             self.mem.invalidate(self.base + b * LINE, LINE)
         self.mem.mfence()
@@ -191,35 +145,8 @@ class PoolIndex:
             for i, (tag, block, version) in enumerate(held):
                 if tag:
                     self.slots[b * SLOTS + i] = (None, tag, block, version)
-                    self._unresolved += 1
             if got is None:
                 self._write(b)
-
-    def _warm(self, bucket: int) -> None:
-        """A cold bucket joins the dicts.  A slot whose entry is still the one reconcile
-        confirmed (the entries name its block with its version) is resolved to that
-        entry's key, as reconcile left it; one whose entry has changed since stays
-        unresolved, its key read from its block's header when it matters."""
-        assert self.cold is not None and self.loaded is not None and self._entries is not None
-        at = bucket * SLOTS
-        held = [(i, s) for i, s in enumerate(self._held(bucket), start=at) if s[0]]
-        self.cold[bucket] = False
-        self.loaded[bucket] = True
-        self._cold_slots -= len(held)
-        if not held:
-            return
-        hit, digests, versions = self._entries(np.array([s[1] for _, s in held], dtype=np.int64))
-        for (i, (tag, block, version)), ok, d, v in zip(
-            held, hit.tolist(), digests.tolist(), versions.tolist(), strict=True
-        ):
-            if ok and v == version and d not in self.where:
-                t, b1, b2 = self._buckets(d)
-                if t == tag and bucket in (b1, b2):
-                    self.slots[i] = (d, tag, block, version)
-                    self.where[d] = i
-                    continue
-            self.slots[i] = (None, tag, block, version)
-            self._unresolved += 1
 
     def _resolve(self, at: int) -> bytes | None:
         """The key of an unresolved slot, by the header of its block and its commit word; a
@@ -230,7 +157,6 @@ class PoolIndex:
         without its commit word (unfenced stores land in any order), beside the slot of the
         copy it replaces.  That copy is a write in flight, not the key's value."""
         _, tag, block, version = self.slots[at]
-        self._unresolved -= 1
         key = None
         if block < self.sb.nblocks:
             off, word = self.sb.block_header_offset(block), self.sb.block_commit_offset(block)
@@ -402,13 +328,7 @@ class PoolIndex:
             self._write(at // SLOTS)
 
     def __len__(self) -> int:
-        """Slots that name a key: resolved, or held unresolved since a reconcile confirmed
-        them (a slot read from the pool and not resolved yet counts too)."""
-        return len(self.where) + self._unresolved + self._cold_slots
-
-    def slot(self, digest: bytes) -> int | None:
-        """The slot number that names ``digest`` (bucket * SLOTS + slot), or None."""
-        return self._find(digest)
+        return len(self.where)
 
     def scrub(self, n: int = 64) -> int:
         """Compare the next ``n`` buckets (round robin) with the mirror; rewrite those that
@@ -418,16 +338,20 @@ class PoolIndex:
         first = self._scrub_at
         buckets = [(first + i) % self.nbuckets for i in range(n)]
         self._scrub_at = (first + n) % self.nbuckets
-        loaded, cold = self.loaded, self.cold
-        if loaded is not None:
-            buckets = [b for b in buckets if loaded[b] or (cold is not None and cold[b])]
+        if self.loaded is not None:
+            buckets = [b for b in buckets if self.loaded[b]]
         for b in buckets:
             mem.invalidate(self.base + b * LINE, LINE)
         mem.mfence()
         fixed = 0
+        get = self.slots.get
         for b in buckets:
             got = _core.ix_unpack(mem.load(self.base + b * LINE, LINE))
-            if got is None or got[1] != self._held(b):
+            want = [
+                (s[1], s[2], s[3]) if (s := get(i)) else (0, 0, 0)
+                for i in range(b * SLOTS, (b + 1) * SLOTS)
+            ]
+            if got is None or got[1] != want:
                 self._write(b)
                 fixed += 1
         self.scrubbed += fixed
@@ -437,50 +361,32 @@ class PoolIndex:
 
     def reconcile(self, lo: int, hi: int, entries: Entries) -> dict[str, int]:
         """Make buckets [lo, hi) hold exactly the slots that name an entry, as the pool's
-        lines are now; the columns hold them after (``cold``).
+        lines are now; they are in the mirror after, resolved.
 
         ``entries(blocks)`` says, for the block each slot names, whether an entry begins
-        there, and its digest and version (``Entries``); it is kept, to resolve the slots
-        of a cold bucket when it is touched.  A slot is kept when its entry has its
-        version and tag and the slot lies in a bucket of the entry's digest, and no other
-        slot names that key: the first slot in the range stays, and a slot outside the
-        range (the key's other bucket) stays if it names the same entry, else goes.  Every
-        other slot is dropped.  Returns counts of what was kept and dropped.  Unfenced:
-        the caller fences.
+        there, and its digest and version (``Entries``).  A slot is kept when its entry has
+        its version and tag and the slot lies in a bucket of the entry's digest, and no
+        other slot names that digest (the first one kept stays); every other slot is
+        dropped.  Returns counts of what was kept and dropped.  Unfenced: the caller fences.
 
         Array operations over the buckets' lines and the entries: no Python object per
-        bucket or per slot kept, except for a key whose other bucket the dicts hold.
+        bucket, one per slot kept (the mirror's).
         """
         if not 0 <= lo <= hi <= self.nbuckets:
             raise ValueError(f"a range of buckets lies in [0, {self.nbuckets}]")
-        if self.cold is None:
-            self.cold = np.zeros(self.nbuckets, dtype=bool)
-            self._ctag = np.zeros(self.nbuckets * SLOTS, dtype=np.uint32)
-            self._cblock = np.zeros(self.nbuckets * SLOTS, dtype=np.uint32)
-            self._cver = np.zeros(self.nbuckets * SLOTS, dtype=np.uint64)
-        self._entries = entries
-        mem, slots, where, cold = self.mem, self.slots, self.where, self.cold
+        mem, slots, where = self.mem, self.slots, self.where
         mem.invalidate(self.base + lo * LINE, (hi - lo) * LINE)
         mem.mfence()
         raw = _core.ix_columns(mem.load(self.base + lo * LINE, (hi - lo) * LINE))
         whole, seqs, tags, at_block, at_version = (
             np.frombuffer(c, t) for c, t in zip(raw, _IX_COLUMNS, strict=True)
         )
-        # the mirror of these buckets starts again, out of the dicts and the columns
-        if self.loaded is None:
-            self.loaded = np.ones(self.nbuckets, dtype=bool)
-        held = np.flatnonzero(self.loaded[lo:hi]) + lo
+        held = np.arange(lo, hi) if self.loaded is None else np.flatnonzero(self.loaded[lo:hi]) + lo
         numbers = (held[:, None] * SLOTS + np.arange(SLOTS)).ravel().tolist()
-        for i in slots.keys() & numbers:
+        for i in slots.keys() & numbers:  # the mirror of these buckets starts again
             s = slots.pop(i)
-            if s[0] is None:
-                self._unresolved -= 1
-            elif where.get(s[0]) == i:
+            if s[0] is not None and where.get(s[0]) == i:
                 del where[s[0]]
-        self.loaded[lo:hi] = False
-        span = slice(lo * SLOTS, hi * SLOTS)
-        self._cold_slots -= int(np.count_nonzero(self._ctag[span].reshape(-1, SLOTS)[cold[lo:hi]]))
-        cold[lo:hi] = False
         tagged = tags != 0
         cand = np.flatnonzero(tagged & (at_block < self.sb.nblocks))
         hit, digests, versions = entries(at_block[cand])
@@ -494,104 +400,46 @@ class PoolIndex:
             & ((b1 == bucket) | (b2 == bucket))
         )
         ok = np.flatnonzero(confirms)
-        at, digests = cand[ok], digests[ok]
-        other = np.where(b1[ok] == bucket[ok], b2[ok], b1[ok]).astype(np.int64)
-        keep = _first_of_each(digests)  # a key twice in the range: its first slot stays
-        outside = (other < lo) | (other >= hi)
-        theirs = np.flatnonzero(outside & cold[other])
-        if theirs.size:  # its other bucket is cold: a slot naming the same entry stays there
-            mine = at[theirs]
-            first = other[theirs] * SLOTS
-            same = np.zeros(theirs.size, dtype=bool)
-            for j in range(SLOTS):
-                same |= (
-                    (self._ctag[first + j] == tags[mine])
-                    & (self._cblock[first + j] == at_block[mine])
-                    & (self._cver[first + j] == at_version[mine])
-                )
-            keep[theirs[same]] = False
-        for k in np.flatnonzero(keep & outside & self.loaded[other]).tolist():
-            self._reconcile_held(
-                digests[k].tobytes(), int(other[k]), keep, k, at_block, at_version, at[k]
-            )
-        at = at[keep]
-        self._ctag[lo * SLOTS + at] = tags[at]
-        self._cblock[lo * SLOTS + at] = at_block[at]
-        self._cver[lo * SLOTS + at] = at_version[at]
-        cold[lo:hi] = True
-        self._cold_slots += int(at.size)
+        at = cand[ok]
         dropped = tagged.copy()
-        dropped[at] = False
+        named_keys = digests[ok].tolist()
+        pos = (at + lo * SLOTS).tolist()
+        found = zip(
+            named_keys,
+            tags[at].tolist(),
+            at_block[at].tolist(),
+            versions[ok].tolist(),
+            strict=True,
+        )
+        if where.keys().isdisjoint(named_keys) and len(set(named_keys)) == len(named_keys):
+            where.update(zip(named_keys, pos, strict=True))
+            slots.update(zip(pos, found, strict=True))
+            dropped[at] = False
+            kept = len(pos)
+        else:
+            kept = 0
+            for key, i, slot in zip(named_keys, pos, found, strict=True):
+                other = where.get(key)
+                if other is not None:  # a key named twice: the first slot of its entry stays
+                    if slots[other][2:] == slot[2:]:
+                        continue
+                    del slots[other]
+                    self._write(other // SLOTS)
+                where[key] = i
+                slots[i] = slot
+                dropped[i - lo * SLOTS] = False
+                kept += 1
         self.seq[lo:hi] = seqs
+        if self.loaded is not None:
+            self.loaded[lo:hi] = True
         rewrite = (whole == 0) | dropped.reshape(hi - lo, SLOTS).any(axis=1)
         for b in np.flatnonzero(rewrite).tolist():
             self._write(b + lo)
-        return {"kept": int(at.size), "dropped": int(dropped.sum())}
-
-    def _reconcile_held(
-        self,
-        key: bytes,
-        bucket: int,
-        keep: np.ndarray,
-        k: int,
-        at_block: np.ndarray,
-        at_version: np.ndarray,
-        at: int,
-    ) -> None:
-        """A key reconcile keeps whose other bucket the dicts hold: a slot there naming it
-        (resolved first, if its tag matches) stays if it names the same entry (the one in
-        the range goes: ``keep[k]``), else goes."""
-        tag = self._buckets(key)[0]
-        for i in range(bucket * SLOTS, (bucket + 1) * SLOTS):
-            s = self.slots.get(i)
-            if s is not None and s[0] is None and s[1] == tag:
-                self._resolve(i)
-        there = self.where.get(key)
-        if there is None:
-            return
-        if self.slots[there][2:] == (int(at_block[at]), int(at_version[at])):
-            keep[k] = False
-            return
-        del self.slots[there]
-        del self.where[key]
-        self._write(there // SLOTS)
+        return {"kept": kept, "dropped": int(dropped.sum())}
 
     def loaded_all(self) -> None:
-        """Every bucket has been reconciled: the mirror (dicts and columns) holds the whole
-        index from now on.  Once the dicts hold every bucket, ``loaded`` is None."""
-        if self.loaded is not None and self.loaded.all():
-            self.loaded = None
-
-    def named(
-        self, digests: Sequence[bytes], blocks: np.ndarray, versions: np.ndarray
-    ) -> np.ndarray:
-        """Whether a slot names each key: resolved in the dicts (any entry), or held in the
-        columns naming its entry (blocks[i], versions[i]).  An array operation over the
-        columns; a key whose buckets the dicts hold costs a dict lookup.  Resolves nothing,
-        reads nothing from the pool."""
-        n = len(digests)
-        out = np.zeros(n, dtype=bool)
-        if not n:
-            return out
-        where = self.where
-        out[:] = [d in where for d in digests]
-        if self.cold is None:
-            return out
-        hashed = _core.ix_hash_many(b"".join(digests), self.nbuckets)
-        tag, b1, b2 = (np.frombuffer(c, t) for c, t in zip(hashed, _HASH_COLUMNS, strict=True))
-        blocks = np.asarray(blocks, dtype=np.uint64)
-        versions = np.asarray(versions, dtype=np.uint64)
-        for b in (b1.astype(np.int64), b2.astype(np.int64)):
-            on = self.cold[b]
-            for j in range(SLOTS):
-                i = b * SLOTS + j
-                out |= (
-                    on
-                    & (self._ctag[i] == tag)
-                    & (self._cblock[i] == blocks)
-                    & (self._cver[i] == versions)
-                )
-        return out
+        """Every bucket has been reconciled: the mirror holds the whole index from now on."""
+        self.loaded = None
 
     def repair(
         self, digests: Sequence[bytes], blocks: np.ndarray, versions: np.ndarray
@@ -614,13 +462,12 @@ class PoolIndex:
         entries.set_many(blocks, np.frombuffer(b"".join(digests), dtype="V16"), versions)
         self.slots.clear()
         self.where.clear()
-        self._unresolved = 0
         self.loaded = np.zeros(self.nbuckets, dtype=bool)
         got = self.reconcile(0, self.nbuckets, entries.lookup)
         self.loaded_all()
         inserted = 0
         for i in range(len(digests)):
-            if self._find(digests[i]) is None:
+            if digests[i] not in self.where:
                 inserted += self.put(digests[i], int(blocks[i]), int(versions[i]))
         return {**got, "inserted": inserted}
 

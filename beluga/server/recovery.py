@@ -625,15 +625,11 @@ class Recovery(ExtentKeeping):
         assert rec is not None
         if rec.naming is None:  # the index names a subset of the keys: equal sizes, all named
             rec.naming = [] if len(self.ix) == len(self.index) else list(self.index)
-        todo = [(d, e) for d in rec.naming[-rec.region :] if (e := self.index.get(d)) is not None]
+        todo = rec.naming[-rec.region :]
         del rec.naming[-rec.region :]
-        named = self.ix.named(
-            [d for d, _ in todo],
-            np.array([e.block for _, e in todo], dtype=np.uint64),
-            np.array([e.version for _, e in todo], dtype=np.uint64),
-        )
-        for (d, e), known in zip(todo, named.tolist(), strict=True):
-            if known:
+        for d in todo:
+            e = self.index.get(d)
+            if e is None or d in self.ix.where:
                 continue
             self.counters["index_repaired"] += 1
             if not self.ix.put(d, e.block, e.version):  # could not be placed

@@ -41,7 +41,7 @@ MOVES: list[Mutant] = [
         "scrub-checks-only-torn-lines",
         "index writer",
         "beluga/server/index.py",
-        "if got is None or got[1] != self._held(b):",
+        "if got is None or got[1] != want:",
         "if got is None:",
         (IX + "test_the_scrub_rewrites_a_whole_bucket_that_names_the_wrong_slots",),
         "a whole line with the wrong slots would never be rewritten from the mirror",

@@ -352,8 +352,8 @@ RECOVERY: list[Mutant] = [
         "recovery-names-nothing-missing",
         "recovery while serving",
         "beluga/server/recovery.py",
-        "            if known:\n                continue",
-        "            if True:\n                continue",
+        "            if e is None or d in self.ix.where:",
+        "            if True:",
         (REC + "test_a_value_whose_slot_never_landed_is_named_once_recovery_ends",),
         "a value no slot named (its commit's slot never landed) stays unreadable for good",
     ),
@@ -441,7 +441,9 @@ RECOVERY: list[Mutant] = [
         "            if self.rec is not None and self.rec.keys < self.sb.nblocks:\n"
         "                self.heartbeat()\n"
         "                self._keys_step()",
-        "            if False:\n                self.heartbeat()\n                self._keys_step()",
+        "            if False:\n"
+        "                self.heartbeat()\n"
+        "                self._keys_step()",
         (RECI + "test_random_histories_in_a_full_pool_evict_and_remove_while_recovering",),
         "a full pool refuses grants while recovering although values it has not scanned "
         "yet could be evicted",
