@@ -483,12 +483,7 @@ class Recovery(ExtentKeeping):
         values = self._newest_first(headers, np.flatnonzero(done))
         keys = headers.digest[values].tolist()
         index, graves = self.index, rec.graves
-        met = index.keys() & keys | graves.keys() & keys  # one pass each, in C
-        known = (
-            np.fromiter(map(met.__contains__, keys), bool, len(keys))
-            if met
-            else np.zeros(len(keys), bool)
-        )
+        known = np.fromiter((k in index or k in graves for k in keys), bool, len(keys))
         self._index_recovered(headers, values[~known], extents)
         for i in values[known].tolist():
             self._recover_copy(
