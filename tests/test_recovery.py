@@ -792,6 +792,30 @@ def test_a_write_the_census_read_torn_is_held_when_committed_or_refused(w: World
     clean_up(w, {*stored, *more, *(["late"] if acked else [])})
 
 
+def test_a_write_met_on_blocks_the_census_freed_is_reserved_before_it_is_adopted(
+    w: World,
+) -> None:
+    """A header that appears on blocks the census passed and freed (a stray host's bytes,
+    or hostile ones: no grant of a server put it there) with a COMMIT naming it: the
+    server adopts the write only with its blocks reserved again, so no later grant hands
+    them out under it and every value written after stays readable."""
+    stored = fill(w, 10)
+    svc = w.take_over()
+    block = 40  # never granted: its header line is zeros, and the census frees it
+    while not svc.rec.censused(block):
+        svc._census_step(svc.rec.region)
+    assert not svc.rec.held[block] and svc.alloc.used == 10
+    forged = p.Grant(block, svc.rec.first - 1)  # a version of before the takeover
+    w.publish("forged", forged, value_of("forged"))
+    acked = w.commit("forged", forged)
+    more = {f"n{i}": w.put(f"n{i}", value_of(f"n{i}"), at=block - 5) for i in range(20)}
+    assert all(g.block != block for g in more.values()) or not acked
+    w.finish()
+    assert w.read("forged") == (value_of("forged") if acked else None)
+    assert all(w.read(k) == value_of(k) for k in [*stored, *more])
+    clean_up(w, {*stored, *more, *(["forged"] if acked else [])})
+
+
 def test_a_server_recovers_while_serving_unless_told_to_recover_at_once(
     pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

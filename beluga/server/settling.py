@@ -26,9 +26,11 @@ class Settling(ExtentKeeping):
     def _claim(self, block: int, n: int) -> bool:
         """Hold an extent the scan has not reached: the census holds it already if it held
         the write there (``RecoveryState.held``), else it is reserved now, if its blocks are
-        free.  A block the census passed without holding a write there (it read the header
-        torn or stale: a writer's seal raced its read) was freed, and may have been handed
-        out since: the frontier alone says nothing of it."""
+        free.  A block the census passed without holding a write there was freed, and may
+        have been handed out since: the frontier alone says nothing of it.  (Every grant is
+        announced before its answer and a line nobody can read is held as unreadable, so a
+        write met there now is one the census cleared, whose writer sealed it since, or one
+        no server granted: a stray host's or hostile bytes.)"""
         rec = self.rec
         assert rec is not None
         return bool(rec.censused(block) and rec.held[block]) or self.alloc.reserve(block, n)

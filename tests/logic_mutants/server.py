@@ -264,9 +264,9 @@ RECOVERY: list[Mutant] = [
         "beluga/server/settling.py",
         "return bool(rec.censused(block) and rec.held[block])",
         "return bool(rec.censused(block))",
-        (REC + "test_a_write_the_census_read_torn_is_held_when_committed_or_refused",),
-        "a commit of a write whose header the census read torn is acknowledged with its "
-        "blocks free, and the next grant overwrites it",
+        (REC + "test_a_write_met_on_blocks_the_census_freed_is_reserved_before_it_is_adopted",),
+        "a commit of a write on blocks the census freed is acknowledged with its blocks "
+        "free, and the next grant overwrites it",
     ),
     Mutant(
         "settle-ignores-the-slot-readers-see",
