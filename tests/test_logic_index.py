@@ -277,7 +277,7 @@ def test_the_scrub_rewrites_a_whole_bucket_that_names_the_wrong_slots(h: Harness
     rewrite_bucket(h.pool, b, slots)
     ix = reader(h.pool)
     assert ix.get(b"k") is None
-    h.svc.ix._scrub_at = b
+    h.svc.ix.mirror.scrub_at = b
     h.svc.tick()
     assert ix.get(b"k") == value_of("k", 3000)
     remove_key(h, "k")

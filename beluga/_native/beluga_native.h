@@ -10,13 +10,14 @@
  * the same code in both modes.
  *
  * The core files (cpu, crc32c, blake3, memops, model, sabotage, block,
- * blockio, sg, index, rpc) include only this header and the C library; the
+ * blockio, sg, index, mirror, rpc) include only this header and the C library; the
  * Python bindings (*_py.c, beluga_py.h) sit on top.  Between two files calls
  * go one way only (tests/test_native.py checks it):
  *
  *   crc32c, blake3, memops         ->  cpu
  *   block, blockio, index, rpc     ->  crc32c
  *   blockio, index  ->  block;     index  ->  blockio, blake3
+ *   mirror  ->  index, block
  *   every BL_STEP of a sabotage build  ->  sabotage
  */
 #ifndef BELUGA_NATIVE_H
@@ -191,7 +192,7 @@
     X(INDEX_BUCKET_MFENCE, "index.c load_buckets",                                                \
       "MFENCE between invalidating the bucket lines and loading them",                            \
       "the loads can pass the invalidations and hit old lines")                                   \
-    X(INDEX_MOVE_FENCE, "server/index.py PoolIndex.put",                                          \
+    X(INDEX_MOVE_FENCE, "mirror.c bl_ixm_put",                                                    \
       "SFENCE between a moved entry's new bucket and its old one",                                \
       "the old bucket can land first: a reader finds the key in neither bucket and misses a "     \
       "committed value")                                                                          \
@@ -500,6 +501,38 @@ void bl_ix_hints_init(bl_ix_hints *r, long long hint_off, uint64_t owner);
 int bl_ix_note(bl_ix_hints *r, int hit, uint32_t block, uint64_t version);
 void bl_ix_note_tier(bl_ix_hints *r, uint64_t hits, uint64_t promotions);
 void bl_ix_flush_hints(bl_mem *m, bl_ix_hints *r);
+
+/* mirror.c: the metadata server's mirror of the index and its writes (the only writer).
+ * Flat arrays, a few bytes a slot: seq and loaded a bucket; the line's slot, a state
+ * (empty / unresolved / resolved) and the resolved key's digest a slot.  One thread: the
+ * caller serialises (the server's, under the GIL). */
+typedef struct {
+    bl_ix ix;
+    size_t commits_off;      /* the commit table: a u64 version a block */
+    uint64_t *seq;           /* per bucket: the sequence its line last got from us */
+    uint8_t *loaded;         /* per bucket: the mirror holds it */
+    int all_loaded;          /* every bucket reconciled: loaded is no longer read */
+    bl_ix_slot *slot;        /* per slot: as the line holds it (zeros when empty) */
+    uint8_t *state;          /* per slot: 0 empty, 1 unresolved, 2 resolved */
+    uint8_t (*digest)[16];   /* per slot: the key, when resolved */
+    uint64_t resolved;       /* resolved slots (= keys placed) */
+    uint64_t moves, failed, scrubbed, unconfirmed, scrub_at;
+} bl_ixm;
+
+int bl_ixm_init(bl_ixm *x, const bl_ix *ix, size_t commits_off);
+void bl_ixm_free(bl_ixm *x);
+void bl_ixm_reset(bl_ixm *x);
+int64_t bl_ixm_slot_of(const bl_ixm *x, const uint8_t digest[16]);
+int bl_ixm_find(bl_mem *m, bl_ixm *x, const uint8_t digest[16], uint32_t *block,
+                uint64_t *version);
+int bl_ixm_put(bl_mem *m, bl_ixm *x, const uint8_t digest[16], uint32_t block, uint64_t version);
+int bl_ixm_crowd(bl_mem *m, bl_ixm *x, const uint8_t digest[16], uint8_t out[][16]);
+void bl_ixm_drop(bl_mem *m, bl_ixm *x, const uint8_t digest[16]);
+uint64_t bl_ixm_scrub(bl_mem *m, bl_ixm *x, uint64_t n);
+int bl_ixm_reconcile(bl_mem *m, bl_ixm *x, uint64_t lo, uint64_t hi, const bl_ix_bucket *lines,
+                     const int64_t *keep, const uint8_t (*digests)[16], size_t n,
+                     uint64_t *kept, uint64_t *dropped);
+void bl_ixm_loaded_all(bl_ixm *x);
 
 /* rpc.c: slot rings; the geometry both sides derive from (bytes per ring, depth).
  *
