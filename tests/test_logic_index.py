@@ -312,6 +312,8 @@ def test_repair_drops_slots_of_another_version_or_bucket(h: Harness) -> None:
     h.pool.memory.sfence()
     assert ix.get_many([b"stale", b"astray"]) == [value_of("stale", 3000), value_of("astray", 3000)]
     assert ix.get(b"astray") == value_of("astray", 3000)
+    assert moved not in bucket(h.pool, foreign)[1], "the slot astray was kept"
+    assert len(h.svc.ix) == 2  # one slot a key in the mirror
 
 
 # -- index slots naming a block past the pool --------------------------------------------

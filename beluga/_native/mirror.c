@@ -310,6 +310,8 @@ static int search_path(bl_mem *m, bl_ixm *x, const uint64_t start[2], uint64_t p
         for (uint64_t s = b * BL_IX_SLOTS; s < (b + 1) * BL_IX_SLOTS; s++) {
             uint32_t tag;
             uint64_t b1, b2;
+            if (x->state[s] != RESOLVED) /* only a loaded_all() called early leaves one */
+                continue;
             bl_ix_hash(x->digest[s], x->ix.nbuckets, &tag, &b1, &b2);
             uint64_t other = b == b1 ? b2 : b1;
             int known = 0;

@@ -1,7 +1,9 @@
 """The server's side of the pool-resident index (index.c owns the formats).
 
 The metadata server is the index's only writer.  It keeps a mirror of the
-buckets and rewrites a bucket as one line with a non-temporal store; its
+buckets (``_core.IndexMirror``, mirror.c: flat arrays, ~33 bytes a slot and
+no Python object a key; the operations below run there, one call each) and
+rewrites a bucket as one line with a non-temporal store; its
 callers fence (the commit fence before COMMIT's answer, the clear fence
 before REMOVE's).  Readers on every host probe the buckets with loads
 (``beluga._native._core.Index``) and confirm each entry against the block
@@ -28,7 +30,7 @@ names nothing a reader could get, and is dropped.  So the first write after
 a takeover reads two lines, not the whole index, whatever the pool's size.
 
 Recovery (``reconcile``, a range of buckets at a time, and ``repair``, all
-of them) keeps every slot that a recovered entry confirms (same block,
+of them; the array work here, the mirror's update one call into C) keeps every slot that a recovered entry confirms (same block,
 version, tag and a bucket of its digest), drops the rest, and inserts what
 is missing, rewriting only buckets that change: readers keep hitting while
 a new server starts.  Once every bucket is reconciled the mirror holds them

@@ -1,20 +1,21 @@
-"""Logic mutants of the index writer (beluga/server/index.py): cuckoo moves, the scrub
-and the repair of the pool index after a restart.
+"""Logic mutants of the index writer: cuckoo moves and the scrub (its mirror, in C:
+beluga/_native/mirror.c, rebuilt in a scratch tree) and the repair of the pool index after
+a restart (beluga/server/index.py).
 """
 
 from __future__ import annotations
 
 from tests.logic_mutants.base import IX, Mutant
 
-# -- cuckoo moves and the scrub of the index writer (beluga/server/index.py)
+# -- cuckoo moves and the scrub of the index writer (beluga/_native/mirror.c)
 MOVES: list[Mutant] = [
     Mutant(
         "move-releases-old-bucket-first",
         "cuckoo move",
-        "beluga/server/index.py",
-        "            self._write(dst // SLOTS)\n            _move_fence(self.mem)",
-        "            self.slots[src] = None\n            self._write(src // SLOTS)\n"
-        "            _move_fence(self.mem)\n            self._write(dst // SLOTS)",
+        "beluga/_native/mirror.c",
+        "        write_bucket(m, x, dst / BL_IX_SLOTS);\n        if (BL_STEP(INDEX_MOVE_FENCE))",
+        "        clear(x, src);\n        write_bucket(m, x, src / BL_IX_SLOTS);\n"
+        "        write_bucket(m, x, dst / BL_IX_SLOTS);\n        if (BL_STEP(INDEX_MOVE_FENCE))",
         (IX + "test_a_move_interrupted_between_its_two_writes_keeps_every_key",),
         "a crash after the old bucket let go and before the new one held it loses the key",
         cheap=True,
@@ -22,27 +23,27 @@ MOVES: list[Mutant] = [
     Mutant(
         "move-chain-first-to-last",
         "cuckoo move",
-        "beluga/server/index.py",
-        "zip(path[-2::-1], path[:0:-1], strict=True)",
-        "zip(path[:-1], path[1:], strict=True)",
+        "beluga/_native/mirror.c",
+        "for (int i = n - 1; i > 0; i--) {\n        uint64_t src = path[i - 1], dst = path[i];",
+        "for (int i = 1; i < n; i++) {\n        uint64_t src = path[i - 1], dst = path[i];",
         (IX + "test_a_key_placed_through_a_chain_of_two_moves_keeps_every_key",),
         "moving the first entry first overwrites the next one before it moved: keys are lost",
     ),
     Mutant(
         "move-searches-from-first-bucket-only",
         "cuckoo move",
-        "beluga/server/index.py",
-        "_, b1, b2 = self._buckets(s[0])\n                other = b2 if bucket == b1 else b1",
-        "_, b1, b2 = self._buckets(s[0])\n                other = b2",
+        "beluga/_native/mirror.c",
+        "uint64_t other = b == b1 ? b2 : b1;",
+        "uint64_t other = b2;",
         (IX + "test_a_key_placed_through_a_chain_of_two_moves_keeps_every_key",),
         "an entry in its second bucket would be 'moved' into the bucket it is in: keys collide",
     ),
     Mutant(
         "scrub-checks-only-torn-lines",
         "index writer",
-        "beluga/server/index.py",
-        "if got is None or got[1] != want:",
-        "if got is None:",
+        "beluga/_native/mirror.c",
+        "if (!bl_ix_bucket_ok(&line) ||\n            memcmp(",
+        "if (!bl_ix_bucket_ok(&line) ||\n            0 * memcmp(",
         (IX + "test_the_scrub_rewrites_a_whole_bucket_that_names_the_wrong_slots",),
         "a whole line with the wrong slots would never be rewritten from the mirror",
         cheap=True,

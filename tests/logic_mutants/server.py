@@ -360,9 +360,9 @@ RECOVERY: list[Mutant] = [
     Mutant(
         "pool-index-writes-a-bucket-it-never-read",
         "recovery while serving",
-        "beluga/server/index.py",
-        "        self._load((b1, b2))\n        if self.loaded is not None:",
-        "        if self.loaded is not None:",
+        "beluga/_native/mirror.c",
+        "    load(m, x, b, 2);\n    if (!x->all_loaded)",
+        "    if (!x->all_loaded)",
         (REC + "test_the_pool_index_loads_a_bucket_only_when_touched_and_keeps_its_other_slots",),
         "a new server's first put rewrites its buckets from an empty mirror: the other keys "
         "there go unreadable",
@@ -566,9 +566,9 @@ DYING_SERVER: list[Mutant] = [
     Mutant(
         "a-torn-bucket-is-rewritten-empty",
         "a dying server",
-        "beluga/server/index.py",
-        "seq, held = _salvage(line) if got is None else got",
-        "seq, held = (0, []) if got is None else got",
+        "beluga/_native/mirror.c",
+        "            if (line.slot[j].tag) {",
+        "            if (line.slot[j].tag && bl_ix_bucket_ok(&line)) {",
         (DYING + "test_a_bucket_line_a_dying_server_tore_still_names_its_keys",),
         "the next server to touch a bucket a dying server tore rewrites it empty: every key "
         "it named is a miss until recovery's last step",
@@ -577,9 +577,10 @@ DYING_SERVER: list[Mutant] = [
     Mutant(
         "a-placed-key-is-rewritten-in-place",
         "a dying server",
-        "beluga/server/index.py",
-        "free = next((f for b in buckets if (f := self._free_slot(b)) is not None), None)",
-        "free = None",
+        "beluga/_native/mirror.c",
+        "    int64_t free = free_slot(x, b[0]);\n"
+        "    if (free < 0)\n        free = free_slot(x, b[1]);",
+        "    int64_t free = -1;",
         (_SWEEP + "[0]", _SWEEP + "[1]", _SWEEP + "[2]", _SWEEP + "[3]"),
         "a server that dies while it rewrites a key's slot in place can leave it torn: the "
         "slot names neither value, and the key is a miss",
@@ -598,11 +599,10 @@ DYING_SERVER: list[Mutant] = [
     Mutant(
         "a-key-is-found-at-its-first-slot",
         "a dying server",
-        "beluga/server/index.py",
-        "                    if s is not None and s[0] is None and s[1] == tag:\n"
-        "                        self._resolve(i)",
-        "                    if s is not None and s[0] is None and s[1] == tag:\n"
-        "                        digest in self.where or self._resolve(i)",
+        "beluga/_native/mirror.c",
+        "if (x->state[at] == UNRESOLVED && x->slot[at].tag == *tag)",
+        "if (x->state[at] == UNRESOLVED && x->slot[at].tag == *tag &&\n"
+        "                    bl_ixm_slot_of(x, digest) < 0)",
         (DYING + "test_a_second_slot_a_dying_replacement_left_neither_hides_nor_outlives_the_key",),
         "a second slot of a key, left by a replacement that died half done, outlives the "
         "key's next acknowledged write: readers get the value before it",
@@ -611,9 +611,9 @@ DYING_SERVER: list[Mutant] = [
     Mutant(
         "a-slot-is-confirmed-without-its-commit-word",
         "a dying server",
-        "beluga/server/index.py",
-        "                and committed\n",
-        "",
+        "beluga/_native/mirror.c",
+        "h.version == s.version &&\n            committed == s.version) {",
+        "h.version == s.version) {",
         (DYING + "test_a_second_slot_a_dying_replacement_left_neither_hides_nor_outlives_the_key",),
         "a slot naming a write whose commit word never landed is taken for the key's value; "
         "the slot of the committed copy goes, and a LOOKUP leaves the key named nowhere",
