@@ -30,11 +30,12 @@ names nothing a reader could get, and is dropped.  So the first write after
 a takeover reads two lines, not the whole index, whatever the pool's size.
 
 Recovery (``reconcile``, a range of buckets at a time, and ``repair``, all
-of them; the array work here, the mirror's update one call into C) keeps every slot that a recovered entry confirms (same block,
-version, tag and a bucket of its digest), drops the rest, and inserts what
-is missing, rewriting only buckets that change: readers keep hitting while
-a new server starts.  Once every bucket is reconciled the mirror holds them
-all (``loaded`` is None) and nothing is read back again.
+of them; the array work here, the mirror's update one call into C) keeps
+every slot that a recovered entry confirms (same block, version, tag and a
+bucket of its digest), drops the rest, and inserts what is missing,
+rewriting only buckets that change: readers keep hitting while a new server
+starts.  Once every bucket is reconciled the mirror holds them all
+(``loaded`` is None) and nothing is read back again.
 
 Scrub: the pool's lines can be hit by a stray host or hostile bytes; the
 server compares a few buckets per tick with its mirror (``scrub``) and
