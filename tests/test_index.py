@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from beluga import KVStore
 from beluga._native import _core
 from beluga.coherence import LINE, digest
-from beluga.errors import RpcError
+from beluga.errors import CoherenceError, RpcError
 from beluga.pool import Geometry, Pool
 from beluga.pool.layout import LAYOUT_VERSION
 from beluga.server.index import SLOTS, PoolIndex
@@ -153,6 +153,51 @@ def crowded_digests(nbuckets: int, n: int, seed: int, pool_of: int = 4) -> list[
         if b1 in want and b2 in want:
             out.append(d)
     return out
+
+
+def test_the_mirror_refuses_misuse_with_an_error_never_a_crash(pool: Pool) -> None:
+    """The C mirror's Python face: bad digests, blocks, counts and ranges, a second init, an
+    uninitialised object and a released Memory each raise; none of them writes the pool."""
+    sb = pool.superblock
+    ix = PoolIndex(pool.memory, sb)
+    m = ix.mirror
+    d = os.urandom(16)
+    assert ix.put(d, 1, 2)
+    pool.memory.sfence()
+    table = pool.memory.load(ix.base, ix.nbuckets * LINE)
+    for call in (
+        lambda: m.put(b"short", 1, 1),
+        lambda: m.put(d, 2**32, 1),
+        lambda: m.find(bytes(17)),
+        lambda: m.crowd(b""),
+        lambda: m.drop(bytes(15)),
+        lambda: m.scrub(-1),
+        lambda: m.reconcile(0, 2, bytes(LINE), b"", b""),  # two buckets, one line
+        lambda: m.reconcile(2, 1, b"", b"", b""),
+        lambda: m.reconcile(0, ix.nbuckets + 1, bytes((ix.nbuckets + 1) * LINE), b"", b""),
+        lambda: m.reconcile(0, 1, bytes(LINE), np.array([SLOTS], np.int64).tobytes(), d),
+        lambda: m.reconcile(0, 1, bytes(LINE), np.array([0], np.int64).tobytes(), b""),
+    ):
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(CoherenceError, match="in use"):
+        m.__init__(pool.memory, ix.base, ix.nbuckets, 0, 0, 1, 1, 0)
+    with pytest.raises(CoherenceError, match="geometry"):
+        _core.IndexMirror(pool.memory, ix.base, 3, sb.headers.offset, sb.payloads.offset,
+                          sb.block_size, sb.nblocks, sb.commits.offset)  # fmt: skip
+    bare = _core.IndexMirror.__new__(_core.IndexMirror)
+    with pytest.raises(CoherenceError, match="not initialised"):
+        bare.find(d)
+    assert len(bare) == 0 and bare.digests() == [] and bare.loaded is None
+    assert d in ix.where and bytes(3) not in ix.where and len(ix) == 1
+    assert set(ix.where) == {d}
+    assert pool.memory.load(ix.base, ix.nbuckets * LINE) == table
+    mem = _core.Memory(bytearray(1 << 20))
+    alone = _core.IndexMirror(mem, 0, 64, 64 * LINE, 0, 4096, 16, 128 * LINE)
+    mem.release()
+    with pytest.raises(CoherenceError, match="released"):
+        alone.put(d, 1, 1)
+    assert alone.slot_of(d) is None  # the mirror alone: no memory touched
 
 
 def test_cuckoo_moves_keep_every_key_findable(pool: Pool) -> None:

@@ -79,13 +79,17 @@ class Placed(Mapping[bytes, int]):
         self._mirror = mirror
 
     def __getitem__(self, digest: bytes) -> int:
-        at = self._mirror.slot_of(digest)
+        at = self._mirror.slot_of(digest) if len(digest) == 16 else None
         if at is None:
             raise KeyError(digest)
         return int(at)
 
     def __contains__(self, digest: object) -> bool:
-        return isinstance(digest, bytes) and self._mirror.slot_of(digest) is not None
+        return (
+            isinstance(digest, bytes)
+            and len(digest) == 16
+            and self._mirror.slot_of(digest) is not None
+        )
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self._mirror.digests())
