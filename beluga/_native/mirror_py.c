@@ -324,7 +324,8 @@ static PyTypeObject MirrorType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "beluga._native._core.IndexMirror",
     .tp_basicsize = sizeof(MirrorObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The metadata server's mirror of the pool index and its writes (mirror.c).",
+    .tp_doc = "The metadata server's mirror of the pool index and its writes (mirror.c). "
+              "Not thread-safe, not fork-safe: the server's one thread owns it.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Mirror_init,
     .tp_dealloc = (destructor)Mirror_dealloc,

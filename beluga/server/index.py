@@ -73,7 +73,8 @@ _HASH_COLUMNS = ("=u4", "=u8", "=u8")
 
 class Placed(Mapping[bytes, int]):
     """The keys the mirror has resolved, each to its slot number (bucket * SLOTS + slot):
-    a view, read from the mirror as it is (nothing is loaded or resolved to answer)."""
+    a view, read from the mirror as it is (nothing is loaded or resolved to answer).  Not
+    thread-safe and not fork-safe, as its ``PoolIndex``."""
 
     def __init__(self, mirror: _core.IndexMirror) -> None:
         self._mirror = mirror
