@@ -509,7 +509,7 @@ void bl_ix_flush_hints(bl_mem *m, bl_ix_hints *r);
 typedef struct {
     bl_ix ix;
     size_t commits_off;      /* the commit table: a u64 version a block */
-    uint64_t *seq;           /* per bucket: the sequence its line last got from us */
+    uint64_t *seq;           /* per bucket: its line's sequence, as last read or written */
     uint8_t *loaded;         /* per bucket: the mirror holds it */
     int all_loaded;          /* every bucket reconciled: loaded is no longer read */
     bl_ix_slot *slot;        /* per slot: as the line holds it (zeros when empty) */
