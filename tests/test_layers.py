@@ -123,8 +123,8 @@ LAYERS: tuple[Layer, ...] = (
         ("_native/",),
         (
             "the C core, no Python in it (cpu.c, crc32c.c, blake3.c, memops.c, model.c,",
-            "sabotage.c, block.c, blockio.c, sg.c, record.c, index.c, mirror.c, rpc.c;",
-            "each opens with its design), and its bindings (*_py.c, helpers_py.c)",
+            "sabotage.c, block.c, blockio.c, sg.c, record.c, index.c, mirror.c, keytable.c,",
+            "rpc.c; each opens with its design), and its bindings (*_py.c, helpers_py.c)",
         ),
     ),
     Layer(

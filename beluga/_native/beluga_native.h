@@ -10,8 +10,8 @@
  * the same code in both modes.
  *
  * The core files (cpu, crc32c, blake3, memops, model, sabotage, block,
- * blockio, sg, index, mirror, rpc) include only this header and the C library; the
- * Python bindings (*_py.c, beluga_py.h) sit on top.  Between two files calls
+ * blockio, sg, index, mirror, keytable, rpc) include only this header and the C
+ * library; the Python bindings (*_py.c, beluga_py.h) sit on top.  Between two files calls
  * go one way only (tests/test_native.py checks it):
  *
  *   crc32c, blake3, memops         ->  cpu
@@ -533,6 +533,23 @@ int bl_ixm_reconcile(bl_mem *m, bl_ixm *x, uint64_t lo, uint64_t hi, const bl_ix
                      const int64_t *keep, const uint8_t (*digests)[16], size_t n,
                      uint64_t *kept, uint64_t *dropped);
 void bl_ixm_loaded_all(bl_ixm *x);
+
+/* keytable.c: the server's table of cold keys, digest -> id (plain process memory, one
+ * thread).  Open addressing; ids >= 0, the negative ones mark free and removed slots. */
+typedef struct {
+    uint8_t (*keys)[16];
+    int64_t *ids;
+    uint64_t mask;           /* slots - 1 (a power of two less one) */
+    uint64_t live, used;     /* keys held; slots not free (keys and tombstones) */
+    uint64_t seed;           /* mixed into every probe start */
+} bl_kt;
+
+int bl_kt_init(bl_kt *t, uint64_t hint, uint64_t seed);
+void bl_kt_free(bl_kt *t);
+int64_t bl_kt_get(const bl_kt *t, const uint8_t d[16]);
+int bl_kt_reserve(bl_kt *t, uint64_t n);
+int bl_kt_put(bl_kt *t, const uint8_t d[16], int64_t id);
+int64_t bl_kt_pop(bl_kt *t, const uint8_t d[16]);
 
 /* rpc.c: slot rings; the geometry both sides derive from (bytes per ring, depth).
  *

@@ -65,6 +65,7 @@ PyObject *bl_fail(PyObject *cls, const char *fmt, ...);
 int bl_memory_init(PyObject *module);
 int bl_index_init(PyObject *module);
 int bl_mirror_init(PyObject *module);
+int bl_keytable_init(PyObject *module);
 int bl_rpc_init(PyObject *module);
 
 #endif

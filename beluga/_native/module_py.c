@@ -392,7 +392,7 @@ PyMODINIT_FUNC BL_MODULE_INIT(void)
     if (!m)
         return NULL;
     if (bl_memory_init(m) < 0 || bl_rpc_init(m) < 0 || bl_index_init(m) < 0 ||
-        bl_mirror_init(m) < 0 ||
+        bl_mirror_init(m) < 0 || bl_keytable_init(m) < 0 ||
         PyModule_AddIntConstant(m, "LINE", BL_LINE) < 0 ||
         PyModule_AddObject(m, "CRC32C_POLY", PyLong_FromUnsignedLong(BL_CRC32C_POLY)) < 0 ||
         PyModule_AddIntConstant(m, "MAX_KEY_BYTES", BL_MAX_KEY) < 0 ||

@@ -481,9 +481,11 @@ class Recovery(ExtentKeeping):
         live &= held
         done &= held
         values = self._newest_first(headers, np.flatnonzero(done))
-        keys = headers.digest[values].tolist()
-        index, graves = self.index, rec.graves
-        known = np.fromiter((k in index or k in graves for k in keys), bool, len(keys))
+        known = self.index.known(headers.digest[values])
+        if rec.graves:
+            graves = rec.graves
+            keys = headers.digest[values].tolist()
+            known |= np.fromiter((k in graves for k in keys), bool, len(keys))
         self._index_recovered(headers, values[~known], extents)
         for i in values[known].tolist():
             self._recover_copy(
@@ -519,19 +521,16 @@ class Recovery(ExtentKeeping):
 
     def _index_recovered(self, headers: HeaderTable, rows: np.ndarray, extents: np.ndarray) -> None:
         """Index values of keys met for the first time, as older than everything indexed
-        (the LRU order's start), oldest first among themselves."""
+        (the LRU order's start), oldest first among themselves: cold keys, no Python
+        object each until an operation touches one (keyindex.py)."""
         rows = rows[np.lexsort((headers.block[rows], headers.version[rows]))]
-        blocks = headers.block[rows].tolist()
-        versions = headers.version[rows].tolist()
-        keys = headers.digest[rows].tolist()
-        entries = map(
-            Entry, blocks, extents[rows].tolist(), versions, headers.length[rows].tolist()
+        self.index.add_cold(
+            headers.digest[rows],
+            headers.block[rows],
+            extents[rows],
+            headers.version[rows],
+            headers.length[rows],
         )
-        before = len(self.index)
-        self.index.update(zip(keys, entries, strict=True))
-        if before:
-            for key in reversed(keys):
-                self.index.move_to_end(key, last=False)
         self.by_block.set_many(headers.block[rows], headers.digest[rows], headers.version[rows])
 
     def _recover_copy(self, digest: bytes, block: int, version: int, length: int, n: int) -> None:

@@ -16,7 +16,9 @@ forces ahead of recovery's scan in :mod:`beluga.server.settling`.
 
 State
   index      digest -> Entry(first block, extent, version, length, read lease),
-             an OrderedDict in LRU order (oldest first); the same entries live
+             in LRU order, oldest first (keyindex.KeyIndex: an OrderedDict's
+             behaviour, the keys recovery found kept in numpy columns and a C
+             table until an operation touches them); the same entries live
              in the pool's hash index (beluga.server.index), which this service
              alone writes and every host reads with loads, without an RPC
   by_block   first block -> the digest and version of the entry beginning
@@ -54,7 +56,7 @@ import itertools
 import json
 import secrets
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -67,6 +69,7 @@ from beluga.rpc import BatchHandler, Request, per_request
 from beluga.server.allocator import BlockAllocator
 from beluga.server.extents import BlockKeys, Entry, Pending
 from beluga.server.index import PoolIndex
+from beluga.server.keyindex import KeyIndex
 from beluga.server.recovery import Recovery, _recover_invalidate, _recover_mfence
 from beluga.server.recovery_state import (
     RECOVERY_REGION,
@@ -143,7 +146,7 @@ class MetadataService(Recovery, Settling):
         #: operation for a stalled one and fences it (raises if the seat was taken)
         self.heartbeat: Callable[[], None] = lambda: None
         self.alloc = BlockAllocator(self.sb.nblocks, frontier=0)
-        self.index: OrderedDict[bytes, Entry] = OrderedDict()
+        self.index = KeyIndex()
         self.ix = PoolIndex(self.mem, self.sb)
         self.by_block = BlockKeys(self.sb.nblocks)  # first block -> (digest, version)
         self.pending: dict[int, Pending] = {}
@@ -525,7 +528,7 @@ class MetadataService(Recovery, Settling):
             "blocks_total": self.sb.nblocks,
             "blocks_used": self.alloc.used,
             "keys": len(self.index),
-            "value_bytes": sum(e.length for e in self.index.values()),
+            "value_bytes": self.index.value_bytes(),
             "writes_in_flight": len(self.pending),
             "quarantined_extents": sum(pend.cancelled for pend in self.pending.values()),
             "retiring_extents": len(self.retiring),

@@ -1,0 +1,278 @@
+"""The service's index of committed keys: digest -> Entry, in LRU order, oldest first.
+
+It behaves as the ``OrderedDict[bytes, Entry]`` it replaced (the operations the
+service uses: ``get``, ``in``, ``[]``, ``[]=``, ``del``, ``pop``, ``move_to_end``,
+``items``, ``values``, iteration, ``len``), with one addition for recovery,
+:meth:`KeyIndex.add_cold`, and the same order.
+
+Why: after a takeover, recovery finds every committed value in the pool, and most
+are never touched again before they are evicted.  As an ``OrderedDict`` of
+``Entry`` objects each cost ~0.8 us and ~300 bytes of Python heap; at the pod's
+134 M blocks that was most of recovery.  So a key recovery finds stays *cold*:
+
+- its fields sit in numpy columns (digest, block, extent, version, length), one
+  *chunk* for each call of ``add_cold`` (a region of the scan), and a C table
+  (``_core.KeyTable``, keytable.c) maps its digest to its row;
+- the chunks are older than every other key, newest chunk first (``add_cold``
+  puts a region's keys before everything, as recovery orders them), each chunk
+  in its rows' order;
+- a cold key's ``Entry`` is made the first time anyone asks for it and kept
+  (``_made``), so a caller that changes it (a read lease) changes the index's,
+  and it keeps its place in the order;
+- ``move_to_end`` takes it out of the cold part: to the end of the *warm* part
+  (an ``OrderedDict``, newer than every cold key), or, with ``last=False``, into
+  a chunk of its own at the start;
+- ``del`` / ``pop`` mark its row dead; a chunk whose rows are all dead goes.
+
+Eviction takes ``items()``' first entry: the first live row of the oldest
+chunk, found from a cursor that only moves forward (dead rows before it stay
+dead), so evicting the cold part costs O(1) a key.
+
+tests/test_keyindex.py runs random histories against a plain ``OrderedDict``
+and compares every answer and the whole order after each step.
+
+Not thread-safe, not fork-safe: the metadata service's one thread owns it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import secrets
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from beluga._native import _core
+from beluga.server.extents import Entry
+
+_MISSING = object()
+
+
+@dataclass(slots=True, eq=False)
+class _Chunk:
+    """One ``add_cold`` call's keys: rows base .. base + len - 1, in LRU order."""
+
+    base: int
+    digests: np.ndarray  # V16
+    blocks: np.ndarray  # int64
+    extents: np.ndarray  # int64
+    versions: np.ndarray  # uint64
+    lengths: np.ndarray  # int64
+    alive: np.ndarray  # bool
+    left: int  # live rows
+    start: int = 0  # every row before it is dead
+
+    def entry(self, row: int) -> Entry:
+        return Entry(
+            int(self.blocks[row]),
+            int(self.extents[row]),
+            int(self.versions[row]),
+            int(self.lengths[row]),
+        )
+
+
+class KeyIndex:
+    """digest -> Entry in LRU order (the module doc).  Not thread-safe, not fork-safe."""
+
+    def __init__(self) -> None:
+        self._warm: OrderedDict[bytes, Entry] = OrderedDict()
+        self._table = _core.KeyTable(secrets.randbits(64))
+        self._order: list[_Chunk] = []  # oldest first
+        self._by_base: list[_Chunk] = []  # by base (rows are handed out increasing)
+        self._bases: list[int] = []
+        self._next = 0  # the next row id
+        self._made: dict[bytes, Entry] = {}  # cold keys whose Entry was handed out
+
+    # -- the cold part ---------------------------------------------------------------
+
+    def add_cold(
+        self,
+        digests: np.ndarray,
+        blocks: np.ndarray,
+        extents: np.ndarray,
+        versions: np.ndarray,
+        lengths: np.ndarray,
+    ) -> None:
+        """Index keys none of which is indexed yet (ValueError otherwise, nothing
+        changed), as older than every key indexed, in the order given (oldest first)."""
+        n = len(digests)
+        if not n:
+            return
+        digests = np.ascontiguousarray(digests, dtype="V16")
+        if self._warm and any(d in self._warm for d in digests.tolist()):
+            raise ValueError("add_cold: a key is indexed already; nothing was added")
+        self._table.add(digests, self._next)  # refuses keys cold already, changing nothing
+        chunk = _Chunk(
+            self._next,
+            digests,
+            np.array(blocks, dtype=np.int64),
+            np.array(extents, dtype=np.int64),
+            np.array(versions, dtype=np.uint64),
+            np.array(lengths, dtype=np.int64),
+            np.ones(n, dtype=bool),
+            n,
+        )
+        self._next += n
+        self._order.insert(0, chunk)
+        self._by_base.append(chunk)
+        self._bases.append(chunk.base)
+
+    def known(self, digests: np.ndarray) -> np.ndarray:
+        """Whether each of ``digests`` (16-byte void items) is indexed."""
+        digests = np.ascontiguousarray(digests, dtype="V16")
+        out = np.frombuffer(self._table.contains(digests), dtype=bool).copy()
+        if self._warm:
+            out |= np.fromiter((d in self._warm for d in digests.tolist()), bool, len(digests))
+        return out
+
+    @property
+    def cold(self) -> int:
+        """Keys never touched since ``add_cold`` indexed them."""
+        return len(self._table)
+
+    def _row(self, digest: bytes) -> tuple[_Chunk, int] | None:
+        if not len(self._table):
+            return None
+        at = self._table.get(digest)
+        if at < 0:
+            return None
+        chunk = self._by_base[bisect.bisect_right(self._bases, at) - 1]
+        return chunk, at - chunk.base
+
+    def _cold_entry(self, digest: bytes, chunk: _Chunk, row: int) -> Entry:
+        e = self._made.get(digest)
+        if e is None:
+            e = self._made[digest] = chunk.entry(row)
+        return e
+
+    def _take_cold(self, digest: bytes) -> Entry | None:
+        """Take a cold key out of the cold part: its Entry, or None if it is not cold."""
+        at = self._row(digest)
+        if at is None:
+            return None
+        chunk, row = at
+        e = self._made.pop(digest, None) or chunk.entry(row)
+        self._table.pop(digest)
+        chunk.alive[row] = False
+        chunk.left -= 1
+        if not chunk.left:
+            self._order.remove(chunk)
+            i = bisect.bisect_left(self._bases, chunk.base)
+            del self._bases[i], self._by_base[i]
+        elif row == chunk.start:
+            while not chunk.alive[chunk.start]:
+                chunk.start += 1
+        return e
+
+    def _put_first(self, digest: bytes, e: Entry) -> None:
+        """``digest`` (indexed nowhere) -> ``e``, older than every key: a chunk of one."""
+        self.add_cold(
+            np.frombuffer(digest, dtype="V16"),
+            np.array([e.block]),
+            np.array([e.nblocks]),
+            np.array([e.version], dtype=np.uint64),
+            np.array([e.length]),
+        )
+        self._made[digest] = e
+
+    # -- the mapping -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._warm) + len(self._table)
+
+    def __bool__(self) -> bool:
+        return bool(self._warm) or bool(len(self._table))
+
+    def __contains__(self, digest: object) -> bool:
+        if digest in self._warm:
+            return True
+        return isinstance(digest, bytes) and len(digest) == 16 and self._row(digest) is not None
+
+    def get(self, digest: bytes, default: Entry | None = None) -> Entry | None:
+        e = self._warm.get(digest)
+        if e is not None:
+            return e
+        at = self._row(digest) if len(digest) == 16 else None
+        return default if at is None else self._cold_entry(digest, *at)
+
+    def __getitem__(self, digest: bytes) -> Entry:
+        e = self.get(digest)
+        if e is None:
+            raise KeyError(digest)
+        return e
+
+    def __setitem__(self, digest: bytes, e: Entry) -> None:
+        if digest not in self._warm and self._row(digest) is not None:
+            self._made[digest] = e  # a cold key keeps its place
+        else:
+            self._warm[digest] = e
+
+    def pop(self, digest: bytes, default: object = _MISSING) -> Entry:
+        e = self._warm.pop(digest, None)
+        if e is None and len(digest) == 16:
+            e = self._take_cold(digest)
+        if e is None:
+            if default is _MISSING:
+                raise KeyError(digest)
+            return default  # type: ignore[return-value]
+        return e
+
+    def __delitem__(self, digest: bytes) -> None:
+        self.pop(digest)
+
+    def move_to_end(self, digest: bytes, last: bool = True) -> None:
+        if digest in self._warm:
+            if last:
+                self._warm.move_to_end(digest)
+            else:
+                self._put_first(digest, self._warm.pop(digest))
+            return
+        e = self._take_cold(digest) if len(digest) == 16 else None
+        if e is None:
+            raise KeyError(digest)
+        if last:
+            self._warm[digest] = e
+        else:
+            self._put_first(digest, e)
+
+    def items(self) -> Iterator[tuple[bytes, Entry]]:
+        """(digest, Entry) oldest first.  As with a dict, changing the index while
+        iterating is not allowed (RuntimeError)."""
+        changes = self._changes()
+        for chunk in list(self._order):
+            for row in range(chunk.start, len(chunk.alive)):
+                if chunk.alive[row]:
+                    digest = chunk.digests[row].tobytes()
+                    yield digest, self._cold_entry(digest, chunk, row)
+                    if self._changes() != changes:
+                        raise RuntimeError("the KeyIndex changed during iteration")
+        yield from self._warm.items()
+
+    def _changes(self) -> tuple[int, int, int]:
+        return self._next, len(self._table), len(self._warm)
+
+    def values(self) -> Iterator[Entry]:
+        for _, e in self.items():
+            yield e
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Digests oldest first (without making any cold key's Entry)."""
+        changes = self._changes()
+        for chunk in list(self._order):
+            yield from chunk.digests[chunk.start :][chunk.alive[chunk.start :]].tolist()
+            if self._changes() != changes:
+                raise RuntimeError("the KeyIndex changed during iteration")
+        yield from self._warm
+
+    def value_bytes(self) -> int:
+        """The values' lengths, summed (without making any cold key's Entry)."""
+        total = sum(e.length for e in self._warm.values())
+        for chunk in self._order:
+            total += int(chunk.lengths[chunk.alive].sum())
+        for digest, e in self._made.items():  # an Entry handed out may have been replaced
+            at = self._row(digest)
+            assert at is not None
+            total += e.length - int(at[0].lengths[at[1]])
+        return total
