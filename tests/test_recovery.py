@@ -408,6 +408,35 @@ def test_evictions_while_scanning_are_buried_for_a_successor(pool: Pool) -> None
     assert big.version > 0
 
 
+def test_recovered_keys_stay_cold_and_go_first_but_a_key_looked_up_since_stays(
+    pool: Pool,
+) -> None:
+    """Recovery makes no Entry for the keys it finds (keyindex.py): they stay cold, in
+    the order recovery gave them, and eviction takes them first, before a key written
+    since; a key looked up since the takeover leaves the cold part and outlives them."""
+    w = World(pool, high_watermark=1.0, low_watermark=1.0)  # evictions only when full
+    nblocks = w.pool.superblock.nblocks
+    stored = fill(w, nblocks - 30)
+    svc = w.take_over()
+    w.finish()
+    assert svc.index.cold == len(stored) == len(svc.index)
+    order = [d for d in svc.index]  # the LRU order recovery gave them, oldest first
+    keys = {digest(k.encode()): k for k in stored}
+    looked = order[0]
+    (loc,) = p.decode_locations(
+        svc.op_lookup(w.request(p.StoreOp.LOOKUP, p.encode_digests([looked])))
+    )
+    assert loc is not None and svc.index.cold == len(stored) - 1
+    w.put("new", value_of("new"))
+    big = w.put("big", b"B" * 40 * GEOMETRY.block_size)  # needs evictions
+    gone = [d for d in order if w.read(keys[d]) is None]
+    assert gone and gone == order[1 : len(gone) + 1]  # oldest first, the looked-up one kept
+    assert svc.counters["evictions"] == len(gone)
+    assert w.read(keys[looked]) == value_of(keys[looked]) and w.read("new") == value_of("new")
+    clean_up(w, {keys[d] for d in order} - {keys[d] for d in gone} | {"new", "big"})
+    assert big.version > 0
+
+
 # -- writes in flight at the takeover --------------------------------------------------
 
 

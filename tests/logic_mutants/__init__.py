@@ -53,6 +53,7 @@ MUTANTS: list[Mutant] = [
     *native.TORN,
     *server.BLOCK_KEYS,
     *server.PACING,
+    *server.COLD_KEYS,
 ]
 
 #: mutants tried and removed: no test can tell them from the code (name: why)

@@ -753,3 +753,31 @@ PACING: list[Mutant] = [
         cheap=True,
     ),
 ]
+
+
+# -- the key index's cold part (KeyIndex, 2026-12-07): recovery's keys, no Entry each
+_COLD = REC + "test_recovered_keys_stay_cold_and_go_first_but_a_key_looked_up_since_stays"
+COLD_KEYS: list[Mutant] = [
+    Mutant(
+        "a-cold-key-looked-up-goes-to-the-start",
+        "cold keys",
+        "beluga/server/keyindex.py",
+        "        if last:\n            self._warm[digest] = e",
+        "        if not last:\n            self._warm[digest] = e",
+        (_COLD,),
+        "a key read since the takeover is moved before every key instead of after them: "
+        "eviction takes the one key in use first",
+        cheap=True,
+    ),
+    Mutant(
+        "a-region-found-later-is-newer",
+        "cold keys",
+        "beluga/server/keyindex.py",
+        "self._order.insert(0, chunk)",
+        "self._order.append(chunk)",
+        ("tests/test_keyindex.py::test_random_histories_agree_with_an_ordered_dict",),
+        "a region's keys land after the keys indexed before them (warm ones' chunks "
+        "included): eviction's order is no longer the one recovery gives",
+        cheap=True,
+    ),
+]
