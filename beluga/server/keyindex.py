@@ -84,6 +84,7 @@ class KeyIndex:
         self._bases: list[int] = []
         self._next = 0  # the next row id
         self._made: dict[bytes, Entry] = {}  # cold keys whose Entry was handed out
+        self._cold_bytes = 0  # the length columns' sum over live rows
 
     # -- the cold part ---------------------------------------------------------------
 
@@ -115,6 +116,7 @@ class KeyIndex:
             n,
         )
         self._next += n
+        self._cold_bytes += int(chunk.lengths.sum())
         self._order.insert(0, chunk)
         self._by_base.append(chunk)
         self._bases.append(chunk.base)
@@ -157,6 +159,7 @@ class KeyIndex:
         self._table.pop(digest)
         chunk.alive[row] = False
         chunk.left -= 1
+        self._cold_bytes -= int(chunk.lengths[row])
         if not chunk.left:
             self._order.remove(chunk)
             i = bisect.bisect_left(self._bases, chunk.base)
@@ -267,10 +270,8 @@ class KeyIndex:
         yield from self._warm
 
     def value_bytes(self) -> int:
-        """The values' lengths, summed (without making any cold key's Entry)."""
-        total = sum(e.length for e in self._warm.values())
-        for chunk in self._order:
-            total += int(chunk.lengths[chunk.alive].sum())
+        """The values' lengths, summed (a running sum for the cold part: no Entry made)."""
+        total = self._cold_bytes + sum(e.length for e in self._warm.values())
         for digest, e in self._made.items():  # an Entry handed out may have been replaced
             at = self._row(digest)
             assert at is not None
