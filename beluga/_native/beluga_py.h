@@ -61,6 +61,7 @@ bl_rpc_hooks bl_section_hooks(bl_section *s);
 /* beluga.errors.CoherenceError and RpcError, once the package registers them. */
 extern PyObject *bl_coherence_error, *bl_rpc_error;
 PyObject *bl_fail(PyObject *cls, const char *fmt, ...);
+int bl_digest_arg(PyObject *o, uint8_t d[16]);
 
 int bl_memory_init(PyObject *module);
 int bl_index_init(PyObject *module);

@@ -1,5 +1,6 @@
 /*
- * helpers_py.c - the few helpers every binding file shares: errors and sections.
+ * helpers_py.c - the few helpers every binding file shares: errors, digest arguments
+ * and sections.
  *
  * Errors: misuse raises the class the package registered (beluga.errors'
  * CoherenceError, or RpcError for the RPC), ValueError before that.
@@ -28,6 +29,21 @@ PyObject *bl_fail(PyObject *cls, const char *fmt, ...)
         Py_DECREF(msg);
     }
     return NULL;
+}
+
+/* A 16-byte key digest argument into d: 1, or 0 with ValueError. */
+int bl_digest_arg(PyObject *o, uint8_t d[16])
+{
+    Py_buffer v;
+    if (PyObject_GetBuffer(o, &v, PyBUF_SIMPLE) < 0)
+        return 0;
+    int ok = v.len == 16;
+    if (ok)
+        memcpy(d, v.buf, 16);
+    PyBuffer_Release(&v);
+    if (!ok)
+        PyErr_Format(PyExc_ValueError, "a key digest is 16 bytes (key_digest), not %zd", v.len);
+    return ok;
 }
 
 /* Enter a section over mem (drop the GIL if asked); -1 with cls raised if released or closing. */

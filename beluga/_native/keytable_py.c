@@ -65,21 +65,6 @@ static int digests_of(PyObject *o, Py_buffer *v, Py_ssize_t *n)
     return 0;
 }
 
-/* One 16-byte digest into d; 0, or -1 with ValueError. */
-static int digest_of(PyObject *o, uint8_t d[16])
-{
-    Py_buffer v;
-    if (PyObject_GetBuffer(o, &v, PyBUF_SIMPLE) < 0)
-        return -1;
-    int ok = v.len == 16;
-    if (ok)
-        memcpy(d, v.buf, 16);
-    PyBuffer_Release(&v);
-    if (!ok)
-        PyErr_Format(PyExc_ValueError, "a key digest is 16 bytes (key_digest), not %zd", v.len);
-    return ok ? 0 : -1;
-}
-
 /* add(digests, first) -> None: digest i gets id first + i; none may be there already
  * (ValueError, and the table is as before) */
 static PyObject *KeyTable_add(KeyTableObject *self, PyObject *args)
@@ -136,7 +121,7 @@ static PyObject *KeyTable_contains(KeyTableObject *self, PyObject *o)
 static PyObject *KeyTable_get(KeyTableObject *self, PyObject *o)
 {
     uint8_t d[16];
-    if (ready(self) < 0 || digest_of(o, d) < 0)
+    if (ready(self) < 0 || !bl_digest_arg(o, d))
         return NULL;
     return PyLong_FromLongLong(bl_kt_get(&self->t, d));
 }
@@ -145,7 +130,7 @@ static PyObject *KeyTable_get(KeyTableObject *self, PyObject *o)
 static PyObject *KeyTable_pop(KeyTableObject *self, PyObject *o)
 {
     uint8_t d[16];
-    if (ready(self) < 0 || digest_of(o, d) < 0)
+    if (ready(self) < 0 || !bl_digest_arg(o, d))
         return NULL;
     return PyLong_FromLongLong(bl_kt_pop(&self->t, d));
 }

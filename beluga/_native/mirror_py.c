@@ -77,21 +77,6 @@ static int enter(MirrorObject *self, bl_section *s)
     return bl_section_enter(s, self->mem, 0, NULL, NULL);
 }
 
-/* A 16-byte digest argument into d; 0 with ValueError otherwise. */
-static int digest_of(PyObject *o, uint8_t d[16])
-{
-    Py_buffer v;
-    if (PyObject_GetBuffer(o, &v, PyBUF_SIMPLE) < 0)
-        return 0;
-    int ok = v.len == 16;
-    if (ok)
-        memcpy(d, v.buf, 16);
-    PyBuffer_Release(&v);
-    if (!ok)
-        PyErr_Format(PyExc_ValueError, "a key digest is 16 bytes (key_digest), not %zd", v.len);
-    return ok;
-}
-
 /* find(digest) -> (block, version) | None: its buckets loaded and resolved as needed */
 static PyObject *Mirror_find(MirrorObject *self, PyObject *digest)
 {
@@ -99,7 +84,7 @@ static PyObject *Mirror_find(MirrorObject *self, PyObject *digest)
     uint32_t block;
     uint64_t version;
     bl_section s;
-    if (!digest_of(digest, d) || enter(self, &s) < 0)
+    if (!bl_digest_arg(digest, d) || enter(self, &s) < 0)
         return NULL;
     int got = bl_ixm_find(&self->mem->mem, &self->x, d, &block, &version);
     bl_section_leave(&s);
@@ -112,7 +97,7 @@ static PyObject *Mirror_find(MirrorObject *self, PyObject *digest)
 static PyObject *Mirror_slot_of(MirrorObject *self, PyObject *digest)
 {
     uint8_t d[16];
-    if (!digest_of(digest, d))
+    if (!bl_digest_arg(digest, d))
         return NULL;
     if (!self->ready)
         return bl_fail(bl_coherence_error, "IndexMirror was not initialised");
@@ -129,7 +114,7 @@ static PyObject *Mirror_put(MirrorObject *self, PyObject *args)
     unsigned long long block, version;
     uint8_t d[16];
     bl_section s;
-    if (!PyArg_ParseTuple(args, "OKK", &digest, &block, &version) || !digest_of(digest, d))
+    if (!PyArg_ParseTuple(args, "OKK", &digest, &block, &version) || !bl_digest_arg(digest, d))
         return NULL;
     if (block > UINT32_MAX)
         return PyErr_Format(PyExc_ValueError, "a block number fits 32 bits, not %llu", block);
@@ -145,7 +130,7 @@ static PyObject *Mirror_crowd(MirrorObject *self, PyObject *digest)
 {
     uint8_t d[16], out[2 * BL_IX_SLOTS][16];
     bl_section s;
-    if (!digest_of(digest, d) || enter(self, &s) < 0)
+    if (!bl_digest_arg(digest, d) || enter(self, &s) < 0)
         return NULL;
     int n = bl_ixm_crowd(&self->mem->mem, &self->x, d, out);
     bl_section_leave(&s);
@@ -165,7 +150,7 @@ static PyObject *Mirror_drop(MirrorObject *self, PyObject *digest)
 {
     uint8_t d[16];
     bl_section s;
-    if (!digest_of(digest, d) || enter(self, &s) < 0)
+    if (!bl_digest_arg(digest, d) || enter(self, &s) < 0)
         return NULL;
     bl_ixm_drop(&self->mem->mem, &self->x, d);
     bl_section_leave(&s);
