@@ -102,7 +102,7 @@ class KeyIndex:
         if not n:
             return
         digests = np.ascontiguousarray(digests, dtype="V16")
-        if self._warm and any(d in self._warm for d in digests.tolist()):
+        if self._warm and not self._warm.keys().isdisjoint(digests.tolist()):
             raise ValueError("add_cold: a key is indexed already; nothing was added")
         self._table.add(digests, self._next)  # refuses keys cold already, changing nothing
         chunk = _Chunk(
