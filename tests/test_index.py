@@ -171,6 +171,7 @@ def test_the_mirror_refuses_misuse_with_an_error_never_a_crash(pool: Pool) -> No
         lambda: m.find(bytes(17)),
         lambda: m.crowd(b""),
         lambda: m.drop(bytes(15)),
+        lambda: m.placed(bytes(17)),  # not whole 16-byte records
         lambda: m.scrub(-1),
         lambda: m.reconcile(0, 2, bytes(LINE), b"", b""),  # two buckets, one line
         lambda: m.reconcile(2, 1, b"", b"", b""),
@@ -180,6 +181,8 @@ def test_the_mirror_refuses_misuse_with_an_error_never_a_crash(pool: Pool) -> No
     ):
         with pytest.raises(ValueError):
             call()
+    with pytest.raises(TypeError):
+        m.placed(3)
     with pytest.raises(CoherenceError, match="in use"):
         m.__init__(pool.memory, ix.base, ix.nbuckets, 0, 0, 1, 1, 0)
     with pytest.raises(CoherenceError, match="geometry"):
@@ -188,6 +191,8 @@ def test_the_mirror_refuses_misuse_with_an_error_never_a_crash(pool: Pool) -> No
     bare = _core.IndexMirror.__new__(_core.IndexMirror)
     with pytest.raises(CoherenceError, match="not initialised"):
         bare.find(d)
+    with pytest.raises(CoherenceError, match="not initialised"):
+        bare.placed(d)
     assert len(bare) == 0 and bare.digests() == [] and bare.loaded is None
     assert d in ix.where and bytes(3) not in ix.where and len(ix) == 1
     assert set(ix.where) == {d}
@@ -198,6 +203,7 @@ def test_the_mirror_refuses_misuse_with_an_error_never_a_crash(pool: Pool) -> No
     with pytest.raises(CoherenceError, match="released"):
         alone.put(d, 1, 1)
     assert alone.slot_of(d) is None  # the mirror alone: no memory touched
+    assert alone.placed(d + d) == bytes(2) and alone.placed(b"") == b""
 
 
 def test_cuckoo_moves_keep_every_key_findable(pool: Pool) -> None:

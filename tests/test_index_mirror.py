@@ -191,6 +191,9 @@ def mirror_state(ix: Any, nbuckets: int, probe: Sequence[bytes], deep: bool) -> 
         "scrubbed": ix.scrubbed,
         "unconfirmed": ix.unconfirmed,
     }
+    if hasattr(where, "among"):  # the mirror's batch membership (recovery's naming step)
+        among = where.among(np.array(probe, dtype="V16")).tolist() if probe else []
+        assert among == state["in where"]
     if deep:
         listed = list(where)
         state["iter(where)"] = len(listed)

@@ -24,7 +24,7 @@ import pytest
 
 from beluga._native import _core
 from beluga.server.extents import Entry
-from beluga.server.keyindex import KeyIndex
+from beluga.server.keyindex import KeyIndex, KeyWalk
 
 FULL = os.environ.get("BELUGA_STRESS") == "full"
 SEEDS = 400 if FULL else 40
@@ -84,6 +84,27 @@ def _history(seed: int, steps: int, make: type[KeyIndex] = KeyIndex) -> Counter[
             next_block += 8
         return rows
 
+    walk: KeyWalk | None = None  # recovery's naming step walks the keys while they change
+    walked: list[bytes] = []  # what the walk must hand out, the keys left out removed
+    left_out: set[bytes] = set()
+
+    def walk_next() -> None:
+        nonlocal walk
+        assert walk is not None
+        made, keys = ki.made, rnd.choice([1, 2, 5, 50])
+        got = walk.next(
+            rnd.choice([1, 3, 100]),
+            keys,
+            lambda ds: np.array([d in left_out for d in ds.tolist()], dtype=bool),
+        )
+        assert ki.made == made  # no cold key's Entry made
+        assert len(got) < 2 * keys
+        assert got == walked[len(walked) - len(got) :]  # the next keys back, oldest first
+        del walked[len(walked) - len(got) :]
+        if not walk:
+            assert not walked
+            walk = None
+
     for step in range(steps):
         op = rnd.choices(
             [
@@ -99,8 +120,9 @@ def _history(seed: int, steps: int, make: type[KeyIndex] = KeyIndex) -> Counter[
                 "evict",
                 "known",
                 "refuse",
+                "walk",
             ],
-            [6, 8, 10, 4, 6, 6, 3, 10, 4, 5, 3, 1],
+            [6, 8, 10, 4, 6, 6, 3, 10, 4, 5, 3, 1, 4],
         )[0]
         paths[op] += 1
         if op == "add_cold":
@@ -177,6 +199,14 @@ def _history(seed: int, steps: int, make: type[KeyIndex] = KeyIndex) -> Counter[
             with pytest.raises(ValueError):
                 _add_cold(ki, rows)
             paths["refused"] += 1
+        elif op == "walk" and walk is None:
+            walk = ki.walk()
+            left_out = {d for d in od if rnd.random() < 0.6}
+            walked = [d for d in od if d not in left_out]
+            paths["walk"] += 1
+        elif op == "walk":
+            walk_next()
+            paths["walk_done" if walk is None else "walk_next"] += 1
         assert len(ki) == len(od)
         assert bool(ki) == bool(od)
         assert list(ki) == list(od)
@@ -184,6 +214,11 @@ def _history(seed: int, steps: int, make: type[KeyIndex] = KeyIndex) -> Counter[
             assert list(ki.items()) == list(od.items())
             assert list(ki.values()) == list(od.values())
         assert ki.value_bytes() == sum(e.length for e in od.values())
+    for _ in range(len(walked) + 1000):  # each call looks at a row at least
+        if walk is None:
+            break
+        walk_next()
+    assert walk is None
     paths["cold_left"] += ki.cold
     return paths
 
@@ -211,6 +246,9 @@ def test_the_histories_reach_every_path() -> None:
         "move_cold_True",
         "move_cold_False",
         "cold_left",
+        "walk",
+        "walk_next",
+        "walk_done",
     ):
         assert paths[path] > 0, path
 

@@ -307,6 +307,38 @@ def test_a_value_whose_slot_never_landed_is_named_once_recovery_ends(w: World) -
     clean_up(w, {*stored, "lone"})
 
 
+def test_naming_makes_no_entry_for_keys_named_and_names_a_key_looked_up_meanwhile(
+    w: World,
+) -> None:
+    """Recovery's last step finds the keys no slot names (a crash lost their insertion)
+    among every key indexed, in C, and makes Python work only of those: the keys slots
+    name stay cold, no ``Entry`` made.  It walks the index as it was when the step began,
+    so a key a lookup takes out of the cold part meanwhile is still named."""
+    stored = fill(w, 200)
+    lost = sorted(stored)[::2]  # every other key's insertion lost in the crash
+    for k in lost:
+        w.svc.ix.drop(digest(k.encode()))
+    w.svc.mem.sfence()
+    svc = w.take_over()
+    while svc.rec is not None and svc.rec.naming is None:
+        w.step()
+    assert svc.rec is not None and svc.rec.naming  # a region's keys named, more to come
+    waiting = [k for k in lost if digest(k.encode()) not in svc.ix.where]
+    assert len(lost) - REGION <= len(waiting) < len(lost)
+    looked = waiting[0]
+    (loc,) = p.decode_locations(
+        svc.op_lookup(w.request(p.StoreOp.LOOKUP, p.encode_digests([digest(looked.encode())])))
+    )
+    assert loc is not None and digest(looked.encode()) not in svc.ix.where
+    w.finish()
+    assert all(w.read(k) == value_of(k) for k in stored)  # every key named, the looked-up too
+    assert svc.counters["index_repaired"] == len(lost)
+    assert svc.index.cold == len(stored) - 1
+    # the Entry of each named key but the one looked up (warm now): none of the others'
+    assert svc.index.made == len(lost) - 1
+    clean_up(w, set(stored))
+
+
 def test_a_commit_during_recovery_beats_every_older_copy_found_later(w: World) -> None:
     stored = fill(w, 20)
     w.landed_commit("k3", b"inflight" * 10, at=400)

@@ -62,6 +62,7 @@ bl_rpc_hooks bl_section_hooks(bl_section *s);
 extern PyObject *bl_coherence_error, *bl_rpc_error;
 PyObject *bl_fail(PyObject *cls, const char *fmt, ...);
 int bl_digest_arg(PyObject *o, uint8_t d[16]);
+int bl_digests_arg(PyObject *o, Py_buffer *v, Py_ssize_t *n);
 
 int bl_memory_init(PyObject *module);
 int bl_index_init(PyObject *module);

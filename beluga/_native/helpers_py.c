@@ -46,6 +46,22 @@ int bl_digest_arg(PyObject *o, uint8_t d[16])
     return ok;
 }
 
+/* A buffer of 16-byte digest records (numpy "V16") into v, n records: 0, or -1 with
+ * ValueError (the buffer released).  The caller releases v. */
+int bl_digests_arg(PyObject *o, Py_buffer *v, Py_ssize_t *n)
+{
+    if (PyObject_GetBuffer(o, v, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (v->len % 16) {
+        PyErr_Format(PyExc_ValueError,
+                     "digests are 16-byte records; %zd bytes is not a whole number of them", v->len);
+        PyBuffer_Release(v);
+        return -1;
+    }
+    *n = v->len / 16;
+    return 0;
+}
+
 /* Enter a section over mem (drop the GIL if asked); -1 with cls raised if released or closing. */
 int bl_section_enter(bl_section *s, MemoryObject *mem, int drop_gil, PyObject *cls,
                      const char *why)

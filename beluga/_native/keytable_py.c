@@ -51,20 +51,6 @@ static int ready(KeyTableObject *self)
 }
 
 /* A buffer of 16-byte digests into v (n records); 0, or -1 with ValueError. */
-static int digests_of(PyObject *o, Py_buffer *v, Py_ssize_t *n)
-{
-    if (PyObject_GetBuffer(o, v, PyBUF_SIMPLE) < 0)
-        return -1;
-    if (v->len % 16) {
-        PyErr_Format(PyExc_ValueError, "digests are 16-byte records; %zd bytes is not a whole number of them",
-                     v->len);
-        PyBuffer_Release(v);
-        return -1;
-    }
-    *n = v->len / 16;
-    return 0;
-}
-
 /* add(digests, first) -> None: digest i gets id first + i; none may be there already
  * (ValueError, and the table is as before) */
 static PyObject *KeyTable_add(KeyTableObject *self, PyObject *args)
@@ -77,7 +63,7 @@ static PyObject *KeyTable_add(KeyTableObject *self, PyObject *args)
         return NULL;
     if (first < 0 || first > (1ll << 62))
         return PyErr_Format(PyExc_ValueError, "ids start at 0 and stay below 2**62, not %lld", first);
-    if (digests_of(o, &v, &n) < 0)
+    if (bl_digests_arg(o, &v, &n) < 0)
         return NULL;
     const uint8_t(*d)[16] = v.buf;
     if (bl_kt_reserve(&self->t, (uint64_t)n) < 0) {
@@ -104,7 +90,7 @@ static PyObject *KeyTable_contains(KeyTableObject *self, PyObject *o)
 {
     Py_buffer v;
     Py_ssize_t n;
-    if (ready(self) < 0 || digests_of(o, &v, &n) < 0)
+    if (ready(self) < 0 || bl_digests_arg(o, &v, &n) < 0)
         return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, n);
     if (out) {

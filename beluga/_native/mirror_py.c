@@ -107,6 +107,27 @@ static PyObject *Mirror_slot_of(MirrorObject *self, PyObject *digest)
     return PyLong_FromLongLong(at);
 }
 
+/* placed(digests) -> bytes: one byte a digest (16-byte records), 1 when the mirror has
+ * it resolved in a slot (slot_of for each, nothing loaded or resolved) */
+static PyObject *Mirror_placed(MirrorObject *self, PyObject *o)
+{
+    Py_buffer v;
+    Py_ssize_t n;
+    if (!self->ready)
+        return bl_fail(bl_coherence_error, "IndexMirror was not initialised");
+    if (bl_digests_arg(o, &v, &n) < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out) {
+        const uint8_t(*d)[16] = v.buf;
+        char *w = PyBytes_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++)
+            w[i] = bl_ixm_slot_of(&self->x, d[i]) >= 0;
+    }
+    PyBuffer_Release(&v);
+    return out;
+}
+
 /* put(digest, block, version) -> bool (False: no slot could be made free) */
 static PyObject *Mirror_put(MirrorObject *self, PyObject *args)
 {
@@ -274,6 +295,8 @@ static Py_ssize_t Mirror_len(MirrorObject *self) { return (Py_ssize_t)self->x.re
 static PyMethodDef Mirror_methods[] = {
     {"find", (PyCFunction)Mirror_find, METH_O, "find(digest) -> (block, version) | None"},
     {"slot_of", (PyCFunction)Mirror_slot_of, METH_O, "slot_of(digest) -> slot | None"},
+    {"placed", (PyCFunction)Mirror_placed, METH_O,
+     "placed(digests) -> bytes: 1 for each digest (16-byte records) slot_of finds, else 0"},
     {"put", (PyCFunction)Mirror_put, METH_VARARGS, "put(digest, block, version) -> bool"},
     {"crowd", (PyCFunction)Mirror_crowd, METH_O, "crowd(digest) -> [digest]"},
     {"drop", (PyCFunction)Mirror_drop, METH_O, "drop(digest)"},

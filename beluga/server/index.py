@@ -95,6 +95,12 @@ class Placed(Mapping[bytes, int]):
     def __iter__(self) -> Iterator[bytes]:
         return iter(self._mirror.digests())
 
+    def among(self, digests: np.ndarray) -> np.ndarray:
+        """Whether each of ``digests`` (16-byte void items) is resolved in a slot: ``in``
+        for each, in one call."""
+        digests = np.ascontiguousarray(digests, dtype="V16")
+        return np.frombuffer(self._mirror.placed(digests), dtype=bool)
+
     def __len__(self) -> int:
         return len(self._mirror)
 

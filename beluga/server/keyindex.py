@@ -39,7 +39,7 @@ from __future__ import annotations
 import bisect
 import secrets
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +71,50 @@ class _Chunk:
             int(self.versions[row]),
             int(self.lengths[row]),
         )
+
+
+class KeyWalk:
+    """The keys a :class:`KeyIndex` held when the walk began (:meth:`KeyIndex.walk`),
+    handed out newest first, a batch at a time, each batch oldest first, with no Python
+    object for a key a filter leaves out.  Keys indexed since are not in it; keys
+    dropped since still are (the caller looks each one up).  Holds a copy of each cold
+    chunk's live mask (a byte a key), not of its digests.  Not thread-safe, not
+    fork-safe: its index's."""
+
+    def __init__(self, cold: list[tuple[np.ndarray, np.ndarray]], warm: list[bytes]) -> None:
+        # oldest first; each piece (digests, alive, end): rows before end not handed out
+        self._pieces: list[tuple[np.ndarray, np.ndarray | None]] = [(d, a) for d, a in cold]
+        self._ends = [len(d) for d, _ in cold]
+        if warm:
+            self._pieces.append((np.frombuffer(b"".join(warm), dtype="V16"), None))
+            self._ends.append(len(warm))
+
+    def __bool__(self) -> bool:
+        return bool(self._pieces)
+
+    def next(
+        self, rows: int, keys: int, leave_out: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> list[bytes]:
+        """The next keys back from where the walk stands (newest first), in batches of
+        at most ``keys`` rows, until ``keys`` are kept or ``rows`` looked at;
+        ``leave_out`` (digests -> bool mask) drops some.  The keys kept, oldest first."""
+        batches: list[list[bytes]] = []
+        kept = seen = 0
+        while self._pieces and kept < keys and seen < rows:
+            digests, alive = self._pieces[-1]
+            end = self._ends[-1]
+            lo = max(0, end - keys)
+            batch = digests[lo:end] if alive is None else digests[lo:end][alive[lo:end]]
+            if leave_out is not None and len(batch):
+                batch = batch[~leave_out(batch)]
+            batches.append(batch.tolist())
+            kept += len(batches[-1])
+            seen += end - lo
+            self._ends[-1] = lo
+            if not lo:
+                self._pieces.pop()
+                self._ends.pop()
+        return [d for batch in reversed(batches) for d in batch]
 
 
 class KeyIndex:
@@ -268,6 +312,17 @@ class KeyIndex:
             if self._changes() != changes:
                 raise RuntimeError("the KeyIndex changed during iteration")
         yield from self._warm
+
+    def walk(self) -> KeyWalk:
+        """Every key now, for a walk in batches that outlasts changes (:class:`KeyWalk`):
+        the cold chunks' live masks copied, the warm keys listed."""
+        cold = [(c.digests[c.start :], c.alive[c.start :].copy()) for c in self._order]
+        return KeyWalk(cold, list(self._warm))
+
+    @property
+    def made(self) -> int:
+        """Cold keys whose ``Entry`` was handed out (and is kept beside the columns)."""
+        return len(self._made)
 
     def value_bytes(self) -> int:
         """The values' lengths, summed (a running sum for the cold part: no Entry made)."""

@@ -130,10 +130,12 @@ from beluga.coherence import LINE, BlockState, HeaderTable, Memory, parse_header
 from beluga.server.allocator import BlockAllocator, overlapping
 from beluga.server.collector import gc_paused
 from beluga.server.extents import Entry, ExtentKeeping, Pending
+from beluga.server.keyindex import KeyWalk
 from beluga.server.recovery_state import (
     CENSUS_REGIONS,
     CURSOR_WORD,
     EXTENT_WORD,
+    NAMING_ROWS,
     RECOVERY_REGION,
     RECOVERY_SLICE_S,
     RecoveryState,
@@ -618,9 +620,9 @@ class Recovery(ExtentKeeping):
         rec = self.rec
         assert rec is not None
         if rec.naming is None:  # the index names a subset of the keys: equal sizes, all named
-            rec.naming = [] if len(self.ix) == len(self.index) else list(self.index)
-        todo = rec.naming[-rec.region :]
-        del rec.naming[-rec.region :]
+            rec.naming = KeyWalk([], []) if len(self.ix) == len(self.index) else self.index.walk()
+        # the keys no slot names, a region's at most, from NAMING_ROWS looked at in C
+        todo = rec.naming.next(NAMING_ROWS, rec.region, self.ix.where.among)
         for d in todo:
             e = self.index.get(d)
             if e is None or d in self.ix.where:

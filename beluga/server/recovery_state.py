@@ -36,15 +36,22 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from beluga.coherence import LINE, Memory, crc32c
 from beluga.pool.layout import Superblock
 
+if TYPE_CHECKING:
+    from beluga.server.keyindex import KeyWalk
+
 #: blocks a recovery step scans for keys, or buckets it reconciles: a few milliseconds of
 #: the server's thread at a time (docs/notes/alignment.md has the figures)
 RECOVERY_REGION = 1 << 12
+#: keys recovery's last step (naming) looks at in C a step, to find the few no slot names
+#: (a crash lost their insertion); at most a region of those found a step gets Python work
+NAMING_ROWS = 16 * RECOVERY_REGION
 #: a census step covers this many regions (it does a tenth of the work a block)
 CENSUS_REGIONS = 4
 #: the share of a busy server's time recovery takes (an idle server recovers flat out):
@@ -81,7 +88,7 @@ class RecoveryState:
     census: int = 0
     keys: int = 0
     buckets: int = 0
-    naming: list[bytes] | None = None  # keys to check that the index names them (last phase)
+    naming: KeyWalk | None = None  # keys to check that the index names them (last phase)
     graves: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # digest -> below, keep
     #: at each block, whether it is the first block of an extent decided ahead of the scan
     #: (a map, not a set: the scan asks of a whole region at once, each step)
