@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from beluga.bench import scale
+from beluga.bench.scale.server import LOST_EVERY
 from beluga.cli import main
 from beluga.units import MiB
 
@@ -89,6 +90,12 @@ def test_the_extrapolation_follows_from_the_rows(doc: dict) -> None:
     assert w["alloc_batch_p99_us"] == pytest.approx(two["alloc_batch_p99_us"] * 16 / 2)
     (row,) = doc["rows"]
     assert row["recovery_us_per_block"] == pytest.approx(1e6 * row["recovery_s"] / row["blocks"])
+    # one key in LOST_EVERY lost its slot, and recovery named each again (else it raises)
+    assert row["lost_insertions"] == -(-row["keys"] // LOST_EVERY)
+    assert row["recovery_lost_s"] > 0 and e["lost_every"] == LOST_EVERY
+    assert e["recovery_lost_s"] == pytest.approx(
+        row["recovery_lost_s"] / row["blocks"] * e["pod_blocks"]
+    )
     assert e["full_gc_s"] == pytest.approx(row["full_gc_ms"] / row["keys"] * pod_keys / 1e3)
     r = e["reads"]
     assert r["pod_load"] == pytest.approx(0.5 / 3)

@@ -8,7 +8,10 @@ recovery      a restarted server's whole recovery at once (``recover()``): load
               and parse every block header and commit word, rebuild the index
               and the allocator, repair the pool index; against block count and
               key count.  Until issue 36 a server answered no write before it
-              was done, so this was also the takeover's write outage
+              was done, so this was also the takeover's write outage; and
+              the same after a crash that lost the pool index's slot of one
+              key in 1,000 (``recovery_lost_s``: recovery's last step names
+              them again), as a crash under writers leaves it
 takeover      a server taking over as ``beluga serve`` does now (recovery while
               serving): takeover to its first acknowledged write, with recovery
               at once as the baseline ("before"); then writers overwriting

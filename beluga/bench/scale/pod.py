@@ -11,7 +11,7 @@ import numpy as np
 
 from beluga.bench.scale.clients import HOSTS, LOADS, reads, writers, writers_rpc
 from beluga.bench.scale.pools import BATCH, GEOMETRY
-from beluga.bench.scale.server import measure
+from beluga.bench.scale.server import LOST_EVERY, measure
 from beluga.server.index import SLOTS
 from beluga.units import GiB, MiB, TiB
 
@@ -112,6 +112,8 @@ def run(
         "pod_keys": pod_keys,
         "recovery_s": a + b * pod_blocks,
         "recovery_us_per_block": 1e6 * b,
+        "recovery_lost_s": _at_pod(blocks, [r["recovery_lost_s"] for r in rows]),
+        "lost_every": LOST_EVERY,
         "fill_alloc_commit_s": per_key * pod_keys / 1e6,
         "full_gc_s": (gc_a + gc_b * pod_keys) / 1e3,
         "full_gc_frozen_s": max(0.0, (fz_a + fz_b * pod_keys) / 1e3),

@@ -15,6 +15,7 @@ def columns() -> list[tuple[str, str]]:
         ("keys", "keys"),
         ("recovery_s", "recovery s"),
         ("recovery_us_per_block", "µs/block"),
+        ("recovery_lost_s", "recovery s (lost)"),
         ("first_write_before_s", "1st write s (before)"),
         ("first_write_after_s", "1st write s (after)"),
         ("alloc_us_per_key", "ALLOC µs/key"),
@@ -88,7 +89,9 @@ def format_extrapolation(doc: dict[str, Any]) -> str:
     lines += [
         f"extrapolated to {e['pod_bytes'] / TiB:g} TiB ({e['pod_blocks']:,} blocks, "
         f"{e['pod_keys']:,} keys):",
-        f"  recovery {e['recovery_s']:,.0f} s ({e['recovery_us_per_block']:.2f} µs a block)",
+        f"  recovery {e['recovery_s']:,.0f} s ({e['recovery_us_per_block']:.2f} µs a block); "
+        f"{e['recovery_lost_s']:,.0f} s after a crash lost the index slot of one key in "
+        f"{e['lost_every']:,}",
         f"  takeover to the first acknowledged write: {t['first_write_before_s']:,.3f} s "
         f"recovering at once (before), {t['first_write_after_s']:,.3f} s recovering while "
         f"serving (after); writes at {t['keys_per_s_recovering_over_after']:.0%} of their "
