@@ -24,6 +24,10 @@ are never touched again before they are evicted.  As an ``OrderedDict`` of
   a chunk of its own at the start;
 - ``del`` / ``pop`` mark its row dead; a chunk whose rows are all dead goes.
 
+Recovery's last step (naming) looks at every key for the few no slot of the pool
+index names: :meth:`KeyIndex.walk` hands the keys out a batch at a time as digest
+columns, so the keys a slot names are left out in C and never become objects.
+
 Eviction takes ``items()``' first entry: the first live row of the oldest
 chunk, found from a cursor that only moves forward (dead rows before it stay
 dead), so evicting the cold part costs O(1) a key.

@@ -780,4 +780,27 @@ COLD_KEYS: list[Mutant] = [
         "included): eviction's order is no longer the one recovery gives",
         cheap=True,
     ),
+    Mutant(
+        "the-naming-walk-skips-keys-moved-since",
+        "cold keys",
+        "beluga/server/keyindex.py",
+        "cold = [(c.digests[c.start :], c.alive[c.start :].copy()) for c in self._order]",
+        "cold = [(c.digests[c.start :], c.alive[c.start :]) for c in self._order]",
+        (REC + "test_naming_makes_no_entry_for_keys_named_and_names_a_key_looked_up_meanwhile",),
+        "recovery's naming step reads the cold part's live masks as they are now, not as "
+        "they were when it began: a key a lookup took out of the cold part meanwhile is "
+        "never named, and readers miss a key the index holds",
+        cheap=True,
+    ),
+    Mutant(
+        "the-naming-walk-drops-a-batch-edge",
+        "cold keys",
+        "beluga/server/keyindex.py",
+        "            self._ends[-1] = lo\n",
+        "            self._ends[-1] = lo - (lo > 0)\n",
+        ("tests/test_keyindex.py::test_random_histories_agree_with_an_ordered_dict",),
+        "the walk steps one key too far back after each batch: the key at every batch's "
+        "edge is never looked at",
+        cheap=True,
+    ),
 ]
