@@ -245,6 +245,8 @@ class KeyIndex:
         e = self._warm.get(digest)
         if e is not None:
             return e
+        if not len(self._table):  # the write path's usual case: nothing cold
+            return default
         at = self._row(digest) if len(digest) == 16 else None
         return default if at is None else self._cold_entry(digest, *at)
 
@@ -255,14 +257,14 @@ class KeyIndex:
         return e
 
     def __setitem__(self, digest: bytes, e: Entry) -> None:
-        if digest not in self._warm and self._row(digest) is not None:
+        if len(self._table) and digest not in self._warm and self._row(digest) is not None:
             self._made[digest] = e  # a cold key keeps its place
         else:
             self._warm[digest] = e
 
     def pop(self, digest: bytes, default: object = _MISSING) -> Entry:
         e = self._warm.pop(digest, None)
-        if e is None and len(digest) == 16:
+        if e is None and len(self._table) and len(digest) == 16:
             e = self._take_cold(digest)
         if e is None:
             if default is _MISSING:
