@@ -186,8 +186,10 @@ class KeyIndex:
         if not len(self._table):
             return None
         at = self._table.get(digest)
-        if at < 0:
-            return None
+        return None if at < 0 else self._locate(at)
+
+    def _locate(self, at: int) -> tuple[_Chunk, int]:
+        """The chunk and row of row id ``at``."""
         chunk = self._by_base[bisect.bisect_right(self._bases, at) - 1]
         return chunk, at - chunk.base
 
@@ -245,10 +247,10 @@ class KeyIndex:
         e = self._warm.get(digest)
         if e is not None:
             return e
-        if not len(self._table):  # the write path's usual case: nothing cold
+        if not len(self._table) or len(digest) != 16:  # (the first: nothing cold)
             return default
-        at = self._row(digest) if len(digest) == 16 else None
-        return default if at is None else self._cold_entry(digest, *at)
+        at = self._table.get(digest)
+        return default if at < 0 else self._cold_entry(digest, *self._locate(at))
 
     def __getitem__(self, digest: bytes) -> Entry:
         e = self.get(digest)
@@ -257,14 +259,19 @@ class KeyIndex:
         return e
 
     def __setitem__(self, digest: bytes, e: Entry) -> None:
-        if len(self._table) and digest not in self._warm and self._row(digest) is not None:
+        if (
+            len(self._table)
+            and len(digest) == 16
+            and digest not in self._warm
+            and self._table.get(digest) >= 0
+        ):
             self._made[digest] = e  # a cold key keeps its place
         else:
             self._warm[digest] = e
 
     def pop(self, digest: bytes, default: object = _MISSING) -> Entry:
         e = self._warm.pop(digest, None)
-        if e is None and len(self._table) and len(digest) == 16:
+        if e is None and len(self._table) and len(digest) == 16 and self._table.get(digest) >= 0:
             e = self._take_cold(digest)
         if e is None:
             if default is _MISSING:
