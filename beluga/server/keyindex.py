@@ -86,7 +86,9 @@ class KeyWalk:
     fork-safe: its index's."""
 
     def __init__(self, cold: list[tuple[np.ndarray, np.ndarray]], warm: list[bytes]) -> None:
-        # oldest first; each piece (digests, alive, end): rows before end not handed out
+        # oldest first, each piece (digests, alive or None: all), and where it ends now:
+        # its rows before that end are not handed out yet (the warm keys are the
+        # service's 16-byte digests, as every key of the index is)
         self._pieces: list[tuple[np.ndarray, np.ndarray | None]] = [(d, a) for d, a in cold]
         self._ends = [len(d) for d, _ in cold]
         if warm:
