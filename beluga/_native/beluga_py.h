@@ -63,6 +63,8 @@ extern PyObject *bl_coherence_error, *bl_rpc_error;
 PyObject *bl_fail(PyObject *cls, const char *fmt, ...);
 int bl_digest_arg(PyObject *o, uint8_t d[16]);
 int bl_digests_arg(PyObject *o, Py_buffer *v, Py_ssize_t *n);
+PyObject *bl_digests_test(PyObject *o, int (*has)(const void *ctx, const uint8_t d[16]),
+                          const void *ctx);
 
 int bl_memory_init(PyObject *module);
 int bl_index_init(PyObject *module);

@@ -62,6 +62,26 @@ int bl_digests_arg(PyObject *o, Py_buffer *v, Py_ssize_t *n)
     return 0;
 }
 
+/* A batch test over a buffer of 16-byte digest records: bytes, one a record, 1 where
+ * has(ctx, digest) is true; NULL with ValueError for a bad buffer. */
+PyObject *bl_digests_test(PyObject *o, int (*has)(const void *ctx, const uint8_t d[16]),
+                          const void *ctx)
+{
+    Py_buffer v;
+    Py_ssize_t n;
+    if (bl_digests_arg(o, &v, &n) < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out) {
+        const uint8_t(*d)[16] = v.buf;
+        char *w = PyBytes_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++)
+            w[i] = has(ctx, d[i]) != 0;
+    }
+    PyBuffer_Release(&v);
+    return out;
+}
+
 /* Enter a section over mem (drop the GIL if asked); -1 with cls raised if released or closing. */
 int bl_section_enter(bl_section *s, MemoryObject *mem, int drop_gil, PyObject *cls,
                      const char *why)

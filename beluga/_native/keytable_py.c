@@ -85,22 +85,15 @@ static PyObject *KeyTable_add(KeyTableObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Whether table t holds digest d (contains's test). */
+static int holds(const void *t, const uint8_t d[16]) { return bl_kt_get(t, d) >= 0; }
+
 /* contains(digests) -> bytes: one byte a digest, 1 when the table holds it */
 static PyObject *KeyTable_contains(KeyTableObject *self, PyObject *o)
 {
-    Py_buffer v;
-    Py_ssize_t n;
-    if (ready(self) < 0 || bl_digests_arg(o, &v, &n) < 0)
+    if (ready(self) < 0)
         return NULL;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
-    if (out) {
-        const uint8_t(*d)[16] = v.buf;
-        char *w = PyBytes_AS_STRING(out);
-        for (Py_ssize_t i = 0; i < n; i++)
-            w[i] = bl_kt_get(&self->t, d[i]) >= 0;
-    }
-    PyBuffer_Release(&v);
-    return out;
+    return bl_digests_test(o, holds, &self->t);
 }
 
 /* get(digest) -> id, or -1 when absent */

@@ -107,25 +107,16 @@ static PyObject *Mirror_slot_of(MirrorObject *self, PyObject *digest)
     return PyLong_FromLongLong(at);
 }
 
+/* Whether mirror x has digest d resolved in a slot (placed's test). */
+static int resolved(const void *x, const uint8_t d[16]) { return bl_ixm_slot_of(x, d) >= 0; }
+
 /* placed(digests) -> bytes: one byte a digest (16-byte records), 1 when the mirror has
  * it resolved in a slot (slot_of for each, nothing loaded or resolved) */
 static PyObject *Mirror_placed(MirrorObject *self, PyObject *o)
 {
-    Py_buffer v;
-    Py_ssize_t n;
     if (!self->ready)
         return bl_fail(bl_coherence_error, "IndexMirror was not initialised");
-    if (bl_digests_arg(o, &v, &n) < 0)
-        return NULL;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
-    if (out) {
-        const uint8_t(*d)[16] = v.buf;
-        char *w = PyBytes_AS_STRING(out);
-        for (Py_ssize_t i = 0; i < n; i++)
-            w[i] = bl_ixm_slot_of(&self->x, d[i]) >= 0;
-    }
-    PyBuffer_Release(&v);
-    return out;
+    return bl_digests_test(o, resolved, &self->x);
 }
 
 /* put(digest, block, version) -> bool (False: no slot could be made free) */
