@@ -24,7 +24,7 @@ import pytest
 
 from beluga._native import _core
 from beluga.server.extents import Entry
-from beluga.server.keyindex import KeyIndex, KeyWalk
+from beluga.server.keyindex import KeyIndex, KeyWalk, _Front
 
 FULL = os.environ.get("BELUGA_STRESS") == "full"
 SEEDS = 400 if FULL else 40
@@ -55,6 +55,11 @@ def _add_cold(ki: KeyIndex, rows: list[tuple[bytes, int, int, int, int]]) -> Non
         np.array([r[3] for r in rows], dtype=np.uint64),
         np.array([r[4] for r in rows], dtype=np.int64),
     )
+
+
+def _part(ki: KeyIndex, d: bytes, op: str) -> str:
+    """Which part of ``ki`` holds ``d``, for the paths a history took."""
+    return f"{op}_{'warm' if d in ki._warm else 'front' if d in ki._front else 'cold'}"
 
 
 def _history(seed: int, steps: int, make: type[KeyIndex] = KeyIndex) -> Counter[str]:
@@ -133,7 +138,7 @@ def _history(seed: int, steps: int, make: type[KeyIndex] = KeyIndex) -> Counter[
             d = some_key()
             e = Entry(next_block, 1, rnd.randrange(1 << 40), rnd.randrange(100))
             next_block += 8
-            paths["set_cold" if d in ki and d not in ki._warm else "set_other"] += 1
+            paths[_part(ki, d, "set") if d in ki else "set_new"] += 1
             ki[d] = e
             od[d] = Entry(e.block, e.nblocks, e.version, e.length)
         elif op == "get":
@@ -161,7 +166,7 @@ def _history(seed: int, steps: int, make: type[KeyIndex] = KeyIndex) -> Counter[
         elif op == "del":
             d = some_key()
             if d in od:
-                paths["del_cold" if d not in ki._warm else "del_warm"] += 1
+                paths[_part(ki, d, "del")] += 1
                 del ki[d]
                 del od[d]
             else:
@@ -170,9 +175,12 @@ def _history(seed: int, steps: int, make: type[KeyIndex] = KeyIndex) -> Counter[
         elif op == "move":
             d, last = some_key(), rnd.random() < 0.7
             if d in od:
-                paths[f"move_{'warm' if d in ki._warm else 'cold'}_{last}"] += 1
+                paths[f"{_part(ki, d, 'move')}_{last}"] += 1
                 ki.move_to_end(d, last=last)
                 od.move_to_end(d, last=last)
+                front = ki._order[0] if ki._order else None
+                if not last and isinstance(front, _Front) and len(front.keys) > 1:
+                    paths["front_grew"] += 1
             else:
                 with pytest.raises(KeyError):
                     ki.move_to_end(d, last=last)
@@ -236,9 +244,15 @@ def test_the_histories_reach_every_path() -> None:
     for path in (
         "add_cold",
         "set_cold",
-        "set_other",
+        "set_warm",
+        "set_new",
         "del_cold",
         "del_warm",
+        "del_front",
+        "set_front",
+        "front_grew",
+        "move_front_True",
+        "move_front_False",
         "evicted",
         "refused",
         "move_warm_True",
@@ -259,6 +273,9 @@ class _NoCursor(KeyIndex):
 
     def items(self):  # type: ignore[no-untyped-def]
         for chunk in list(self._order):
+            if isinstance(chunk, _Front):
+                yield from chunk.keys.items()
+                continue
             digest = chunk.digests[chunk.start].tobytes()
             yield digest, self._cold_entry(digest, chunk, chunk.start)
         yield from self._warm.items()
@@ -284,7 +301,21 @@ class _ColumnsWin(KeyIndex):
         self._warm[digest] = e
 
 
-@pytest.mark.parametrize("bug", [_NoCursor, _FirstIsLast, _ColumnsWin])
+class _GroupInOrder(KeyIndex):
+    """A deliberate bug: a key put first joins its front group at the group's end, so
+    keys put first one after another keep the order they came in (not newest first)."""
+
+    def _put_first(self, digest: bytes, e: Entry) -> None:
+        group = self._order[0] if self._order else None
+        if not isinstance(group, _Front):
+            group = _Front()
+            self._order.appendleft(group)
+        group.keys[digest] = e
+        self._front[digest] = group
+        self._fronted += 1
+
+
+@pytest.mark.parametrize("bug", [_NoCursor, _FirstIsLast, _ColumnsWin, _GroupInOrder])
 def test_the_comparison_catches_an_index_that_deviates(bug: type[KeyIndex]) -> None:
     with pytest.raises(AssertionError):
         for seed in range(SEEDS):

@@ -773,7 +773,7 @@ COLD_KEYS: list[Mutant] = [
         "a-region-found-later-is-newer",
         "cold keys",
         "beluga/server/keyindex.py",
-        "self._order.insert(0, chunk)",
+        "self._order.appendleft(chunk)",
         "self._order.append(chunk)",
         ("tests/test_keyindex.py::test_random_histories_agree_with_an_ordered_dict",),
         "a region's keys land after the keys indexed before them (warm ones' chunks "
@@ -781,11 +781,22 @@ COLD_KEYS: list[Mutant] = [
         cheap=True,
     ),
     Mutant(
+        "a-key-put-first-joins-its-group-last",
+        "cold keys",
+        "beluga/server/keyindex.py",
+        "        group.keys.move_to_end(digest, last=False)\n",
+        "",
+        ("tests/test_keyindex.py::test_random_histories_agree_with_an_ordered_dict",),
+        "keys recovery adopts ahead of its scan one after another keep the order they "
+        "came in, not newest first: eviction no longer takes what recovery's order says",
+        cheap=True,
+    ),
+    Mutant(
         "the-naming-walk-skips-keys-moved-since",
         "cold keys",
         "beluga/server/keyindex.py",
-        "cold = [(c.digests[c.start :], c.alive[c.start :].copy()) for c in self._order]",
-        "cold = [(c.digests[c.start :], c.alive[c.start :]) for c in self._order]",
+        "else (c.digests[c.start :], c.alive[c.start :].copy())",
+        "else (c.digests[c.start :], c.alive[c.start :])",
         (REC + "test_naming_makes_no_entry_for_keys_named_and_names_a_key_looked_up_meanwhile",),
         "recovery's naming step reads the cold part's live masks as they are now, not as "
         "they were when it began: a key a lookup took out of the cold part meanwhile is "
