@@ -15,6 +15,7 @@ import pytest
 from beluga.bench import scale
 from beluga.bench.scale.server import LOST_EVERY
 from beluga.cli import main
+from beluga.server.recovery_state import RECOVERY_REGION
 from beluga.units import MiB
 
 SMALL = 64 * MiB
@@ -97,6 +98,10 @@ def test_the_extrapolation_follows_from_the_rows(doc: dict) -> None:
         row["recovery_lost_s"] / row["blocks"] * e["pod_blocks"]
     )
     assert e["full_gc_s"] == pytest.approx(row["full_gc_ms"] / row["keys"] * pod_keys / 1e3)
+    adopt = e["index_adopt"]  # measured in an index of the pod's region count, not fitted
+    assert adopt["pod_regions"] == e["pod_blocks"] // RECOVERY_REGION == 32_768
+    assert adopt["measured_regions"] == -(-row["blocks"] // RECOVERY_REGION)
+    assert adopt["pod_us"] > 0 and adopt["measured_us"] > 0
     r = e["reads"]
     assert r["pod_load"] == pytest.approx(0.5 / 3)
     # the pod's load lies below the first measured one: interpolation holds it there
@@ -146,3 +151,11 @@ def test_the_command_refuses_loads_and_hosts_out_of_range(
     assert "--loads" in capsys.readouterr().err
     assert main(["bench", "scale", "--sizes", "64M", "--hosts", "17"]) == 2
     assert "--hosts" in capsys.readouterr().err
+
+
+def test_the_index_adopt_figure_refuses_nonsense_and_counts_every_key() -> None:
+    from beluga.bench.scale.keyindex import adopt_us
+
+    with pytest.raises(ValueError, match="keys >= 1"):
+        adopt_us(4, keys=0)
+    assert adopt_us(40, keys=200) > 0  # (it asserts every key was indexed once)

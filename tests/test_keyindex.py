@@ -361,3 +361,28 @@ def test_the_table_holds_many_keys_through_growth_and_removals() -> None:
     assert np.frombuffer(t.contains(more), dtype=bool).all()
     assert len(t) == 80_000
     assert t.get(np.frombuffer(more, dtype="V16")[123].tobytes()) == 50_123
+
+
+def test_keys_put_first_one_after_another_share_one_segment_of_the_order() -> None:
+    """What keeps a key adopted ahead of the scan O(1) at the pod's 32,768 regions: keys
+    put first in a row join one front group at the order's start, not a chunk each (a
+    chunk each made the order's length, and each insertion's cost, grow with them)."""
+    ki = KeyIndex()
+    regions = [[_digest(1000 + 10 * r + i) for i in range(3)] for r in range(100)]
+    for keys in regions:
+        _add_cold(ki, [(d, 8 * n, 1, 1, 1) for n, d in enumerate(keys)])
+    first = [_digest(i) for i in range(50)]
+    for n, d in enumerate(first):
+        ki[d] = Entry(10_000 + n, 1, 1, 1)
+        ki.move_to_end(d, last=False)
+    assert len(ki._order) == len(regions) + 1  # one group for the 50 keys
+    assert list(ki)[:50] == first[::-1]  # each put before the one before it
+    assert list(ki)[50:] == [d for keys in reversed(regions) for d in keys]
+    del ki[first[10]]
+    ki.move_to_end(first[20])  # to the warm part's end
+    assert len(ki._order) == len(regions) + 1
+    for d in first:
+        if d in ki._front:
+            ki.move_to_end(d)
+    assert len(ki._order) == len(regions)  # an emptied group leaves the order
+    assert list(ki)[-49:] == [first[20], *(d for d in first if d not in (first[10], first[20]))]

@@ -10,9 +10,11 @@ from typing import Any
 import numpy as np
 
 from beluga.bench.scale.clients import HOSTS, LOADS, reads, writers, writers_rpc
+from beluga.bench.scale.keyindex import adopt_us
 from beluga.bench.scale.pools import BATCH, GEOMETRY
 from beluga.bench.scale.server import LOST_EVERY, measure
 from beluga.server.index import SLOTS
+from beluga.server.recovery_state import RECOVERY_REGION
 from beluga.units import GiB, MiB, TiB
 
 POD_BYTES = 8 * TiB
@@ -59,6 +61,9 @@ ASSUMPTIONS = (
     "which at the pod is at most (keys / blocks) / 3 (a bucket a block, 3 slots each); "
     "filler entries stand in for other keys; several readers at once contend only for the "
     "memory system, not measured here",
+    "a key adopted ahead of the scan (index_adopt): measured, not fitted, in a key index "
+    "holding as many cold chunks as the pod has recovery regions (one key each: the "
+    "order's structure pays for their count, not their size)",
     "full GC frozen: right after recovery, as `beluga serve` freezes what it built "
     "(collector.keep_collections_short); a running server's full collection then scans what "
     "was made since the last one, so its pause grows with the keys written between two, "
@@ -126,6 +131,12 @@ def run(
             "keys_per_s_recovering_over_after": statistics.median(
                 t["keys_per_s_recovering"] / t["keys_per_s_after"] for t in takeover
             ),
+        },
+        "index_adopt": {
+            "measured_regions": -(-rows[-1]["blocks"] // RECOVERY_REGION),
+            "measured_us": adopt_us(-(-rows[-1]["blocks"] // RECOVERY_REGION)),
+            "pod_regions": pod_blocks // RECOVERY_REGION,
+            "pod_us": adopt_us(pod_blocks // RECOVERY_REGION),
         },
         "full_scrub_pass_s": statistics.median(r["scrub_us"] for r in rows)
         * (rows[-1]["index_buckets"] / rows[-1]["blocks"])

@@ -97,6 +97,11 @@ def format_extrapolation(doc: dict[str, Any]) -> str:
         f"serving (after); writes at {t['keys_per_s_recovering_over_after']:.0%} of their "
         f"rate while it recovers, at 90% for good after {t['full_throughput_s']:,.1f} s; "
         f"recovery done after {t['recovery_done_s']:,.0f} s",
+        f"  an operation on a key recovery adopted ahead of its scan: "
+        f"{e['index_adopt']['pod_us']:.1f} µs of key-index work with the pod's "
+        f"{e['index_adopt']['pod_regions']:,} regions ("
+        f"{e['index_adopt']['measured_us']:.1f} µs with the largest pool's "
+        f"{e['index_adopt']['measured_regions']:,}; measured, not fitted)",
         f"  filling it through ALLOC + COMMIT, server side: {e['fill_alloc_commit_s']:,.0f} s",
         f"  one full garbage collection: {e['full_gc_s']:,.1f} s (a pause of every RPC; Python "
         "starts one when enough objects outlived the younger ones); "
