@@ -26,7 +26,8 @@ are never touched again before they are evicted.  As an ``OrderedDict`` of
   adopts ahead of its scan there).  A group, not a chunk of one key: the order
   is a deque of chunks and groups, and a key put first costs O(1) however many
   regions' chunks there are (a one-key chunk inserted at a list's start cost
-  O(chunks): ~23 us a key at the pod's 32,768 regions, against ~8 at 48);
+  O(chunks): 24-38 us a key at the pod's 32,768 regions, against ~14 at 48,
+  in ``bench scale``'s ``index_adopt`` harness);
 - ``del`` / ``pop`` mark its row dead; a chunk whose rows are all dead goes.
 
 Recovery's last step (naming) looks at every key for the few no slot of the pool
