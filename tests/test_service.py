@@ -24,6 +24,7 @@ from beluga.errors import CapacityError
 from beluga.kv import protocol as p
 from beluga.pool import Geometry, Pool
 from beluga.rpc import Request
+from beluga.server import allocator
 from beluga.server.allocator import BlockAllocator, overlapping
 from beluga.server.service import MetadataService
 
@@ -510,3 +511,24 @@ print(frozen >= 1000, young == frozen, full >= frozen + 500, gone() is None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True"] * 4
+
+
+@pytest.mark.parametrize("chunk", [3, 16, 1 << 14])
+def test_a_search_finds_the_first_free_run_from_the_cursor(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random bitmaps, cursors and run lengths against the rule written out: the first
+    block, in order from the cursor and wrapping at the pool's end, that begins ``count``
+    free blocks before the end.  Small search windows make runs cross them."""
+    monkeypatch.setattr(allocator, "CHUNK", chunk)
+    rng = np.random.default_rng(chunk)
+    for _ in range(400):
+        n = int(rng.integers(1, 80))
+        alloc = BlockAllocator(n)
+        alloc.used_map[:] = rng.random(n) < rng.choice([0.1, 0.5, 0.8, 0.97])
+        alloc._cursor = int(rng.integers(0, n))
+        free = ~alloc.used_map
+        for count in {1, 2, int(rng.integers(1, n + 1)), n}:
+            order = [(alloc._cursor + i) % n for i in range(n)]
+            want = next((i for i in order if i + count <= n and free[i : i + count].all()), None)
+            assert alloc._find(count) == want, (n, count, alloc._cursor)

@@ -153,6 +153,17 @@ ALLOCATOR: list[Mutant] = [
         "a free run exactly as long as the search window (the whole pool) is never found",
     ),
     Mutant(
+        "find-takes-a-run-one-block-short",
+        "allocator",
+        "beluga/server/allocator.py",
+        "long = np.flatnonzero(ends - starts >= count)",
+        "long = np.flatnonzero(ends - starts >= count - 1)",
+        (SVC + "test_a_search_finds_the_first_free_run_from_the_cursor",),
+        "an extent would be granted over a run one block too short: its last block is "
+        "another value's",
+        cheap=True,
+    ),
+    Mutant(
         "allocate-refuses-the-last-free-blocks",
         "allocator",
         "beluga/server/allocator.py",
