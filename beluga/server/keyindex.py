@@ -152,7 +152,7 @@ class KeyIndex:
         self._bases: list[int] = []
         self._next = 0  # the next row id
         self._made: dict[bytes, Entry] = {}  # cold keys whose Entry was handed out
-        self._cold_bytes = 0  # the length columns' sum over live rows
+        self._bytes = 0  # every key's value length, summed (kept as keys come and go)
 
     # -- the cold part ---------------------------------------------------------------
 
@@ -187,7 +187,7 @@ class KeyIndex:
             n,
         )
         self._next += n
-        self._cold_bytes += int(chunk.lengths.sum())
+        self._bytes += int(chunk.lengths.sum())
         self._order.appendleft(chunk)
         self._by_base.append(chunk)
         self._bases.append(chunk.base)
@@ -236,7 +236,6 @@ class KeyIndex:
         self._table.pop(digest)
         chunk.alive[row] = False
         chunk.left -= 1
-        self._cold_bytes -= int(chunk.lengths[row])
         if not chunk.left:
             self._order.remove(chunk)
             i = bisect.bisect_left(self._bases, chunk.base)
@@ -301,18 +300,27 @@ class KeyIndex:
         return e
 
     def __setitem__(self, digest: bytes, e: Entry) -> None:
-        group = self._front.get(digest) if self._front else None
-        if group is not None:
-            group.keys[digest] = e  # a key put first keeps its place
-        elif (
-            len(self._table)
-            and len(digest) == 16
-            and digest not in self._warm
-            and self._table.get(digest) >= 0
-        ):
+        # (a key is in one part only: warm, a front group or the cold table)
+        if self._front:
+            group = self._front.get(digest)
+            if group is not None:
+                self._bytes += e.length - group.keys[digest].length
+                group.keys[digest] = e  # a key put first keeps its place
+                return
+        if len(self._table) and len(digest) == 16 and (at := self._table.get(digest)) >= 0:
+            made = self._made.get(digest)
+            if made is not None:
+                was = made.length
+            else:
+                chunk, row = self._locate(at)
+                was = int(chunk.lengths[row])
             self._made[digest] = e  # a cold key keeps its place
-        else:
-            self._warm[digest] = e
+            self._bytes += e.length - was
+            return
+        warm = self._warm
+        old = warm.get(digest)
+        warm[digest] = e
+        self._bytes += e.length if old is None else e.length - old.length
 
     def pop(self, digest: bytes, default: object = _MISSING) -> Entry:
         e = self._warm.pop(digest, None)
@@ -324,6 +332,7 @@ class KeyIndex:
             if default is _MISSING:
                 raise KeyError(digest)
             return default  # type: ignore[return-value]
+        self._bytes -= e.length
         return e
 
     def __delitem__(self, digest: bytes) -> None:
@@ -401,11 +410,8 @@ class KeyIndex:
         return len(self._made)
 
     def value_bytes(self) -> int:
-        """The values' lengths, summed (a running sum for the cold part: no Entry made)."""
-        total = self._cold_bytes + sum(e.length for e in self._warm.values())
-        total += sum(group.keys[d].length for d, group in self._front.items())
-        for digest, e in self._made.items():  # an Entry handed out may have been replaced
-            at = self._row(digest)
-            assert at is not None
-            total += e.length - int(at[0].lengths[at[1]])
-        return total
+        """The values' lengths, summed: a running sum, O(1) (``stats()`` asks on every
+        scrape; a sum over the keys took ~0.3 s a million warm keys, ~19 s at the pod's
+        67 M, in the server's one thread).  An ``Entry``'s length never changes once it
+        is in the index: a new length is a new ``Entry`` set."""
+        return self._bytes

@@ -803,6 +803,17 @@ COLD_KEYS: list[Mutant] = [
         cheap=True,
     ),
     Mutant(
+        "a-cold-value-replaced-keeps-its-old-length",
+        "cold keys",
+        "beluga/server/keyindex.py",
+        "                was = int(chunk.lengths[row])\n",
+        "                was = e.length\n",
+        ("tests/test_keyindex.py::test_random_histories_agree_with_an_ordered_dict",),
+        "the running sum of value bytes (stats' value_bytes) drifts each time a key "
+        "recovery found is written again before anyone looked it up",
+        cheap=True,
+    ),
+    Mutant(
         "the-naming-walk-skips-keys-moved-since",
         "cold keys",
         "beluga/server/keyindex.py",
