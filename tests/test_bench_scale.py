@@ -102,6 +102,8 @@ def test_the_extrapolation_follows_from_the_rows(doc: dict) -> None:
     assert adopt["pod_regions"] == e["pod_blocks"] // RECOVERY_REGION == 32_768
     assert adopt["measured_regions"] == -(-row["blocks"] // RECOVERY_REGION)
     assert adopt["pod_us"] > 0 and adopt["measured_us"] > 0
+    evict = e["index_evict"]
+    assert evict["pod_regions"] == adopt["pod_regions"] and evict["pod_us"] > 0
     r = e["reads"]
     assert r["pod_load"] == pytest.approx(0.5 / 3)
     # the pod's load lies below the first measured one: interpolation holds it there
@@ -154,8 +156,11 @@ def test_the_command_refuses_loads_and_hosts_out_of_range(
 
 
 def test_the_index_adopt_figure_refuses_nonsense_and_counts_every_key() -> None:
-    from beluga.bench.scale.keyindex import adopt_us
+    from beluga.bench.scale.keyindex import adopt_us, evict_us
 
     with pytest.raises(ValueError, match="keys >= 1"):
         adopt_us(4, keys=0)
+    with pytest.raises(ValueError, match="regions >= 1"):
+        evict_us(0)
     assert adopt_us(40, keys=200) > 0  # (it asserts every key was indexed once)
+    assert evict_us(40, keys=200) > 0  # (it asserts the adopted keys went, and only they)

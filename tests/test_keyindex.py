@@ -386,3 +386,36 @@ def test_keys_put_first_one_after_another_share_one_segment_of_the_order() -> No
             ki.move_to_end(d)
     assert len(ki._order) == len(regions)  # an emptied group leaves the order
     assert list(ki)[-49:] == [first[20], *(d for d in first if d not in (first[10], first[20]))]
+
+
+@pytest.mark.parametrize("part", ["cold", "front", "warm"])
+@pytest.mark.parametrize("change", ["del", "set", "add_cold", "first", "last"])
+def test_iterating_while_the_index_changes_raises_in_every_part(part: str, change: str) -> None:
+    """items() and iteration copy nothing (eviction takes the first entry, at any size),
+    so a change between two steps must be noticed, as a dict notices it."""
+    for how in ("items", "iter"):
+        ki = KeyIndex()
+        _add_cold(ki, [(_digest(i), 8 * i, 1, 1, 1) for i in range(3)])
+        for i in range(3, 6):
+            ki[_digest(i)] = Entry(8 * i, 1, 1, 1)
+            ki.move_to_end(_digest(i), last=False)  # a front group, before the chunk
+        for i in range(6, 9):
+            ki[_digest(i)] = Entry(8 * i, 1, 1, 1)  # warm
+        keys = list(ki)
+        at = {"front": 0, "cold": 3, "warm": 6}[part]
+        it = iter(ki.items()) if how == "items" else iter(ki)
+        for _ in range(at + 1):
+            next(it)  # stands in this part, one key of it handed out
+        other = keys[at + 1]
+        if change == "del":
+            del ki[other]
+        elif change == "set":
+            ki[_digest(100)] = Entry(800, 1, 1, 1)
+        elif change == "add_cold":
+            _add_cold(ki, [(_digest(101), 808, 1, 1, 1)])
+        elif change == "first":
+            ki.move_to_end(other, last=False)
+        else:
+            ki.move_to_end(other)
+        with pytest.raises(RuntimeError):
+            next(it)

@@ -357,11 +357,13 @@ class KeyIndex:
 
     def items(self) -> Iterator[tuple[bytes, Entry]]:
         """(digest, Entry) oldest first.  As with a dict, changing the index while
-        iterating is not allowed (RuntimeError)."""
+        iterating is not allowed (RuntimeError).  Lazy, copying nothing: eviction takes
+        the first entry, and a copy of the order (32,768 regions' chunks at the pod) or
+        of a front group cost each eviction O(keys)."""
         changes = self._changes()
-        for chunk in list(self._order):
+        for chunk in self._order:  # a change raises below before this moves on
             if isinstance(chunk, _Front):
-                for item in list(chunk.keys.items()):
+                for item in chunk.keys.items():
                     yield item
                     if self._changes() != changes:
                         raise RuntimeError("the KeyIndex changed during iteration")
@@ -372,7 +374,10 @@ class KeyIndex:
                     yield digest, self._cold_entry(digest, chunk, row)
                     if self._changes() != changes:
                         raise RuntimeError("the KeyIndex changed during iteration")
-        yield from self._warm.items()
+        for item in self._warm.items():
+            yield item
+            if self._changes() != changes:
+                raise RuntimeError("the KeyIndex changed during iteration")
 
     def _changes(self) -> tuple[int, int, int, int, int]:
         return self._next, len(self._table), len(self._warm), len(self._front), self._fronted
@@ -384,14 +389,19 @@ class KeyIndex:
     def __iter__(self) -> Iterator[bytes]:
         """Digests oldest first (without making any cold key's Entry)."""
         changes = self._changes()
-        for chunk in list(self._order):
+        for chunk in self._order:  # a change raises below before this moves on
             if isinstance(chunk, _Front):
-                yield from list(chunk.keys)
+                batch = list(chunk.keys)
             else:
-                yield from chunk.digests[chunk.start :][chunk.alive[chunk.start :]].tolist()
+                batch = chunk.digests[chunk.start :][chunk.alive[chunk.start :]].tolist()
+            for digest in batch:
+                yield digest
+                if self._changes() != changes:
+                    raise RuntimeError("the KeyIndex changed during iteration")
+        for digest in self._warm:
+            yield digest
             if self._changes() != changes:
                 raise RuntimeError("the KeyIndex changed during iteration")
-        yield from self._warm
 
     def walk(self) -> KeyWalk:
         """Every key now, for a walk in batches that outlasts changes (:class:`KeyWalk`):

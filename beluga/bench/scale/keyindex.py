@@ -37,3 +37,28 @@ def adopt_us(regions: int, keys: int = 20_000, seed: int = 0) -> float:
     took = time.perf_counter() - start
     assert len(index) == regions + keys  # every key indexed once, none lost
     return 1e6 * took / keys
+
+
+def evict_us(regions: int, keys: int = 2_000, seed: int = 0) -> float:
+    """Microseconds an eviction spends in the index (``_evict_one``: the first entry,
+    taken out), with ``regions`` cold chunks and ``keys`` keys adopted ahead of the scan
+    before them (a front group: what eviction meets first)."""
+    if regions < 1 or keys < 1:
+        raise ValueError("evict_us takes regions >= 1 and keys >= 1")
+    index = KeyIndex()
+    rng = np.random.default_rng(seed)
+    one = np.ones(1, dtype=np.int64)
+    for r in range(regions):
+        digest = np.frombuffer(rng.bytes(16), dtype="V16")
+        index.add_cold(digest, np.array([r]), one, np.ones(1, dtype=np.uint64), one)
+    for i in range(keys):
+        d = rng.bytes(16)
+        index[d] = Entry(regions + i, 1, 1, 1)
+        index.move_to_end(d, last=False)
+    start = time.perf_counter()
+    for _ in range(keys):
+        digest, _e = next(iter(index.items()))
+        del index[digest]
+    took = time.perf_counter() - start
+    assert len(index) == regions  # the adopted keys went, oldest first, and nothing else
+    return 1e6 * took / keys

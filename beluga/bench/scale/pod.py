@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from beluga.bench.scale.clients import HOSTS, LOADS, reads, writers, writers_rpc
-from beluga.bench.scale.keyindex import adopt_us
+from beluga.bench.scale.keyindex import adopt_us, evict_us
 from beluga.bench.scale.pools import BATCH, GEOMETRY
 from beluga.bench.scale.server import LOST_EVERY, measure
 from beluga.server.index import SLOTS
@@ -61,7 +61,8 @@ ASSUMPTIONS = (
     "which at the pod is at most (keys / blocks) / 3 (a bucket a block, 3 slots each); "
     "filler entries stand in for other keys; several readers at once contend only for the "
     "memory system, not measured here",
-    "a key adopted ahead of the scan (index_adopt): measured, not fitted, in a key index "
+    "a key adopted ahead of the scan (index_adopt) and an eviction (index_evict, what it "
+    "spends in the index): measured, not fitted, in a key index "
     "holding as many cold chunks as the pod has recovery regions (one key each: the "
     "order's structure pays for their count, not their size)",
     "full GC frozen: right after recovery, as `beluga serve` freezes what it built "
@@ -137,6 +138,12 @@ def run(
             "measured_us": adopt_us(-(-rows[-1]["blocks"] // RECOVERY_REGION)),
             "pod_regions": pod_blocks // RECOVERY_REGION,
             "pod_us": adopt_us(pod_blocks // RECOVERY_REGION),
+        },
+        "index_evict": {
+            "measured_regions": -(-rows[-1]["blocks"] // RECOVERY_REGION),
+            "measured_us": evict_us(-(-rows[-1]["blocks"] // RECOVERY_REGION)),
+            "pod_regions": pod_blocks // RECOVERY_REGION,
+            "pod_us": evict_us(pod_blocks // RECOVERY_REGION),
         },
         "full_scrub_pass_s": statistics.median(r["scrub_us"] for r in rows)
         * (rows[-1]["index_buckets"] / rows[-1]["blocks"])

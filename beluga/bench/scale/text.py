@@ -101,7 +101,8 @@ def format_extrapolation(doc: dict[str, Any]) -> str:
         f"{e['index_adopt']['pod_us']:.1f} µs of key-index work with the pod's "
         f"{e['index_adopt']['pod_regions']:,} regions ("
         f"{e['index_adopt']['measured_us']:.1f} µs with the largest pool's "
-        f"{e['index_adopt']['measured_regions']:,}; measured, not fitted)",
+        f"{e['index_adopt']['measured_regions']:,}; measured, not fitted); an eviction "
+        f"{e['index_evict']['pod_us']:.1f} µs of it ({e['index_evict']['measured_us']:.1f})",
         f"  filling it through ALLOC + COMMIT, server side: {e['fill_alloc_commit_s']:,.0f} s",
         f"  one full garbage collection: {e['full_gc_s']:,.1f} s (a pause of every RPC; Python "
         "starts one when enough objects outlived the younger ones); "
