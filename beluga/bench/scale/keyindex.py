@@ -14,6 +14,17 @@ from beluga.server.extents import Entry
 from beluga.server.keyindex import KeyIndex
 
 
+def _with_chunks(regions: int, rng: np.random.Generator) -> KeyIndex:
+    """A key index holding ``regions`` cold chunks of one key each, as recovery adds a
+    region's keys in one call."""
+    index = KeyIndex()
+    one = np.ones(1, dtype=np.int64)
+    for r in range(regions):
+        digest = np.frombuffer(rng.bytes(16), dtype="V16")
+        index.add_cold(digest, np.array([r]), one, np.ones(1, dtype=np.uint64), one)
+    return index
+
+
 def adopt_us(regions: int, keys: int = 20_000, seed: int = 0) -> float:
     """Microseconds a key for what an operation on a key adopted ahead of the scan does
     to the index (recovery.py's ``_index_copy``: indexed, then put before every key;
@@ -22,12 +33,8 @@ def adopt_us(regions: int, keys: int = 20_000, seed: int = 0) -> float:
     structure pays for their count, not their size."""
     if regions < 0 or keys < 1:
         raise ValueError("adopt_us takes regions >= 0 and keys >= 1")
-    index = KeyIndex()
     rng = np.random.default_rng(seed)
-    one = np.ones(1, dtype=np.int64)
-    for r in range(regions):
-        digest = np.frombuffer(rng.bytes(16), dtype="V16")
-        index.add_cold(digest, np.array([r]), one, np.ones(1, dtype=np.uint64), one)
+    index = _with_chunks(regions, rng)
     digests = [rng.bytes(16) for _ in range(keys)]
     start = time.perf_counter()
     for i, d in enumerate(digests):
@@ -45,12 +52,8 @@ def evict_us(regions: int, keys: int = 2_000, seed: int = 0) -> float:
     before them (a front group: what eviction meets first)."""
     if regions < 1 or keys < 1:
         raise ValueError("evict_us takes regions >= 1 and keys >= 1")
-    index = KeyIndex()
     rng = np.random.default_rng(seed)
-    one = np.ones(1, dtype=np.int64)
-    for r in range(regions):
-        digest = np.frombuffer(rng.bytes(16), dtype="V16")
-        index.add_cold(digest, np.array([r]), one, np.ones(1, dtype=np.uint64), one)
+    index = _with_chunks(regions, rng)
     for i in range(keys):
         d = rng.bytes(16)
         index[d] = Entry(regions + i, 1, 1, 1)
