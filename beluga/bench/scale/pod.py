@@ -106,6 +106,8 @@ def run(
     by_load = reads(read_pool, loads) if loads else []
     pod_blocks = POD_BYTES // GEOMETRY.block_size
     pod_keys = int(pod_blocks * fraction)
+    regions = -(-rows[-1]["blocks"] // RECOVERY_REGION)  # the largest pool's, and the pod's
+    pod_regions = pod_blocks // RECOVERY_REGION
     blocks = [r["blocks"] for r in rows]
     a, b = _fit(blocks, [r["recovery_s"] for r in rows])
     per_key = statistics.median(r["alloc_us_per_key"] + r["commit_us_per_key"] for r in rows)
@@ -133,17 +135,14 @@ def run(
                 t["keys_per_s_recovering"] / t["keys_per_s_after"] for t in takeover
             ),
         },
-        "index_adopt": {
-            "measured_regions": -(-rows[-1]["blocks"] // RECOVERY_REGION),
-            "measured_us": adopt_us(-(-rows[-1]["blocks"] // RECOVERY_REGION)),
-            "pod_regions": pod_blocks // RECOVERY_REGION,
-            "pod_us": adopt_us(pod_blocks // RECOVERY_REGION),
-        },
-        "index_evict": {
-            "measured_regions": -(-rows[-1]["blocks"] // RECOVERY_REGION),
-            "measured_us": evict_us(-(-rows[-1]["blocks"] // RECOVERY_REGION)),
-            "pod_regions": pod_blocks // RECOVERY_REGION,
-            "pod_us": evict_us(pod_blocks // RECOVERY_REGION),
+        **{
+            name: {
+                "measured_regions": regions,
+                "measured_us": cost(regions),
+                "pod_regions": pod_regions,
+                "pod_us": cost(pod_regions),
+            }
+            for name, cost in (("index_adopt", adopt_us), ("index_evict", evict_us))
         },
         "full_scrub_pass_s": statistics.median(r["scrub_us"] for r in rows)
         * (rows[-1]["index_buckets"] / rows[-1]["blocks"])
